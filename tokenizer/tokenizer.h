@@ -1,0 +1,73 @@
+// SentencePiece tokenizer of a model directory, and a streaming detokenizer.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace sentencepiece { class SentencePieceProcessor; }
+
+namespace kestrel {
+
+class Tokenizer {
+ public:
+  // Loads <dir>/tokenizer.model and the special-token settings from tokenizer_config.json
+  // (add_bos_token, add_eos_token, bos/eos tokens), config.json and generation_config.json
+  // (bos_token_id, eos_token_id: int or list). Throws kestrel::Error naming the file.
+  static Tokenizer load(const std::string& dir);
+  // Loads a bare tokenizer.model (defaults: add BOS, eos from the model).
+  static Tokenizer from_model_file(const std::string& path);
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+  // Encodes text; prepends BOS when add_bos() (and `with_specials`), appends EOS when
+  // add_eos() (and `with_specials`).
+  std::vector<int> encode(const std::string& text, bool with_specials = true) const;
+  // Decodes ids to text (control tokens such as BOS/EOS produce nothing).
+  std::string decode(const std::vector<int>& ids) const;
+
+  int vocab_size() const;          // number of pieces
+  int bos_id() const { return bos_id_; }
+  const std::vector<int>& eos_ids() const { return eos_ids_; }
+  bool is_eos(int id) const;
+  bool add_bos() const { return add_bos_; }
+  bool add_eos() const { return add_eos_; }
+  // The piece text of an id ("▁the", "<0x0A>", "<s>"); "" for ids past the vocabulary.
+  std::string piece(int id) const;
+  bool is_control(int id) const;   // <s>, </s>, other control pieces
+  bool is_byte(int id) const;      // byte-fallback piece <0xNN>
+  int piece_to_id(const std::string& piece) const;  // -1 when absent
+
+  const sentencepiece::SentencePieceProcessor& processor() const { return *sp_; }
+
+ private:
+  Tokenizer();
+  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  int bos_id_ = 1;
+  std::vector<int> eos_ids_;
+  bool add_bos_ = true;
+  bool add_eos_ = false;
+};
+
+// Turns generated ids into text as they arrive. push() returns the text that is now final:
+// never a partial UTF-8 sequence (bytes of byte-fallback pieces are held until the sequence
+// completes), with SentencePiece's leading-space rule applied the way decode() of the whole
+// sequence would (the space of the first piece of a text is dropped only at the start of a
+// text, i.e. when `at_text_start`). Control tokens produce nothing; ids past the vocabulary
+// produce nothing.
+class StreamDecoder {
+ public:
+  explicit StreamDecoder(const Tokenizer& tok, bool at_text_start = false);
+  std::string push(int id);
+  // Whatever is held back (an incomplete UTF-8 sequence becomes U+FFFD).
+  std::string flush();
+
+ private:
+  const Tokenizer* tok_;
+  bool at_start_;
+  std::string pending_;  // bytes of an incomplete UTF-8 sequence
+};
+
+}  // namespace kestrel
