@@ -40,6 +40,7 @@ struct ModelConfig {
   int head_dim = 0;          // head_dim (absent = hidden / n_heads)
   int vocab = 0;             // vocab_size
   int max_pos = 0;           // max_position_embeddings
+  int sliding_window = 0;    // Mistral: attention window; 0 = none (whole context)
   float rms_eps = 1e-6f;     // rms_norm_eps
   float rope_theta = 10000.0f;
   float rope_linear_factor = 1.0f;  // linear rope_scaling: positions are divided by this

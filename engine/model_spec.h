@@ -51,6 +51,8 @@ struct ModelSpec {
   const TensorInfo* final_norm = nullptr;  // [hidden]
   const TensorInfo* lm_head = nullptr;     // [vocab, hidden]; == embed when tied
   std::vector<LayerSpec> layers;
+  // Non-fatal findings to show the user, e.g. a file labelled gptq that holds v2 zeros.
+  std::vector<std::string> warnings;
 };
 
 ModelSpec load_model_spec(const std::string& dir);
