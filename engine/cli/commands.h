@@ -1,0 +1,11 @@
+// Each `kestrel` subcommand registers its options and, when chosen, sets `action`.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace kestrel::cli {
+
+void register_generate(CLI::App& app, std::function<int()>& action);
+
+}  // namespace kestrel::cli

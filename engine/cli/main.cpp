@@ -1,0 +1,32 @@
+// kestrel: generate, chat, bench, perplexity.
+#include <iostream>
+#include <new>
+
+#include "engine/cli/commands.h"
+#include "engine/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Kestrel: fast batch-1 inference of GPTQ language models", "kestrel"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kestrel 0.1.0");
+  std::function<int()> action;
+  kestrel::cli::register_generate(app, action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    return action ? action() : 1;
+  } catch (const kestrel::Error& e) {
+    std::cout.flush();
+    std::cerr << "kestrel: " << e.what() << "\n";
+  } catch (const std::bad_alloc&) {
+    std::cout.flush();
+    std::cerr << "kestrel: out of host memory\n";
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "kestrel: " << e.what() << "\n";
+  }
+  return 1;
+}

@@ -1,0 +1,87 @@
+// The Llama family (LlamaForCausalLM, MistralForCausalLM) on the CPU reference ops, in fp32.
+// This is Kestrel's reference engine (`--device cpu`) and the oracle of the CUDA forward.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/config.h"
+#include "engine/model_spec.h"
+#include "kernels/gptq/gptq_format.h"
+
+namespace kestrel {
+
+// One linear layer y = x W^T + b, W is [N, K]: dense fp32, or GPTQ codes kept packed and
+// dequantized on the fly by the reference matmul.
+struct CpuLinear {
+  int64_t N = 0, K = 0;
+  bool quantized = false;
+  std::vector<float> w;            // dense: [N, K]
+  std::vector<uint32_t> qweight;   // GPTQ: [K*bits/32, N]
+  std::vector<uint32_t> qzeros;    // [G, N*bits/32]
+  std::vector<uint16_t> scales;    // [G, N] fp16 bits
+  std::vector<int32_t> g_idx;      // [K] (filled from k / group_size when absent)
+  int bits = 0, group_size = 0, zero_offset = 1;
+  std::vector<float> bias;         // [N] or empty
+
+  static CpuLinear load(const LinearSpec& spec);
+  gptq::GptqView view() const;
+  // y [M, N] = x [M, K] W^T + b
+  void forward(const float* x, int64_t M, float* y) const;
+};
+
+struct CpuLayer {
+  std::vector<float> input_norm;  // [hidden]
+  std::vector<float> post_norm;   // [hidden]
+  CpuLinear q;                    // [n_heads * head_dim, hidden]
+  CpuLinear k, v;                 // [n_kv_heads * head_dim, hidden]
+  CpuLinear o;                    // [hidden, n_heads * head_dim]
+  CpuLinear gate, up;             // [intermediate, hidden]
+  CpuLinear down;                 // [hidden, intermediate]
+};
+
+struct CpuWeights {
+  std::vector<float> embed;       // [vocab, hidden]
+  std::vector<float> final_norm;  // [hidden]
+  CpuLinear lm_head;              // [vocab, hidden] (a copy of embed when tied)
+  std::vector<CpuLayer> layers;
+};
+
+// Activations of one token, and the KV cache.
+struct CpuRunState {
+  std::vector<float> x;        // [hidden] residual stream
+  std::vector<float> xb;       // [hidden] normalised input of a block
+  std::vector<float> q;        // [n_heads * head_dim]
+  std::vector<float> k, v;     // [n_kv_heads * head_dim]
+  std::vector<float> att;      // [n_heads * head_dim] attention output
+  std::vector<float> gate, up; // [intermediate]
+  std::vector<float> proj;     // [hidden] output of o_proj / down_proj
+  std::vector<float> key_cache;    // [n_layers, ctx, n_kv_heads * head_dim]
+  std::vector<float> value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
+};
+
+class LlamaCpu final : public Backend {
+ public:
+  // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed) and allocates a
+  // KV cache of `context` positions (0 = the model's max_position_embeddings).
+  LlamaCpu(const ModelSpec& spec, int context);
+
+  const ModelConfig& config() const override { return cfg_; }
+  int context_length() const override { return ctx_; }
+  std::string device_name() const override { return "CPU (reference, fp32)"; }
+  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
+
+  // One token at one position: the readable forward pass. Writes logits [vocab].
+  void forward_token(int token, int pos, float* logits);
+
+ private:
+  ModelConfig cfg_;
+  int ctx_;
+  CpuWeights w_;
+  CpuRunState s_;
+};
+
+}  // namespace kestrel
