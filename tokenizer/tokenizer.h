@@ -38,25 +38,39 @@ class Tokenizer {
   std::string piece(int id) const;
   bool is_control(int id) const;   // <s>, </s>, other control pieces
   bool is_byte(int id) const;      // byte-fallback piece <0xNN>
+  bool is_unknown(int id) const;   // <unk>
+  // What <unk> decodes to (SentencePiece's unk_surface, " \u2047 " by default).
+  const std::string& unk_surface() const { return unk_surface_; }
   int piece_to_id(const std::string& piece) const;  // -1 when absent
 
   const sentencepiece::SentencePieceProcessor& processor() const { return *sp_; }
 
  private:
   Tokenizer();
+  void probe_text_start();
   std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
   int bos_id_ = 1;
   std::vector<int> eos_ids_;
+  int tokenizer_eos_id_ = -1;  // the EOS that add_eos appends: the tokenizer's own
+  // How the linked SentencePiece decodes the start of a text, probed at load (it depends on
+  // the model's normalizer spec and on the library version): whether the leading "▁" of the
+  // first piece is dropped, and whether dropping goes on after a bare "▁" piece decoded to
+  // nothing.
+  bool strips_leading_space_ = true;
+  bool strips_after_bare_space_ = false;
+  friend class StreamDecoder;
   bool add_bos_ = true;
   bool add_eos_ = false;
+  std::string unk_surface_;
 };
 
 // Turns generated ids into text as they arrive. push() returns the text that is now final:
 // never a partial UTF-8 sequence (bytes of byte-fallback pieces are held until the sequence
 // completes), with SentencePiece's leading-space rule applied the way decode() of the whole
 // sequence would (the space of the first piece of a text is dropped only at the start of a
-// text, i.e. when `at_text_start`). Control tokens produce nothing; ids past the vocabulary
-// produce nothing.
+// text, i.e. when `at_text_start`). Control tokens produce no text of their own but, as in
+// decode(), end a run of byte pieces (held bytes become U+FFFD); ids past the vocabulary
+// produce nothing and change nothing.
 class StreamDecoder {
  public:
   explicit StreamDecoder(const Tokenizer& tok, bool at_text_start = false);
