@@ -1,1 +1,517 @@
-// (being written)
+// Random Llama checkpoints at real shapes.
+//
+// Scaling (why the model stays finite in fp16 and decodes with clear winners):
+//   embedding std 1; RMSNorm weights 1 + N(0, 0.02); q/k/v/gate/up std 1/sqrt(K) so their
+//   outputs have std ~1; o/down std 0.5/sqrt(K) so each layer adds std <= ~0.6 to the
+//   residual stream (a 40-layer model ends near std 4); lm_head std kLogitStd/sqrt(hidden) so
+//   logits have std ~kLogitStd and the top logit typically leads the second by more than 1.
+//   Normal draws are bounded (+-3.46 std), so no single weight is an outlier.
+//
+// GPTQ linears are drawn directly as codes, zeros and scales. Codes of column n in group g
+// are uniform in [z - r, z + r] with r = min(z, maxq - z): the dequantized weights have mean 0
+// in every group and column. (Uniform codes over all of [0, maxq] would give symmetric models
+// a common offset of -scale/2 on every weight: a rank-one part of W that dominates its
+// spectrum and amplifies any mean of the input, layer after layer.) Symmetric models get the
+// standard zero 2^(b-1), codes [1, maxq]; asymmetric ones a zero drawn from the middle half of
+// the code range, so codes reach 0 or maxq. Scales give each (group, column) the intended std:
+// the variance of 2r+1 uniform consecutive codes is r(r+1)/3.
+#include "tools/synth/synth.h"
+
+#include <sentencepiece_processor.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/dtype.h"
+#include "engine/error.h"
+#include "engine/safetensors.h"
+#include "kernels/gptq/gptq_format.h"
+#include "tools/synth/corpus.h"
+#include "tools/synth/rng.h"
+
+namespace kestrel::synth {
+namespace {
+
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+
+constexpr float kLogitStd = 6.0f;
+constexpr int kTokenizerVocab = 1000;
+constexpr int64_t kChunk = int64_t(1) << 16;  // elements per RNG stream of a dense tensor
+
+struct Dims {
+  int hidden = 0, intermediate = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0,
+      vocab = 0, max_pos = 0;
+  int q_dim() const { return n_heads * head_dim; }
+  int kv_dim() const { return n_kv_heads * head_dim; }
+};
+
+// Shapes of real models. vocab 0 = the tokenizer's size.
+Dims preset(const std::string& shape) {
+  if (shape == "tiny") return {256, 768, 4, 4, 2, 64, 0, 2048};
+  if (shape == "1b") return {2048, 5632, 22, 32, 4, 64, 32000, 2048};     // TinyLlama 1.1B
+  if (shape == "7b") return {4096, 11008, 32, 32, 32, 128, 32000, 4096};  // Llama-2-7B
+  if (shape == "13b") return {5120, 13824, 40, 40, 40, 128, 32000, 4096}; // Llama-2-13B
+  if (shape == "custom") return {};
+  throw Error(fmt::format("unknown --shape {} (known: tiny, 1b, 7b, 13b, custom)", shape));
+}
+
+Dims resolve_dims(const SynthOptions& o, int tokenizer_pieces) {
+  Dims d = preset(o.shape);
+  const auto apply = [](int& field, int value, const char* flag) {
+    KESTREL_CHECK(value >= 0, fmt::format("{} {} must be positive", flag, value));
+    if (value > 0) field = value;
+  };
+  apply(d.hidden, o.hidden, "--hidden");
+  apply(d.intermediate, o.intermediate, "--intermediate");
+  apply(d.n_layers, o.n_layers, "--layers");
+  apply(d.n_heads, o.n_heads, "--heads");
+  apply(d.n_kv_heads, o.n_kv_heads, "--kv-heads");
+  apply(d.vocab, o.vocab, "--vocab");
+  apply(d.max_pos, o.max_pos, "--max-pos");
+  if (o.shape == "custom") {
+    KESTREL_CHECK(d.hidden && d.intermediate && d.n_layers && d.n_heads,
+                  "--shape custom needs --hidden, --intermediate, --layers and --heads");
+    if (!d.n_kv_heads) d.n_kv_heads = d.n_heads;
+    if (!d.max_pos) d.max_pos = 2048;
+  }
+  // A preset's head_dim follows a changed --hidden/--heads unless given explicitly.
+  if (o.head_dim > 0) {
+    d.head_dim = o.head_dim;
+  } else {
+    KESTREL_CHECK(o.head_dim == 0, fmt::format("--head-dim {} must be positive", o.head_dim));
+    KESTREL_CHECK(d.hidden % d.n_heads == 0,
+                  fmt::format("hidden {} is not a multiple of heads {}: give --head-dim", d.hidden,
+                              d.n_heads));
+    d.head_dim = d.hidden / d.n_heads;
+  }
+  KESTREL_CHECK(d.n_kv_heads <= d.n_heads && d.n_heads % d.n_kv_heads == 0,
+                fmt::format("heads {} is not a multiple of kv heads {}", d.n_heads, d.n_kv_heads));
+  KESTREL_CHECK(d.head_dim % 2 == 0, fmt::format("head_dim {} must be even (rotary pairs)", d.head_dim));
+  if (!d.vocab) d.vocab = tokenizer_pieces;
+  KESTREL_CHECK(d.vocab >= tokenizer_pieces,
+                fmt::format("vocab {} is smaller than the tokenizer's {} pieces", d.vocab,
+                            tokenizer_pieces));
+  return d;
+}
+
+void validate_quant(const SynthOptions& o) {
+  KESTREL_CHECK(o.dtype == "fp16" || o.dtype == "gptq",
+                fmt::format("unknown --dtype {} (known: fp16, gptq)", o.dtype));
+  if (o.dtype != "gptq") return;
+  KESTREL_CHECK(o.bits == 2 || o.bits == 3 || o.bits == 4 || o.bits == 8,
+                fmt::format("unsupported --bits {} (supported: 2, 3, 4, 8)", o.bits));
+  KESTREL_CHECK(o.group_size == -1 || o.group_size > 0,
+                fmt::format("--group-size {} must be -1 or positive", o.group_size));
+  KESTREL_CHECK(o.format == "gptq" || o.format == "gptq_v2",
+                fmt::format("unknown --format {} (known: gptq, gptq_v2)", o.format));
+}
+
+// qweight packs K codes per column and qzeros N codes per row into whole 32-bit words.
+void validate_packing(const Dims& d, int bits) {
+  const int multiple = 32 / std::gcd(bits, 32);
+  const std::pair<const char*, int> dims[] = {{"hidden", d.hidden},
+                                              {"heads * head_dim", d.q_dim()},
+                                              {"kv heads * head_dim", d.kv_dim()},
+                                              {"intermediate", d.intermediate}};
+  for (const auto& [name, v] : dims)
+    KESTREL_CHECK(v % multiple == 0,
+                  fmt::format("{}-bit packing needs every linear dimension to be a multiple of {}: "
+                              "{} is {}", bits, multiple, name, v));
+}
+
+// Runs fn(i) for i in [0, n) on up to `threads` threads; rethrows the first exception.
+void parallel_for(int64_t n, int threads, const std::function<void(int64_t)>& fn) {
+  const int t = (int)std::min<int64_t>(n, std::max(1, threads));
+  if (t <= 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  std::exception_ptr error;
+  std::atomic<bool> failed{false};
+  std::vector<std::thread> pool;
+  for (int w = 0; w < t; ++w)
+    pool.emplace_back([&] {
+      for (int64_t i; !failed && (i = next++) < n;) {
+        try {
+          fn(i);
+        } catch (...) {
+          if (!failed.exchange(true)) error = std::current_exception();
+        }
+      }
+    });
+  for (std::thread& th : pool) th.join();
+  if (error) std::rethrow_exception(error);
+}
+
+// ---- dense fp16 tensors -------------------------------------------------------------------
+
+void fill_normal_f16(uint8_t* dst, int64_t numel, float mean, float std, uint64_t seed,
+                     int threads) {
+  parallel_for((numel + kChunk - 1) / kChunk, threads, [&](int64_t c) {
+    Rng rng(derive_seed(seed, (uint64_t)c));
+    const int64_t begin = c * kChunk, end = std::min(numel, begin + kChunk);
+    std::vector<uint16_t> h(end - begin);
+    for (uint16_t& x : h) x = float_to_half(mean + std * rng.normal());
+    std::memcpy(dst + begin * 2, h.data(), h.size() * 2);
+  });
+}
+
+// ---- GPTQ linears -------------------------------------------------------------------------
+
+struct QuantLinear {
+  int bits = 4;
+  int64_t K = 0, N = 0, G = 1;
+  int group_size = 128;  // -1 = one group
+  bool act_order = false, asym = false;
+  int zero_offset = 1;
+  float std = 0;         // intended std of the dequantized weights
+  uint64_t seed = 0;     // of this linear
+
+  int maxq() const { return (1 << bits) - 1; }
+};
+
+// Zero point z and code range [lo, lo + span) of every (group, column), [G * N].
+struct Zeros {
+  std::vector<uint8_t> z, lo, span;
+};
+
+Zeros draw_zeros(const QuantLinear& q) {
+  Zeros out;
+  const size_t n = (size_t)(q.G * q.N);
+  out.z.resize(n);
+  out.lo.resize(n);
+  out.span.resize(n);
+  Rng rng(derive_seed(q.seed, 1));
+  const int half = 1 << (q.bits - 1), quarter = half / 2;
+  for (size_t i = 0; i < n; ++i) {
+    // asym: the middle half of the code range, [2^(b-2), 3*2^(b-2) - 1]; never 0, so a v1
+    // file (zero stored minus one) can hold it.
+    const int z = q.asym ? quarter + (int)rng.below((uint32_t)half) : half;
+    const int r = std::min(z, q.maxq() - z);
+    out.z[i] = (uint8_t)z;
+    out.lo[i] = (uint8_t)(z - r);
+    out.span[i] = (uint8_t)(2 * r + 1);
+  }
+  return out;
+}
+
+std::vector<int32_t> draw_g_idx(const QuantLinear& q) {
+  std::vector<int32_t> g_idx(q.K, 0);
+  if (q.group_size <= 0) return g_idx;
+  if (!q.act_order) {
+    for (int64_t k = 0; k < q.K; ++k) g_idx[k] = (int32_t)(k / q.group_size);
+    return g_idx;
+  }
+  std::vector<int32_t> perm(q.K);
+  std::iota(perm.begin(), perm.end(), 0);
+  Rng rng(derive_seed(q.seed, 2));
+  for (int64_t i = q.K - 1; i > 0; --i) std::swap(perm[i], perm[rng.below((uint32_t)(i + 1))]);
+  return gptq::act_order_g_idx(perm, q.group_size);
+}
+
+// qweight [K*b/32, N]: code k of column n at bit b*k of the column's word stream. The K axis
+// is cut into blocks of 32 codes, which fill exactly b word rows: blocks are independent.
+void fill_qweight(uint8_t* dst, const QuantLinear& q, int threads) {
+  const Zeros zeros = draw_zeros(q);
+  const std::vector<int32_t> g_idx = draw_g_idx(q);
+  const int b = q.bits;
+  const int64_t N = q.N;
+  parallel_for((q.K + 31) / 32, threads, [&](int64_t blk) {
+    Rng rng(derive_seed(q.seed, 1000 + (uint64_t)blk));
+    const int64_t k0 = blk * 32, k1 = std::min(q.K, k0 + 32);
+    const int64_t row0 = k0 * b / 32, rows = (k1 - k0) * b / 32;
+    std::vector<uint32_t> words(rows * N + N, 0);  // + a spill row for straddling codes
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint8_t* lo = &zeros.lo[(size_t)g_idx[k] * N];
+      const uint8_t* span = &zeros.span[(size_t)g_idx[k] * N];
+      const int64_t bit = (k - k0) * b;
+      const int shift = (int)(bit & 31);
+      uint32_t* row = &words[(bit >> 5) * N];
+      uint64_t r = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        if ((n & 3) == 0) r = rng.next();
+        const uint32_t code = lo[n] + (((uint32_t)(r & 0xFFFF) * span[n]) >> 16);
+        r >>= 16;
+        const uint64_t v = (uint64_t)code << shift;
+        row[n] |= (uint32_t)v;
+        row[n + N] |= (uint32_t)(v >> 32);
+      }
+    }
+    std::memcpy(dst + row0 * N * 4, words.data(), (size_t)(rows * N * 4));
+  });
+}
+
+// qzeros [G, N*b/32]: the stored zero is z - zero_offset.
+void fill_qzeros(uint8_t* dst, const QuantLinear& q) {
+  const Zeros zeros = draw_zeros(q);
+  const int64_t row_words = q.N * q.bits / 32;
+  std::vector<uint32_t> words(q.G * row_words, 0);
+  for (int64_t g = 0; g < q.G; ++g)
+    for (int64_t n = 0; n < q.N; ++n)
+      gptq::write_code(&words[g * row_words], 1, n, q.bits,
+                       (uint32_t)(zeros.z[g * q.N + n] - q.zero_offset));
+  std::memcpy(dst, words.data(), words.size() * 4);
+}
+
+// scales [G, N] fp16: std / code std, times a jitter in [0.75, 1.25] as real scales vary.
+void fill_scales(uint8_t* dst, const QuantLinear& q) {
+  const Zeros zeros = draw_zeros(q);
+  Rng rng(derive_seed(q.seed, 3));
+  const double jitter_rms = std::sqrt(1.0 + 0.25 / 12.0);  // E[j^2] of uniform [0.75, 1.25]
+  std::vector<uint16_t> h(q.G * q.N);
+  for (size_t i = 0; i < h.size(); ++i) {
+    const double r = (zeros.span[i] - 1) / 2;
+    const double jitter = (0.75 + 0.5 * rng.uniform()) / jitter_rms;
+    h[i] = float_to_half((float)(q.std / std::sqrt(r * (r + 1) / 3.0) * jitter));
+  }
+  std::memcpy(dst, h.data(), h.size() * 2);
+}
+
+// ---- the model ----------------------------------------------------------------------------
+
+struct Plan {
+  SynthOptions opt;
+  Dims d;
+  int threads = 1;
+  int64_t params = 0;
+};
+
+void add_dense(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const std::string& name,
+               std::vector<int64_t> shape, float mean, float std) {
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  const uint64_t seed = derive_seed(p->opt.seed, name_hash(name));
+  w.add(name, DType::F16, std::move(shape), [p, numel, mean, std, seed](uint8_t* dst, size_t) {
+    fill_normal_f16(dst, numel, mean, std, seed, p->threads);
+  });
+}
+
+void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const std::string& name,
+                int64_t N, int64_t K, float std) {
+  if (p->opt.dtype == "fp16") {
+    add_dense(w, p, name + ".weight", {N, K}, 0.0f, std);
+    return;
+  }
+  QuantLinear q;
+  q.bits = p->opt.bits;
+  q.K = K;
+  q.N = N;
+  q.group_size = p->opt.group_size;
+  q.G = q.group_size <= 0 ? 1 : (K + q.group_size - 1) / q.group_size;
+  q.act_order = p->opt.act_order;
+  q.asym = p->opt.asym;
+  q.zero_offset = p->opt.format == "gptq" ? 1 : 0;
+  q.std = std;
+  q.seed = derive_seed(p->opt.seed, name_hash(name));
+  const int b = q.bits;
+  w.add(name + ".qweight", DType::I32, {K * b / 32, N},
+        [p, q](uint8_t* dst, size_t) { fill_qweight(dst, q, p->threads); });
+  w.add(name + ".qzeros", DType::I32, {q.G, N * b / 32},
+        [q](uint8_t* dst, size_t) { fill_qzeros(dst, q); });
+  w.add(name + ".scales", DType::F16, {q.G, N}, [q](uint8_t* dst, size_t) { fill_scales(dst, q); });
+  w.add(name + ".g_idx", DType::I32, {K}, [q](uint8_t* dst, size_t) {
+    const std::vector<int32_t> g = draw_g_idx(q);
+    std::memcpy(dst, g.data(), g.size() * 4);
+  });
+}
+
+void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
+  const Dims& d = plan->d;
+  const int64_t H = d.hidden, I = d.intermediate, Q = d.q_dim(), KV = d.kv_dim(), V = d.vocab;
+  const float in_std = 1.0f / std::sqrt((float)H);
+  // With tied embeddings the embedding is also the output head: scale it for the logits.
+  const float embed_std = plan->opt.tie_embeddings ? kLogitStd / std::sqrt((float)H) : 1.0f;
+  add_dense(w, plan, "model.embed_tokens.weight", {V, H}, 0.0f, embed_std);
+  for (int l = 0; l < d.n_layers; ++l) {
+    const std::string pre = fmt::format("model.layers.{}.", l);
+    add_dense(w, plan, pre + "input_layernorm.weight", {H}, 1.0f, 0.02f);
+    add_linear(w, plan, pre + "self_attn.q_proj", Q, H, in_std);
+    add_linear(w, plan, pre + "self_attn.k_proj", KV, H, in_std);
+    add_linear(w, plan, pre + "self_attn.v_proj", KV, H, in_std);
+    add_linear(w, plan, pre + "self_attn.o_proj", H, Q, 0.5f / std::sqrt((float)Q));
+    add_dense(w, plan, pre + "post_attention_layernorm.weight", {H}, 1.0f, 0.02f);
+    add_linear(w, plan, pre + "mlp.gate_proj", I, H, in_std);
+    add_linear(w, plan, pre + "mlp.up_proj", I, H, in_std);
+    add_linear(w, plan, pre + "mlp.down_proj", H, I, 0.5f / std::sqrt((float)I));
+  }
+  add_dense(w, plan, "model.norm.weight", {H}, 1.0f, 0.02f);
+  if (!plan->opt.tie_embeddings)
+    add_dense(w, plan, "lm_head.weight", {V, H}, 0.0f, kLogitStd / std::sqrt((float)H));
+  plan->params = V * H * (plan->opt.tie_embeddings ? 1 : 2) + H +
+                 d.n_layers * (2 * H + 2 * H * Q + 2 * H * KV + 3 * H * I);
+}
+
+// ---- files --------------------------------------------------------------------------------
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  KESTREL_CHECK(f, fmt::format("{}: cannot create: {}", path.string(), std::strerror(errno)));
+  f << text;
+  f.close();
+  KESTREL_CHECK(f, fmt::format("{}: write failed", path.string()));
+}
+
+std::string read_file(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  KESTREL_CHECK(f, fmt::format("{}: cannot open tokenizer", path.string()));
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+ojson quant_json(const SynthOptions& o) {
+  return ojson{{"bits", o.bits},
+               {"group_size", o.group_size},
+               {"desc_act", o.act_order},
+               {"sym", !o.asym},
+               {"checkpoint_format", o.format},
+               {"quant_method", "gptq"},
+               {"damp_percent", 0.01},
+               {"static_groups", false},
+               {"true_sequential", true}};
+}
+
+ojson config_json(const SynthOptions& o, const Dims& d, int bos, int eos) {
+  ojson c = {{"architectures", {"LlamaForCausalLM"}},
+             {"model_type", "llama"},
+             {"hidden_size", d.hidden},
+             {"intermediate_size", d.intermediate},
+             {"num_hidden_layers", d.n_layers},
+             {"num_attention_heads", d.n_heads},
+             {"num_key_value_heads", d.n_kv_heads},
+             {"head_dim", d.head_dim},
+             {"hidden_act", "silu"},
+             {"max_position_embeddings", d.max_pos},
+             {"vocab_size", d.vocab},
+             {"rms_norm_eps", 1e-5},
+             {"rope_theta", 10000.0},
+             {"attention_bias", false},
+             {"mlp_bias", false},
+             {"tie_word_embeddings", o.tie_embeddings},
+             {"bos_token_id", bos},
+             {"eos_token_id", eos},
+             {"torch_dtype", "float16"},
+             {"use_cache", true}};
+  if (o.dtype == "gptq") c["quantization_config"] = quant_json(o);
+  return c;
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int u = 0;
+  while (b >= 1000 && u < 4) b /= 1000, ++u;
+  return fmt::format("{:.{}f} {}", b, u ? 2 : 0, units[u]);
+}
+
+std::string human_count(double n) {
+  if (n >= 1e9) return fmt::format("{:.2f}B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f}M", n / 1e6);
+  return fmt::format("{:.0f}", n);
+}
+
+// Shards of an earlier run would otherwise stay next to the new weights.
+void remove_old_weights(const fs::path& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string n = e.path().filename().string();
+    if (n == "model.safetensors" || n == "model.safetensors.index.json" ||
+        (n.starts_with("model-") && n.ends_with(".safetensors")))
+      fs::remove(e.path());
+  }
+}
+
+}  // namespace
+
+void write_model(const SynthOptions& opt) {
+  const auto t0 = std::chrono::steady_clock::now();
+  KESTREL_CHECK(!opt.out.empty(), "no output directory (--out)");
+  validate_quant(opt);
+  preset(opt.shape);  // an unknown shape fails before any work
+
+  // Tokenizer first: its size is the vocab of shapes that do not fix one.
+  std::string tok_bytes;
+  if (!opt.tokenizer.empty()) {
+    fs::path src = opt.tokenizer;
+    if (fs::is_directory(src)) src /= "tokenizer.model";
+    tok_bytes = read_file(src);
+  } else {
+    tok_bytes = train_tokenizer(kTokenizerVocab);
+  }
+  sentencepiece::SentencePieceProcessor sp;
+  KESTREL_CHECK(sp.LoadFromSerializedProto(tok_bytes).ok(),
+                fmt::format("{}: not a SentencePiece model", opt.tokenizer));
+  const int bos = sp.bos_id() >= 0 ? sp.bos_id() : 1;
+  const int eos = sp.eos_id() >= 0 ? sp.eos_id() : 2;
+
+  auto plan = std::make_shared<Plan>();
+  plan->opt = opt;
+  plan->d = resolve_dims(opt, sp.GetPieceSize());
+  if (opt.dtype == "gptq") validate_packing(plan->d, opt.bits);
+  plan->threads = opt.threads > 0 ? opt.threads : (int)std::max(1u, std::thread::hardware_concurrency());
+  const Dims& d = plan->d;
+
+  if (opt.dtype == "gptq" && opt.asym && opt.format == "gptq" && !opt.quiet)
+    std::cerr << fmt::format("kestrel-synth: warning: format gptq stores zero points minus one and "
+                             "cannot hold a zero point of 0; asymmetric zeros are drawn in [1, {}] "
+                             "(use --format gptq_v2 for asymmetric models)\n",
+                             (1 << opt.bits) - 1);
+
+  const fs::path dir = opt.out;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  KESTREL_CHECK(fs::is_directory(dir), fmt::format("{}: cannot create output directory: {}",
+                                                   dir.string(), ec ? ec.message() : "not a directory"));
+
+  write_text(dir / "config.json", config_json(opt, d, bos, eos).dump(2) + "\n");
+  if (opt.dtype == "gptq") write_text(dir / "quantize_config.json", quant_json(opt).dump(2) + "\n");
+  write_text(dir / "generation_config.json",
+             ojson{{"bos_token_id", bos}, {"eos_token_id", eos}, {"do_sample", false},
+                   {"max_length", d.max_pos}}.dump(2) + "\n");
+  write_text(dir / "tokenizer.model", tok_bytes);
+  write_text(dir / "tokenizer_config.json",
+             ojson{{"add_bos_token", true},
+                   {"add_eos_token", false},
+                   {"bos_token", sp.IdToPiece(bos)},
+                   {"eos_token", sp.IdToPiece(eos)},
+                   {"unk_token", sp.unk_id() >= 0 ? sp.IdToPiece(sp.unk_id()) : "<unk>"},
+                   {"model_max_length", d.max_pos},
+                   {"tokenizer_class", "LlamaTokenizer"},
+                   {"clean_up_tokenization_spaces", false}}.dump(2) + "\n");
+
+  SafetensorsWriter writer;
+  add_tensors(writer, plan);
+  remove_old_weights(dir);
+  writer.write_model(dir.string());
+
+  if (opt.quiet) return;
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string quant =
+      opt.dtype == "fp16"
+          ? "fp16"
+          : fmt::format("gptq {}-bit group {} {}{} {}", opt.bits, opt.group_size,
+                        opt.asym ? "asym" : "sym", opt.act_order ? " act-order" : "", opt.format);
+  std::cout << fmt::format("kestrel-synth: {} {} (hidden {}, {} layers, vocab {}): {} params, {} "
+                           "-> {} in {:.1f} s\n",
+                           opt.shape, quant, d.hidden, d.n_layers, d.vocab,
+                           human_count((double)plan->params), human_bytes((double)writer.total_bytes()),
+                           dir.string(), secs);
+}
+
+}  // namespace kestrel::synth

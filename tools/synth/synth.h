@@ -21,7 +21,8 @@ struct SynthOptions {
   uint64_t seed = 0;
   std::string out;             // output directory (created)
   std::string tokenizer;       // path of a tokenizer.model to copy; empty = train one
-  bool quiet = false;
+  bool quiet = false;          // no summary line, no warnings
+  int threads = 0;             // worker threads; 0 = all hardware threads. Output does not depend on it.
 };
 
 // Writes the model; throws kestrel::Error on bad options or I/O failure.
