@@ -48,7 +48,8 @@ struct ModelConfig {
   bool attention_bias = false;  // q/k/v(/o) carry a bias
   bool mlp_bias = false;
   int bos_id = 1;
-  std::vector<int> eos_ids;     // eos_token_id may be a list
+  std::vector<int> eos_ids;     // eos_token_id may be a list; from generation_config.json when
+                                // config.json has none; empty when neither names one
   DType dtype = DType::F16;     // torch_dtype / dtype: F16 or BF16 (F32 accepted)
   std::optional<QuantConfig> quant;  // absent = unquantized model
 
@@ -61,7 +62,18 @@ struct ModelConfig {
 // inconsistent.
 ModelConfig load_model_config(const std::string& dir);
 
+// Where a quantization config comes from; the two writers default group_size differently.
+enum class QuantConfigSource {
+  QuantizeConfigJson,  // AutoGPTQ's quantize_config.json: group_size -1, quant_method optional
+  ConfigJson,          // transformers' config.json quantization_config: group_size 128,
+                       // quant_method required
+};
+
 // Parses one quantization config object given as JSON text; `where` names its file for errors.
+QuantConfig parse_quant_config(const std::string& json_text, const std::string& where,
+                               QuantConfigSource source);
+// As above, the source taken from `where`: a path ending in quantize_config.json is
+// QuantizeConfigJson, anything else ConfigJson.
 QuantConfig parse_quant_config(const std::string& json_text, const std::string& where);
 
 }  // namespace kestrel

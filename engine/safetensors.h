@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include "engine/dtype.h"
+#include "engine/error.h"
 
 namespace kestrel {
 
@@ -57,6 +59,8 @@ class SafetensorsFile {
 class ModelFiles {
  public:
   static ModelFiles open(const std::string& dir, const std::string& base_name = "");
+  // Whether `dir` holds `<base>.safetensors.index.json` or `<base>.safetensors`.
+  static bool has_weights(const std::string& dir, const std::string& base_name = "");
 
   const TensorInfo* find(const std::string& name) const;
   // Throws kestrel::Error "<dir>: missing tensor <name>".
@@ -100,5 +104,15 @@ class SafetensorsWriter {
   std::vector<Entry> entries_;
   std::map<std::string, std::string> metadata_;
 };
+
+template <typename T>
+std::vector<T> TensorInfo::copy_as() const {
+  if (sizeof(T) != dtype_size(dtype))
+    throw Error(name + " in " + file + ": cannot read " + dtype_name(dtype) + " data as a " +
+                std::to_string(sizeof(T)) + "-byte type");
+  std::vector<T> out(nbytes / sizeof(T));
+  if (nbytes) std::memcpy(out.data(), data, nbytes);  // memcpy: data may be unaligned
+  return out;
+}
 
 }  // namespace kestrel
