@@ -1,0 +1,76 @@
+// FP16 silu(gate) * up over the fused gate/up GEMV output: one thread per 8 elements (one
+// 16-byte load of gate, one of up, one store) when inter % 8 == 0 and the pointers are 16-byte
+// aligned, else one per element. Reads 4 * inter bytes and writes 2 * inter per row.
+#include "kernels/activation/activation_cuda.h"
+
+#include <cstdint>
+#include <string>
+
+#include "engine/error.h"
+#include "kernels/common/cuda_utils.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+union Half8 {
+  uint4 raw;
+  __half2 h2[4];
+};
+
+__device__ __forceinline__ float silu_times(float g, float u) {
+  // For very negative g, expf(-g) is inf and g / inf is -0: the limit, as silu_mul_ref.
+  return g / (1.0f + expf(-g)) * u;
+}
+
+// Each element is read and written by the same thread, so out may alias gate_up.
+template <bool kVec>
+__global__ void silu_mul_kernel(const __half* gate_up, int inter, __half* out) {
+  const __half* gate = gate_up + (size_t)blockIdx.y * 2 * inter;
+  const __half* up = gate + inter;
+  __half* o = out + (size_t)blockIdx.y * inter;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if constexpr (kVec) {
+    if (i >= inter / 8) return;
+    Half8 g, u, y;
+    g.raw = *reinterpret_cast<const uint4*>(gate + (size_t)i * 8);
+    u.raw = *reinterpret_cast<const uint4*>(up + (size_t)i * 8);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 gf = __half22float2(g.h2[j]), uf = __half22float2(u.h2[j]);
+      y.h2[j] = __floats2half2_rn(silu_times(gf.x, uf.x), silu_times(gf.y, uf.y));
+    }
+    *reinterpret_cast<uint4*>(o + (size_t)i * 8) = y.raw;
+  } else {
+    if (i >= inter) return;
+    o[i] = __float2half_rn(silu_times(__half2float(gate[i]), __half2float(up[i])));
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void silu_mul_rows_f16(const __half* gate_up, int rows, int inter, __half* out,
+                       cudaStream_t stream) {
+  KESTREL_CHECK(rows >= 0 && rows <= 65535 && inter > 0,
+                "silu_mul_rows_f16: bad shape rows " + std::to_string(rows) + ", inter " +
+                    std::to_string(inter));
+  if (rows == 0) return;
+  const bool vec = inter % 8 == 0 && aligned16(gate_up) && aligned16(out);
+  const int items = vec ? inter / 8 : inter;
+  const dim3 grid((items + kThreads - 1) / kThreads, rows);
+  if (vec) {
+    silu_mul_kernel<true><<<grid, kThreads, 0, stream>>>(gate_up, inter, out);
+  } else {
+    silu_mul_kernel<false><<<grid, kThreads, 0, stream>>>(gate_up, inter, out);
+  }
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void silu_mul_f16(const __half* gate_up, int inter, __half* out, cudaStream_t stream) {
+  silu_mul_rows_f16(gate_up, 1, inter, out, stream);
+}
+
+}  // namespace kestrel::cuda

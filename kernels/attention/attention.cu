@@ -1,0 +1,332 @@
+// Decode attention (one query position) over the FP16 KV cache, flash-decoding style.
+//
+// Work split. The context is cut into chunks of kChunk positions aligned to absolute positions:
+// chunk s covers [s * kChunk, (s + 1) * kChunk). Kernel 1 has one block per (KV head, chunk):
+//   grid = (n_kv_heads, ceil(max_ctx / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
+// fixed at capture time for the largest context; a block whose chunk holds no live position
+// (past *d_pos, or before the sliding window) exits at once. A block serves all query heads of
+// its KV group (up to GMAX of them; a larger group takes more blocks in z), so each K and V row
+// is fetched from HBM once per step rather than once per query head. At 4096 positions a
+// Llama-2-7B layer gives 32 x 16 = 512 live blocks: every SM streams.
+//
+// Inside a block (kThreads = 128):
+//   K/V row of one head: head_dim halves = kLanes 16-byte pieces, kLanes = head_dim / 8 threads.
+//
+//     row r:  | t0 : d0-7 | t1 : d8-15 | ... | t(kLanes-1) |     kRows = 128 / kLanes rows at once
+//
+//   1. scores: each thread dots its 8 dims of kUnroll rows (independent 16-byte loads in flight)
+//      with the group's queries (shared memory, pre-scaled by log2(e) / sqrt(head_dim)), then the
+//      kLanes threads of a row sum by xor-shuffles. Scores of the chunk go to shared memory.
+//   2. per head: m = max score, p = exp2(score - m), l = sum p  (p overwrites the scores).
+//   3. V: the same thread layout accumulates sum p * v for its 8 dims over its rows in fp32
+//      registers, then the kRows row-groups are summed through shared memory.
+//   Per (head, chunk) the block writes m, l and the unnormalised output o to the fp32 workspace.
+// Kernel 2 (combine), one block per query head, one thread per dim, over the live chunks:
+//   M = max m_s,  out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s.
+//
+// Only positions inside [first, n_ctx) are ever loaded: rows beyond the live context may hold
+// anything (a NaN there would otherwise survive a multiplication by p = 0).
+//
+// Bytes: 2 * n_ctx * n_kv_heads * head_dim * 2 (K and V, once each) plus
+// n_heads * live_chunks * (head_dim + 2) * 4 * 2 for the workspace, small next to K/V.
+#include "kernels/attention/attention_cuda.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "engine/error.h"
+#include "kernels/common/cuda_utils.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kChunk = 256;      // positions per block: long enough to amortise the block's setup
+constexpr int kThreads = 128;
+constexpr int kUnroll = 4;       // rows per thread in flight: 4 x 16 B per thread, 8 KB per block
+constexpr int kMaxGroup = 16;    // query heads one block serves (largest GMAX)
+
+int n_chunks(int max_ctx) { return (max_ctx + kChunk - 1) / kChunk; }
+
+union Half8 {
+  uint4 raw;
+  __half2 h2[4];
+};
+
+__device__ __forceinline__ void to_float8(const Half8& h, float (&f)[8]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 v = __half22float2(h.h2[j]);
+    f[2 * j] = v.x;
+    f[2 * j + 1] = v.y;
+  }
+}
+
+// The first position attended to by a query at n_ctx - 1.
+__device__ __forceinline__ int window_start(int n_ctx, int sliding_window) {
+  return sliding_window > 0 ? max(0, n_ctx - sliding_window) : 0;
+}
+
+// D: head_dim. GMAX: query heads per block, rounded up to a power of two; the live count `nh`
+// is a runtime value <= GMAX, and every loop over heads is unrolled to GMAX with a uniform
+// `g < nh` test so that the accumulators stay in registers.
+template <int D, int GMAX>
+__global__ void __launch_bounds__(kThreads)
+    attention_split_kernel(const __half* __restrict__ q, const __half* __restrict__ k_cache,
+                           const __half* __restrict__ v_cache, const int* __restrict__ d_pos,
+                           int sliding_window, int n_kv_heads, int group, float q_scale,
+                           float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+  constexpr int kLanes = D / 8;             // threads per K/V row
+  constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
+  constexpr int kStep = kRows * kUnroll;    // rows per unrolled iteration
+  constexpr int kHeadsPerRound = GMAX < 4 ? GMAX : 4;  // heads reduced per shared-memory round
+  constexpr int kScoreFloats = GMAX * kChunk;
+  constexpr int kRedFloats = kHeadsPerRound * kRows * D;
+  constexpr int kBufFloats = kScoreFloats > kRedFloats ? kScoreFloats : kRedFloats;
+  static_assert(D % 8 == 0 && 32 % kLanes == 0, "a row's threads must lie inside one warp");
+
+  __shared__ __align__(16) float q_s[GMAX * D];
+  __shared__ __align__(16) float buf[kBufFloats];  // scores [GMAX][kChunk], then reduction
+
+  const int n_ctx = *d_pos + 1;
+  const int chunk = blockIdx.y;
+  const int lo = max(chunk * kChunk, window_start(n_ctx, sliding_window));
+  const int hi = min(chunk * kChunk + kChunk, n_ctx);
+  if (lo >= hi) return;  // the whole block: no position of this chunk is live
+  const int n_rows = hi - lo;
+  const int n_chunks_all = gridDim.y;
+
+  const int kvh = blockIdx.x;
+  const int h0 = kvh * group + blockIdx.z * GMAX;  // first query head of this block
+  const int nh = min(GMAX, group - (int)blockIdx.z * GMAX);
+
+  for (int i = threadIdx.x; i < nh * D; i += kThreads)
+    q_s[i] = __half2float(q[(size_t)h0 * D + i]) * q_scale;
+  __syncthreads();
+
+  const int seg = threadIdx.x % kLanes;  // which 8 dims
+  const int r0 = threadIdx.x / kLanes;   // which row of a pass
+  const size_t row_stride = (size_t)n_kv_heads * D;
+  const size_t first_elem = (size_t)lo * row_stride + (size_t)kvh * D + seg * 8;
+  float* scores = buf;
+
+  // 1. scores, in the log2 domain (q carries log2(e) / sqrt(D)).
+  for (int base = 0; base < n_rows; base += kStep) {
+    float kf[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = base + u * kRows + r0;
+      Half8 h;
+      h.raw = r < n_rows ? __ldg(reinterpret_cast<const uint4*>(k_cache + first_elem +
+                                                               (size_t)r * row_stride))
+                         : make_uint4(0, 0, 0, 0);
+      to_float8(h, kf[u]);
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= nh) break;  // uniform over the block: the shuffles below stay convergent
+      const float4 qa = *reinterpret_cast<const float4*>(&q_s[g * D + seg * 8]);
+      const float4 qb = *reinterpret_cast<const float4*>(&q_s[g * D + seg * 8 + 4]);
+      float dot[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        dot[u] = qa.x * kf[u][0] + qa.y * kf[u][1] + qa.z * kf[u][2] + qa.w * kf[u][3] +
+                 qb.x * kf[u][4] + qb.y * kf[u][5] + qb.z * kf[u][6] + qb.w * kf[u][7];
+      }
+#pragma unroll
+      for (int o = kLanes / 2; o > 0; o >>= 1) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+      }
+      if (seg == 0) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int r = base + u * kRows + r0;
+          if (r < n_rows) scores[g * kChunk + r] = dot[u];
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // 2. softmax statistics of the chunk, one warp per head.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int g = warp; g < nh; g += kThreads / 32) {
+    float* s = scores + g * kChunk;
+    float m = -INFINITY;
+    for (int r = lane; r < n_rows; r += 32) m = fmaxf(m, s[r]);
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.0f;
+    for (int r = lane; r < n_rows; r += 32) {
+      const float p = exp2f(s[r] - m);
+      s[r] = p;
+      l += p;
+    }
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) {
+      float* ml = ws_ml + ((size_t)(h0 + g) * n_chunks_all + chunk) * 2;
+      ml[0] = m;
+      ml[1] = l;
+    }
+  }
+  __syncthreads();
+
+  // 3. o = sum_r p_r v_r, each thread over rows r0, r0 + kRows, ... for its 8 dims.
+  float acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
+  }
+  for (int base = 0; base < n_rows; base += kStep) {
+    Half8 h[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = base + u * kRows + r0;
+      h[u].raw = r < n_rows ? __ldg(reinterpret_cast<const uint4*>(v_cache + first_elem +
+                                                                  (size_t)r * row_stride))
+                            : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = base + u * kRows + r0;
+      if (r >= n_rows) break;  // rows only grow with u
+      float vf[8];
+      to_float8(h[u], vf);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        if (g >= nh) break;
+        const float p = scores[g * kChunk + r];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
+      }
+    }
+  }
+  __syncthreads();  // every read of the scores is done: buf becomes the reduction buffer
+
+  // Sum the kRows row-groups: [kHeadsPerRound][kRows][D] per round.
+  float* red = buf;
+#pragma unroll
+  for (int hb = 0; hb < GMAX; hb += kHeadsPerRound) {
+    if (hb >= nh) break;  // uniform
+#pragma unroll
+    for (int gg = 0; gg < kHeadsPerRound; ++gg) {
+      float* dst = red + (gg * kRows + r0) * D + seg * 8;
+      *reinterpret_cast<float4*>(dst) =
+          make_float4(acc[hb + gg][0], acc[hb + gg][1], acc[hb + gg][2], acc[hb + gg][3]);
+      *reinterpret_cast<float4*>(dst + 4) =
+          make_float4(acc[hb + gg][4], acc[hb + gg][5], acc[hb + gg][6], acc[hb + gg][7]);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kHeadsPerRound * D; i += kThreads) {
+      const int gg = i / D, d = i % D;
+      if (hb + gg < nh) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) sum += red[(gg * kRows + r) * D + d];
+        ws_o[((size_t)(h0 + hb + gg) * n_chunks_all + chunk) * D + d] = sum;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// One block per query head, one thread per dim; reads only the chunks kernel 1 wrote this step.
+__global__ void attention_combine_kernel(const float* __restrict__ ws_o,
+                                         const float* __restrict__ ws_ml,
+                                         const int* __restrict__ d_pos, int sliding_window,
+                                         int n_chunks_all, __half* __restrict__ out) {
+  const int h = blockIdx.x, d = threadIdx.x, D = blockDim.x;
+  const int n_ctx = *d_pos + 1;
+  const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
+  const float* ml = ws_ml + (size_t)h * n_chunks_all * 2;
+  const float* o = ws_o + (size_t)h * n_chunks_all * D + d;
+
+  float m = -INFINITY;
+  for (int c = c0; c <= c1; ++c) m = fmaxf(m, ml[2 * c]);
+  float l = 0.0f, acc = 0.0f;
+  for (int c = c0; c <= c1; ++c) {
+    const float w = exp2f(ml[2 * c] - m);
+    l = fmaf(w, ml[2 * c + 1], l);
+    acc = fmaf(w, o[(size_t)c * D], acc);
+  }
+  out[(size_t)h * D + d] = __float2half_rn(acc / l);
+}
+
+template <int D, int GMAX>
+void launch_split(const __half* q, const __half* k_cache, const __half* v_cache, const int* d_pos,
+                  int max_ctx, int sliding_window, int n_kv_heads, int group, float* ws_o,
+                  float* ws_ml, cudaStream_t stream) {
+  const dim3 grid(n_kv_heads, n_chunks(max_ctx), (group + GMAX - 1) / GMAX);
+  // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
+  const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
+  attention_split_kernel<D, GMAX><<<grid, kThreads, 0, stream>>>(
+      q, k_cache, v_cache, d_pos, sliding_window, n_kv_heads, group, q_scale, ws_o, ws_ml);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+// The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, 8, 16 (a group of
+// 3 runs as 4 with one head idle, a group of 32 as two blocks of 16).
+template <int D>
+void dispatch_group(const __half* q, const __half* k_cache, const __half* v_cache,
+                    const int* d_pos, int max_ctx, int sliding_window, int n_kv_heads, int group,
+                    float* ws_o, float* ws_ml, cudaStream_t stream) {
+#define KESTREL_ATTN_CALL(G)                                                                \
+  launch_split<D, G>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_kv_heads, group, \
+                     ws_o, ws_ml, stream)
+  if (group <= 1) {
+    KESTREL_ATTN_CALL(1);
+  } else if (group <= 2) {
+    KESTREL_ATTN_CALL(2);
+  } else if (group <= 4) {
+    KESTREL_ATTN_CALL(4);
+  } else if (group <= 8) {
+    KESTREL_ATTN_CALL(8);
+  } else {
+    KESTREL_ATTN_CALL(kMaxGroup);
+  }
+#undef KESTREL_ATTN_CALL
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim) {
+  return (size_t)n_heads * n_chunks(max_ctx) * (head_dim + 2) * sizeof(float);
+}
+
+void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,
+                          const int* d_pos, int max_ctx, int sliding_window, int n_heads,
+                          int n_kv_heads, int head_dim, float* workspace, __half* out,
+                          cudaStream_t stream) {
+  KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
+                "attention_decode_f16: n_heads " + std::to_string(n_heads) +
+                    " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
+  KESTREL_CHECK(max_ctx > 0 && sliding_window >= 0,
+                "attention_decode_f16: bad max_ctx " + std::to_string(max_ctx) +
+                    " or sliding_window " + std::to_string(sliding_window));
+  KESTREL_CHECK(reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_cache) % 16 == 0,
+                "attention_decode_f16: the K/V caches must be 16-byte aligned");
+  const int group = n_heads / n_kv_heads;
+  // Workspace: o [n_heads][n_chunks][head_dim], then (m, l) [n_heads][n_chunks][2].
+  float* ws_o = workspace;
+  float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx) * head_dim;
+  switch (head_dim) {
+    case 64:
+      dispatch_group<64>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_kv_heads, group,
+                         ws_o, ws_ml, stream);
+      break;
+    case 128:
+      dispatch_group<128>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_kv_heads, group,
+                          ws_o, ws_ml, stream);
+      break;
+    default:
+      throw Error("attention_decode_f16: head_dim " + std::to_string(head_dim) +
+                  " is not compiled (supported: 64, 128)");
+  }
+  attention_combine_kernel<<<n_heads, head_dim, 0, stream>>>(ws_o, ws_ml, d_pos, sliding_window,
+                                                             n_chunks(max_ctx), out);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,30 @@
+// Single-query (decode) attention over the FP16 KV cache, flash-decoding style: the context is
+// cut into fixed chunks that separate blocks process in parallel, then a second kernel merges
+// the chunks' partial softmaxes. The CPU oracle is attention_ref in attention.h.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace kestrel::cuda {
+
+// Bytes of fp32 scratch attention_decode_f16 needs for a context of up to max_ctx positions.
+size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim);
+
+// q [n_heads, head_dim]; k_cache, v_cache [max_ctx, n_kv_heads, head_dim] (16-byte aligned);
+// out [n_heads, head_dim]. The query at position *d_pos attends over positions
+// [first, *d_pos] with first = max(0, *d_pos + 1 - sliding_window) when sliding_window > 0,
+// else 0; rows outside that range are never read. Query head h reads KV head
+// h / (n_heads / n_kv_heads); scale 1/sqrt(head_dim).
+// Grids are sized for max_ctx and the position is read on the device, so a captured CUDA graph
+// replays every step unchanged; the caller guarantees 0 <= *d_pos < max_ctx.
+// workspace: attention_workspace_bytes(max_ctx, n_heads, head_dim) bytes, 4-byte aligned.
+// head_dim 64 or 128; anything else is a kestrel::Error.
+void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,
+                          const int* d_pos, int max_ctx, int sliding_window, int n_heads,
+                          int n_kv_heads, int head_dim, float* workspace, __half* out,
+                          cudaStream_t stream);
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,58 @@
+// FP16 embedding lookup: copies table rows chosen by token ids that live in device memory.
+// One thread per 16 bytes when hidden % 8 == 0 and the pointers are 16-byte aligned, else one
+// per element; grid.y runs over the tokens.
+#include "kernels/embedding/embedding_cuda.h"
+
+#include <cstdint>
+#include <string>
+
+#include "engine/error.h"
+#include "kernels/common/cuda_utils.h"
+
+namespace kestrel::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <bool kVec>
+__global__ void embedding_kernel(const __half* __restrict__ table, const int* __restrict__ tokens,
+                                 int hidden, __half* __restrict__ out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const __half* row = table + (size_t)tokens[blockIdx.y] * hidden;
+  __half* o = out + (size_t)blockIdx.y * hidden;
+  if constexpr (kVec) {
+    if (i >= hidden / 8) return;
+    reinterpret_cast<uint4*>(o)[i] = __ldg(reinterpret_cast<const uint4*>(row) + i);
+  } else {
+    if (i >= hidden) return;
+    o[i] = row[i];
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void embedding_tokens_f16(const __half* table, const int* d_tokens, int n, int hidden,
+                          __half* out, cudaStream_t stream) {
+  KESTREL_CHECK(n >= 0 && n <= 65535 && hidden > 0,
+                "embedding_tokens_f16: bad shape n " + std::to_string(n) + ", hidden " +
+                    std::to_string(hidden));
+  if (n == 0) return;
+  const bool vec = hidden % 8 == 0 && aligned16(table) && aligned16(out);
+  const int items = vec ? hidden / 8 : hidden;
+  const dim3 grid((items + kThreads - 1) / kThreads, n);
+  if (vec) {
+    embedding_kernel<true><<<grid, kThreads, 0, stream>>>(table, d_tokens, hidden, out);
+  } else {
+    embedding_kernel<false><<<grid, kThreads, 0, stream>>>(table, d_tokens, hidden, out);
+  }
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void embedding_f16(const __half* table, const int* d_token, int hidden, __half* out,
+                   cudaStream_t stream) {
+  embedding_tokens_f16(table, d_token, 1, hidden, out, stream);
+}
+
+}  // namespace kestrel::cuda

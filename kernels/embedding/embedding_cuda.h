@@ -1,0 +1,19 @@
+// FP16 token embedding lookup on the GPU. The CPU oracle is embedding_f16_ref in embedding.h.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace kestrel::cuda {
+
+// out [hidden] = table [vocab, hidden] row *d_token. The token is read on the device (the
+// previous step's argmax) so that a captured CUDA graph replays unchanged; the caller
+// guarantees 0 <= *d_token < vocab.
+void embedding_f16(const __half* table, const int* d_token, int hidden, __half* out,
+                   cudaStream_t stream);
+
+// out [n, hidden], row i = table row d_tokens[i] (prefill).
+void embedding_tokens_f16(const __half* table, const int* d_tokens, int n, int hidden,
+                          __half* out, cudaStream_t stream);
+
+}  // namespace kestrel::cuda

@@ -1,0 +1,17 @@
+// Greedy sampling on the GPU, and the conversion that hands logits to the host sampler.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+namespace kestrel::cuda {
+
+// *d_out_token = the index of the largest of logits[0 .. n-1]; the first such index on ties
+// (as the host sampler's argmax). NaN never wins; if no value beats -inf the result is 0.
+// Writing the token to device memory lets the next step's embedding read it inside the graph.
+void argmax_f16(const __half* logits, int n, int* d_out_token, cudaStream_t stream);
+
+// out[i] = float(in[i]) for i < n.
+void half_to_float(const __half* in, float* out, int n, cudaStream_t stream);
+
+}  // namespace kestrel::cuda

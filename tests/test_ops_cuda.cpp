@@ -1,0 +1,542 @@
+// The FP16 CUDA decode ops against the plain C++ references (kernels/*/ *_ref.cpp).
+//
+// Inputs are random fp16 values (fixed seeds) and the references are fed exactly those values
+// widened to float, so the only differences allowed are the kernels' own arithmetic: fp32 math
+// and one rounding of each output to fp16. That rounding moves each element by at most 2^-11 of
+// its size (round to nearest, 11-bit significand), so the normalised error ||y - ref|| / ||ref||
+// is at most 4.9e-4 from it (about 2.8e-4 in practice); fp32 accumulation over at most a few
+// thousand terms adds ~1e-6. kTol = 1e-3 leaves a 2x margin over the worst case and still fails
+// on any real indexing or scaling bug, which shows as errors of order 1.
+//
+// Outputs, workspaces and unused cache rows are filled with NaN before every launch: a kernel
+// that skips an element, or reads a row it must not read, leaves a NaN behind.
+#include <gtest/gtest.h>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "kernels/activation/activation.h"
+#include "kernels/activation/activation_cuda.h"
+#include "kernels/attention/attention.h"
+#include "kernels/attention/attention_cuda.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/embedding/embedding.h"
+#include "kernels/embedding/embedding_cuda.h"
+#include "kernels/norm/norm.h"
+#include "kernels/norm/norm_cuda.h"
+#include "kernels/rope/rope.h"
+#include "kernels/rope/rope_cuda.h"
+#include "kernels/sampling/argmax_cuda.h"
+
+namespace kestrel {
+namespace {
+
+constexpr double kTol = 1e-3;
+constexpr uint16_t kHalfNaN = 0x7E00;
+
+bool cuda_usable() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define REQUIRE_CUDA()                                                                   \
+  do {                                                                                   \
+    if (!cuda_usable())                                                                  \
+      GTEST_SKIP() << "no usable CUDA device (cudaGetDeviceCount failed or found none)"; \
+  } while (0)
+
+// A device array of T, freed on scope exit. Halves travel as their uint16_t bits.
+template <class T>
+class Dev {
+ public:
+  explicit Dev(size_t n) : n_(n) { KESTREL_CUDA_CHECK(cudaMalloc(&p_, std::max<size_t>(n, 1) * sizeof(T))); }
+  explicit Dev(const std::vector<T>& v) : Dev(v.size()) { upload(v); }
+  ~Dev() { cudaFree(p_); }
+  Dev(const Dev&) = delete;
+  Dev& operator=(const Dev&) = delete;
+
+  T* get() const { return p_; }
+  __half* half() const {
+    static_assert(sizeof(T) == 2);
+    return reinterpret_cast<__half*>(p_);
+  }
+  void upload(const std::vector<T>& v) {
+    KESTREL_CUDA_CHECK(cudaMemcpy(p_, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> v(n_);
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    KESTREL_CUDA_CHECK(cudaMemcpy(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return v;
+  }
+  // All bytes 0xFF: NaN as fp16 (0xFFFF) and as fp32, -1 as int.
+  void poison() { KESTREL_CUDA_CHECK(cudaMemset(p_, 0xFF, n_ * sizeof(T))); }
+
+ private:
+  T* p_ = nullptr;
+  size_t n_;
+};
+
+std::vector<uint16_t> random_half(size_t n, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = float_to_half(dist(rng));
+  return v;
+}
+
+std::vector<float> widen(const std::vector<uint16_t>& h) {
+  std::vector<float> f(h.size());
+  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
+  return f;
+}
+
+std::vector<float> widen(const std::vector<uint16_t>& h, size_t first, size_t count) {
+  return widen(std::vector<uint16_t>(h.begin() + first, h.begin() + first + count));
+}
+
+// Fails on any non-finite value, then on ||got - ref|| / ||ref|| > tol.
+void expect_close(const std::vector<float>& got, const std::vector<float>& ref, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  size_t bad = 0;
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(got[i])) {
+      if (bad++ == 0) ADD_FAILURE() << what << ": non-finite output at index " << i;
+      continue;
+    }
+    diff += ((double)got[i] - ref[i]) * ((double)got[i] - ref[i]);
+    norm += (double)ref[i] * ref[i];
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " non-finite outputs";
+  const double err = norm > 0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+  EXPECT_LE(err, tol) << what << ": normalised error";
+}
+
+// ---- norms ----
+
+struct NormShape {
+  int rows, n;
+};
+
+class NormCuda : public ::testing::TestWithParam<NormShape> {};
+
+TEST_P(NormCuda, RmsNormMatchesReference) {
+  REQUIRE_CUDA();
+  const auto [rows, n] = GetParam();
+  const auto x = random_half((size_t)rows * n, -4.0f, 4.0f, 11);
+  const auto w = random_half(n, -2.0f, 2.0f, 12);
+  std::vector<float> ref(x.size());
+  rms_norm_ref(widen(x).data(), widen(w).data(), 1e-5f, rows, n, ref.data());
+
+  Dev<uint16_t> dx(x), dw(w), dy(x.size());
+  dy.poison();
+  cuda::rms_norm_f16(dx.half(), dw.half(), 1e-5f, rows, n, dy.half(), nullptr);
+  expect_close(widen(dy.download()), ref, kTol, "rms_norm_f16");
+
+  // In place: y aliases x.
+  cuda::rms_norm_f16(dx.half(), dw.half(), 1e-5f, rows, n, dx.half(), nullptr);
+  expect_close(widen(dx.download()), ref, kTol, "rms_norm_f16 in place");
+}
+
+TEST_P(NormCuda, LayerNormMatchesReference) {
+  REQUIRE_CUDA();
+  const auto [rows, n] = GetParam();
+  // An offset mean: a one-pass variance would cancel.
+  const auto x = random_half((size_t)rows * n, 2.0f, 6.0f, 21);
+  const auto w = random_half(n, -2.0f, 2.0f, 22);
+  const auto b = random_half(n, -1.0f, 1.0f, 23);
+  Dev<uint16_t> dx(x), dw(w), db(b), dy(x.size());
+  for (const bool bias : {true, false}) {
+    std::vector<float> ref(x.size());
+    layer_norm_ref(widen(x).data(), widen(w).data(), bias ? widen(b).data() : nullptr, 1e-5f,
+                   rows, n, ref.data());
+    dy.poison();
+    cuda::layer_norm_f16(dx.half(), dw.half(), bias ? db.half() : nullptr, 1e-5f, rows, n,
+                         dy.half(), nullptr);
+    expect_close(widen(dy.download()), ref, kTol,
+                 std::string("layer_norm_f16 ") + (bias ? "with" : "without") + " bias");
+  }
+}
+
+// 1 and 7: smaller than a warp and than a 16-byte load; 4096, 5120: the vector path;
+// 11009: odd, scalar path over many threads.
+INSTANTIATE_TEST_SUITE_P(Shapes, NormCuda,
+                         ::testing::Values(NormShape{1, 1}, NormShape{3, 1}, NormShape{1, 7},
+                                           NormShape{3, 7}, NormShape{1, 4096},
+                                           NormShape{5, 4096}, NormShape{1, 5120},
+                                           NormShape{1, 11009}, NormShape{2, 11009}),
+                         [](const auto& info) {
+                           return "rows" + std::to_string(info.param.rows) + "_n" +
+                                  std::to_string(info.param.n);
+                         });
+
+// ---- rope + KV write ----
+
+struct RopeCase {
+  int head_dim, n_heads, n_kv_heads, pos;
+  float theta, factor;
+};
+
+class RopeCuda : public ::testing::TestWithParam<RopeCase> {};
+
+TEST_P(RopeCuda, RotatesQKAndWritesCacheRow) {
+  REQUIRE_CUDA();
+  const auto c = GetParam();
+  const int q_dim = c.n_heads * c.head_dim, kv_dim = c.n_kv_heads * c.head_dim;
+  const int max_ctx = c.pos + 2;  // one row after pos, and pos - 1 when pos > 0: must stay poisoned
+  const auto qkv = random_half((size_t)q_dim + 2 * kv_dim, -2.0f, 2.0f, 31 + c.pos);
+
+  std::vector<float> q_ref = widen(qkv, 0, q_dim), k_ref = widen(qkv, q_dim, kv_dim);
+  rope_ref(q_ref.data(), c.n_heads, c.head_dim, c.pos, c.theta, c.factor);
+  rope_ref(k_ref.data(), c.n_kv_heads, c.head_dim, c.pos, c.theta, c.factor);
+
+  Dev<uint16_t> dqkv(qkv), dk((size_t)max_ctx * kv_dim), dv((size_t)max_ctx * kv_dim);
+  Dev<int> dpos(std::vector<int>{c.pos});
+  dk.poison();
+  dv.poison();
+  cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), c.n_heads, c.n_kv_heads,
+                          c.head_dim, c.theta, c.factor, nullptr);
+
+  const auto got = dqkv.download();
+  expect_close(widen(got, 0, q_dim), q_ref, kTol, "rotated q");
+  expect_close(widen(got, q_dim, kv_dim), k_ref, kTol, "rotated k");
+  // v is not touched in qkv and is copied bit for bit.
+  for (int i = 0; i < kv_dim; ++i) ASSERT_EQ(got[q_dim + kv_dim + i], qkv[q_dim + kv_dim + i]) << i;
+
+  const auto kc = dk.download(), vc = dv.download();
+  for (int row = 0; row < max_ctx; ++row) {
+    for (int i = 0; i < kv_dim; ++i) {
+      const size_t at = (size_t)row * kv_dim + i;
+      if (row == c.pos) {
+        ASSERT_EQ(kc[at], got[q_dim + i]) << "k cache row " << row << " elem " << i;
+        ASSERT_EQ(vc[at], qkv[q_dim + kv_dim + i]) << "v cache row " << row << " elem " << i;
+      } else {
+        ASSERT_EQ(kc[at], 0xFFFF) << "k cache row " << row << " written";
+        ASSERT_EQ(vc[at], 0xFFFF) << "v cache row " << row << " written";
+      }
+    }
+  }
+}
+
+std::vector<RopeCase> rope_cases() {
+  std::vector<RopeCase> cases;
+  for (const int hd : {64, 128})
+    for (const auto& [h, kv] : {std::pair{32, 32}, {32, 8}, {6, 2}, {4, 1}})
+      for (const int pos : {0, 1, 4095})
+        for (const float factor : {1.0f, 2.0f}) cases.push_back({hd, h, kv, pos, 10000.0f, factor});
+  cases.push_back({128, 32, 8, 4095, 500000.0f, 8.0f});  // Llama-3 theta
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RopeCuda, ::testing::ValuesIn(rope_cases()),
+                         [](const auto& info) {
+                           const auto& p = info.param;
+                           return "hd" + std::to_string(p.head_dim) + "_h" +
+                                  std::to_string(p.n_heads) + "_kv" +
+                                  std::to_string(p.n_kv_heads) + "_pos" + std::to_string(p.pos) +
+                                  "_theta" + std::to_string((int)p.theta) + "_f" +
+                                  std::to_string((int)p.factor);
+                         });
+
+// ---- decode attention ----
+
+struct AttnCase {
+  int head_dim, n_heads, n_kv_heads, n_ctx, window;
+};
+
+// Reference over the window: attention_ref on the cache rows [first, n_ctx).
+std::vector<float> attention_window_ref(const std::vector<float>& q, const std::vector<float>& k,
+                                        const std::vector<float>& v, const AttnCase& c) {
+  const int first = c.window > 0 ? std::max(0, c.n_ctx - c.window) : 0;
+  const size_t kv_dim = (size_t)c.n_kv_heads * c.head_dim;
+  std::vector<float> out((size_t)c.n_heads * c.head_dim);
+  attention_ref(q.data(), k.data() + first * kv_dim, v.data() + first * kv_dim, c.n_heads,
+                c.n_kv_heads, c.head_dim, c.n_ctx - first, out.data());
+  return out;
+}
+
+class AttentionCuda : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(AttentionCuda, MatchesReferenceAndReadsOnlyLiveRows) {
+  REQUIRE_CUDA();
+  const auto c = GetParam();
+  const int kv_dim = c.n_kv_heads * c.head_dim;
+  const int max_ctx = c.n_ctx + 300;  // grids sized past the context; not a multiple of 256
+  const int first = c.window > 0 ? std::max(0, c.n_ctx - c.window) : 0;
+
+  // q in [-3, 3], k in [-1, 1]: scores of standard deviation ~1 after 1/sqrt(head_dim), so
+  // the softmax is neither flat nor one-hot.
+  const auto q = random_half((size_t)c.n_heads * c.head_dim, -3.0f, 3.0f, 41);
+  auto k = random_half((size_t)max_ctx * kv_dim, -1.0f, 1.0f, 42);
+  auto v = random_half((size_t)max_ctx * kv_dim, -1.0f, 1.0f, 43);
+  const auto ref = attention_window_ref(widen(q), widen(k), widen(v), c);
+  // Every row outside [first, n_ctx) becomes NaN: reading one would poison the output.
+  for (int row = 0; row < max_ctx; ++row) {
+    if (row >= first && row < c.n_ctx) continue;
+    std::fill_n(k.begin() + (size_t)row * kv_dim, kv_dim, kHalfNaN);
+    std::fill_n(v.begin() + (size_t)row * kv_dim, kv_dim, kHalfNaN);
+  }
+
+  Dev<uint16_t> dq(q), dk(k), dv(v), dout(q.size());
+  Dev<int> dpos(std::vector<int>{c.n_ctx - 1});
+  Dev<float> ws(cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.head_dim) / sizeof(float));
+  ws.poison();
+  dout.poison();
+  cuda::attention_decode_f16(dq.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
+                             c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(), nullptr);
+  expect_close(widen(dout.download()), ref, kTol, "attention_decode_f16");
+}
+
+std::vector<AttnCase> attention_cases() {
+  std::vector<AttnCase> cases;
+  for (const int hd : {64, 128})
+    for (const auto& [h, kv] : {std::pair{32, 32}, {32, 8}, {6, 2}, {4, 1}})
+      for (const int n_ctx : {1, 2, 255, 256, 257, 1000, 4096}) cases.push_back({hd, h, kv, n_ctx, 0});
+  // Sliding windows: inside one chunk, across a chunk boundary, starting one past a boundary,
+  // longer than the context.
+  for (const int hd : {64, 128}) {
+    cases.push_back({hd, 32, 8, 1000, 100});
+    cases.push_back({hd, 32, 8, 4096, 300});
+    cases.push_back({hd, 6, 2, 257, 256});
+    cases.push_back({hd, 4, 1, 1000, 4096});
+  }
+  // Groups past one block's 16 heads, and an odd group of 5.
+  cases.push_back({64, 32, 1, 1000, 0});
+  cases.push_back({128, 40, 2, 300, 0});
+  cases.push_back({128, 10, 2, 513, 0});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionCuda, ::testing::ValuesIn(attention_cases()),
+                         [](const auto& info) {
+                           const auto& p = info.param;
+                           return "hd" + std::to_string(p.head_dim) + "_h" +
+                                  std::to_string(p.n_heads) + "_kv" +
+                                  std::to_string(p.n_kv_heads) + "_ctx" +
+                                  std::to_string(p.n_ctx) + "_win" + std::to_string(p.window);
+                         });
+
+TEST(AttentionCuda, RejectsUncompiledHeadDim) {
+  REQUIRE_CUDA();
+  Dev<uint16_t> buf(4096);
+  Dev<int> dpos(std::vector<int>{0});
+  Dev<float> ws(cuda::attention_workspace_bytes(8, 2, 96) / sizeof(float));
+  EXPECT_THROW(cuda::attention_decode_f16(buf.half(), buf.half(), buf.half(), dpos.get(), 8, 0, 2,
+                                          2, 96, ws.get(), buf.half(), nullptr),
+               Error);
+}
+
+// The decode step as the engine runs it: rope + KV write + attention captured once into a CUDA
+// graph, then replayed at each position with only *d_pos and the qkv input changing. The CPU
+// side keeps its own caches; q and k are rounded to fp16 after rotation as the GPU stores them,
+// so both sides attend with the same values up to rare one-ulp rotation differences (2e-3 allows
+// for those on top of the output rounding).
+TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
+  REQUIRE_CUDA();
+  const int hd = 64, n_heads = 8, n_kv = 2, max_ctx = 600, steps = 520, window = 0;
+  const int q_dim = n_heads * hd, kv_dim = n_kv * hd, qkv_dim = q_dim + 2 * kv_dim;
+  const float theta = 10000.0f, factor = 1.0f;
+
+  Dev<uint16_t> dqkv(qkv_dim), dk((size_t)max_ctx * kv_dim), dv((size_t)max_ctx * kv_dim),
+      dout(q_dim);
+  Dev<int> dpos(1);
+  Dev<float> ws(cuda::attention_workspace_bytes(max_ctx, n_heads, hd) / sizeof(float));
+  dk.poison();
+  dv.poison();
+  ws.poison();
+
+  cudaStream_t stream;
+  KESTREL_CUDA_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), n_heads, n_kv, hd, theta,
+                          factor, stream);
+  cuda::attention_decode_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), max_ctx, window,
+                             n_heads, n_kv, hd, ws.get(), dout.half(), stream);
+  KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  std::vector<float> k_cpu((size_t)max_ctx * kv_dim), v_cpu((size_t)max_ctx * kv_dim);
+  for (int pos = 0; pos < steps; ++pos) {
+    const auto qkv = random_half(qkv_dim, -2.0f, 2.0f, 1000 + pos);
+    dqkv.upload(qkv);
+    dpos.upload({pos});
+    dout.poison();
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
+
+    std::vector<float> q = widen(qkv, 0, q_dim), k = widen(qkv, q_dim, kv_dim);
+    rope_ref(q.data(), n_heads, hd, pos, theta, factor);
+    rope_ref(k.data(), n_kv, hd, pos, theta, factor);
+    for (auto& x : q) x = round_to_half(x);
+    for (int i = 0; i < kv_dim; ++i) {
+      k_cpu[(size_t)pos * kv_dim + i] = round_to_half(k[i]);
+      v_cpu[(size_t)pos * kv_dim + i] = half_to_float(qkv[q_dim + kv_dim + i]);
+    }
+    std::vector<float> ref(q_dim);
+    attention_ref(q.data(), k_cpu.data(), v_cpu.data(), n_heads, n_kv, hd, pos + 1, ref.data());
+    expect_close(widen(dout.download()), ref, 2e-3, "graph replay at pos " + std::to_string(pos));
+    if (HasFailure()) break;
+  }
+  KESTREL_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  KESTREL_CUDA_CHECK(cudaGraphDestroy(graph));
+  KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// ---- silu * up ----
+
+struct SiluShape {
+  int rows, inter;
+};
+
+class SiluMulCuda : public ::testing::TestWithParam<SiluShape> {};
+
+TEST_P(SiluMulCuda, MatchesReference) {
+  REQUIRE_CUDA();
+  const auto [rows, inter] = GetParam();
+  // Gates down to -30: exp(-g) overflows fp32 there; the result must be -0, not NaN.
+  auto gu = random_half((size_t)rows * 2 * inter, -30.0f, 12.0f, 51);
+  std::vector<float> ref((size_t)rows * inter);
+  const auto guf = widen(gu);
+  for (int r = 0; r < rows; ++r)
+    silu_mul_ref(guf.data() + (size_t)r * 2 * inter, guf.data() + (size_t)r * 2 * inter + inter,
+                 inter, ref.data() + (size_t)r * inter);
+
+  Dev<uint16_t> dgu(gu), dout(ref.size());
+  dout.poison();
+  if (rows == 1) {
+    cuda::silu_mul_f16(dgu.half(), inter, dout.half(), nullptr);
+  } else {
+    cuda::silu_mul_rows_f16(dgu.half(), rows, inter, dout.half(), nullptr);
+  }
+  expect_close(widen(dout.download()), ref, kTol, "silu_mul");
+
+  if (rows == 1) {  // in place over the gate half
+    cuda::silu_mul_f16(dgu.half(), inter, dgu.half(), nullptr);
+    expect_close(widen(dgu.download(), 0, inter), ref, kTol, "silu_mul in place");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, SiluMulCuda,
+                         ::testing::Values(SiluShape{1, 1}, SiluShape{1, 7}, SiluShape{1, 11008},
+                                           SiluShape{1, 11009}, SiluShape{3, 7},
+                                           SiluShape{4, 11008}, SiluShape{2, 11009}),
+                         [](const auto& info) {
+                           return "rows" + std::to_string(info.param.rows) + "_inter" +
+                                  std::to_string(info.param.inter);
+                         });
+
+// ---- embedding ----
+
+TEST(EmbeddingCuda, CopiesRowsExactly) {
+  REQUIRE_CUDA();
+  const int vocab = 1000;
+  for (const int hidden : {7, 4096, 4100}) {  // scalar, vector, scalar (4100 % 8 != 0)
+    const auto table = random_half((size_t)vocab * hidden, -1.0f, 1.0f, 61 + hidden);
+    Dev<uint16_t> dtable(table), dout((size_t)4 * hidden);
+    for (const int token : {0, 123, vocab - 1}) {
+      Dev<int> dtok(std::vector<int>{token});
+      dout.poison();
+      cuda::embedding_f16(dtable.half(), dtok.get(), hidden, dout.half(), nullptr);
+      std::vector<float> ref(hidden);
+      embedding_f16_ref(table.data(), hidden, token, ref.data());
+      const auto got = dout.download();
+      for (int i = 0; i < hidden; ++i)
+        ASSERT_EQ(half_to_float(got[i]), ref[i]) << "hidden " << hidden << " token " << token;
+    }
+    const std::vector<int> tokens = {5, vocab - 1, 0, 5};
+    Dev<int> dtoks(tokens);
+    dout.poison();
+    cuda::embedding_tokens_f16(dtable.half(), dtoks.get(), 4, hidden, dout.half(), nullptr);
+    const auto got = dout.download();
+    std::vector<float> ref(hidden);
+    for (int t = 0; t < 4; ++t) {
+      embedding_f16_ref(table.data(), hidden, tokens[t], ref.data());
+      for (int i = 0; i < hidden; ++i)
+        ASSERT_EQ(half_to_float(got[(size_t)t * hidden + i]), ref[i])
+            << "hidden " << hidden << " row " << t;
+    }
+  }
+}
+
+// ---- argmax and conversion ----
+
+int first_argmax(const std::vector<uint16_t>& x) {
+  int best = 0;
+  for (int i = 1; i < (int)x.size(); ++i)
+    if (half_to_float(x[i]) > half_to_float(x[best])) best = i;
+  return best;
+}
+
+int run_argmax(const std::vector<uint16_t>& logits) {
+  Dev<uint16_t> d(logits);
+  Dev<int> tok(1);
+  tok.poison();
+  cuda::argmax_f16(d.half(), (int)logits.size(), tok.get(), nullptr);
+  return tok.download()[0];
+}
+
+TEST(ArgmaxCuda, RandomLogits) {
+  REQUIRE_CUDA();
+  for (const int n : {1, 7, 32000, 32001, 128256}) {
+    // Negative logits: a reduction that starts from 0 instead of -inf would fail.
+    const auto logits = random_half(n, -20.0f, -1.0f, 71 + n);
+    EXPECT_EQ(run_argmax(logits), first_argmax(logits)) << "n " << n;
+  }
+}
+
+TEST(ArgmaxCuda, TiesGoToTheFirstIndex) {
+  REQUIRE_CUDA();
+  for (const int n : {32000, 32001}) {  // vector and scalar paths
+    auto logits = random_half(n, -5.0f, 5.0f, 81);
+    const uint16_t top = float_to_half(9.0f);
+    // Ties inside one 16-byte load (16, 17), across threads and warps (5000, 31999).
+    for (const int i : {31999, 5000, 17, 16}) logits[i] = top;
+    EXPECT_EQ(run_argmax(logits), 16) << "n " << n;
+    logits[16] = float_to_half(1.0f);
+    EXPECT_EQ(run_argmax(logits), 17) << "n " << n;
+    logits[17] = logits[5000] = float_to_half(1.0f);
+    EXPECT_EQ(run_argmax(logits), 31999) << "n " << n;
+  }
+  const std::vector<uint16_t> flat(4096, float_to_half(0.5f));
+  EXPECT_EQ(run_argmax(flat), 0);
+}
+
+TEST(ArgmaxCuda, MaxAtTheEnds) {
+  REQUIRE_CUDA();
+  for (const int n : {32000, 32001, 128256}) {
+    auto logits = random_half(n, -5.0f, 5.0f, 91);
+    logits[n - 1] = float_to_half(100.0f);
+    EXPECT_EQ(run_argmax(logits), n - 1) << "n " << n;
+    logits[0] = float_to_half(200.0f);
+    EXPECT_EQ(run_argmax(logits), 0) << "n " << n;
+  }
+}
+
+TEST(HalfToFloatCuda, ConvertsExactly) {
+  REQUIRE_CUDA();
+  for (const int n : {1, 1000, 32001}) {
+    const auto x = random_half(n, -60000.0f, 60000.0f, 101);
+    Dev<uint16_t> dx(x);
+    Dev<float> dy(n);
+    dy.poison();
+    cuda::half_to_float(dx.half(), dy.get(), n, nullptr);
+    const auto got = dy.download();
+    for (int i = 0; i < n; ++i) ASSERT_EQ(got[i], half_to_float(x[i])) << "n " << n << " i " << i;
+  }
+}
+
+}  // namespace
+}  // namespace kestrel
