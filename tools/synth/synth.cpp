@@ -3,8 +3,9 @@
 // Scaling (why the model stays finite in fp16 and decodes with clear winners):
 //   embedding std 1; RMSNorm weights 1 + N(0, 0.02); q/k/v/gate/up std 1/sqrt(K) so their
 //   outputs have std ~1; o/down std 0.5/sqrt(K) so each layer adds std <= ~0.6 to the
-//   residual stream (a 40-layer model ends near std 4); lm_head std kLogitStd/sqrt(hidden) so
-//   logits have std ~kLogitStd and the top logit typically leads the second by more than 1.
+//   residual stream (a 40-layer model ends near std 4); lm_head std kLogitStd/sqrt(hidden),
+//   with log-normal row norms (kHeadRowSpread), so logits have std ~kLogitStd and the top
+//   logit typically leads the second by more than 1.
 //   Normal draws are bounded (+-3.46 std), so no single weight is an outlier.
 //
 // GPTQ linears are drawn directly as codes, zeros and scales. Codes of column n in group g
@@ -52,6 +53,11 @@ namespace fs = std::filesystem;
 using ojson = nlohmann::ordered_json;
 
 constexpr float kLogitStd = 6.0f;
+// Log-normal spread of the output head's row norms. Gaussian logits leave the top two only
+// ~std/sqrt(2 ln vocab) apart (below 1 half of the time, below 0.05 for 1-3% of tokens), so
+// greedy decoding would flip on fp16 rounding; a heavier tail puts the median gap near 4 and
+// the top two within 0.05 for well under 1% of tokens, at the same overall logit std.
+constexpr float kHeadRowSpread = 0.5f;
 constexpr int kTokenizerVocab = 1000;
 constexpr int64_t kChunk = int64_t(1) << 16;  // elements per RNG stream of a dense tensor
 
@@ -163,13 +169,32 @@ void parallel_for(int64_t n, int threads, const std::function<void(int64_t)>& fn
 
 // ---- dense fp16 tensors -------------------------------------------------------------------
 
-void fill_normal_f16(uint8_t* dst, int64_t numel, float mean, float std, uint64_t seed,
+// Values mean + std * N(0, 1). With row_spread > 0, each row of `row_len` values is also
+// scaled by exp(row_spread * N(0, 1)) / exp(row_spread^2), which keeps the overall std.
+struct DenseInit {
+  float mean = 0, std = 1;
+  float row_spread = 0;
+  int64_t row_len = 1;
+};
+
+void fill_normal_f16(uint8_t* dst, int64_t numel, const DenseInit& init, uint64_t seed,
                      int threads) {
+  const uint64_t row_seed = derive_seed(seed, ~0ull);
+  const float norm = std::exp(-init.row_spread * init.row_spread);
   parallel_for((numel + kChunk - 1) / kChunk, threads, [&](int64_t c) {
     Rng rng(derive_seed(seed, (uint64_t)c));
     const int64_t begin = c * kChunk, end = std::min(numel, begin + kChunk);
     std::vector<uint16_t> h(end - begin);
-    for (uint16_t& x : h) x = float_to_half(mean + std * rng.normal());
+    int64_t row = -1;
+    float std = init.std;
+    for (int64_t i = begin; i < end; ++i) {
+      if (init.row_spread > 0 && i / init.row_len != row) {
+        row = i / init.row_len;
+        Rng row_rng(derive_seed(row_seed, (uint64_t)row));
+        std = init.std * norm * std::exp(init.row_spread * row_rng.normal());
+      }
+      h[i - begin] = float_to_half(init.mean + std * rng.normal());
+    }
     std::memcpy(dst + begin * 2, h.data(), h.size() * 2);
   });
 }
@@ -295,19 +320,19 @@ struct Plan {
 };
 
 void add_dense(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const std::string& name,
-               std::vector<int64_t> shape, float mean, float std) {
+               std::vector<int64_t> shape, DenseInit init) {
   int64_t numel = 1;
   for (int64_t s : shape) numel *= s;
   const uint64_t seed = derive_seed(p->opt.seed, name_hash(name));
-  w.add(name, DType::F16, std::move(shape), [p, numel, mean, std, seed](uint8_t* dst, size_t) {
-    fill_normal_f16(dst, numel, mean, std, seed, p->threads);
+  w.add(name, DType::F16, std::move(shape), [p, numel, init, seed](uint8_t* dst, size_t) {
+    fill_normal_f16(dst, numel, init, seed, p->threads);
   });
 }
 
 void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const std::string& name,
                 int64_t N, int64_t K, float std) {
   if (p->opt.dtype == "fp16") {
-    add_dense(w, p, name + ".weight", {N, K}, 0.0f, std);
+    add_dense(w, p, name + ".weight", {N, K}, {0.0f, std});
     return;
   }
   QuantLinear q;
@@ -338,23 +363,24 @@ void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
   const int64_t H = d.hidden, I = d.intermediate, Q = d.q_dim(), KV = d.kv_dim(), V = d.vocab;
   const float in_std = 1.0f / std::sqrt((float)H);
   // With tied embeddings the embedding is also the output head: scale it for the logits.
-  const float embed_std = plan->opt.tie_embeddings ? kLogitStd / std::sqrt((float)H) : 1.0f;
-  add_dense(w, plan, "model.embed_tokens.weight", {V, H}, 0.0f, embed_std);
+  const DenseInit head{0.0f, kLogitStd / std::sqrt((float)H), kHeadRowSpread, H};
+  add_dense(w, plan, "model.embed_tokens.weight", {V, H},
+            plan->opt.tie_embeddings ? head : DenseInit{0.0f, 1.0f});
   for (int l = 0; l < d.n_layers; ++l) {
     const std::string pre = fmt::format("model.layers.{}.", l);
-    add_dense(w, plan, pre + "input_layernorm.weight", {H}, 1.0f, 0.02f);
+    add_dense(w, plan, pre + "input_layernorm.weight", {H}, {1.0f, 0.02f});
     add_linear(w, plan, pre + "self_attn.q_proj", Q, H, in_std);
     add_linear(w, plan, pre + "self_attn.k_proj", KV, H, in_std);
     add_linear(w, plan, pre + "self_attn.v_proj", KV, H, in_std);
     add_linear(w, plan, pre + "self_attn.o_proj", H, Q, 0.5f / std::sqrt((float)Q));
-    add_dense(w, plan, pre + "post_attention_layernorm.weight", {H}, 1.0f, 0.02f);
+    add_dense(w, plan, pre + "post_attention_layernorm.weight", {H}, {1.0f, 0.02f});
     add_linear(w, plan, pre + "mlp.gate_proj", I, H, in_std);
     add_linear(w, plan, pre + "mlp.up_proj", I, H, in_std);
     add_linear(w, plan, pre + "mlp.down_proj", H, I, 0.5f / std::sqrt((float)I));
   }
-  add_dense(w, plan, "model.norm.weight", {H}, 1.0f, 0.02f);
+  add_dense(w, plan, "model.norm.weight", {H}, {1.0f, 0.02f});
   if (!plan->opt.tie_embeddings)
-    add_dense(w, plan, "lm_head.weight", {V, H}, 0.0f, kLogitStd / std::sqrt((float)H));
+    add_dense(w, plan, "lm_head.weight", {V, H}, head);
   plan->params = V * H * (plan->opt.tie_embeddings ? 1 : 2) + H +
                  d.n_layers * (2 * H + 2 * H * Q + 2 * H * KV + 3 * H * I);
 }
