@@ -68,12 +68,12 @@ struct Dims {
   int kv_dim() const { return n_kv_heads * head_dim; }
 };
 
-// Shapes of real models. vocab 0 = the tokenizer's size.
+// Shapes of real models. vocab 0 = the tokenizer's size; head_dim (0) = hidden / heads.
 Dims preset(const std::string& shape) {
-  if (shape == "tiny") return {256, 768, 4, 4, 2, 64, 0, 2048};
-  if (shape == "1b") return {2048, 5632, 22, 32, 4, 64, 32000, 2048};     // TinyLlama 1.1B
-  if (shape == "7b") return {4096, 11008, 32, 32, 32, 128, 32000, 4096};  // Llama-2-7B
-  if (shape == "13b") return {5120, 13824, 40, 40, 40, 128, 32000, 4096}; // Llama-2-13B
+  if (shape == "tiny") return {256, 768, 4, 4, 2, 0, 0, 2048};
+  if (shape == "1b") return {2048, 5632, 22, 32, 4, 0, 32000, 2048};     // TinyLlama 1.1B
+  if (shape == "7b") return {4096, 11008, 32, 32, 32, 0, 32000, 4096};   // Llama-2-7B
+  if (shape == "13b") return {5120, 13824, 40, 40, 40, 0, 32000, 4096};  // Llama-2-13B
   if (shape == "custom") return {};
   throw Error(fmt::format("unknown --shape {} (known: tiny, 1b, 7b, 13b, custom)", shape));
 }
@@ -97,7 +97,6 @@ Dims resolve_dims(const SynthOptions& o, int tokenizer_pieces) {
     if (!d.n_kv_heads) d.n_kv_heads = d.n_heads;
     if (!d.max_pos) d.max_pos = 2048;
   }
-  // A preset's head_dim follows a changed --hidden/--heads unless given explicitly.
   if (o.head_dim > 0) {
     d.head_dim = o.head_dim;
   } else {
