@@ -3,6 +3,7 @@
 // and is indexed by position, so a new conversation simply starts again at position 0.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -25,6 +26,21 @@ class Backend {
   // is non-null it receives the logits of every token [n, vocab].
   virtual void forward(const int* tokens, int n, int pos, float* logits,
                        float* all_logits = nullptr) = 0;
+
+  // Greedy fast path: runs one token at `pos` and returns the argmax of its logits. A GPU
+  // backend picks the token on the device so that only its id crosses to the host.
+  virtual int forward_argmax(int token, int pos) {
+    std::vector<float> logits(config().vocab);
+    forward(&token, 1, pos, logits.data());
+    int best = 0;
+    for (int i = 1; i < (int)logits.size(); ++i)
+      if (logits[i] > logits[best]) best = i;
+    return best;
+  }
+
+  // Bytes the backend holds on its device: weights, and everything else (KV cache, scratch).
+  virtual size_t weight_bytes() const { return 0; }
+  virtual size_t cache_bytes() const { return 0; }
 };
 
 }  // namespace kestrel

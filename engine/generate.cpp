@@ -77,12 +77,22 @@ GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<
   auto t1 = clock::now();
   r.prompt_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 
+  // Greedy decoding without penalties needs only the argmax: the backend may pick it on its
+  // device and hand back one id per token instead of the logits.
+  const SamplingParams& sp = opt.sampling;
+  const bool argmax_only = sp.temperature <= 0.0f && sp.repeat_penalty == 1.0f &&
+                           sp.frequency_penalty == 0.0f && sp.presence_penalty == 0.0f;
   int pos = start_pos + n_prompt;
   for (int i = 0; i < opt.max_new_tokens; ++i) {
-    if (i > 0) {
+    int id;
+    if (i == 0) {
+      id = sampler.sample(logits.data(), vocab, history);
+    } else if (argmax_only) {
+      id = model.forward_argmax(r.ids.back(), pos - 1);
+    } else {
       model.forward(&r.ids.back(), 1, pos - 1, logits.data());
+      id = sampler.sample(logits.data(), vocab, history);
     }
-    const int id = sampler.sample(logits.data(), vocab, history);
     r.ids.push_back(id);
     history.push_back(id);
     ++pos;

@@ -162,3 +162,34 @@ TEST_F(Cli, SynthRejectsBadBits) {
 }
 
 }  // namespace
+
+namespace {
+
+// kestrel-synth --shape tiny then kestrel generate --device cpu --json, for every bit width
+// and checkpoint format (act-order and asymmetric zeros alternate across the combinations).
+TEST(CliFormats, SynthThenGenerateEveryBitsAndFormat) {
+  int i = 0;
+  for (int bits : {2, 3, 4, 8}) {
+    for (const std::string format : {"gptq", "gptq_v2"}) {
+      const bool act = i % 2 == 0, asym = format == "gptq_v2" && i % 4 == 1;
+      ++i;
+      const fs::path d = fs::temp_directory_path() / ("kestrel_cli_fmt_" + std::to_string(i));
+      fs::remove_all(d);
+      const std::string synth = kSynth + " --shape tiny --layers 2 --dtype gptq --bits " +
+                                std::to_string(bits) + " --group-size 64 --format " + format +
+                                (act ? " --act-order" : "") + (asym ? " --asym" : "") +
+                                " --quiet --out " + d.string();
+      const Result s = run(synth);
+      ASSERT_EQ(s.code, 0) << synth << "\n" << s.err;
+      const Result g = run(kKestrel + " generate --device cpu -m " + d.string() +
+                           " -p 'hello world' -n 8 --temp 0 --json");
+      ASSERT_EQ(g.code, 0) << synth << "\n" << g.err;
+      const nlohmann::json j = nlohmann::json::parse(g.out);
+      EXPECT_EQ(j["ids"].size(), 8u) << synth;
+      EXPECT_EQ(j["finish_reason"], "length") << synth;
+      fs::remove_all(d);
+    }
+  }
+}
+
+}  // namespace

@@ -10,6 +10,7 @@
 #include "engine/device.h"
 #include "engine/error.h"
 #include "models/llama.h"
+#include "models/llama_cuda.h"
 
 namespace kestrel::cli {
 
@@ -37,7 +38,6 @@ LoadedModel load_model(const ModelOptions& o, bool quiet) {
   if (m.device == "cuda") {
     const CudaStatus s = cuda_status();
     if (!s.usable) throw DeviceError(s.problem + "; run with --device cpu");
-    throw DeviceError("the CUDA engine is not part of this build yet; run with --device cpu");
   }
 
   m.tok = std::make_unique<Tokenizer>(Tokenizer::load(o.dir));
@@ -50,7 +50,10 @@ LoadedModel load_model(const ModelOptions& o, bool quiet) {
   if (o.context > c.max_pos)
     note(quiet, "warning: context " + std::to_string(o.context) +
                     " is longer than the model was trained for (" + std::to_string(c.max_pos) + ")");
-  m.backend = std::make_unique<LlamaCpu>(*m.spec, o.context);
+  if (m.device == "cuda")
+    m.backend = std::make_unique<LlamaCuda>(*m.spec, o.context, quiet);
+  else
+    m.backend = std::make_unique<LlamaCpu>(*m.spec, o.context);
   m.load_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return m;

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "kestrel 0.1.0");
   std::function<int()> action;
   kestrel::cli::register_generate(app, action);
+  kestrel::cli::register_bench(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

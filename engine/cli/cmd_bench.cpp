@@ -1,0 +1,157 @@
+// kestrel bench: prompt and generation throughput in the manner of llama-bench. Random
+// prompt tokens, one warm-up run, then r repetitions; every generated token is synchronised
+// and read back by the host, as in real generation. Reports mean and standard deviation.
+#include <cmath>
+#include <fmt/format.h>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "engine/cli/commands.h"
+#include "engine/cli/common.h"
+#include "engine/error.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+struct BenchArgs {
+  ModelOptions model;
+  int n_prompt = 512;
+  int n_gen = 128;
+  int reps = 5;
+  std::string output = "md";
+  uint64_t seed = 1234;
+};
+
+struct Stat {
+  double mean = 0, sd = 0;
+};
+
+Stat stats(const std::vector<double>& v) {
+  Stat s;
+  if (v.empty()) return s;
+  for (double x : v) s.mean += x;
+  s.mean /= v.size();
+  if (v.size() > 1) {
+    for (double x : v) s.sd += (x - s.mean) * (x - s.mean);
+    s.sd = std::sqrt(s.sd / (v.size() - 1));
+  }
+  return s;
+}
+
+// "4-bit g128 act-order GPTQ" / "F16".
+std::string describe(const ModelConfig& c) {
+  if (!c.quant) return dtype_name(c.dtype);
+  const QuantConfig& q = *c.quant;
+  return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
+                     q.group_size > 0 ? "g" + std::to_string(q.group_size) : "per-channel",
+                     q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
+}
+
+int64_t count_params(const ModelSpec& s) {
+  const ModelConfig& c = s.config;
+  int64_t per_layer = (int64_t)c.hidden * (c.q_dim() + 2 * c.kv_dim()) + (int64_t)c.q_dim() * c.hidden +
+                      3LL * c.hidden * c.intermediate + 2LL * c.hidden;
+  int64_t p = per_layer * c.n_layers + (int64_t)c.vocab * c.hidden + c.hidden;
+  if (s.lm_head != s.embed) p += (int64_t)c.vocab * c.hidden;
+  return p;
+}
+
+int run_bench(BenchArgs a) {
+  if (a.model.context == 0) a.model.context = a.n_prompt + a.n_gen;
+  LoadedModel m = load_model(a.model, a.output != "md");
+  Backend& b = *m.backend;
+  const int vocab = b.config().vocab;
+  if (a.n_prompt + a.n_gen > b.context_length())
+    throw Error(fmt::format("-p {} plus -n {} exceed the context of {}", a.n_prompt, a.n_gen,
+                            b.context_length()));
+
+  std::mt19937_64 rng(a.seed);
+  std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
+  std::vector<float> logits(vocab);
+  std::vector<double> pp, tg;
+  using clock = std::chrono::steady_clock;
+  for (int rep = -1; rep < a.reps; ++rep) {  // rep -1 is the warm-up
+    std::vector<int> prompt(std::max(a.n_prompt, 1));
+    for (int& t : prompt) t = tok(rng);
+    auto t0 = clock::now();
+    int next = prompt.back();
+    if (a.n_prompt > 0) {
+      b.forward(prompt.data(), a.n_prompt, 0, logits.data());
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      if (rep >= 0) pp.push_back(a.n_prompt / s);
+      next = (int)(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    }
+    if (a.n_gen > 0) {
+      t0 = clock::now();
+      for (int i = 0; i < a.n_gen; ++i) next = b.forward_argmax(next, a.n_prompt + i);
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      if (rep >= 0) tg.push_back(a.n_gen / s);
+    }
+  }
+
+  const ModelConfig& c = b.config();
+  const double size_gib = m.spec->files.total_bytes() / 1073741824.0;
+  const double params_b = count_params(*m.spec) / 1e9;
+  const Stat p = stats(pp), g = stats(tg);
+  const std::string backend = m.device == "cuda" ? "CUDA" : "CPU";
+  if (a.output == "json") {
+    nlohmann::json j;
+    j["model"] = a.model.dir;
+    j["type"] = describe(c);
+    j["size_bytes"] = m.spec->files.total_bytes();
+    j["params"] = count_params(*m.spec);
+    j["backend"] = backend;
+    j["device"] = b.device_name();
+    j["n_prompt"] = a.n_prompt;
+    j["n_gen"] = a.n_gen;
+    j["reps"] = a.reps;
+    j["prompt_tokens_per_s"] = {{"mean", p.mean}, {"sd", p.sd}, {"samples", pp}};
+    j["gen_tokens_per_s"] = {{"mean", g.mean}, {"sd", g.sd}, {"samples", tg}};
+    j["gpu_weight_bytes"] = b.weight_bytes();
+    j["gpu_cache_bytes"] = b.cache_bytes();
+    std::cout << j.dump(2) << "\n";
+  } else if (a.output == "csv") {
+    std::cout << "model,type,size_gib,params_b,backend,device,test,tokens_per_s_mean,tokens_per_s_sd\n";
+    auto row = [&](const std::string& test, Stat s) {
+      std::cout << fmt::format("{},{},{:.2f},{:.2f},{},{},{},{:.2f},{:.2f}\n", a.model.dir, describe(c),
+                               size_gib, params_b, backend, b.device_name(), test, s.mean, s.sd);
+    };
+    if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
+    if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+  } else {
+    std::cout << fmt::format("| {:<28} | {:>9} | {:>7} | {:<20} | {:>7} | {:>18} |\n", "model", "size",
+                             "params", "device", "test", "t/s");
+    std::cout << fmt::format("| {:-<28} | {:->9} | {:->7} | {:-<20} | {:->7} | {:->18} |\n", "", "", "", "",
+                             "", "");
+    auto row = [&](const std::string& test, Stat s) {
+      std::cout << fmt::format("| {:<28} | {:>5.2f} GiB | {:>5.2f} B | {:<20} | {:>7} | {:>9.2f} ± {:>6.2f} |\n",
+                               describe(c), size_gib, params_b, b.device_name(), test,
+                               s.mean, s.sd);
+    };
+    if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
+    if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+    if (m.device == "cuda")
+      std::cout << fmt::format("\nGPU memory: weights {:.2f} GiB + KV cache {:.2f} GiB ({} positions)\n",
+                               b.weight_bytes() / 1073741824.0, b.cache_bytes() / 1073741824.0,
+                               b.context_length());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<BenchArgs>();
+  CLI::App* cmd = app.add_subcommand("bench", "measure prompt and generation tokens/s");
+  add_model_options(cmd, a->model);
+  cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens (0 = skip)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-n,--n-gen", a->n_gen, "generated tokens (0 = skip)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")->check(CLI::PositiveNumber);
+  cmd->add_option("-o,--output", a->output, "md, json or csv")->check(CLI::IsMember({"md", "json", "csv"}));
+  cmd->add_option("--seed", a->seed, "seed of the random prompt tokens");
+  cmd->callback([a, &action] { action = [a] { return run_bench(*a); }; });
+}
+
+}  // namespace kestrel::cli

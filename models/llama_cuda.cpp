@@ -1,0 +1,334 @@
+// The Llama decode step on the GPU. Per token: embedding, then per layer
+//   rmsnorm -> fused qkv GEMV -> RoPE + KV write -> flash-decoding attention
+//   -> o GEMV (+ residual) -> rmsnorm -> fused gate|up GEMV -> SiLU*up -> down GEMV (+ residual)
+// then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
+// from device memory, so it is captured once as a CUDA graph and replayed per token; the host
+// writes two ints and reads one back.
+#include "models/llama_cuda.h"
+
+#include <algorithm>
+#include <cstring>
+#include <fmt/format.h>
+
+#include "engine/device.h"
+#include "engine/error.h"
+#include "engine/progress.h"
+#include "kernels/activation/activation_cuda.h"
+#include "kernels/attention/attention_cuda.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/embedding/embedding_cuda.h"
+#include "kernels/norm/norm_cuda.h"
+#include "kernels/rope/rope_cuda.h"
+#include "kernels/sampling/argmax_cuda.h"
+
+namespace kestrel {
+
+namespace {
+
+std::string mb(size_t bytes) { return fmt::format("{:.0f} MiB", bytes / 1048576.0); }
+
+// Tensor data as fp16 bits (converting BF16/F32), for upload.
+std::vector<uint16_t> as_f16(const TensorInfo& t) {
+  std::vector<uint16_t> out(t.numel());
+  if (t.dtype == DType::F16) {
+    std::memcpy(out.data(), t.data, t.nbytes);
+  } else {
+    const std::vector<float> f = to_float(t);
+    for (size_t i = 0; i < f.size(); ++i) out[i] = float_to_half(f[i]);
+  }
+  return out;
+}
+
+// The GPTQ tensors of one linear, copied to aligned host memory.
+struct HostGptq {
+  std::vector<uint32_t> qweight, qzeros;
+  std::vector<uint16_t> scales;
+  std::vector<int32_t> g_idx;
+  gptq::GptqView view;
+
+  explicit HostGptq(const LinearSpec& l)
+      : qweight(l.qweight->copy_as<uint32_t>()),
+        qzeros(l.qzeros->copy_as<uint32_t>()),
+        scales(l.scales->copy_as<uint16_t>()) {
+    if (l.g_idx) g_idx = l.g_idx->copy_as<int32_t>();
+    view.bits = l.bits;
+    view.group_size = l.group_size;
+    view.K = l.K;
+    view.N = l.N;
+    view.zero_offset = l.zero_offset;
+    view.qweight = qweight.data();
+    view.qzeros = qzeros.data();
+    view.scales = scales.data();
+    view.g_idx = l.g_idx ? g_idx.data() : nullptr;
+  }
+};
+
+// Can these GPTQ linears run as one GEMV over their concatenated outputs?
+bool fusable(const std::vector<const LinearSpec*>& parts) {
+  const LinearSpec& a = *parts[0];
+  for (const LinearSpec* p : parts) {
+    if (!p->quantized || p->K != a.K || p->bits != a.bits || p->group_size != a.group_size ||
+        p->zero_offset != a.zero_offset || (p->g_idx == nullptr) != (a.g_idx == nullptr))
+      return false;
+    if (p->g_idx && std::memcmp(p->g_idx->data, a.g_idx->data, a.g_idx->nbytes) != 0) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s) const {
+  if (quantized)
+    cuda::gemv(q, x, y, residual, s);
+  else
+    cuda::gemv_f16(dense, x, y, N, K, residual, s);
+}
+
+// Streams the checkpoint's tensors to the GPU, one at a time, counting bytes for the bar.
+struct GpuLoader {
+  LlamaCuda& m;
+  Progress bar;
+  double done = 0;
+
+  __half* upload(const TensorInfo& t) {
+    const std::vector<uint16_t> h = as_f16(t);
+    auto* d = static_cast<__half*>(m.alloc(h.size() * 2));
+    KESTREL_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    m.weight_bytes_ += h.size() * 2;
+    advance(t.nbytes);
+    return d;
+  }
+
+  void advance(size_t bytes) { bar.update(done += bytes / 1048576.0); }
+
+  // Several linears with the same input, fused along N where their formats agree.
+  GpuLinear linear(const std::vector<const LinearSpec*>& parts) {
+    GpuLinear out;
+    out.K = parts[0]->K;
+    for (const LinearSpec* p : parts) {
+      out.N += p->N;
+      if (p->bias)
+        throw Error(p->name + ".bias: the CUDA engine does not run linear biases; use --device cpu");
+    }
+    size_t src_bytes = 0;
+    for (const LinearSpec* p : parts)
+      for (const TensorInfo* t : {p->weight, p->qweight, p->qzeros, p->scales, p->g_idx})
+        if (t) src_bytes += t->nbytes;
+
+    if (fusable(parts)) {
+      std::vector<HostGptq> host;
+      host.reserve(parts.size());
+      for (const LinearSpec* p : parts) host.emplace_back(*p);
+      std::vector<gptq::GptqView> views;
+      for (const HostGptq& h : host) views.push_back(h.view);
+      out.quantized = true;
+      out.q = cuda::gemv_prepare(views, m.stream_);
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
+      out.bytes = out.q.device_bytes;
+    } else {
+      // Dense FP16 rows, concatenated; GPTQ parts that cannot be fused are dequantized.
+      std::vector<uint16_t> rows;
+      rows.reserve((size_t)out.N * out.K);
+      for (const LinearSpec* p : parts) {
+        if (p->quantized) {
+          const HostGptq h(*p);
+          std::vector<float> W((size_t)p->N * p->K);
+          gptq::dequantize_ref(h.view, W.data());
+          for (float v : W) rows.push_back(float_to_half(v));
+        } else {
+          const std::vector<uint16_t> h = as_f16(*p->weight);
+          rows.insert(rows.end(), h.begin(), h.end());
+        }
+      }
+      out.dense = static_cast<__half*>(m.alloc(rows.size() * 2));
+      KESTREL_CUDA_CHECK(cudaMemcpy(out.dense, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
+      out.bytes = rows.size() * 2;
+    }
+    m.weight_bytes_ += out.bytes;
+    advance(src_bytes);
+    return out;
+  }
+};
+
+void* LlamaCuda::alloc(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw DeviceError(fmt::format("out of GPU memory: {} more needed, {} free of {} ({})",
+                                  mb(bytes), mb(free_b), mb(total_b), cudaGetErrorString(err)));
+  }
+  allocations_.push_back(p);
+  return p;
+}
+
+LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec.config) {
+  const CudaStatus st = cuda_status();
+  if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
+  device_name_ = st.name;
+  const ModelConfig& c = cfg_;
+  if (c.head_dim != 64 && c.head_dim != 128)
+    throw Error(fmt::format("{}: head_dim {} is not supported by the CUDA engine (64 or 128); use --device cpu",
+                            spec.dir, c.head_dim));
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+
+  // Weights, streamed tensor by tensor.
+  {
+    GpuLoader L{*this, Progress("loading", spec.files.total_bytes() / 1048576.0, "MiB", !quiet)};
+    w_.embed = L.upload(*spec.embed);
+    w_.final_norm = L.upload(*spec.final_norm);
+    w_.lm_head = spec.lm_head == spec.embed ? w_.embed : L.upload(*spec.lm_head);
+    for (const LayerSpec& ls : spec.layers) {
+      GpuLayer g;
+      g.input_norm = L.upload(*ls.input_norm);
+      g.post_norm = L.upload(*ls.post_norm);
+      g.qkv = L.linear({&ls.q, &ls.k, &ls.v});
+      g.o = L.linear({&ls.o});
+      g.gate_up = L.linear({&ls.gate, &ls.up});
+      g.down = L.linear({&ls.down});
+      w_.layers.push_back(g);
+    }
+    L.bar.finish();
+  }
+
+  // KV cache: as long as asked (or the model's maximum), shortened to what fits.
+  ctx_ = context > 0 ? context : c.max_pos;
+  const size_t per_pos = 2ull * c.n_layers * c.kv_dim() * sizeof(__half);
+  size_t free_b = 0, total_b = 0;
+  KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const size_t reserve = (size_t)256 << 20;  // scratch, graphs, the CUDA context's growth
+  const size_t fits = free_b > reserve ? (free_b - reserve) / per_pos : 0;
+  if ((size_t)ctx_ > fits) {
+    if (fits < 16)
+      throw DeviceError(fmt::format("out of GPU memory: the weights use {}, {} is left, too little for a KV cache",
+                                    mb(weight_bytes_), mb(free_b)));
+    if (!quiet)
+      fmt::print(stderr, "note: GPU memory is short: context reduced from {} to {} tokens\n", ctx_, fits);
+    ctx_ = (int)fits;
+  }
+  cache_bytes_ = per_pos * ctx_;
+  s_.key_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
+  s_.value_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
+
+  // Activations.
+  int* io = static_cast<int*>(alloc(4 * sizeof(int)));
+  s_.token = io;
+  s_.pos = io + 1;
+  s_.next = io + 2;
+  auto halves = [&](size_t n) { return static_cast<__half*>(alloc(n * sizeof(__half))); };
+  s_.x = halves(c.hidden);
+  s_.xb = halves(c.hidden);
+  s_.qkv = halves(c.q_dim() + 2 * c.kv_dim());
+  s_.att = halves(c.q_dim());
+  s_.gate_up = halves(2 * (size_t)c.intermediate);
+  s_.act = halves(c.intermediate);
+  s_.logits = halves(c.vocab);
+  s_.logits_f32 = static_cast<float*>(alloc(c.vocab * sizeof(float)));
+  s_.att_workspace =
+      static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx_, c.n_heads, c.head_dim)));
+  KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 4 * sizeof(int)));
+  KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
+
+  capture_graphs();
+}
+
+LlamaCuda::~LlamaCuda() {
+  for (cudaGraphExec_t g : graphs_)
+    if (g) cudaGraphExecDestroy(g);
+  for (void* p : allocations_) cudaFree(p);
+  if (host_io_) cudaFreeHost(host_io_);
+  if (host_logits_) cudaFreeHost(host_logits_);
+  for (GpuLayer& l : w_.layers)
+    for (GpuLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+      if (lin->quantized) cuda::gemv_free(lin->q);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void LlamaCuda::record_step(cudaStream_t s, Head head) {
+  const ModelConfig& c = cfg_;
+  const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
+
+  cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
+  for (int l = 0; l < c.n_layers; ++l) {
+    const GpuLayer& L = w_.layers[l];
+    __half* k_cache = s_.key_cache + l * kv_layer;    // [ctx, kv_dim]
+    __half* v_cache = s_.value_cache + l * kv_layer;  // [ctx, kv_dim]
+
+    // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
+    cuda::rms_norm_f16(s_.x, L.input_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
+    L.qkv.run(s_.xb, s_.qkv, nullptr, s);  // qkv [q_dim | kv_dim | kv_dim]
+    cuda::rope_kv_write_f16(s_.qkv, k_cache, v_cache, s_.pos, c.n_heads, c.n_kv_heads, c.head_dim,
+                            c.rope_theta, c.rope_linear_factor, s);
+    cuda::attention_decode_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window, c.n_heads,
+                               c.n_kv_heads, c.head_dim, s_.att_workspace, s_.att, s);
+    L.o.run(s_.att, s_.x, s_.x, s);
+
+    // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
+    cuda::rms_norm_f16(s_.x, L.post_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
+    L.gate_up.run(s_.xb, s_.gate_up, nullptr, s);  // [gate | up]
+    cuda::silu_mul_f16(s_.gate_up, c.intermediate, s_.act, s);
+    L.down.run(s_.act, s_.x, s_.x, s);
+  }
+  if (head == Head::None) return;
+
+  cuda::rms_norm_f16(s_.x, w_.final_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
+  cuda::gemv_f16(w_.lm_head, s_.xb, s_.logits, c.vocab, c.hidden, nullptr, s);  // [vocab]
+  if (head == Head::Argmax) {
+    cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_io_ + 2, s_.next, sizeof(int), cudaMemcpyDeviceToHost, s));
+  } else {
+    cuda::half_to_float(s_.logits, s_.logits_f32, c.vocab, s);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_logits_, s_.logits_f32, c.vocab * sizeof(float),
+                                       cudaMemcpyDeviceToHost, s));
+  }
+}
+
+void LlamaCuda::capture_graphs() {
+  for (Head h : {Head::None, Head::Argmax, Head::Logits}) {
+    cudaGraph_t graph = nullptr;
+    KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      record_step(stream_, h);
+    } catch (...) {
+      cudaStreamEndCapture(stream_, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      throw;
+    }
+    KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    const cudaError_t err = cudaGraphInstantiate(&graphs_[(int)h], graph, 0);
+    cudaGraphDestroy(graph);
+    KESTREL_CUDA_CHECK(err);
+  }
+}
+
+void LlamaCuda::step(int token, int pos, Head head) {
+  KESTREL_CHECK(token >= 0 && token < cfg_.vocab,
+                fmt::format("token id {} is outside the vocabulary ({})", token, cfg_.vocab));
+  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+  host_io_[0] = token;
+  host_io_[1] = pos;
+  KESTREL_CUDA_CHECK(cudaGraphLaunch(graphs_[(int)head], stream_));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void LlamaCuda::forward(const int* tokens, int n, int pos, float* logits, float* all_logits) {
+  KESTREL_CHECK(n > 0, "forward: no tokens");
+  KESTREL_CHECK(pos + n <= ctx_, fmt::format("{} tokens do not fit the context of {}", pos + n, ctx_));
+  const size_t vocab = cfg_.vocab;
+  for (int i = 0; i < n; ++i) {
+    const bool want = all_logits || i == n - 1;
+    step(tokens[i], pos + i, want ? Head::Logits : Head::None);
+    if (all_logits) std::memcpy(all_logits + i * vocab, host_logits_, vocab * sizeof(float));
+  }
+  std::memcpy(logits, host_logits_, vocab * sizeof(float));
+}
+
+int LlamaCuda::forward_argmax(int token, int pos) {
+  step(token, pos, Head::Argmax);
+  return host_io_[2];
+}
+
+}  // namespace kestrel

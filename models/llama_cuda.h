@@ -1,0 +1,105 @@
+// The Llama family on an NVIDIA GPU: batch-1 decoding with fused dequant-GEMVs, FP16
+// activations and KV cache, and the whole decode step captured once as a CUDA graph.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/model_spec.h"
+#include "kernels/gemv/gemv.h"
+
+namespace kestrel {
+
+// One linear layer on the GPU, or several fused along N (q|k|v, gate|up): GPTQ parts run as
+// one fused dequant-GEMV; dense FP16 parts as one FP16 GEMV over concatenated rows.
+struct GpuLinear {
+  int64_t N = 0, K = 0;
+  bool quantized = false;
+  cuda::GemvWeight q;         // quantized
+  __half* dense = nullptr;    // [N, K] FP16, dense
+  size_t bytes = 0;
+
+  // y [N] = W x (+ residual [N]; y may alias residual)
+  void run(const __half* x, __half* y, const __half* residual, cudaStream_t s) const;
+};
+
+struct GpuLayer {
+  __half* input_norm = nullptr;  // [hidden]
+  __half* post_norm = nullptr;   // [hidden]
+  GpuLinear qkv;                 // [q_dim + 2 * kv_dim, hidden]
+  GpuLinear o;                   // [hidden, q_dim]
+  GpuLinear gate_up;             // [2 * intermediate, hidden]
+  GpuLinear down;                // [hidden, intermediate]
+};
+
+struct GpuWeights {
+  __half* embed = nullptr;       // [vocab, hidden]
+  __half* final_norm = nullptr;  // [hidden]
+  __half* lm_head = nullptr;     // [vocab, hidden] (== embed when tied)
+  std::vector<GpuLayer> layers;
+};
+
+// Activations of one token and the KV cache, all FP16 on the device.
+struct GpuRunState {
+  int* token = nullptr;          // [1] input token of the step
+  int* pos = nullptr;            // [1] its position
+  int* next = nullptr;           // [1] argmax of the step's logits
+  __half* x = nullptr;           // [hidden] residual stream
+  __half* xb = nullptr;          // [hidden] normalised block input
+  __half* qkv = nullptr;         // [q_dim + 2 * kv_dim]
+  __half* att = nullptr;         // [q_dim]
+  __half* gate_up = nullptr;     // [2 * intermediate]
+  __half* act = nullptr;         // [intermediate] silu(gate) * up
+  __half* logits = nullptr;      // [vocab]
+  float* logits_f32 = nullptr;   // [vocab]
+  float* att_workspace = nullptr;
+  __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
+  __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
+};
+
+class LlamaCuda final : public Backend {
+ public:
+  // Uploads the weights (streamed tensor by tensor, with a progress bar unless quiet) and
+  // allocates the KV cache for `context` positions (0 = max_position_embeddings; reduced
+  // with a message when GPU memory is short). Throws kestrel::Error / DeviceError.
+  LlamaCuda(const ModelSpec& spec, int context, bool quiet);
+  ~LlamaCuda() override;
+
+  const ModelConfig& config() const override { return cfg_; }
+  int context_length() const override { return ctx_; }
+  std::string device_name() const override { return device_name_; }
+  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
+  int forward_argmax(int token, int pos) override;
+  size_t weight_bytes() const override { return weight_bytes_; }
+  size_t cache_bytes() const override { return cache_bytes_; }
+
+ private:
+  enum class Head { None, Argmax, Logits };
+  // Enqueues one decode step (the token and position are read from device memory).
+  void record_step(cudaStream_t s, Head head);
+  void capture_graphs();
+  // Runs one step through the graph for `head`; returns when the result is on the host.
+  void step(int token, int pos, Head head);
+
+  ModelConfig cfg_;
+  int ctx_ = 0;
+  std::string device_name_;
+  size_t weight_bytes_ = 0, cache_bytes_ = 0;
+  GpuWeights w_;
+  GpuRunState s_;
+  std::vector<void*> allocations_;
+  cudaStream_t stream_ = nullptr;
+  cudaGraphExec_t graphs_[3] = {nullptr, nullptr, nullptr};
+  int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next
+  float* host_logits_ = nullptr;  // pinned [vocab]
+
+  void* alloc(size_t bytes);
+  friend struct GpuLoader;
+};
+
+}  // namespace kestrel
