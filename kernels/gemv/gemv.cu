@@ -1,0 +1,715 @@
+// Batch-1 GEMV kernels: fused GPTQ dequantize + dot product, and plain fp16, streaming the
+// weights once at the memory-bandwidth limit.
+//
+// ---------------------------------------------------------------------------------------------
+// What a GEMV must move. y[N] = W[N,K] x[K]: every weight byte once, x and y once. Llama-2-7B
+// gate/up fused, 4-bit g128: 22016 x 4096 codes = 45.1 MB + scales 1.4 MB; x 8 KB, y 44 KB:
+// ~11 us at 4.26 TB/s. The arithmetic (2 flops per weight) is far below the FP16 units' rate, but
+// the *instruction issue* is not: at 4-bit a GPU-wide 8.5 T weights/s leaves ~4 issue slots per
+// weight, so dequantization must cost a handful of integer/half2 ops per pair of weights.
+//
+// ---------------------------------------------------------------------------------------------
+// Work decomposition. A block of 8 warps owns tiles of consecutive rows and loops over them
+// (grid = at most the resident blocks, so x is staged into shared memory once per block):
+//
+//                 K (chunks of 16 bytes per row)  ------------------------------------->
+//   warp (rg,kw)  | lane0 lane1 ... lane31 | lane0 ... lane31 | lane0 ...     (k_split = 1)
+//   rows rg*R..   | c=0   c=1       c=31   | c=32      c=63   | ...
+//
+// Each warp streams R rows (R = 4, or 2 for 3-bit) at once: lane l loads chunk c = l + 32*i of
+// each of its R rows (so one warp instruction reads 512 contiguous bytes of a row), reads the
+// x chunk c from shared memory once and uses it for all R rows. With k_split = s > 1, s warps
+// share the same R rows and take every s-th group of 32 chunks; their sums meet in shared
+// memory. Lanes sum with warp shuffles. Two chunks per row are loaded before any is used
+// (2R, 6R for 3-bit, 16-byte loads in flight per thread), with ld.global.nc.L1::no_allocate
+// and an L2 evict_first cache policy: weights are read once per token and must neither evict
+// the KV cache or the activations from L2 nor occupy L1.
+//
+// ---------------------------------------------------------------------------------------------
+// Packed layout (built by gemv_prepare.cpp). Row n is `planes` planes of `chunks` 16-byte
+// chunks, plane-major: chunk c of plane p at codes[(n*planes + p)*chunks + c]. Chunk c holds the
+// C consecutive codes k = c*C .. c*C+C-1 of the (act-order permuted) K axis, zero-padded past
+// K. Inside a 32-bit word, the two codes that meet the same half2 of x sit in the low and the
+// high 16-bit half at the same bit position, so one lop3 with a mask drops both into the
+// mantissas of an fp16 pair:
+//
+//  4-bit, C = 32, word j of the chunk holds k = 8j .. 8j+7 (i = k - 8j):
+//     bit 31           16 15             0
+//        | 7 | 5 | 3 | 1 | 6 | 4 | 2 | 0 |      code i at bit 16*(i&1) + 4*(i>>1)
+//     mask 0x000F000F -> pair (0,1) at mantissa bit 0 : with 0x6400 (1024.0) = 1024 + q
+//     mask 0x00F000F0 -> pair (2,3) at mantissa bit 4 : with 0x5400 (  64.0) =   64 + q
+//     the same on word >> 8 -> pairs (4,5), (6,7).
+//  2-bit, C = 64, word j holds k = 16j .. 16j+15: code i at bit 16*(i&1) + 2*(i>>1); masks
+//     0x00030003 << 2s with magics 1024, 256, 64, 16 (mantissa bit 2s), on word and word >> 8.
+//  8-bit, C = 16, word j holds k = 4j .. 4j+3 at byte i; prmt puts bytes (0,1) and (2,3)
+//     under a 0x64 high byte: 1024 + q.
+//  3-bit, C = 128, 3 planes (48 bytes per chunk, three fully coalesced 16-byte loads):
+//     32-code unit u of the chunk = word u of plane 0, 1, 2 (a, b, c):
+//        a: codes 0..7 , b: codes 8..15, c: codes 16..23 as 3-bit values in the 4-bit layout
+//           above (bits 0-2 of each nibble);
+//        bit 3 of nibble slot i of a, b, c = bit 0, 1, 2 of code 24+i.
+//           plane 0 word u:  | x7 c7 | x5 c5 | ... | x6 c6 | x4 c4 | x2 c2 | x0 c0 |
+//           (xi = one bit of code 24+i, ci = 3-bit code i)
+//     d = (a>>3 & 0x11111111) | (b>>2 & 0x22222222) | (c>>1 & 0x44444444) rebuilds codes
+//     24..31 as a fourth nibble word (3 shifts + 2 lop3 per 32 codes); all four words then
+//     decode as 4-bit words with mask 7.
+//  fp16 weights: the row as stored, C = 8.
+//
+// x in shared memory mirrors this: the 8 x values of word j (4-bit; two uint4 per 2-bit word,
+// half a uint4 per 8-bit word) form uint4 number j of the chunk, stored at x_s[j*chunks + c], so
+// that the 32 lanes of a warp read 512 contiguous bytes (no bank conflicts). With act-order
+// the block first copies x in its natural order to shared memory, then gathers it through perm.
+//
+// Scales [N][groups] fp16 and, unless every zero point is equal, zeros [N][groups] uint8,
+// at the effective group size (a divisor of the checkpoint's, repeated; 0 = one per row).
+//
+// ---------------------------------------------------------------------------------------------
+// Dequantization and accuracy. lop3 yields t = M + q exactly (M = 2^(10-p) for a code at
+// mantissa bit p); t - (M + z) = q - z is exact (M + z is built with integer ops, no convert).
+// The single-hfma2 form t*s + (-(M+z)*s) is avoided: rounding -(1024+z)*s to fp16 costs up to
+// half a quantization step.
+//   4-, 8-bit: w = (q - z) * s in fp16 (one rounding, as the fp16 model's weight), then
+//     hfma2 with x into a half2 partial sum over one chunk (32 or 16 codes), added in fp32.
+//   2-, 3-bit: the partial sum over 32 codes is sum (q - z) x in half2 (|q - z| <= 7, exact
+//     factors), then scaled by s in fp32: one op less per pair, which 3-bit needs to keep up.
+//     It overflows only if sum |q - z| |x| over 32 consecutive inputs exceeds 65504 (|x| > 292
+//     on all 32 at the extreme code), far beyond the activations of a normalised decoder.
+// ---------------------------------------------------------------------------------------------
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemv/gemv.h"
+#include "kernels/gemv/gemv_layout.h"
+
+namespace kestrel::cuda {
+namespace gemv_detail {
+namespace {
+
+struct KParams {
+  const uint4* codes;      // row n starts at codes + n * row_stride
+  int64_t row_stride;      // uint4 per row: planes * nch
+  const __half* scales;    // [N][G]
+  const uint8_t* zeros;    // [N][G] or nullptr
+  const int32_t* perm;     // [nch * C] or nullptr
+  const __half* x;
+  __half* y;
+  const __half* residual;  // may alias y
+  int N, K, nch, G;
+  int zero_const, zero_offset;
+  int k_split, tiles;
+};
+
+// ---- PTX --------------------------------------------------------------------------------------
+
+// L2 policy for streamed weights: first to leave L2 (they are read once per token and must not
+// evict the KV cache or the activations). Made once per thread, passed to every load.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+// Streaming weight load: not kept in L1, evict-first in L2.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "l"(pol));
+  return r;
+}
+
+// Pull [p, p + bytes) into L2 without waiting (the copy engine does it; no registers held).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Programmatic dependent launch: wait until the previous kernel's writes are visible (a no-op
+// when launched without the attribute), and let the next kernel start its prologue.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// (a & b) | c in one instruction: the mask-and-magic step of the dequantization.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+// (a & m) | (b & ~m): bit select, one lop3.
+__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
+  return r;
+}
+
+__device__ __forceinline__ __half2 h2(uint32_t u) {
+  __half2 h;
+  static_assert(sizeof(h) == sizeof(u));
+  memcpy(&h, &u, sizeof(u));
+  return h;
+}
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ float hsum(__half2 v) { return __low2float(v) + __high2float(v); }
+
+// q - z for a pair of codes that lop3 put at mantissa bit p under magic M = 2^(10-p):
+// t - (M + z), with M + z as bits: magic | z << p (z << p stays inside the mantissa).
+__device__ __forceinline__ __half2 minus_zero(uint32_t t, uint32_t mz) {
+  return __hsub2(h2(t), h2(mz));
+}
+
+// ---- One 4-bit (or 3-bit nibble) word: 8 codes against 8 x values -------------------------
+
+// Integer dot: returns acc + sum (q - z) * x.
+template <uint32_t kMask>
+__device__ __forceinline__ __half2 nibble_word_int(uint32_t w, uint4 xv, uint32_t mz0,
+                                                   uint32_t mz4, __half2 acc) {
+  constexpr uint32_t lo = kMask * 0x00010001u, hi = kMask * 0x00100010u;
+  const uint32_t w8 = w >> 8;
+  acc = __hfma2(minus_zero(and_or(w, lo, 0x64006400u), mz0), h2(xv.x), acc);
+  acc = __hfma2(minus_zero(and_or(w, hi, 0x54005400u), mz4), h2(xv.y), acc);
+  acc = __hfma2(minus_zero(and_or(w8, lo, 0x64006400u), mz0), h2(xv.z), acc);
+  acc = __hfma2(minus_zero(and_or(w8, hi, 0x54005400u), mz4), h2(xv.w), acc);
+  return acc;
+}
+
+// Scaled dot: returns acc + sum ((q - z) * s) * x.
+__device__ __forceinline__ __half2 nibble_word_scaled(uint32_t w, uint4 xv, uint32_t mz0,
+                                                      uint32_t mz4, __half2 s, __half2 acc) {
+  const uint32_t w8 = w >> 8;
+  acc = __hfma2(__hmul2(minus_zero(and_or(w, 0x000F000Fu, 0x64006400u), mz0), s), h2(xv.x), acc);
+  acc = __hfma2(__hmul2(minus_zero(and_or(w, 0x00F000F0u, 0x54005400u), mz4), s), h2(xv.y), acc);
+  acc = __hfma2(__hmul2(minus_zero(and_or(w8, 0x000F000Fu, 0x64006400u), mz0), s), h2(xv.z), acc);
+  acc = __hfma2(__hmul2(minus_zero(and_or(w8, 0x00F000F0u, 0x54005400u), mz4), s), h2(xv.w), acc);
+  return acc;
+}
+
+// ---- Formats ------------------------------------------------------------------------------------
+
+// Per-format policy of the generic kernel: chunk geometry, what one chunk-load holds, and the
+// dot product of a loaded chunk with x.
+//   BITS: 2, 3, 4, 8.  GS: effective group size, 32/64/128, or 0 for one group per row.
+template <int BITS, int GS>
+struct QuantOp {
+  static constexpr int kCodes = chunk_codes(BITS);   // codes per chunk
+  static constexpr int kPlanes = chunk_planes(BITS);
+  static constexpr int kRows = rows_per_warp(BITS);  // rows per warp
+  static constexpr int kUnroll = 2;                  // chunks per row loaded before use
+  static constexpr int kVecs = kCodes / 8;           // x uint4 per chunk
+  // Groups met inside one chunk (>1 only for 32-code groups with 2- or 3-bit, 64 with 3-bit).
+  static constexpr int kGroups = (GS == 0 || GS >= kCodes) ? 1 : kCodes / GS;
+  static_assert(GS == 0 || GS % 32 == 0, "groups are whole 32-code units");
+
+  struct Frag {
+    uint4 q[kRows][kPlanes];
+    uint32_t sz[kRows][kGroups];  // scale bits | zero << 16
+  };
+
+  __device__ static __forceinline__ void load(Frag& f, const KParams& p,
+                                              const uint4* const (&rowp)[kRows],
+                                              const int64_t (&srow)[kRows], int c,
+                                              uint64_t pol) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int pl = 0; pl < kPlanes; ++pl) f.q[r][pl] = ld_stream(rowp[r] + pl * p.nch + c, pol);
+    const int g0 = GS == 0 ? 0 : (c * kCodes) / GS;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int i = 0; i < kGroups; ++i) {
+        const int64_t idx = srow[r] + g0 + i;
+        const uint32_t s = __half_as_ushort(__ldg(p.scales + idx));
+        const uint32_t z = p.zeros ? uint32_t(__ldg(p.zeros + idx)) + uint32_t(p.zero_offset)
+                                   : uint32_t(p.zero_const);
+        f.sz[r][i] = s | (z << 16);
+      }
+  }
+
+  // acc[r] += dot(chunk of row r, x chunk). xs = &x_s[c], the chunk's uint4 j at xs[j * nch].
+  __device__ static __forceinline__ void compute(const Frag& f, const uint4* xs, int nch,
+                                                 float (&acc)[kRows]) {
+    if constexpr (BITS == 4) {
+      __half2 h[kRows], s[kRows];
+      uint32_t mz0[kRows], mz4[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const uint32_t z2 = (f.sz[r][0] >> 16) * 0x00010001u;
+        mz0[r] = 0x64006400u | z2;
+        mz4[r] = 0x54005400u | (z2 << 4);
+        s[r] = h2((f.sz[r][0] & 0xFFFFu) * 0x00010001u);
+        h[r] = __float2half2_rn(0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 xv = xs[j * nch];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          h[r] = nibble_word_scaled(word(f.q[r][0], j), xv, mz0[r], mz4[r], s[r], h[r]);
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] += hsum(h[r]);
+    } else if constexpr (BITS == 8) {
+      __half2 h[kRows], s[kRows];
+      uint32_t mz[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        mz[r] = 0x64006400u | ((f.sz[r][0] >> 16) * 0x00010001u);
+        s[r] = h2((f.sz[r][0] & 0xFFFFu) * 0x00010001u);
+        h[r] = __float2half2_rn(0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint4 xv = xs[j * nch];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const uint32_t w0 = word(f.q[r][0], 2 * j), w1 = word(f.q[r][0], 2 * j + 1);
+          // prmt: bytes (0,1) / (2,3) of the word each under a 0x64 byte = 1024 + q.
+          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4140u), mz[r]), s[r]),
+                         h2(xv.x), h[r]);
+          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4342u), mz[r]), s[r]),
+                         h2(xv.y), h[r]);
+          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4140u), mz[r]), s[r]),
+                         h2(xv.z), h[r]);
+          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4342u), mz[r]), s[r]),
+                         h2(xv.w), h[r]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] += hsum(h[r]);
+    } else if constexpr (BITS == 2) {
+      // Two 32-code units per chunk (words 2u, 2u+1; x uint4 4u .. 4u+3).
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        uint4 xv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * u + i) * nch];
+        constexpr int gi_div = GS == 0 ? 1 << 30 : GS;
+        const int gi = kGroups == 1 ? 0 : (32 * u) / gi_div;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const uint32_t sz = f.sz[r][gi];
+          const uint32_t z2 = (sz >> 16) * 0x00010001u;
+          const uint32_t mz[4] = {0x64006400u | z2, 0x5C005C00u | (z2 << 2),
+                                  0x54005400u | (z2 << 4), 0x4C004C00u | (z2 << 6)};
+          constexpr uint32_t magic[4] = {0x64006400u, 0x5C005C00u, 0x54005400u, 0x4C004C00u};
+          __half2 h = __float2half2_rn(0.f);
+#pragma unroll
+          for (int wi = 0; wi < 2; ++wi) {
+            const uint32_t w = word(f.q[r][0], 2 * u + wi), w8 = w >> 8;
+            const uint4 xa = xv[2 * wi], xb = xv[2 * wi + 1];
+#pragma unroll
+            for (int sl = 0; sl < 4; ++sl) {
+              const uint32_t m = 0x00030003u << (2 * sl);
+              h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), h2(word(xa, sl)), h);
+              h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), h2(word(xb, sl)), h);
+            }
+          }
+          acc[r] += __half2float(__ushort_as_half(uint16_t(sz & 0xFFFFu))) * hsum(h);
+        }
+      }
+    } else {  // BITS == 3: four 32-code units per chunk
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        uint4 xv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * u + i) * nch];
+        constexpr int gi_div = GS == 0 ? 1 << 30 : GS;
+        const int gi = kGroups == 1 ? 0 : (32 * u) / gi_div;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const uint32_t sz = f.sz[r][gi];
+          const uint32_t z2 = (sz >> 16) * 0x00010001u;
+          const uint32_t mz0 = 0x64006400u | z2, mz4 = 0x54005400u | (z2 << 4);
+          const uint32_t a = word(f.q[r][0], u), b = word(f.q[r][1], u), c = word(f.q[r][2], u);
+          const uint32_t d = select_bits(a >> 3, select_bits(b >> 2, c >> 1, 0x22222222u),
+                                         0x11111111u);
+          __half2 h = __float2half2_rn(0.f);
+          h = nibble_word_int<7>(a, xv[0], mz0, mz4, h);
+          h = nibble_word_int<7>(b, xv[1], mz0, mz4, h);
+          h = nibble_word_int<7>(c, xv[2], mz0, mz4, h);
+          h = nibble_word_int<7>(d, xv[3], mz0, mz4, h);
+          acc[r] += __half2float(__ushort_as_half(uint16_t(sz & 0xFFFFu))) * hsum(h);
+        }
+      }
+    }
+  }
+};
+
+// fp16 weights: the row as stored, 8 values per chunk, fp32 products and sums.
+struct F16Op {
+  static constexpr int kCodes = 8;
+  static constexpr int kRows = 4;
+  static constexpr int kUnroll = 4;  // 16 loads in flight: a chunk is only 8 weights
+  static constexpr int kVecs = 1;
+
+  struct Frag {
+    uint4 q[kRows];
+  };
+
+  __device__ static __forceinline__ void load(Frag& f, const KParams&,
+                                              const uint4* const (&rowp)[kRows],
+                                              const int64_t (&)[kRows], int c, uint64_t pol) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) f.q[r] = ld_stream(rowp[r] + c, pol);
+  }
+
+  __device__ static __forceinline__ void compute(const Frag& f, const uint4* xs, int,
+                                                 float (&acc)[kRows]) {
+    const uint4 xv = xs[0];
+    float2 x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = __half22float2(h2(word(xv, j)));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float a = acc[r];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 w = __half22float2(h2(word(f.q[r], j)));
+        a = fmaf(w.x, x[j].x, a);
+        a = fmaf(w.y, x[j].y, a);
+      }
+      acc[r] = a;
+    }
+  }
+};
+
+// ---- Staging x --------------------------------------------------------------------------------
+
+// x_s[j * nch + c] = x values k = c*C + 8j .. +7 of the permuted K axis (zero past K).
+// x and residual are read with ld.global.cg: written by the previous kernel, which with
+// programmatic dependent launch may still have been running when this one started.
+template <int C>
+__device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat) {
+  constexpr int V = C / 8;
+  const int nvec = p.nch * V;
+  const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0);
+  auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
+  if (p.perm == nullptr) {
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+      const int k = v * 8;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (vec) {
+        if (k < p.K) val = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+      } else {
+        __half e[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? __ldcg(p.x + k + i) : __half(0.f);
+        memcpy(&val, e, sizeof(val));
+      }
+      slot(v) = val;
+    }
+  } else {
+    if (vec) {
+      for (int v = threadIdx.x; v < p.K / 8; v += kThreads)
+        reinterpret_cast<uint4*>(x_nat)[v] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+    } else {
+      for (int k = threadIdx.x; k < p.K; k += kThreads) x_nat[k] = __ldcg(p.x + k);
+    }
+    __syncthreads();
+    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+      const int k = v * 8;
+      const int4 i0 = __ldg(reinterpret_cast<const int4*>(p.perm + k));
+      const int4 i1 = __ldg(reinterpret_cast<const int4*>(p.perm + k + 4));
+      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+      __half e[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? x_nat[idx[i]] : __half(0.f);
+      uint4 val;
+      memcpy(&val, e, sizeof(val));
+      slot(v) = val;
+    }
+  }
+}
+
+__device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
+  if (row >= p.N) return;
+  if (p.residual) v += __half2float(__ldcg(p.residual + row));
+  p.y[row] = __float2half_rn(v);
+}
+
+// ---- The kernel --------------------------------------------------------------------------------
+
+template <class Op>
+__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
+  constexpr int R = Op::kRows, U = Op::kUnroll, C = Op::kCodes;
+  extern __shared__ uint4 smem[];
+  uint4* x_s = smem;
+  float* red = reinterpret_cast<float*>(x_s + static_cast<size_t>(Op::kVecs) * p.nch);
+  __half* x_nat = reinterpret_cast<__half*>(red + kWarps * 4);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ks = p.k_split;
+  const int kw = warp % ks, rg = warp / ks;
+  const int rows_per_tile = R * (kWarps / ks);
+
+  // The weights do not depend on the previous kernel: start this block's first tile towards L2
+  // before waiting for it.
+  if (blockIdx.x < p.tiles && threadIdx.x < rows_per_tile) {
+    const int row = min(int(blockIdx.x) * rows_per_tile + int(threadIdx.x), p.N - 1);
+    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
+                static_cast<uint32_t>(p.row_stride * 16));
+  }
+  grid_dependency_wait();
+  allow_dependents();
+  stage_x<C>(p, x_s, x_nat);
+  __syncthreads();
+
+  const uint64_t pol = evict_first_policy();
+  const int step = 32 * ks;
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int row0 = tile * rows_per_tile + rg * R;
+    const uint4* rowp[R];
+    int64_t srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = min(row0 + r, p.N - 1);  // rows past N repeat the last one, unwritten
+      rowp[r] = p.codes + static_cast<int64_t>(row) * p.row_stride;
+      srow[r] = static_cast<int64_t>(row) * p.G;
+    }
+
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+
+    for (int c = kw * 32 + lane; c < p.nch; c += U * step) {
+      typename Op::Frag f[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cu = c + u * step;
+        if (u == 0 || cu < p.nch) Op::load(f[u], p, rowp, srow, cu, pol);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cu = c + u * step;
+        if (u == 0 || cu < p.nch) Op::compute(f[u], x_s + cu, p.nch, acc);
+      }
+    }
+
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+    float mine = acc[0];
+#pragma unroll
+    for (int r = 1; r < R; ++r)
+      if (lane == r) mine = acc[r];
+
+    if (ks == 1) {
+      if (lane < R) store_row(p, row0 + lane, mine);
+    } else {
+      if (lane < R) red[warp * R + lane] = mine;
+      __syncthreads();
+      if (int(threadIdx.x) < rows_per_tile) {
+        const int t = threadIdx.x, g = t / R, r = t % R;
+        float v = 0.f;
+        for (int k = 0; k < ks; ++k) v += red[(g * ks + k) * R + r];
+        store_row(p, tile * rows_per_tile + t, v);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// ---- Dispatch ---------------------------------------------------------------------------------
+
+using Kernel = void (*)(KParams);
+
+// The compiled configurations: bits {2, 3, 4, 8} x effective group {32, 64, 128, per row}.
+template <int B>
+Kernel quant_kernel_for_group(int gs) {
+  switch (gs) {
+    case 0: return gemv_kernel<QuantOp<B, 0>>;
+    case 32: return gemv_kernel<QuantOp<B, 32>>;
+    case 64: return gemv_kernel<QuantOp<B, 64>>;
+    case 128: return gemv_kernel<QuantOp<B, 128>>;
+    default: return nullptr;
+  }
+}
+
+Kernel quant_kernel(int bits, int gs) {
+  Kernel k = nullptr;
+  switch (bits) {
+    case 2: k = quant_kernel_for_group<2>(gs); break;
+    case 3: k = quant_kernel_for_group<3>(gs); break;
+    case 4: k = quant_kernel_for_group<4>(gs); break;
+    case 8: k = quant_kernel_for_group<8>(gs); break;
+    default: break;
+  }
+  if (!k)
+    throw Error("gemv: no kernel compiled for bits=" + std::to_string(bits) +
+                ", effective group size " + std::to_string(gs) +
+                " (compiled: bits 2/3/4/8 x group 32/64/128/per-row)");
+  return k;
+}
+
+// Raises a kernel's dynamic shared-memory limit when a block needs more than the default 48 KB,
+// once per (device, kernel).
+void ensure_smem(Kernel k, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, size_t> raised;
+  const DeviceInfo& d = current_device_info();
+  if (bytes > d.smem_per_block_optin)
+    throw Error("gemv: a block needs " + std::to_string(bytes) + " bytes of shared memory for x, " +
+                "device " + std::to_string(d.id) + " allows " +
+                std::to_string(d.smem_per_block_optin) + " (K too large)");
+  std::lock_guard<std::mutex> lock(mu);
+  size_t& cur = raised[{d.id, reinterpret_cast<const void*>(k)}];
+  if (cur < bytes) {
+    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(d.smem_per_block_optin)));
+    cur = d.smem_per_block_optin;
+  }
+}
+
+// Resident blocks per SM of a kernel at a shared-memory size (cached: queried per call it would
+// cost microseconds of host time per GEMV).
+int blocks_per_sm(Kernel k, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, size_t>, int> cache;
+  const DeviceInfo& d = current_device_info();
+  ensure_smem(k, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(d.id, reinterpret_cast<const void*>(k), smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int occ = 0;
+  KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, kThreads, smem));
+  if (occ < 1)
+    throw Error("gemv: a block with " + std::to_string(smem) +
+                " bytes of shared memory does not fit on device " + std::to_string(d.id));
+  cache.emplace(key, occ);
+  return occ;
+}
+
+int64_t tiles_for(int64_t N, int rows, int ks) {
+  const int64_t per_tile = int64_t(rows) * (kWarps / ks);
+  return (N + per_tile - 1) / per_tile;
+}
+
+// k_split: the smallest that gives at least ~12 warps of work per SM (enough 16-byte loads in
+// flight to cover HBM latency) without leaving a warp less than one 32-chunk stride of K.
+// grid: at most the resident blocks, so that x is staged into shared memory once per block.
+GemvLaunch plan(Kernel k, int rows, int64_t N, int64_t nch, size_t smem, GemvLaunch hint) {
+  const DeviceInfo& d = current_device_info();
+  GemvLaunch out = hint;
+  if (out.k_split == 0) {
+    out.k_split = 1;
+    for (int ks = 1; ks <= kWarps; ks *= 2) {
+      if (ks > 1 && nch < int64_t(32) * ks) break;
+      out.k_split = ks;
+      if (tiles_for(N, rows, ks) * kWarps >= int64_t(d.sm_count) * 12) break;
+    }
+  }
+  if (out.k_split != 1 && out.k_split != 2 && out.k_split != 4 && out.k_split != 8)
+    throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(out.k_split));
+  const int64_t tiles = tiles_for(N, rows, out.k_split);
+  const int64_t resident = int64_t(blocks_per_sm(k, smem)) * d.sm_count;
+  const int64_t cap = out.grid > 0 ? out.grid : resident;
+  out.grid = static_cast<int>(std::max<int64_t>(1, std::min(tiles, cap)));
+  return out;
+}
+
+void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaStream_t s) {
+  ensure_smem(k, smem);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(l.grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = l.pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, p));
+}
+
+}  // namespace
+
+size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
+  const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
+  return codes * 2 + kWarps * 4 * sizeof(float) + (has_perm ? codes * 2 : 0);
+}
+
+GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks, size_t smem,
+                             GemvLaunch hint) {
+  return plan(quant_kernel(bits, group_size), rows_per_warp(bits), N, chunks, smem, hint);
+}
+
+}  // namespace gemv_detail
+
+using namespace gemv_detail;
+
+void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
+          cudaStream_t s) {
+  if (!w.device) throw Error("gemv: the weight is empty (not prepared, or freed)");
+  KParams p{};
+  p.codes = w.codes;
+  p.row_stride = int64_t(w.planes) * w.chunks;
+  p.scales = w.scales;
+  p.zeros = w.zeros;
+  p.perm = w.perm;
+  p.x = x;
+  p.y = y;
+  p.residual = residual;
+  p.N = static_cast<int>(w.N);
+  p.K = static_cast<int>(w.K);
+  p.nch = static_cast<int>(w.chunks);
+  p.G = static_cast<int>(w.groups);
+  p.zero_const = w.zero_const;
+  p.zero_offset = w.zero_offset;
+  p.k_split = w.launch.k_split;
+  p.tiles = static_cast<int>(tiles_for(w.N, rows_per_warp(w.bits), w.launch.k_split));
+  launch(quant_kernel(w.bits, w.group_size), p, w.launch, w.smem_bytes, s);
+}
+
+void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
+              const __half* residual, cudaStream_t s, GemvLaunch launch_hint) {
+  if (N <= 0 || K <= 0 || K % 8 != 0)
+    throw Error("gemv_f16: need N > 0 and K a positive multiple of 8, got N=" +
+                std::to_string(N) + " K=" + std::to_string(K));
+  if ((reinterpret_cast<uintptr_t>(W) & 15u) || (reinterpret_cast<uintptr_t>(x) & 15u))
+    throw Error("gemv_f16: W and x must be 16-byte aligned");
+  if (N > INT32_MAX || K > INT32_MAX) throw Error("gemv_f16: N and K must fit in 32 bits");
+  const Kernel k = gemv_kernel<F16Op>;
+  const int64_t nch = K / 8;
+  const size_t smem = static_cast<size_t>(K) * 2 + kWarps * 4 * sizeof(float);
+  const GemvLaunch l = plan(k, F16Op::kRows, N, nch, smem, launch_hint);
+  KParams p{};
+  p.codes = reinterpret_cast<const uint4*>(W);
+  p.row_stride = nch;
+  p.x = x;
+  p.y = y;
+  p.residual = residual;
+  p.N = static_cast<int>(N);
+  p.K = static_cast<int>(K);
+  p.nch = static_cast<int>(nch);
+  p.G = 0;
+  p.k_split = l.k_split;
+  p.tiles = static_cast<int>(tiles_for(N, F16Op::kRows, l.k_split));
+  launch(k, p, l, smem, s);
+}
+
+}  // namespace kestrel::cuda

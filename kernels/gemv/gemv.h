@@ -1,0 +1,86 @@
+// Batch-1 linear layers on the GPU (decode): y = W x (+ residual), at the memory-bandwidth limit.
+//
+// Two families:
+//   gemv      GPTQ weights (2, 3, 4, 8 bits; group 32/64/128/per-row or any multiple of 32;
+//             sym/asym; act-order), repacked once at load by gemv_prepare into the layout the
+//             kernels stream (kernels/gemv/gemv.cu draws it).
+//   gemv_f16  plain fp16 weights [N, K] row-major (lm_head, unquantized linears).
+// FP16 activations, FP32 accumulation across K, FP16 output.
+//
+// Host-facing: includable from plain C++ (only the CUDA runtime and fp16 headers).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/gptq/gptq_format.h"
+
+namespace kestrel::cuda {
+
+// How a GEMV is spread over the GPU. gemv_prepare chooses it for the current device; a
+// benchmark may override it. Zero fields mean "choose".
+struct GemvLaunch {
+  int k_split = 0;  // warps of a block that share each row, each summing a slice of K: 1, 2, 4, 8
+  int grid = 0;     // blocks; each loops over row tiles (x is staged in shared memory once per block)
+  bool pdl = true;  // programmatic dependent launch: the kernel may start (and prefetch its
+                    // weights into L2) while the previous kernel in the stream drains
+};
+
+// A GPTQ linear (or several fused along N) repacked for the GEMV kernels. Owns one device
+// allocation; release it with gemv_free.
+struct GemvWeight {
+  int bits = 0;
+  int group_size = 0;     // effective group size of the repacked scales: 32, 64, 128, 0 = per row
+  int64_t N = 0, K = 0;
+  bool has_perm = false;  // act-order: the K axis was permuted so that groups are contiguous
+
+  // Layout (see gemv.cu): each row is `planes` planes of `chunks` 16-byte chunks.
+  int64_t chunks = 0;
+  int planes = 0;
+  int64_t groups = 0;     // scale/zero entries per row
+  int zero_const = 0;     // zero point of every group when zeros == nullptr
+  int zero_offset = 0;    // z = zeros[i] + zero_offset otherwise
+
+  const uint4* codes = nullptr;    // [N][planes][chunks] 16-byte chunks
+  const __half* scales = nullptr;  // [N][groups]
+  const uint8_t* zeros = nullptr;  // [N][groups] stored zero points, or nullptr (all equal)
+  const int32_t* perm = nullptr;   // [chunks * codes per chunk]: x index of each permuted k
+  void* device = nullptr;          // the allocation holding all of the above
+  size_t device_bytes = 0;
+
+  size_t smem_bytes = 0;  // dynamic shared memory of one block
+  GemvLaunch launch;      // chosen for the device current at prepare time
+
+  // Bytes one gemv call must move through device memory: weights (codes, scales, zeros),
+  // perm, x and y. The denominator of achieved-bandwidth figures.
+  size_t bytes_moved() const;
+};
+
+// Repacks one GPTQ linear, or several that share the input (q/k/v, gate/up) fused along N in
+// the given order, and uploads it on stream s (synchronises s before returning). All parts
+// must agree on K, bits, group_size, zero_offset and g_idx; anything else, or a format the
+// kernels do not support, throws kestrel::Error naming the part and the mismatch.
+// qzeros rows hold ceil(N * bits / 32) words (N * bits / 32 whenever that divides).
+GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s);
+
+// Frees the device memory of w and clears it. Safe on an empty or already freed weight.
+void gemv_free(GemvWeight& w);
+
+// A second, independent device copy of w (benchmarks rotate copies to stay out of L2).
+GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
+
+// y[N] = W x + residual. x [K], residual [N] or nullptr; y may alias residual (not x).
+// Pointers are device pointers; x must be 16-byte aligned when K is a multiple of 8.
+void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
+          cudaStream_t s);
+
+// y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
+// 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error.
+void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
+              const __half* residual, cudaStream_t s, GemvLaunch launch = {});
+
+}  // namespace kestrel::cuda

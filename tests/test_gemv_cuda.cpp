@@ -1,0 +1,621 @@
+// GEMV kernels against the CPU references: gptq::matmul_ref (kernels/gptq) for the quantized
+// family, matmul_f16w_ref (kernels/matmul) for fp16 weights.
+//
+// Tolerance: ||y - ref|| / ||ref|| < 2e-3. The reference accumulates exact fp32 products of
+// the fp16 inputs. The kernel rounds (a) the output to fp16: at most 2^-11 relative per
+// element, ~2.8e-4 rms; (b) the dequantized weight (q - z) * s to fp16 (4/8-bit): 2^-11
+// relative, ~2.8e-4 rms, averaging down over K; (c) partial sums of 16-64 products in half2
+// before they join the fp32 sum: each ~2^-12 relative to that partial sum. Together well under
+// 1e-3 in the norm; 2e-3 leaves margin for the rounding to line up, while a wrong code, group,
+// scale, zero or x element gives errors of order 1e-2 to 1.
+#include <gtest/gtest.h>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "engine/error.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemv/gemv.h"
+#include "kernels/gemv/gemv_layout.h"
+#include "kernels/gptq/gptq_format.h"
+#include "kernels/matmul/matmul.h"
+
+namespace kestrel {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::GemvWeight;
+
+bool has_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+#define REQUIRE_GPU()                                                                   \
+  do {                                                                                  \
+    if (!has_gpu())                                                                     \
+      GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or found none): the " \
+                      "GEMV kernels need a GPU";                                        \
+  } while (0)
+
+constexpr double kTol = 2e-3;
+
+struct Format {
+  int bits = 4;
+  int group_size = 128;  // -1 = per row
+  bool sym = true;
+  bool act_order = false;
+  int zero_offset = 1;
+};
+
+std::string describe(const Format& f, int64_t N, int64_t K) {
+  return "bits=" + std::to_string(f.bits) + " group=" + std::to_string(f.group_size) +
+         (f.sym ? " sym" : " asym") + (f.act_order ? " act-order" : "") +
+         " zero_offset=" + std::to_string(f.zero_offset) + " N=" + std::to_string(N) +
+         " K=" + std::to_string(K);
+}
+
+// One random quantized linear, in plain arrays, that can be packed at any N <= N_gen.
+struct Linear {
+  Format f;
+  int64_t N = 0, K = 0, G = 0;
+  std::vector<uint8_t> codes;      // [N][K]
+  std::vector<uint8_t> zeros;      // [G][N] stored zero points
+  std::vector<uint16_t> scales;    // [G][N] fp16 bits
+  std::vector<int32_t> g_idx;      // [K], empty = none
+};
+
+Linear random_linear(const Format& f, int64_t N, int64_t K, std::mt19937& rng) {
+  Linear L;
+  L.f = f;
+  L.N = N;
+  L.K = K;
+  L.G = f.group_size > 0 ? (K + f.group_size - 1) / f.group_size : 1;
+  const int maxq = (1 << f.bits) - 1;
+  std::uniform_int_distribution<int> code(0, maxq);
+  L.codes.resize(N * K);
+  for (auto& c : L.codes) c = static_cast<uint8_t>(code(rng));
+  L.zeros.resize(L.G * N);
+  for (auto& z : L.zeros)
+    z = static_cast<uint8_t>(f.sym ? (1 << (f.bits - 1)) - f.zero_offset : code(rng));
+  std::uniform_real_distribution<float> log_scale(std::log(2e-3f), std::log(2e-2f));
+  L.scales.resize(L.G * N);
+  for (auto& s : L.scales) s = float_to_half(std::exp(log_scale(rng)));
+  if (f.act_order) {
+    std::vector<int32_t> perm(K);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    L.g_idx = gptq::act_order_g_idx(perm, f.group_size);
+  }
+  return L;
+}
+
+// Checkpoint tensors of the first n rows of L. When n * bits fills whole words the project's
+// packers write them; otherwise (odd n, only to break the kernels' row tiling) qzeros rows get
+// ceil(n * bits / 32) words, written with the format's own write_code.
+struct Packed {
+  std::vector<uint32_t> qweight, qzeros;
+  std::vector<uint16_t> scales;
+  gptq::GptqView view;
+};
+
+Packed pack(const Linear& L, int64_t n) {
+  Packed P;
+  std::vector<uint8_t> codes(L.codes.begin(), L.codes.begin() + n * L.K);
+  P.qweight = gptq::pack_qweight(codes, n, L.K, L.f.bits);
+  std::vector<uint8_t> zeros(L.G * n);
+  P.scales.resize(L.G * n);
+  for (int64_t g = 0; g < L.G; ++g)
+    for (int64_t i = 0; i < n; ++i) {
+      zeros[g * n + i] = L.zeros[g * L.N + i];
+      P.scales[g * n + i] = L.scales[g * L.N + i];
+    }
+  if ((n * L.f.bits) % 32 == 0) {
+    P.qzeros = gptq::pack_qzeros(zeros, L.G, n, L.f.bits);
+  } else {
+    const int64_t words = (n * L.f.bits + 31) / 32;
+    P.qzeros.assign(L.G * words, 0u);
+    for (int64_t g = 0; g < L.G; ++g)
+      for (int64_t i = 0; i < n; ++i)
+        gptq::write_code(P.qzeros.data() + g * words, 1, i, L.f.bits, zeros[g * n + i]);
+  }
+  P.view.bits = L.f.bits;
+  P.view.group_size = L.f.group_size;
+  P.view.K = L.K;
+  P.view.N = n;
+  P.view.zero_offset = L.f.zero_offset;
+  P.view.qweight = P.qweight.data();
+  P.view.qzeros = P.qzeros.data();
+  P.view.scales = P.scales.data();
+  P.view.g_idx = L.g_idx.empty() ? nullptr : L.g_idx.data();
+  return P;
+}
+
+// The oracle: gptq::matmul_ref on a checkpoint-valid tensor (rows padded to a multiple of 32,
+// so that qzeros rows are whole words), first n outputs.
+std::vector<float> reference(const Linear& L, int64_t n, const std::vector<float>& x) {
+  Packed P = pack(L, L.N);
+  std::vector<float> y(L.N);
+  gptq::matmul_ref(P.view, x.data(), 1, y.data());
+  y.resize(n);
+  return y;
+}
+
+std::vector<uint16_t> random_x(int64_t K, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<uint16_t> x(K);
+  for (auto& v : x) v = float_to_half(d(rng));
+  return x;
+}
+
+std::vector<float> to_float(const std::vector<uint16_t>& h) {
+  std::vector<float> f(h.size());
+  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
+  return f;
+}
+
+template <class T>
+DeviceBuffer upload(const std::vector<T>& v) {
+  DeviceBuffer b(v.size() * sizeof(T));
+  KESTREL_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+
+// Runs y = W x (+ residual) on the GPU; y is poisoned with NaN first.
+template <class Launch>
+std::vector<float> run(int64_t N, const std::vector<uint16_t>& x,
+                       const std::vector<uint16_t>& residual, bool alias, Launch launch) {
+  DeviceBuffer dx = upload(x);
+  DeviceBuffer dy(N * 2);
+  KESTREL_CUDA_CHECK(cudaMemset(dy.get(), 0xFF, N * 2));  // 0xFFFF is an fp16 NaN
+  DeviceBuffer dr;
+  const __half* res = nullptr;
+  if (!residual.empty()) {
+    if (alias) {
+      KESTREL_CUDA_CHECK(cudaMemcpy(dy.get(), residual.data(), N * 2, cudaMemcpyHostToDevice));
+      res = dy.as<__half>();
+    } else {
+      dr = upload(residual);
+      res = dr.as<__half>();
+    }
+  }
+  launch(dx.as<__half>(), dy.as<__half>(), res);
+  KESTREL_CUDA_CHECK(cudaGetLastError());
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<uint16_t> yh(N);
+  KESTREL_CUDA_CHECK(cudaMemcpy(yh.data(), dy.get(), N * 2, cudaMemcpyDeviceToHost));
+  return to_float(yh);
+}
+
+// ||y - ref|| / ||ref||, failing on any non-finite output.
+void expect_close(const std::vector<float>& y, const std::vector<float>& ref,
+                  const std::string& what) {
+  ASSERT_EQ(y.size(), ref.size()) << what;
+  double num = 0, den = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(y[i])) << what << ": y[" << i << "] = " << y[i];
+    num += (double(y[i]) - ref[i]) * (double(y[i]) - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  ASSERT_GT(den, 0.0) << what;
+  EXPECT_LT(std::sqrt(num / den), kTol) << what;
+}
+
+// Quantized GEMV of the first n rows of L against the reference.
+void check_quant(const Linear& L, int64_t n, std::mt19937& rng, bool residual = false,
+                 bool alias = false, cuda::GemvLaunch launch = {}) {
+  const std::string what = describe(L.f, n, L.K);
+  SCOPED_TRACE(what);
+  Packed P = pack(L, n);
+  GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+  if (launch.k_split) w.launch.k_split = launch.k_split;
+  if (launch.grid) w.launch.grid = launch.grid;
+  EXPECT_EQ(w.N, n);
+  EXPECT_EQ(w.K, L.K);
+  const bool grouped = L.f.group_size > 0 && L.f.group_size < L.K;
+  EXPECT_EQ(w.has_perm, L.f.act_order && grouped) << "act-order must permute K exactly when "
+                                                     "there is more than one group";
+  const std::vector<uint16_t> x = random_x(L.K, rng);
+  std::vector<uint16_t> r;
+  if (residual) r = random_x(n, rng);
+  std::vector<float> ref = reference(L, n, to_float(x));
+  if (residual)
+    for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);
+  const std::vector<float> y =
+      run(n, x, r, alias, [&](const __half* dx, __half* dy, const __half* dr) {
+        cuda::gemv(w, dx, dy, dr, nullptr);
+      });
+  cuda::gemv_free(w);
+  EXPECT_EQ(w.device, nullptr);
+  expect_close(y, ref, what);
+}
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// ---- Every format --------------------------------------------------------------------------
+
+struct FormatCase {
+  int bits, group_size;
+  bool sym, act_order;
+};
+
+class GemvFormats : public ::testing::TestWithParam<FormatCase> {};
+
+TEST_P(GemvFormats, MatchesReferenceOnTileBreakingShapes) {
+  REQUIRE_GPU();
+  const FormatCase c = GetParam();
+  Format f;
+  f.bits = c.bits;
+  f.group_size = c.group_size;
+  f.sym = c.sym;
+  f.act_order = c.act_order;
+  // Both zero-point conventions across the sweep (v1 stores z - 1, v2 stores z).
+  f.zero_offset = (c.group_size == 64 || c.group_size == -1) ? 1 : (c.sym ? 1 : 0);
+  std::mt19937 rng(1000 * c.bits + 10 * c.group_size + 2 * c.sym + c.act_order + 7);
+  // (N, K): N = 1, 7, 33 leave tiles partly empty; K = 96, 160, 352 give 3, 5, 11 groups of 32
+  // (odd counts, and K not a multiple of any chunk for 3-bit); 11008 is Llama-2-7B's down_proj.
+  const std::pair<int64_t, int64_t> shapes[] = {
+      {1, 96}, {7, 352}, {33, 160}, {33, 11008}, {4097, 4096}};
+  for (auto [n, K] : shapes) {
+    const Linear L = random_linear(f, round_up(n, 32), K, rng);
+    check_quant(L, n, rng);
+  }
+}
+
+std::vector<FormatCase> all_formats() {
+  std::vector<FormatCase> v;
+  for (int bits : {2, 3, 4, 8})
+    for (int gs : {32, 64, 128, -1})
+      for (bool sym : {true, false})
+        for (bool act : {false, true}) v.push_back({bits, gs, sym, act});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GemvFormats, ::testing::ValuesIn(all_formats()),
+                         [](const ::testing::TestParamInfo<FormatCase>& i) {
+                           const FormatCase& c = i.param;
+                           return "b" + std::to_string(c.bits) + "_g" +
+                                  (c.group_size < 0 ? std::string("row")
+                                                    : std::to_string(c.group_size)) +
+                                  (c.sym ? "_sym" : "_asym") + (c.act_order ? "_act" : "");
+                         });
+
+// ---- Shapes ----------------------------------------------------------------------------------
+
+TEST(GemvShapes, FourBitGroup128AllShapes) {
+  REQUIRE_GPU();
+  std::mt19937 rng(42);
+  for (bool act : {false, true}) {
+    Format f;
+    f.bits = 4;
+    f.group_size = 128;
+    f.sym = !act;
+    f.act_order = act;
+    f.zero_offset = act ? 0 : 1;
+    for (int64_t K : {96, 160, 4096, 11008}) {
+      const Linear L = random_linear(f, 4128, K, rng);
+      for (int64_t n : {1, 7, 33, 4097}) check_quant(L, n, rng);
+    }
+  }
+}
+
+// Group sizes that are multiples of 32 but not 32/64/128 are served by repeating scales.
+TEST(GemvShapes, OtherGroupSizes) {
+  REQUIRE_GPU();
+  std::mt19937 rng(43);
+  for (int gs : {96, 160, 256})
+    for (int bits : {3, 4}) {
+      Format f;
+      f.bits = bits;
+      f.group_size = gs;
+      f.sym = false;
+      f.act_order = true;
+      f.zero_offset = 0;
+      const Linear L = random_linear(f, 64, 1056, rng);
+      check_quant(L, 64, rng);
+    }
+}
+
+// Every k_split and a grid smaller than the tile count (blocks loop over tiles) agree.
+TEST(GemvShapes, LaunchShapesAgree) {
+  REQUIRE_GPU();
+  std::mt19937 rng(44);
+  for (int bits : {3, 4}) {
+    Format f;
+    f.bits = bits;
+    f.group_size = 128;
+    f.sym = false;
+    f.act_order = true;
+    f.zero_offset = 0;
+    const Linear L = random_linear(f, 1056, 4096, rng);
+    for (int ks : {1, 2, 4, 8})
+      for (int grid : {0, 5}) {
+        SCOPED_TRACE("k_split=" + std::to_string(ks) + " grid=" + std::to_string(grid));
+        check_quant(L, 1043, rng, false, false, cuda::GemvLaunch{ks, grid, true});
+      }
+  }
+}
+
+// ---- Residual epilogue ------------------------------------------------------------------------
+
+TEST(GemvResidual, AddsResidualSeparateAndAliased) {
+  REQUIRE_GPU();
+  std::mt19937 rng(45);
+  Format f;
+  f.bits = 4;
+  f.group_size = 128;
+  f.sym = false;
+  f.act_order = true;
+  f.zero_offset = 0;
+  const Linear L = random_linear(f, 4128, 4096, rng);
+  check_quant(L, 4097, rng, /*residual=*/true, /*alias=*/false);
+  check_quant(L, 4097, rng, /*residual=*/true, /*alias=*/true);
+  f.bits = 3;
+  const Linear L3 = random_linear(f, 64, 11008, rng);
+  check_quant(L3, 33, rng, true, true);
+}
+
+// ---- Fused parts -------------------------------------------------------------------------------
+
+TEST(GemvFused, ThreePartsMatchConcatenatedReferences) {
+  REQUIRE_GPU();
+  std::mt19937 rng(46);
+  for (int bits : {3, 4, 8}) {
+    Format f;
+    f.bits = bits;
+    f.group_size = bits == 3 ? 64 : 128;
+    f.sym = false;
+    f.act_order = true;
+    f.zero_offset = bits == 8 ? 1 : 0;
+    const int64_t K = 1056;
+    // One shared act-order permutation (q, k and v see the same input).
+    Linear base = random_linear(f, 32, K, rng);
+    const int64_t Ns[3] = {96, 32, 160};
+    std::vector<Linear> Ls;
+    std::vector<Packed> Ps;
+    for (int64_t n : Ns) {
+      Linear L = random_linear(f, n, K, rng);
+      L.g_idx = base.g_idx;
+      Ls.push_back(L);
+    }
+    for (const Linear& L : Ls) Ps.push_back(pack(L, L.N));
+    std::vector<gptq::GptqView> views;
+    for (const Packed& P : Ps) views.push_back(P.view);
+    GemvWeight w = cuda::gemv_prepare(views, nullptr);
+    ASSERT_EQ(w.N, 96 + 32 + 160);
+    const std::vector<uint16_t> x = random_x(K, rng);
+    std::vector<float> ref;
+    for (const Linear& L : Ls) {
+      const std::vector<float> part = reference(L, L.N, to_float(x));
+      ref.insert(ref.end(), part.begin(), part.end());
+    }
+    const std::vector<float> y =
+        run(w.N, x, {}, false, [&](const __half* dx, __half* dy, const __half* dr) {
+          cuda::gemv(w, dx, dy, dr, nullptr);
+        });
+    cuda::gemv_free(w);
+    expect_close(y, ref, "fused bits=" + std::to_string(bits));
+  }
+}
+
+// ---- The packed layout (no GPU needed) ---------------------------------------------------------
+
+// Decodes W[n, k] from the host repack by the layout drawn in gemv.cu, un-permuting K.
+std::vector<float> decode_repack(const cuda::gemv_detail::HostRepack& h) {
+  using namespace cuda::gemv_detail;
+  const GemvWeight& m = h.meta;
+  const int C = chunk_codes(m.bits), P = m.planes;
+  const int64_t nch = m.chunks;
+  std::vector<float> W(m.N * m.K, std::nanf(""));
+  for (int64_t n = 0; n < m.N; ++n)
+    for (int64_t kp = 0; kp < m.K; ++kp) {
+      const int64_t c = kp / C;
+      const int i = static_cast<int>(kp % C);
+      auto word = [&](int plane, int j) { return h.codes[((n * P + plane) * nch + c) * 4 + j]; };
+      uint32_t q = 0;
+      switch (m.bits) {
+        case 4: q = (word(0, i / 8) >> nibble_pos(i % 8)) & 15u; break;
+        case 2: q = (word(0, i / 16) >> crumb_pos(i % 16)) & 3u; break;
+        case 8: q = (word(0, i / 4) >> (8 * (i % 4))) & 255u; break;
+        case 3: {
+          const int u = i / 32, ii = i % 32;
+          if (ii < 24) {
+            q = (word(ii / 8, u) >> nibble_pos(ii % 8)) & 7u;
+          } else {
+            for (int b = 0; b < 3; ++b) q |= ((word(b, u) >> (nibble_pos(ii - 24) + 3)) & 1u) << b;
+          }
+          break;
+        }
+      }
+      const int64_t e = m.group_size > 0 ? kp / m.group_size : 0;
+      const float s = half_to_float(h.scales[n * m.groups + e]);
+      const int z = h.zeros.empty() ? m.zero_const : h.zeros[n * m.groups + e] + m.zero_offset;
+      const int64_t k = h.perm.empty() ? kp : h.perm[kp];
+      W[n * m.K + k] = s * (float(q) - float(z));
+    }
+  return W;
+}
+
+TEST(GemvLayout, RepackDecodesToTheCheckpointWeights) {
+  std::mt19937 rng(50);
+  for (const FormatCase& c : all_formats()) {
+    Format f;
+    f.bits = c.bits;
+    f.group_size = c.group_size;
+    f.sym = c.sym;
+    f.act_order = c.act_order;
+    f.zero_offset = c.sym ? 1 : (c.bits == 8 ? 1 : 0);
+    const int64_t K = 352;
+    const Linear L = random_linear(f, 64, K, rng);
+    const std::string what = describe(f, 64, K);
+    SCOPED_TRACE(what);
+    Packed P = pack(L, L.N);
+    std::vector<float> ref(L.N * K);
+    gptq::dequantize_ref(P.view, ref.data());
+    const cuda::gemv_detail::HostRepack h = cuda::gemv_detail::repack({P.view});
+    EXPECT_EQ(h.zeros.empty(), c.sym) << "symmetric weights need no zero-point array";
+    const std::vector<float> W = decode_repack(h);
+    for (size_t i = 0; i < W.size(); ++i)
+      ASSERT_EQ(W[i], ref[i]) << what << ": W[" << i / K << ", " << i % K << "]";
+  }
+}
+
+// ---- Validation (no GPU needed: gemv_prepare checks before touching the device) ----------------
+
+struct PartsFixture {
+  std::vector<Linear> Ls;
+  std::vector<Packed> Ps;
+  std::vector<gptq::GptqView> views() const {
+    std::vector<gptq::GptqView> v;
+    for (const Packed& P : Ps) v.push_back(P.view);
+    return v;
+  }
+};
+
+PartsFixture two_parts(const Format& f, int64_t K, std::mt19937& rng) {
+  PartsFixture fx;
+  fx.Ls.push_back(random_linear(f, 64, K, rng));
+  fx.Ls.push_back(random_linear(f, 32, K, rng));
+  fx.Ls[1].g_idx = fx.Ls[0].g_idx;
+  for (const Linear& L : fx.Ls) fx.Ps.push_back(pack(L, L.N));
+  return fx;
+}
+
+void expect_error_mentions(const std::vector<gptq::GptqView>& views, const std::string& needle) {
+  try {
+    GemvWeight w = cuda::gemv_prepare(views, nullptr);
+    cuda::gemv_free(w);
+    FAIL() << "expected kestrel::Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("part 1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GemvPrepare, RejectsMismatchedParts) {
+  std::mt19937 rng(47);
+  Format f;
+  f.bits = 4;
+  f.group_size = 64;
+  f.sym = false;
+  f.act_order = true;
+  f.zero_offset = 0;
+  {
+    PartsFixture fx = two_parts(f, 256, rng);
+    auto v = fx.views();
+    v[1].K = 128;
+    expect_error_mentions(v, "K=128");
+  }
+  {
+    PartsFixture fx = two_parts(f, 256, rng);
+    auto v = fx.views();
+    v[1].bits = 8;
+    expect_error_mentions(v, "bits=8");
+  }
+  {
+    PartsFixture fx = two_parts(f, 256, rng);
+    auto v = fx.views();
+    v[1].group_size = 128;
+    expect_error_mentions(v, "group_size=128");
+  }
+  {
+    PartsFixture fx = two_parts(f, 256, rng);
+    auto v = fx.views();
+    v[1].zero_offset = 1;
+    expect_error_mentions(v, "zero_offset=1");
+  }
+  {
+    PartsFixture fx = two_parts(f, 256, rng);
+    std::vector<int32_t> other(256);
+    std::iota(other.begin(), other.end(), 0);
+    std::shuffle(other.begin(), other.end(), rng);
+    fx.Ls[1].g_idx = gptq::act_order_g_idx(other, 64);
+    auto v = fx.views();
+    v[1].g_idx = fx.Ls[1].g_idx.data();
+    expect_error_mentions(v, "g_idx");
+  }
+}
+
+TEST(GemvPrepare, RejectsUnsupportedFormats) {
+  std::mt19937 rng(48);
+  Format f;
+  f.bits = 4;
+  f.group_size = 64;
+  const Linear L = random_linear(f, 32, 256, rng);
+  Packed P = pack(L, 32);
+  {
+    gptq::GptqView v = P.view;
+    v.bits = 5;
+    EXPECT_THROW(cuda::gemv_prepare({v}, nullptr), Error);
+  }
+  {
+    gptq::GptqView v = P.view;
+    v.group_size = 48;  // groups would not be whole 32-code units
+    try {
+      cuda::gemv_prepare({v}, nullptr);
+      FAIL() << "group_size 48 accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("group_size=48"), std::string::npos) << e.what();
+    }
+  }
+  {
+    // g_idx whose groups are not runs of group_size columns (all in group 0 of 4).
+    std::vector<int32_t> g(256, 0);
+    gptq::GptqView v = P.view;
+    v.g_idx = g.data();
+    EXPECT_THROW(cuda::gemv_prepare({v}, nullptr), Error);
+  }
+  EXPECT_THROW(cuda::gemv_prepare({}, nullptr), Error);
+}
+
+TEST(GemvPrepare, EmptyWeightIsRejectedByGemv) {
+  GemvWeight w;
+  EXPECT_THROW(cuda::gemv(w, nullptr, nullptr, nullptr, nullptr), Error);
+}
+
+// ---- fp16 weights ----------------------------------------------------------------------------
+
+TEST(GemvF16, MatchesReference) {
+  REQUIRE_GPU();
+  std::mt19937 rng(49);
+  std::normal_distribution<float> d(0.f, 0.02f);
+  for (int64_t K : {96, 160, 4096, 11008})
+    for (int64_t N : {1, 7, 33, 4097})
+      for (bool residual : {false, true}) {
+        const std::string what = "f16 N=" + std::to_string(N) + " K=" + std::to_string(K) +
+                                 (residual ? " +residual" : "");
+        SCOPED_TRACE(what);
+        std::vector<uint16_t> W(N * K);
+        for (auto& v : W) v = float_to_half(d(rng));
+        const std::vector<uint16_t> x = random_x(K, rng);
+        std::vector<uint16_t> r;
+        if (residual) r = random_x(N, rng);
+        std::vector<float> ref(N);
+        matmul_f16w_ref(to_float(x).data(), W.data(), nullptr, 1, N, K, ref.data());
+        if (residual)
+          for (int64_t i = 0; i < N; ++i) ref[i] += half_to_float(r[i]);
+        DeviceBuffer dW = upload(W);
+        const std::vector<float> y =
+            run(N, x, r, residual && (N % 2), [&](const __half* dx, __half* dy, const __half* dr) {
+              cuda::gemv_f16(dW.as<__half>(), dx, dy, N, K, dr, nullptr);
+            });
+        expect_close(y, ref, what);
+      }
+}
+
+TEST(GemvF16, RejectsBadShapes) {
+  EXPECT_THROW(cuda::gemv_f16(nullptr, nullptr, nullptr, 4, 100, nullptr, nullptr), Error);
+  EXPECT_THROW(cuda::gemv_f16(nullptr, nullptr, nullptr, 0, 64, nullptr, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace kestrel
