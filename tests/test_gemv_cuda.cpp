@@ -8,10 +8,9 @@
 // before they join the fp32 sum: each ~2^-12 relative to that partial sum. Together well under
 // 1e-3 in the norm; 2e-3 leaves margin for the rounding to line up, while a wrong code, group,
 // scale, zero or x element gives errors of order 1e-2 to 1.
-#include <gtest/gtest.h>
-
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,11 +39,11 @@ bool has_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-#define REQUIRE_GPU()                                                                   \
-  do {                                                                                  \
-    if (!has_gpu())                                                                     \
+#define REQUIRE_GPU()                                                                  \
+  do {                                                                                 \
+    if (!has_gpu())                                                                    \
       GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount failed or found none): the " \
-                      "GEMV kernels need a GPU";                                        \
+                      "GEMV kernels need a GPU";                                       \
   } while (0)
 
 constexpr double kTol = 2e-3;
@@ -68,10 +67,10 @@ std::string describe(const Format& f, int64_t N, int64_t K) {
 struct Linear {
   Format f;
   int64_t N = 0, K = 0, G = 0;
-  std::vector<uint8_t> codes;      // [N][K]
-  std::vector<uint8_t> zeros;      // [G][N] stored zero points
-  std::vector<uint16_t> scales;    // [G][N] fp16 bits
-  std::vector<int32_t> g_idx;      // [K], empty = none
+  std::vector<uint8_t> codes;    // [N][K]
+  std::vector<uint8_t> zeros;    // [G][N] stored zero points
+  std::vector<uint16_t> scales;  // [G][N] fp16 bits
+  std::vector<int32_t> g_idx;    // [K], empty = none
 };
 
 Linear random_linear(const Format& f, int64_t N, int64_t K, std::mt19937& rng) {
@@ -188,9 +187,14 @@ std::vector<float> run(int64_t N, const std::vector<uint16_t>& x,
       res = dr.as<__half>();
     }
   }
-  launch(dx.as<__half>(), dy.as<__half>(), res);
+  // A created stream, as the engine uses: the kernels launch with programmatic dependent
+  // launch there.
+  cudaStream_t st = nullptr;
+  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  launch(dx.as<__half>(), dy.as<__half>(), res, st);
   KESTREL_CUDA_CHECK(cudaGetLastError());
-  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+  KESTREL_CUDA_CHECK(cudaStreamDestroy(st));
   std::vector<uint16_t> yh(N);
   KESTREL_CUDA_CHECK(cudaMemcpy(yh.data(), dy.get(), N * 2, cudaMemcpyDeviceToHost));
   return to_float(yh);
@@ -231,8 +235,8 @@ void check_quant(const Linear& L, int64_t n, std::mt19937& rng, bool residual = 
   if (residual)
     for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);
   const std::vector<float> y =
-      run(n, x, r, alias, [&](const __half* dx, __half* dy, const __half* dr) {
-        cuda::gemv(w, dx, dy, dr, nullptr);
+      run(n, x, r, alias, [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+        cuda::gemv(w, dx, dy, dr, st);
       });
   cuda::gemv_free(w);
   EXPECT_EQ(w.device, nullptr);
@@ -398,9 +402,9 @@ TEST(GemvFused, ThreePartsMatchConcatenatedReferences) {
       const std::vector<float> part = reference(L, L.N, to_float(x));
       ref.insert(ref.end(), part.begin(), part.end());
     }
-    const std::vector<float> y =
-        run(w.N, x, {}, false, [&](const __half* dx, __half* dy, const __half* dr) {
-          cuda::gemv(w, dx, dy, dr, nullptr);
+    const std::vector<float> y = run(
+        w.N, x, {}, false, [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+          cuda::gemv(w, dx, dy, dr, st);
         });
     cuda::gemv_free(w);
     expect_close(y, ref, "fused bits=" + std::to_string(bits));
@@ -423,9 +427,15 @@ std::vector<float> decode_repack(const cuda::gemv_detail::HostRepack& h) {
       auto word = [&](int plane, int j) { return h.codes[((n * P + plane) * nch + c) * 4 + j]; };
       uint32_t q = 0;
       switch (m.bits) {
-        case 4: q = (word(0, i / 8) >> nibble_pos(i % 8)) & 15u; break;
-        case 2: q = (word(0, i / 16) >> crumb_pos(i % 16)) & 3u; break;
-        case 8: q = (word(0, i / 4) >> (8 * (i % 4))) & 255u; break;
+        case 4:
+          q = (word(0, i / 8) >> nibble_pos(i % 8)) & 15u;
+          break;
+        case 2:
+          q = (word(0, i / 16) >> crumb_pos(i % 16)) & 3u;
+          break;
+        case 8:
+          q = (word(0, i / 4) >> (8 * (i % 4))) & 255u;
+          break;
         case 3: {
           const int u = i / 32, ii = i % 32;
           if (ii < 24) {
@@ -605,9 +615,10 @@ TEST(GemvF16, MatchesReference) {
           for (int64_t i = 0; i < N; ++i) ref[i] += half_to_float(r[i]);
         DeviceBuffer dW = upload(W);
         const std::vector<float> y =
-            run(N, x, r, residual && (N % 2), [&](const __half* dx, __half* dy, const __half* dr) {
-              cuda::gemv_f16(dW.as<__half>(), dx, dy, N, K, dr, nullptr);
-            });
+            run(N, x, r, residual && (N % 2),
+                [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+                  cuda::gemv_f16(dW.as<__half>(), dx, dy, N, K, dr, st);
+                });
         expect_close(y, ref, what);
       }
 }

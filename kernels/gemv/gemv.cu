@@ -95,6 +95,8 @@ namespace kestrel::cuda {
 namespace gemv_detail {
 namespace {
 
+constexpr int kQuantUnroll = 2;
+
 struct KParams {
   const uint4* codes;      // row n starts at codes + n * row_stride
   int64_t row_stride;      // uint4 per row: planes * nch
@@ -214,7 +216,7 @@ struct QuantOp {
   static constexpr int kCodes = chunk_codes(BITS);   // codes per chunk
   static constexpr int kPlanes = chunk_planes(BITS);
   static constexpr int kRows = rows_per_warp(BITS);  // rows per warp
-  static constexpr int kUnroll = 2;                  // chunks per row loaded before use
+  static constexpr int kUnroll = kQuantUnroll;       // chunks per row loaded before use
   static constexpr int kVecs = kCodes / 8;           // x uint4 per chunk
   // Groups met inside one chunk (>1 only for 32-code groups with 2- or 3-bit, 64 with 3-bit).
   static constexpr int kGroups = (GS == 0 || GS >= kCodes) ? 1 : kCodes / GS;
@@ -608,19 +610,17 @@ int64_t tiles_for(int64_t N, int rows, int ks) {
   return (N + per_tile - 1) / per_tile;
 }
 
-// k_split: the smallest that gives at least ~12 warps of work per SM (enough 16-byte loads in
-// flight to cover HBM latency) without leaving a warp less than one 32-chunk stride of K.
-// grid: at most the resident blocks, so that x is staged into shared memory once per block.
-GemvLaunch plan(Kernel k, int rows, int64_t N, int64_t nch, size_t smem, GemvLaunch hint) {
+// k_split: the largest (up to 8) that still gives every lane `unroll` chunks of each row, so
+// that a warp keeps its full set of loads in flight. Larger k_split means smaller row tiles,
+// hence more tiles per block and an even tail. grid: at most the resident blocks, so that x
+// is staged into shared memory once per block and blocks loop over tiles.
+GemvLaunch plan(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size_t smem,
+                GemvLaunch hint) {
   const DeviceInfo& d = current_device_info();
   GemvLaunch out = hint;
   if (out.k_split == 0) {
     out.k_split = 1;
-    for (int ks = 1; ks <= kWarps; ks *= 2) {
-      if (ks > 1 && nch < int64_t(32) * ks) break;
-      out.k_split = ks;
-      if (tiles_for(N, rows, ks) * kWarps >= int64_t(d.sm_count) * 12) break;
-    }
+    while (out.k_split < kWarps && int64_t(32) * unroll * out.k_split * 2 <= nch) out.k_split *= 2;
   }
   if (out.k_split != 1 && out.k_split != 2 && out.k_split != 4 && out.k_split != 8)
     throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(out.k_split));
@@ -631,10 +631,14 @@ GemvLaunch plan(Kernel k, int rows, int64_t N, int64_t nch, size_t smem, GemvLau
   return out;
 }
 
+// Grids larger than the tile count are clamped (extra blocks would only idle).
 void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaStream_t s) {
+  if (p.k_split != 1 && p.k_split != 2 && p.k_split != 4 && p.k_split != 8)
+    throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(p.k_split));
   ensure_smem(k, smem);
+  const int grid = std::min(l.grid, p.tiles);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(l.grid));
+  cfg.gridDim = dim3(static_cast<unsigned>(std::max(grid, 1)));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
@@ -655,7 +659,8 @@ size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
 
 GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks, size_t smem,
                              GemvLaunch hint) {
-  return plan(quant_kernel(bits, group_size), rows_per_warp(bits), N, chunks, smem, hint);
+  return plan(quant_kernel(bits, group_size), rows_per_warp(bits), kQuantUnroll, N, chunks, smem,
+              hint);
 }
 
 }  // namespace gemv_detail
@@ -680,9 +685,13 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.G = static_cast<int>(w.groups);
   p.zero_const = w.zero_const;
   p.zero_offset = w.zero_offset;
-  p.k_split = w.launch.k_split;
-  p.tiles = static_cast<int>(tiles_for(w.N, rows_per_warp(w.bits), w.launch.k_split));
-  launch(quant_kernel(w.bits, w.group_size), p, w.launch, w.smem_bytes, s);
+  const Kernel k = quant_kernel(w.bits, w.group_size);
+  GemvLaunch l = w.launch;
+  if (l.k_split == 0 || l.grid <= 0)
+    l = plan(k, rows_per_warp(w.bits), kQuantUnroll, w.N, w.chunks, w.smem_bytes, l);
+  p.k_split = l.k_split;
+  p.tiles = static_cast<int>(tiles_for(w.N, rows_per_warp(w.bits), l.k_split));
+  launch(k, p, l, w.smem_bytes, s);
 }
 
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
@@ -696,7 +705,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   const Kernel k = gemv_kernel<F16Op>;
   const int64_t nch = K / 8;
   const size_t smem = static_cast<size_t>(K) * 2 + kWarps * 4 * sizeof(float);
-  const GemvLaunch l = plan(k, F16Op::kRows, N, nch, smem, launch_hint);
+  const GemvLaunch l = plan(k, F16Op::kRows, F16Op::kUnroll, N, nch, smem, launch_hint);
   KParams p{};
   p.codes = reinterpret_cast<const uint4*>(W);
   p.row_stride = nch;

@@ -25,7 +25,8 @@ namespace kestrel::cuda {
 // benchmark may override it. Zero fields mean "choose".
 struct GemvLaunch {
   int k_split = 0;  // warps of a block that share each row, each summing a slice of K: 1, 2, 4, 8
-  int grid = 0;     // blocks; each loops over row tiles (x is staged in shared memory once per block)
+  int grid = 0;     // blocks, each looping over row tiles (x is staged in shared memory once
+                    // per block); at most the tile count; 0 = at most the resident blocks
   bool pdl = true;  // programmatic dependent launch: the kernel may start (and prefetch its
                     // weights into L2) while the previous kernel in the stream drains
 };

@@ -111,21 +111,22 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   if (bits != 2 && bits != 3 && bits != 4 && bits != 8)
     throw Error(part_name(0) + ": bits=" + std::to_string(bits) + " is not supported (2, 3, 4, 8)");
   if (K <= 0 || (K * bits) % 32 != 0)
-    throw Error(part_name(0) + ": K=" + std::to_string(K) + " does not fill whole 32-bit words at " +
-                std::to_string(bits) + " bits");
+    throw Error(part_name(0) + ": K=" + std::to_string(K) +
+                " does not fill whole 32-bit words at " + std::to_string(bits) + " bits");
   if (K > (int64_t(1) << 30)) throw Error(part_name(0) + ": K=" + std::to_string(K) + " too large");
   if (p0.zero_offset != 0 && p0.zero_offset != 1)
-    throw Error(part_name(0) + ": zero_offset must be 0 or 1, got " + std::to_string(p0.zero_offset));
+    throw Error(part_name(0) + ": zero_offset must be 0 or 1, got " +
+                std::to_string(p0.zero_offset));
 
   int64_t N = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const gptq::GptqView& v = parts[i];
     if (v.K != K)
-      throw Error(part_name(i) + ": K=" + std::to_string(v.K) + " differs from part 0's K=" +
-                  std::to_string(K));
+      throw Error(part_name(i) + ": K=" + std::to_string(v.K) +
+                  " differs from part 0's K=" + std::to_string(K));
     if (v.bits != bits)
-      throw Error(part_name(i) + ": bits=" + std::to_string(v.bits) + " differs from part 0's bits=" +
-                  std::to_string(bits));
+      throw Error(part_name(i) + ": bits=" + std::to_string(v.bits) +
+                  " differs from part 0's bits=" + std::to_string(bits));
     if (v.group_size != p0.group_size)
       throw Error(part_name(i) + ": group_size=" + std::to_string(v.group_size) +
                   " differs from part 0's group_size=" + std::to_string(p0.group_size));
@@ -157,8 +158,8 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   for (size_t i = 1; i < parts.size(); ++i)
     for (int64_t k = 0; k < K; ++k)
       if (group_of(parts[i], k) != gidx[k])
-        throw Error(part_name(i) + ": g_idx[" + std::to_string(k) + "]=" +
-                    std::to_string(group_of(parts[i], k)) + " differs from part 0's " +
+        throw Error(part_name(i) + ": g_idx[" + std::to_string(k) +
+                    "]=" + std::to_string(group_of(parts[i], k)) + " differs from part 0's " +
                     std::to_string(gidx[k]) + " (fused parts must share g_idx)");
 
   // act-order: order K by group (stable), and require the groups to come out as consecutive runs

@@ -1,0 +1,402 @@
+// kestrel-bench-gemv: achieved bandwidth of the batch-1 GEMV kernels on the Llama-2-7B shapes,
+// against a device-to-device copy and cuBLAS measured in the same run.
+//
+// Method: every weight is repeated in enough device copies (> 4 x L2 in total) that each launch
+// reads its weights from HBM, not L2; launches are captured into a CUDA graph (as the engine
+// runs them) rotating over the copies; after warm-up replays, each replay is timed with CUDA
+// events and the median per-launch time is reported. Bytes = what the kernel must move: codes +
+// scales + zeros (+ perm) + x + y for GPTQ, W + x + y for fp16.
+#include <cublas_v2.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "engine/error.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemv/gemv.h"
+
+namespace kestrel {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::GemvLaunch;
+using cuda::GemvWeight;
+
+struct Shape {
+  const char* name;
+  int64_t N, K;
+};
+
+// Llama-2-7B decode linears: fused q/k/v, o, fused gate/up, down.
+const Shape kShapes[] = {
+    {"qkv", 12288, 4096}, {"o", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008}};
+const Shape kLmHead = {"lm_head", 32000, 4096};
+
+// A grid no GEMV has as many tiles as: gemv clamps it to one block per tile.
+constexpr int kAllTiles = 1 << 30;
+
+struct Row {
+  std::string kind;  // gptq | f16 | cublas
+  std::string shape;
+  int64_t N = 0, K = 0;
+  int bits = 16, group = 0;
+  bool act = false;
+  GemvLaunch launch;
+  double bytes = 0, us = 0;
+  double gbps() const { return bytes / us * 1e-3; }
+};
+
+struct Options {
+  int min_launches = 400;
+  int min_replays = 30;
+  bool sweep = false;
+  std::string out = "md";
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Median microseconds per launch: `batch` launches (fn(i), i < batch) captured in one graph,
+// replayed after a warm-up, each replay timed with events.
+template <class Fn>
+double time_graph(cudaStream_t s, int batch, const Options& o, Fn fn) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < batch; ++i) fn(i);
+  KESTREL_CUDA_CHECK(cudaStreamEndCapture(s, &g));
+  KESTREL_CUDA_CHECK(cudaGraphInstantiate(&ge, g, 0));
+  for (int w = 0; w < 5; ++w) KESTREL_CUDA_CHECK(cudaGraphLaunch(ge, s));
+  const int replays = std::max(o.min_replays, (o.min_launches + batch - 1) / batch);
+  std::vector<cudaEvent_t> ev(2 * replays);
+  for (auto& e : ev) KESTREL_CUDA_CHECK(cudaEventCreate(&e));
+  for (int r = 0; r < replays; ++r) {
+    KESTREL_CUDA_CHECK(cudaEventRecord(ev[2 * r], s));
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(ge, s));
+    KESTREL_CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], s));
+  }
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> us(replays);
+  for (int r = 0; r < replays; ++r) {
+    float ms = 0;
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * r], ev[2 * r + 1]));
+    us[r] = 1e3 * ms / batch;
+  }
+  for (auto& e : ev) KESTREL_CUDA_CHECK(cudaEventDestroy(e));
+  KESTREL_CUDA_CHECK(cudaGraphExecDestroy(ge));
+  KESTREL_CUDA_CHECK(cudaGraphDestroy(g));
+  return median(us);
+}
+
+// Copies needed so that a rotation over them touches more than 4 x L2.
+int copies_for(size_t bytes) {
+  const size_t l2 = cuda::current_device_info().l2_bytes;
+  return static_cast<int>(std::max<size_t>(2, (4 * l2) / std::max<size_t>(bytes, 1) + 1));
+}
+
+uint64_t splitmix(uint64_t& s) {
+  uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// A random symmetric GPTQ linear in checkpoint layout (random words are random codes).
+struct Gptq {
+  std::vector<uint32_t> qweight, qzeros;
+  std::vector<uint16_t> scales;
+  std::vector<int32_t> g_idx;
+  gptq::GptqView view;
+};
+
+Gptq random_gptq(int64_t N, int64_t K, int bits, int group, bool act, uint64_t seed) {
+  Gptq t;
+  const int64_t G = group > 0 ? (K + group - 1) / group : 1;
+  t.qweight.resize(K * bits / 32 * N);
+  for (auto& w : t.qweight) w = static_cast<uint32_t>(splitmix(seed));
+  // Symmetric, gptq (v1): stored zero 2^(b-1) - 1 for every column.
+  std::vector<uint32_t> col_stream((N * bits + 31) / 32, 0u);
+  for (int64_t n = 0; n < N; ++n)
+    gptq::write_code(col_stream.data(), 1, n, bits, (1u << (bits - 1)) - 1u);
+  for (int64_t g = 0; g < G; ++g)
+    t.qzeros.insert(t.qzeros.end(), col_stream.begin(), col_stream.end());
+  t.scales.resize(G * N);
+  for (auto& s : t.scales)
+    s = float_to_half(1e-3f + 1e-2f * float(splitmix(seed) >> 40) / float(1 << 24));
+  if (act) {
+    std::vector<int32_t> perm(K);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::mt19937_64 rng(seed);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    t.g_idx = gptq::act_order_g_idx(perm, group);
+  }
+  t.view.bits = bits;
+  t.view.group_size = group;
+  t.view.K = K;
+  t.view.N = N;
+  t.view.zero_offset = 1;
+  t.view.qweight = t.qweight.data();
+  t.view.qzeros = t.qzeros.data();
+  t.view.scales = t.scales.data();
+  t.view.g_idx = act ? t.g_idx.data() : nullptr;
+  return t;
+}
+
+DeviceBuffer random_halves(size_t n, float scale, uint64_t seed) {
+  std::vector<uint16_t> h(n);
+  for (auto& v : h)
+    v = float_to_half(scale * (float(splitmix(seed) >> 40) / float(1 << 24) * 2.f - 1.f));
+  DeviceBuffer d(n * 2);
+  KESTREL_CUDA_CHECK(cudaMemcpy(d.get(), h.data(), n * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct Bench {
+  Options o;
+  cudaStream_t s = nullptr;
+  cublasHandle_t blas = nullptr;
+  DeviceBuffer blas_ws;
+  DeviceBuffer x, y;
+  double copy_gbps = 0;
+  std::vector<Row> rows, sweep_rows;
+
+  explicit Bench(const Options& opt) : o(opt) {
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    KESTREL_CUBLAS_CHECK(cublasCreate(&blas));
+    KESTREL_CUBLAS_CHECK(cublasSetStream(blas, s));
+    blas_ws = DeviceBuffer(32 << 20);  // a fixed workspace: no allocation during graph capture
+    KESTREL_CUBLAS_CHECK(cublasSetWorkspace(blas, blas_ws.get(), blas_ws.size()));
+    x = random_halves(64 * 1024, 1.f, 1);
+    y = DeviceBuffer(64 * 1024 * 2);
+  }
+  ~Bench() {
+    cublasDestroy(blas);
+    cudaStreamDestroy(s);
+  }
+
+  // Device-to-device copy of 1 GiB: bytes read + written over time.
+  void measure_copy() {
+    const size_t n = size_t(1) << 30;
+    DeviceBuffer a(n), b(n);
+    KESTREL_CUDA_CHECK(cudaMemset(a.get(), 1, n));
+    Options co = o;
+    co.min_launches = 20;
+    co.min_replays = 20;
+    const double us = time_graph(s, 1, co, [&](int) {
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(b.get(), a.get(), n, cudaMemcpyDeviceToDevice, s));
+    });
+    copy_gbps = 2.0 * n / us * 1e-3;
+  }
+
+  double time_gptq(const std::vector<GemvWeight>& ws, const GemvLaunch& l) {
+    return time_graph(s, static_cast<int>(ws.size()), o, [&](int i) {
+      GemvWeight w = ws[i];
+      w.launch = l;
+      cuda::gemv(w, x.as<__half>(), y.as<__half>(), nullptr, s);
+    });
+  }
+
+  void run_gptq(const Shape& sh, int bits, int group, bool act) {
+    Gptq t = random_gptq(sh.N, sh.K, bits, group, act, 7 + bits * 131 + group);
+    std::vector<GemvWeight> ws;
+    ws.push_back(cuda::gemv_prepare({t.view}, s));
+    const int copies = copies_for(ws[0].device_bytes);
+    for (int i = 1; i < copies; ++i) ws.push_back(cuda::gemv_clone(ws[0], s));
+    Row r;
+    r.kind = "gptq";
+    r.shape = sh.name;
+    r.N = sh.N;
+    r.K = sh.K;
+    r.bits = bits;
+    r.group = group;
+    r.act = act;
+    r.launch = ws[0].launch;
+    r.bytes = static_cast<double>(ws[0].bytes_moved());
+    r.us = time_gptq(ws, r.launch);
+    rows.push_back(r);
+    if (o.sweep && sh.K * sh.N >= 4096 * 11008 && group == 128) {
+      const int sms = cuda::current_device_info().sm_count;
+      for (int ks : {1, 2, 4, 8}) {
+        if (ks > 1 && ws[0].chunks < 32 * ks) continue;
+        for (int grid : {kAllTiles, sms, 2 * sms, 3 * sms})
+          for (bool pdl : {true, false}) {
+            Row v = r;
+            v.launch = GemvLaunch{ks, grid, pdl};
+            v.us = time_gptq(ws, v.launch);
+            sweep_rows.push_back(v);
+          }
+      }
+    }
+    for (auto& w : ws) cuda::gemv_free(w);
+  }
+
+  // fp16 weights: gemv_f16 and cuBLAS (GemmEx, m = 1) on the same copies.
+  void run_f16(const Shape& sh) {
+    const size_t elems = static_cast<size_t>(sh.N) * sh.K;
+    std::vector<DeviceBuffer> ws;
+    ws.push_back(random_halves(elems, 0.05f, 11 + sh.N));
+    const int copies = copies_for(elems * 2);
+    for (int i = 1; i < copies; ++i) {
+      ws.emplace_back(elems * 2);
+      KESTREL_CUDA_CHECK(
+          cudaMemcpy(ws.back().get(), ws[0].get(), elems * 2, cudaMemcpyDeviceToDevice));
+    }
+    Row r;
+    r.kind = "f16";
+    r.shape = sh.name;
+    r.N = sh.N;
+    r.K = sh.K;
+    r.bytes = double(elems) * 2 + double(sh.K) * 2 + double(sh.N) * 2;
+    r.us = time_graph(s, copies, o, [&](int i) {
+      cuda::gemv_f16(ws[i].as<__half>(), x.as<__half>(), y.as<__half>(), sh.N, sh.K, nullptr, s);
+    });
+    rows.push_back(r);
+    Row b = r;
+    b.kind = "cublas";
+    const float alpha = 1.f, beta = 0.f;
+    b.us = time_graph(s, copies, o, [&](int i) {
+      // Column-major view: W row-major [N, K] is A = [K, N], lda = K; y = A^T x.
+      KESTREL_CUBLAS_CHECK(cublasGemmEx(blas, CUBLAS_OP_T, CUBLAS_OP_N, int(sh.N), 1, int(sh.K),
+                                        &alpha, ws[i].get(), CUDA_R_16F, int(sh.K), x.get(),
+                                        CUDA_R_16F, int(sh.K), &beta, y.get(), CUDA_R_16F,
+                                        int(sh.N), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    });
+    rows.push_back(b);
+    if (o.sweep && sh.N * sh.K >= 4096 * 11008) {
+      const int sms = cuda::current_device_info().sm_count;
+      for (int ks : {1, 2, 4})
+        for (int grid : {sms, 2 * sms, 3 * sms}) {
+          Row v = r;
+          v.launch = GemvLaunch{ks, grid, true};
+          v.us = time_graph(s, copies, o, [&](int i) {
+            cuda::gemv_f16(ws[i].as<__half>(), x.as<__half>(), y.as<__half>(), sh.N, sh.K, nullptr,
+                           s, v.launch);
+          });
+          sweep_rows.push_back(v);
+        }
+    }
+  }
+
+  const Row* find(const std::string& kind, const std::string& shape) const {
+    for (const Row& r : rows)
+      if (r.kind == kind && r.shape == shape) return &r;
+    return nullptr;
+  }
+};
+
+std::string config_name(const Row& r) {
+  if (r.kind != "gptq") return r.kind == "f16" ? "fp16 (gemv_f16)" : "fp16 (cuBLAS)";
+  return fmt::format("{}-bit g{}{}", r.bits, r.group > 0 ? std::to_string(r.group) : "row",
+                     r.act ? " act" : "");
+}
+
+void print_md(const Bench& b) {
+  const auto& d = cuda::current_device_info();
+  fmt::print("# kestrel-bench-gemv on {} ({} SMs, L2 {} MB)\n\n", d.name, d.sm_count,
+             d.l2_bytes >> 20);
+  fmt::print("Device-to-device copy (1 GiB, read + written): **{:.0f} GB/s**\n\n", b.copy_gbps);
+  fmt::print(
+      "| shape | N x K | weights | launch (ks/grid) | MB moved | us | GB/s | % copy | "
+      "cuBLAS fp16 GB/s |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const Row& r : b.rows) {
+    const Row* cb = b.find("cublas", r.shape);
+    fmt::print("| {} | {}x{} | {} | {} | {:.2f} | {:.2f} | {:.0f} | {:.1f}% | {} |\n", r.shape, r.N,
+               r.K, config_name(r),
+               r.kind == "cublas" ? std::string("-")
+                                  : fmt::format("{}/{}", r.launch.k_split, r.launch.grid),
+               r.bytes / 1e6, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps,
+               cb ? fmt::format("{:.0f}", cb->gbps()) : std::string("-"));
+  }
+  if (!b.sweep_rows.empty()) {
+    fmt::print(
+        "\n## Launch sweep (grid tiles = one block per row tile)\n\n| shape | weights | k_split | "
+        "grid | pdl | us | GB/s | % copy |\n|---|---|---|---|---|---|---|---|\n");
+    for (const Row& r : b.sweep_rows)
+      fmt::print("| {} | {} | {} | {} | {} | {:.2f} | {:.0f} | {:.1f}% |\n", r.shape,
+                 config_name(r), r.launch.k_split,
+                 r.launch.grid == kAllTiles ? std::string("tiles") : std::to_string(r.launch.grid),
+                 r.launch.pdl ? 1 : 0, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps);
+  }
+}
+
+void print_json(const Bench& b) {
+  const auto& d = cuda::current_device_info();
+  nlohmann::json j;
+  j["device"] = d.name;
+  j["sm_count"] = d.sm_count;
+  j["l2_bytes"] = d.l2_bytes;
+  j["copy_gbps"] = b.copy_gbps;
+  auto dump = [&](const std::vector<Row>& rows) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const Row& r : rows)
+      a.push_back({{"kind", r.kind},
+                   {"shape", r.shape},
+                   {"N", r.N},
+                   {"K", r.K},
+                   {"bits", r.bits},
+                   {"group_size", r.group},
+                   {"act_order", r.act},
+                   {"k_split", r.launch.k_split},
+                   {"grid", r.launch.grid},
+                   {"pdl", r.launch.pdl},
+                   {"bytes", r.bytes},
+                   {"us_median", r.us},
+                   {"gbps", r.gbps()},
+                   {"fraction_of_copy", r.gbps() / b.copy_gbps}});
+    return a;
+  };
+  j["results"] = dump(b.rows);
+  if (!b.sweep_rows.empty()) j["sweep"] = dump(b.sweep_rows);
+  fmt::print("{}\n", j.dump(2));
+}
+
+int run(int argc, char** argv) {
+  CLI::App app{"kestrel-bench-gemv: GEMV bandwidth on the Llama-2-7B shapes"};
+  Options o;
+  app.add_option("-o,--output", o.out, "md or json")->check(CLI::IsMember({"md", "json"}));
+  app.add_option("--min-launches", o.min_launches, "timed launches per measurement (at least)");
+  app.add_flag("--sweep", o.sweep, "also sweep k_split, grid and PDL on the large shapes");
+  CLI11_PARSE(app, argc, argv);
+
+  Bench b(o);
+  b.measure_copy();
+  for (const Shape& sh : kShapes) {
+    b.run_f16(sh);
+    for (int bits : {2, 3, 4, 8}) {
+      for (int group : {32, 64, 128, -1}) b.run_gptq(sh, bits, group, false);
+      b.run_gptq(sh, bits, 128, true);
+    }
+  }
+  b.run_f16(kLmHead);
+  if (o.out == "json")
+    print_json(b);
+  else
+    print_md(b);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kestrel
+
+int main(int argc, char** argv) {
+  try {
+    return kestrel::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kestrel-bench-gemv: %s\n", e.what());
+    return 1;
+  }
+}
