@@ -74,6 +74,10 @@ double median(std::vector<double> v) {
 // replayed after a warm-up, each replay timed with events.
 template <class Fn>
 double time_graph(cudaStream_t s, int batch, const Options& o, Fn fn) {
+  // One plain call first: library handles, heuristics and occupancy caches initialise
+  // outside the capture.
+  fn(0);
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
   cudaGraph_t g;
   cudaGraphExec_t ge;
   KESTREL_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
