@@ -334,6 +334,28 @@ void print_md(const Bench& b) {
                  config_name(r), r.launch.k_split,
                  r.launch.grid == kAllTiles ? std::string("tiles") : std::to_string(r.launch.grid),
                  r.launch.pdl ? 1 : 0, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps);
+    fmt::print("\n## Best launch per shape and weights (sweep)\n\n| shape | weights | k_split | "
+               "grid | pdl | GB/s | % copy | default GB/s |\n|---|---|---|---|---|---|---|---|\n");
+    std::vector<const Row*> best;
+    for (const Row& r : b.sweep_rows) {
+      auto it = std::find_if(best.begin(), best.end(), [&](const Row* x) {
+        return x->shape == r.shape && config_name(*x) == config_name(r);
+      });
+      if (it == best.end())
+        best.push_back(&r);
+      else if (r.gbps() > (*it)->gbps())
+        *it = &r;
+    }
+    for (const Row* r : best) {
+      double def = 0;
+      for (const Row& d : b.rows)
+        if (d.shape == r->shape && config_name(d) == config_name(*r)) def = d.gbps();
+      fmt::print("| {} | {} | {} | {} | {} | {:.0f} | {:.1f}% | {:.0f} |\n", r->shape,
+                 config_name(*r), r->launch.k_split,
+                 r->launch.grid == kAllTiles ? std::string("tiles")
+                                             : std::to_string(r->launch.grid),
+                 r->launch.pdl ? 1 : 0, r->gbps(), 100.0 * r->gbps() / b.copy_gbps, def);
+    }
   }
 }
 
