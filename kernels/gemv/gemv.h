@@ -42,7 +42,7 @@ struct GemvWeight {
   // Layout (see gemv.cu): each row is `planes` planes of `chunks` 16-byte chunks.
   int64_t chunks = 0;
   int planes = 0;
-  int64_t groups = 0;     // scale/zero entries per row
+  int64_t groups = 0;     // scale/zero entries per row (padded to a multiple of 4)
   int zero_const = 0;     // zero point of every group when zeros == nullptr
   int zero_offset = 0;    // z = zeros[i] + zero_offset otherwise
 

@@ -188,7 +188,9 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   const int64_t Kp = w.chunks * C;
   // Effective group: the largest of 128, 64, 32 that divides the checkpoint's (scales repeat).
   w.group_size = per_row ? 0 : std::gcd(gs_in, 128);
-  w.groups = per_row ? 1 : (Kp + w.group_size - 1) / w.group_size;
+  // Padded to a multiple of 4 so that the scales (zeros) of one chunk are one aligned 4- or
+  // 8-byte (4-byte) word, which the kernels copy asynchronously.
+  w.groups = ((per_row ? 1 : (Kp + w.group_size - 1) / w.group_size) + 3) / 4 * 4;
   w.zero_offset = p0.zero_offset;
   const int64_t Ge = w.groups;
 
@@ -211,7 +213,8 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
     const int64_t ni = row_in_part[n];
     const int64_t zwords = (v.N * bits + 31) / 32;
     for (int64_t e = 0; e < Ge; ++e) {
-      const int64_t j = per_row ? 0 : e * w.group_size;  // first permuted k of the group
+      // First permuted k of the group; padding groups lie past K.
+      const int64_t j = per_row ? (e == 0 ? 0 : K) : e * w.group_size;
       if (j >= K) continue;
       const int64_t g = per_row ? 0 : j / gs_in;
       scales[n * Ge + e] = v.scales[g * v.N + ni];
@@ -222,7 +225,7 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   bool uniform = true;
   for (int64_t n = 0; n < N && uniform; ++n)
     for (int64_t e = 0; e < Ge && uniform; ++e)
-      if (e * w.group_size < K || per_row) uniform = zeros[n * Ge + e] == zeros[0];
+      if (per_row ? e == 0 : e * w.group_size < K) uniform = zeros[n * Ge + e] == zeros[0];
   w.zero_const = zeros[0] + w.zero_offset;
 
   // Codes: unpack 32 codes at a time per column (b words of the packed stream), permute, pack.
