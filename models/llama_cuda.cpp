@@ -235,6 +235,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
 }
 
 LlamaCuda::~LlamaCuda() {
+  prefill_.reset();
   for (cudaGraphExec_t g : graphs_)
     if (g) cudaGraphExecDestroy(g);
   for (void* p : allocations_) cudaFree(p);
@@ -317,6 +318,10 @@ void LlamaCuda::step(int token, int pos, Head head) {
 void LlamaCuda::forward(const int* tokens, int n, int pos, float* logits, float* all_logits) {
   KESTREL_CHECK(n > 0, "forward: no tokens");
   KESTREL_CHECK(pos + n <= ctx_, fmt::format("{} tokens do not fit the context of {}", pos + n, ctx_));
+  if (n > 1) {  // many tokens: the chunked prefill (llama_cuda_prefill.cpp)
+    prefill(tokens, n, pos, logits, all_logits, nullptr, nullptr);
+    return;
+  }
   const size_t vocab = cfg_.vocab;
   for (int i = 0; i < n; ++i) {
     const bool want = all_logits || i == n - 1;

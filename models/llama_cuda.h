@@ -78,7 +78,23 @@ class LlamaCuda final : public Backend {
   size_t weight_bytes() const override { return weight_bytes_; }
   size_t cache_bytes() const override { return cache_bytes_; }
 
+  // Perplexity without logits on the host: runs tokens[0..n) at positions pos.. (as forward)
+  // and writes nll[i] = -log p(targets[i] | tokens[0..i]) for targets[i] >= 0, 0 otherwise.
+  void forward_nll(const int* tokens, int n, int pos, const int* targets, float* nll);
+  // Tokens per prefill chunk (default 2048; tests shrink it to cross chunk boundaries).
+  void set_prefill_chunk(int tokens);
+
  private:
+  // Chunked prefill (llama_cuda_prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
+  struct PrefillState;
+  struct PrefillDeleter {
+    void operator()(PrefillState* p) const;
+  };
+  void prefill(const int* tokens, int n, int pos, float* logits, float* all_logits,
+               const int* targets, float* nll);
+  std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
+  int prefill_chunk_ = 2048;
+
   enum class Head { None, Argmax, Logits };
   // Enqueues one decode step (the token and position are read from device memory).
   void record_step(cudaStream_t s, Head head);

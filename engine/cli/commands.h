@@ -8,5 +8,6 @@ namespace kestrel::cli {
 
 void register_generate(CLI::App& app, std::function<int()>& action);
 void register_bench(CLI::App& app, std::function<int()>& action);
+void register_perplexity(CLI::App& app, std::function<int()>& action);
 
 }  // namespace kestrel::cli

@@ -1,0 +1,201 @@
+// The Llama prefill on the GPU: the prompt runs through the model in chunks of up to
+// prefill_chunk_ tokens, each op over the whole chunk at once. Per chunk of T tokens:
+//   embedding [T, hidden], then per layer
+//     rmsnorm -> qkv GEMM -> RoPE + KV write (T rows) -> causal tensor-core attention over the
+//     cache -> o GEMM (+ residual) -> rmsnorm -> gate|up GEMM -> SiLU*up -> down GEMM (+ residual)
+//   then the output head for the rows whose logits are wanted.
+// GPTQ linears dequantize into an FP16 scratch and run cuBLASLt (below kGemmMinRows rows they
+// run batch-1 GEMVs instead, kernels/gemm/gemm.h). The chunk's K and V stay in the cache for the
+// decode graph that follows. Nothing here is captured in a graph: a chunk is a few hundred
+// launches doing milliseconds of work.
+#include <algorithm>
+#include <cstring>
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "kernels/activation/activation_cuda.h"
+#include "kernels/attention/attention_prefill_cuda.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/embedding/embedding_cuda.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemm/nll_cuda.h"
+#include "kernels/norm/norm_cuda.h"
+#include "kernels/rope/rope_rows_cuda.h"
+#include "models/llama_cuda.h"
+
+namespace kestrel {
+
+// Activations of one chunk, the dequantization scratch and the cuBLASLt state.
+struct LlamaCuda::PrefillState {
+  int rows = 0;                    // chunk capacity in tokens
+  cuda::GemmRunner gemm;
+  std::vector<void*> buffers;
+  int* tokens = nullptr;           // [rows]
+  int* targets = nullptr;          // [rows]
+  float* nll = nullptr;            // [rows]
+  __half* x = nullptr;             // [rows, hidden] residual stream
+  __half* xb = nullptr;            // [rows, hidden] normalised block input
+  __half* qkv = nullptr;           // [rows, q_dim + 2 * kv_dim]
+  __half* att = nullptr;           // [rows, q_dim]
+  __half* gate_up = nullptr;       // [rows, 2 * intermediate]
+  __half* act = nullptr;           // [rows, intermediate]
+  __half* scratch = nullptr;       // dequantized weight (+ gathered input under act-order)
+  float* logits = nullptr;         // [rows, vocab] or [1, vocab] until all rows are wanted
+  int logits_rows = 0;
+
+  ~PrefillState() {
+    for (void* p : buffers) cudaFree(p);
+  }
+  // Allocates or throws DeviceError (the caller retries with fewer rows).
+  void* take(size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 256));
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw DeviceError(fmt::format("out of GPU memory for the prefill scratch ({} MiB)",
+                                    bytes >> 20));
+    }
+    buffers.push_back(p);
+    return p;
+  }
+};
+
+void LlamaCuda::PrefillDeleter::operator()(PrefillState* p) const { delete p; }
+
+void LlamaCuda::set_prefill_chunk(int tokens) {
+  KESTREL_CHECK(tokens >= 1, fmt::format("prefill chunk must be at least 1 token, got {}", tokens));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  prefill_.reset();
+  prefill_chunk_ = tokens;
+}
+
+namespace {
+
+void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T, __half* y,
+                const __half* residual, __half* scratch, cudaStream_t s) {
+  if (L.quantized)
+    cuda::quant_linear_rows(g, L.q, x, T, y, residual, scratch, s);
+  else
+    cuda::dense_linear_rows(g, L.dense, L.N, L.K, x, T, y, residual, s);
+}
+
+}  // namespace
+
+void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float* all_logits,
+                        const int* targets, float* nll) {
+  const ModelConfig& c = cfg_;
+  for (int i = 0; i < n; ++i)
+    KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab,
+                  fmt::format("token id {} at prompt index {} is outside the vocabulary ({})",
+                              tokens[i], i, c.vocab));
+  const int qkv_n = c.q_dim() + 2 * c.kv_dim();
+  const size_t vocab = c.vocab;
+  const bool want_rows = all_logits || nll;
+
+  // Scratch for the largest chunk that fits: halve on out-of-memory (the KV cache may have
+  // taken most of the GPU), down to 16 tokens.
+  if (!prefill_) {
+    size_t scratch = 0;
+    int rows = std::min(prefill_chunk_, ctx_);
+    for (;;) {
+      try {
+        auto st = std::unique_ptr<PrefillState, PrefillDeleter>(new PrefillState);
+        st->rows = rows;
+        for (const GpuLayer& l : w_.layers)
+          for (const GpuLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+            if (lin->quantized) scratch = std::max(scratch, cuda::quant_gemm_scratch_elems(lin->q, rows));
+        auto halves = [&](size_t k) { return static_cast<__half*>(st->take(k * sizeof(__half))); };
+        st->tokens = static_cast<int*>(st->take(rows * sizeof(int)));
+        st->targets = static_cast<int*>(st->take(rows * sizeof(int)));
+        st->nll = static_cast<float*>(st->take(rows * sizeof(float)));
+        st->x = halves((size_t)rows * c.hidden);
+        st->xb = halves((size_t)rows * c.hidden);
+        st->qkv = halves((size_t)rows * qkv_n);
+        st->att = halves((size_t)rows * c.q_dim());
+        st->gate_up = halves((size_t)rows * 2 * c.intermediate);
+        st->act = halves((size_t)rows * c.intermediate);
+        st->scratch = halves(scratch);
+        st->logits = static_cast<float*>(st->take(vocab * sizeof(float)));
+        st->logits_rows = 1;
+        prefill_ = std::move(st);
+        break;
+      } catch (const DeviceError&) {
+        if (rows <= 16) throw;
+        rows /= 2;
+      }
+    }
+  }
+  PrefillState& S = *prefill_;
+  if (want_rows && S.logits_rows < S.rows) {
+    S.logits = static_cast<float*>(S.take((size_t)S.rows * vocab * sizeof(float)));
+    S.logits_rows = S.rows;
+  }
+
+  const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
+  cudaStream_t s = stream_;
+  for (int c0 = 0; c0 < n; c0 += S.rows) {
+    const int T = std::min(S.rows, n - c0);
+    const int p0 = pos + c0;
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.tokens, tokens + c0, T * sizeof(int), cudaMemcpyHostToDevice, s));
+    cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
+
+    for (int l = 0; l < c.n_layers; ++l) {
+      const GpuLayer& L = w_.layers[l];
+      __half* k_cache = s_.key_cache + l * kv_layer;    // [ctx, kv_dim]
+      __half* v_cache = s_.value_cache + l * kv_layer;  // [ctx, kv_dim]
+
+      // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
+      cuda::rms_norm_f16(S.x, L.input_norm, c.rms_eps, T, c.hidden, S.xb, s);
+      run_linear(S.gemm, L.qkv, S.xb, T, S.qkv, nullptr, S.scratch, s);  // [T, q | k | v]
+      cuda::rope_kv_write_rows_f16(S.qkv, qkv_n, T, p0, k_cache, v_cache, c.n_heads, c.n_kv_heads,
+                                   c.head_dim, c.rope_theta, c.rope_linear_factor, s);
+      cuda::attention_prefill_f16(S.qkv, qkv_n, k_cache, v_cache, p0, T, c.sliding_window,
+                                  c.n_heads, c.n_kv_heads, c.head_dim, S.att, s);  // [T, q_dim]
+      run_linear(S.gemm, L.o, S.att, T, S.x, S.x, S.scratch, s);
+
+      // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
+      cuda::rms_norm_f16(S.x, L.post_norm, c.rms_eps, T, c.hidden, S.xb, s);
+      run_linear(S.gemm, L.gate_up, S.xb, T, S.gate_up, nullptr, S.scratch, s);  // [T, gate | up]
+      cuda::silu_mul_rows_f16(S.gate_up, T, c.intermediate, S.act, s);
+      run_linear(S.gemm, L.down, S.act, T, S.x, S.x, S.scratch, s);
+    }
+
+    // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
+    const bool last = c0 + T == n;
+    if (want_rows) {
+      cuda::rms_norm_f16(S.x, w_.final_norm, c.rms_eps, T, c.hidden, S.xb, s);
+      S.gemm.gemm_f32(S.xb, w_.lm_head, T, c.vocab, c.hidden, S.logits, s);  // [T, vocab]
+      if (nll) {
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.targets, targets + c0, T * sizeof(int),
+                                           cudaMemcpyHostToDevice, s));
+        cuda::nll_rows_f32(S.logits, S.targets, T, c.vocab, S.nll, s);
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(nll + c0, S.nll, T * sizeof(float), cudaMemcpyDeviceToHost, s));
+      }
+      if (all_logits)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(all_logits + (size_t)c0 * vocab, S.logits,
+                                           (size_t)T * vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
+      if (last && logits)
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, S.logits + (size_t)(T - 1) * vocab,
+                                           vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
+    } else if (last && logits) {
+      const __half* x_last = S.x + (size_t)(T - 1) * c.hidden;
+      cuda::rms_norm_f16(x_last, w_.final_norm, c.rms_eps, 1, c.hidden, S.xb, s);
+      S.gemm.gemm_f32(S.xb, w_.lm_head, 1, c.vocab, c.hidden, S.logits, s);  // [1, vocab]
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, S.logits, vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
+    }
+    // The next chunk overwrites tokens, targets and the head's buffers: wait for the copies.
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+}
+
+void LlamaCuda::forward_nll(const int* tokens, int n, int pos, const int* targets, float* nll) {
+  KESTREL_CHECK(n > 0, "forward_nll: no tokens");
+  KESTREL_CHECK(pos + n <= ctx_, fmt::format("{} tokens do not fit the context of {}", pos + n, ctx_));
+  for (int i = 0; i < n; ++i)
+    KESTREL_CHECK(targets[i] < cfg_.vocab,
+                  fmt::format("target id {} at index {} is outside the vocabulary ({})", targets[i],
+                              i, cfg_.vocab));
+  prefill(tokens, n, pos, nullptr, nullptr, targets, nll);
+}
+
+}  // namespace kestrel

@@ -1,0 +1,221 @@
+// kestrel-bench-gemm: the prefill linears on the Llama-2-7B shapes at 1 .. 2048 tokens.
+// Per shape and token count M, in one run:
+//   gemv     M batch-1 GEMVs over the packed codes (the decode kernel; up to --gemv-max rows)
+//   quant    the quantized GEMM path: dequantize to FP16 scratch + cuBLASLt (+ gather, act-order)
+//   f16      cuBLASLt alone on the already dequantized FP16 weight (the ceiling of quant)
+//   deq      the dequantization alone
+// and a device-to-device copy for the bandwidth ceiling. quant / f16 is the fraction of the
+// plain FP16 GEMM the quantized path reaches; the crossover is the smallest M at which quant
+// beats the GEMVs (kernels/gemm/gemm.h's kGemmMinRows).
+//
+// Method: CUDA events around each call after warm-up, median of --reps. GEMV timings rotate over
+// enough weight copies (> 4 x L2) that the codes come from HBM; the GEMMs at the sizes where they
+// matter are compute-bound and their FP16 weights (34-180 MB) exceed L2 anyway.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/dtype.h"
+#include "engine/error.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemm/gemm.h"
+#include "kernels/gemv/gemv.h"
+#include "kernels/gptq/gptq_format.h"
+
+namespace kestrel {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::GemvWeight;
+
+struct Shape {
+  const char* name;
+  int64_t N, K;
+};
+const Shape kShapes[] = {
+    {"qkv", 12288, 4096}, {"o", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008}};
+
+struct Options {
+  int bits = 4, group = 128, reps = 9, gemv_max = 64, max_rows = 2048;
+  bool act_order = false;
+};
+
+// A random GPTQ linear: any word of random bits is a valid stream of codes.
+GemvWeight random_weight(const Shape& s, const Options& o, std::mt19937& rng) {
+  const int64_t G = o.group > 0 ? s.K / o.group : 1;
+  std::vector<uint32_t> qweight((size_t)(s.K * o.bits / 32) * s.N);
+  for (auto& w : qweight) w = rng();
+  std::vector<uint8_t> z((size_t)G * s.N, (uint8_t)((1 << (o.bits - 1)) - 1));
+  const std::vector<uint32_t> qzeros = gptq::pack_qzeros(z, G, s.N, o.bits);
+  std::vector<uint16_t> scales((size_t)G * s.N);
+  std::uniform_real_distribution<float> sd(0.004f, 0.02f);
+  for (auto& v : scales) v = float_to_half(sd(rng));
+  std::vector<int32_t> g_idx;
+  if (o.act_order) {
+    std::vector<int32_t> order(s.K);
+    for (int64_t k = 0; k < s.K; ++k) order[k] = (int32_t)k;
+    std::shuffle(order.begin(), order.end(), rng);
+    g_idx = gptq::act_order_g_idx(order, o.group);
+  }
+  gptq::GptqView v;
+  v.bits = o.bits;
+  v.group_size = o.group;
+  v.K = s.K;
+  v.N = s.N;
+  v.qweight = qweight.data();
+  v.qzeros = qzeros.data();
+  v.scales = scales.data();
+  v.g_idx = g_idx.empty() ? nullptr : g_idx.data();
+  return cuda::gemv_prepare({v}, nullptr);
+}
+
+// Median milliseconds of fn() over reps timed calls, after two warm-up calls.
+template <class Fn>
+double time_ms(int reps, Fn fn) {
+  cudaEvent_t a, b;
+  KESTREL_CUDA_CHECK(cudaEventCreate(&a));
+  KESTREL_CUDA_CHECK(cudaEventCreate(&b));
+  fn();
+  fn();
+  std::vector<float> ms(reps);
+  for (int r = 0; r < reps; ++r) {
+    KESTREL_CUDA_CHECK(cudaEventRecord(a));
+    fn();
+    KESTREL_CUDA_CHECK(cudaEventRecord(b));
+    KESTREL_CUDA_CHECK(cudaEventSynchronize(b));
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms[r], a, b));
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(ms.begin(), ms.end());
+  return ms[reps / 2];
+}
+
+int run(const Options& o) {
+  const cuda::DeviceInfo& dev = cuda::current_device_info();
+  fmt::print("device: {} ({} SMs, L2 {} MB)\n", dev.name, dev.sm_count, dev.l2_bytes >> 20);
+  {
+    const size_t bytes = size_t(1) << 30;
+    DeviceBuffer src(bytes), dst(bytes);
+    KESTREL_CUDA_CHECK(cudaMemset(src.get(), 1, bytes));
+    const double ms = time_ms(o.reps, [&] {
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice));
+    });
+    fmt::print("device-to-device copy: {:.2f} TB/s (read + write)\n", 2.0 * bytes / ms * 1e-9);
+  }
+  fmt::print("weights: {}-bit, group {}{}\n", o.bits, o.group, o.act_order ? ", act-order" : "");
+
+  std::mt19937 rng(1);
+  const int64_t maxK = 11008, maxN = 22016;
+  std::vector<uint16_t> xh((size_t)o.max_rows * maxK);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& v : xh) v = float_to_half(nd(rng));
+  DeviceBuffer x(xh.size() * 2), y((size_t)o.max_rows * maxN * 2);
+  KESTREL_CUDA_CHECK(cudaMemcpy(x.get(), xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
+  cuda::GemmRunner runner;
+
+  std::vector<int> rows;
+  for (int m = 1; m <= o.max_rows; m *= 2) rows.push_back(m);
+
+  struct Cell {
+    double gemv = -1, quant = 0, f16 = 0;
+  };
+  std::vector<std::vector<Cell>> table(std::size(kShapes), std::vector<Cell>(rows.size()));
+  std::vector<double> deq_ms(std::size(kShapes));
+
+  for (size_t si = 0; si < std::size(kShapes); ++si) {
+    const Shape& s = kShapes[si];
+    GemvWeight w = random_weight(s, o, rng);
+    // Copies for the GEMV rotation: > 4 x L2 of codes in total.
+    const int copies = (int)std::max<size_t>(2, 4 * dev.l2_bytes / w.device_bytes + 1);
+    std::vector<GemvWeight> rot{w};
+    for (int i = 1; i < copies; ++i) rot.push_back(cuda::gemv_clone(w, nullptr));
+    DeviceBuffer scratch(cuda::quant_gemm_scratch_elems(w, o.max_rows) * 2);
+    DeviceBuffer wd((size_t)s.N * s.K * 2);
+    cuda::dequantize_f16(w, wd.as<__half>(), nullptr);
+    deq_ms[si] = time_ms(o.reps, [&] { cuda::dequantize_f16(w, scratch.as<__half>(), nullptr); });
+
+    int next = 0;
+    for (size_t ri = 0; ri < rows.size(); ++ri) {
+      const int M = rows[ri];
+      Cell& c = table[si][ri];
+      if (M <= o.gemv_max)
+        c.gemv = time_ms(o.reps, [&] {
+          for (int m = 0; m < M; ++m) {
+            const GemvWeight& wr = rot[next++ % rot.size()];
+            cuda::gemv(wr, x.as<__half>() + (size_t)m * s.K, y.as<__half>() + (size_t)m * s.N, nullptr, nullptr);
+          }
+        });
+      c.quant = time_ms(o.reps, [&] {
+        cuda::quant_gemm(runner, w, x.as<__half>(), M, y.as<__half>(), nullptr, scratch.as<__half>(), nullptr);
+      });
+      c.f16 = time_ms(o.reps, [&] {
+        runner.gemm(x.as<__half>(), wd.as<__half>(), M, s.N, s.K, y.as<__half>(), nullptr, nullptr);
+      });
+    }
+    for (GemvWeight& r : rot) cuda::gemv_free(r);
+  }
+
+  fmt::print("\n{:>8} {:>6} | {:>9} {:>9} {:>9} | {:>8} {:>8} | {:>7}\n", "shape", "M", "gemv ms",
+             "quant ms", "f16 ms", "quant TF", "f16 TF", "q/f16");
+  for (size_t si = 0; si < std::size(kShapes); ++si) {
+    const Shape& s = kShapes[si];
+    fmt::print("{:>8} dequantize alone: {:.3f} ms ({:.2f} TB/s of codes + fp16 out)\n", s.name,
+               deq_ms[si], (s.N * s.K * (o.bits / 8.0 + 2.0)) / deq_ms[si] * 1e-9);
+    int crossover = -1;
+    for (size_t ri = 0; ri < rows.size(); ++ri) {
+      const Cell& c = table[si][ri];
+      const double flop = 2.0 * rows[ri] * s.N * s.K;
+      if (crossover < 0 && c.gemv >= 0 && c.quant < c.gemv) crossover = rows[ri];
+      fmt::print("{:>8} {:>6} | {:>9} {:>9.3f} {:>9.3f} | {:>8.1f} {:>8.1f} | {:>6.1f}%\n", s.name,
+                 rows[ri], c.gemv >= 0 ? fmt::format("{:.3f}", c.gemv) : std::string("-"), c.quant,
+                 c.f16, flop / c.quant * 1e-9, flop / c.f16 * 1e-9, 100.0 * c.f16 / c.quant);
+    }
+    fmt::print("{:>8} crossover: quant beats M GEMVs from M = {}\n", s.name,
+               crossover < 0 ? std::string("(not within the GEMV range)") : std::to_string(crossover));
+  }
+  // One decoder layer (the four linears) per token count.
+  fmt::print("\n{:>6} | {:>10} {:>10} {:>10} | {:>7}\n", "M", "layer gemv", "layer quant",
+             "layer f16", "q/f16");
+  for (size_t ri = 0; ri < rows.size(); ++ri) {
+    double g = 0, q = 0, f = 0;
+    bool have_g = true;
+    for (size_t si = 0; si < std::size(kShapes); ++si) {
+      have_g = have_g && table[si][ri].gemv >= 0;
+      g += table[si][ri].gemv;
+      q += table[si][ri].quant;
+      f += table[si][ri].f16;
+    }
+    fmt::print("{:>6} | {:>10} {:>10.3f} {:>10.3f} | {:>6.1f}%\n", rows[ri],
+               have_g ? fmt::format("{:.3f}", g) : std::string("-"), q, f, 100.0 * f / q);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kestrel
+
+int main(int argc, char** argv) {
+  kestrel::Options o;
+  CLI::App app{"kestrel-bench-gemm: quantized GEMM (dequantize + cuBLASLt) vs FP16 cuBLASLt vs GEMVs, 7B shapes"};
+  app.add_option("--bits", o.bits, "2, 3, 4 or 8")->check(CLI::IsMember({2, 3, 4, 8}));
+  app.add_option("--group-size", o.group, "32, 64, 128 or -1")->check(CLI::IsMember({32, 64, 128, -1}));
+  app.add_flag("--act-order", o.act_order, "random act-order permutation");
+  app.add_option("--reps", o.reps, "timed repetitions per cell (median)")->check(CLI::PositiveNumber);
+  app.add_option("--gemv-max", o.gemv_max, "largest M timed as M GEMVs")->check(CLI::NonNegativeNumber);
+  app.add_option("--max-rows", o.max_rows, "largest M (powers of two from 1)")->check(CLI::Range(1, 8192));
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return kestrel::run(o);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "kestrel-bench-gemm: {}\n", e.what());
+    return 1;
+  }
+}
