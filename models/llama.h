@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,10 @@ struct CpuLinear {
   gptq::GptqView view() const;
   // y [M, N] = x [M, K] W^T + b
   void forward(const float* x, int64_t M, float* y) const;
+  // The same product for many rows with one BLAS sgemm, y rows `ldy` floats apart (so several
+  // linears can write side by side into one buffer). GPTQ weights are dequantized to fp32 once
+  // per call with gptq::dequantize_ref, so this agrees with forward() to fp32 rounding.
+  void forward_batch(const float* x, int64_t M, float* y, int64_t ldy) const;
 };
 
 struct CpuLayer {
@@ -41,6 +47,20 @@ struct CpuLayer {
   CpuLinear o;                    // [hidden, n_heads * head_dim]
   CpuLinear gate, up;             // [intermediate, hidden]
   CpuLinear down;                 // [hidden, intermediate]
+};
+
+// The linears of a decoder layer grouped by the input they share, in GPTQ's true-sequential
+// order: q/k/v read the normalised residual, o the attention output, gate/up the normalised
+// residual after attention, down the SiLU-gated product.
+enum class LinearGroup { QKV = 0, O = 1, GateUp = 2, Down = 3 };
+
+// Observers of LlamaCpu::layer_forward (the quantizer's calibration hooks).
+struct LayerTaps {
+  // Receives the input x [T, K] of each group's linears, as the layer computes it.
+  std::function<void(LinearGroup group, const float* x, int T, int K)> input;
+  // When set, the forward returns as soon as this group's input has been handed over; x and
+  // the layer's KV cache are then left partly updated (the caller reruns from a saved copy).
+  std::optional<LinearGroup> stop_after;
 };
 
 struct CpuWeights {
@@ -77,7 +97,27 @@ class LlamaCpu final : public Backend {
   // One token at one position: the readable forward pass. Writes logits [vocab].
   void forward_token(int token, int pos, float* logits);
 
+  // Batched building blocks (models/llama_cpu_batch.cpp): dense products through BLAS, the
+  // same ops as forward_token otherwise, equal to it to fp32 rounding.
+  //
+  // One decoder layer over T consecutive tokens at positions pos0 .. pos0+T-1: x [T, hidden]
+  // is the residual stream, in and out. Their K/V go into the layer's cache, and token i
+  // attends causally over cache positions up to pos0+i (Mistral's window applied).
+  void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr);
+  // x [T, hidden] = the embedding rows of tokens[0..T).
+  void embed(const int* tokens, int T, float* x) const;
+  // logits [T, vocab] = lm_head(rmsnorm(x)), x [T, hidden].
+  void head_forward(const float* x, int T, float* logits) const;
+  // The weights of decoder layer l, to read or to replace (the quantizer swaps in quantized
+  // linears, or a whole layer loaded with load_layer()).
+  CpuLayer& layer(int l);
+  const CpuWeights& weights() const { return w_; }
+  static CpuLayer load_layer(const LayerSpec& spec);
+
  private:
+  // forward() for n > 1: embed, layer_forward over every layer, the head.
+  void forward_batch(const int* tokens, int n, int pos, float* logits, float* all_logits);
+
   ModelConfig cfg_;
   int ctx_;
   CpuWeights w_;

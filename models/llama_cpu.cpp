@@ -159,6 +159,7 @@ void LlamaCpu::forward(const int* tokens, int n, int pos, float* logits, float* 
   KESTREL_CHECK(n > 0, "forward: no tokens");
   KESTREL_CHECK(pos + n <= ctx_, std::to_string(pos + n) + " tokens do not fit the context of " +
                                      std::to_string(ctx_));
+  if (n > 1) return forward_batch(tokens, n, pos, logits, all_logits);  // llama_cpu_batch.cpp
   const size_t vocab = cfg_.vocab;
   for (int i = 0; i < n; ++i) {
     float* out = all_logits ? all_logits + i * vocab : logits;

@@ -3,7 +3,7 @@
 # expected at /usr/local/cuda (NVIDIA's installer or packages).
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libsentencepiece-dev nlohmann-json3-dev libfmt-dev
-      libcli11-dev libgtest-dev libgmock-dev)
+      libcli11-dev libgtest-dev libgmock-dev libopenblas-dev liblapacke-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

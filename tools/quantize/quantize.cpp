@@ -1,0 +1,395 @@
+// The model-level quantizer: calibration windows, the layer-by-layer GPTQ loop over the CPU
+// engine's layer forward, and the checkpoint writer.
+#include "tools/quantize/quantize.h"
+
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/error.h"
+#include "engine/model_spec.h"
+#include "engine/progress.h"
+#include "engine/safetensors.h"
+#include "models/llama.h"
+#include "tokenizer/tokenizer.h"
+#include "tools/quantize/pack.h"
+
+namespace kestrel::quant {
+
+namespace fs = std::filesystem;
+using ojson = nlohmann::ordered_json;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string read_file(const std::string& path, const char* what) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Error(fmt::format("cannot read {} {}", what, path));
+  std::ostringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+void write_file(const fs::path& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  if (!f) throw Error(fmt::format("cannot write {}", path.string()));
+}
+
+// The linears of one true-sequential group: where the engine holds each and where the
+// checkpoint names it.
+struct Member {
+  const char* short_name;
+  CpuLinear CpuLayer::*linear;
+  LinearSpec LayerSpec::*spec;
+};
+struct Group {
+  LinearGroup id;
+  std::vector<Member> members;
+};
+
+const std::array<Group, 4>& groups() {
+  static const std::array<Group, 4> g = {{
+      {LinearGroup::QKV,
+       {{"q", &CpuLayer::q, &LayerSpec::q},
+        {"k", &CpuLayer::k, &LayerSpec::k},
+        {"v", &CpuLayer::v, &LayerSpec::v}}},
+      {LinearGroup::O, {{"o", &CpuLayer::o, &LayerSpec::o}}},
+      {LinearGroup::GateUp,
+       {{"gate", &CpuLayer::gate, &LayerSpec::gate}, {"up", &CpuLayer::up, &LayerSpec::up}}},
+      {LinearGroup::Down, {{"down", &CpuLayer::down, &LayerSpec::down}}},
+  }};
+  return g;
+}
+
+// Packed tensors wait here, one file per tensor, until the checkpoint is written: memory
+// then holds one layer at a time whatever the model's size. Removed with its contents.
+class Scratch {
+ public:
+  explicit Scratch(fs::path dir) : dir_(std::move(dir)) {
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  void save(const std::string& tensor, const void* data, size_t nbytes) {
+    std::ofstream f(dir_ / tensor, std::ios::binary);
+    f.write((const char*)data, (std::streamsize)nbytes);
+    if (!f) throw Error(fmt::format("cannot write {}", (dir_ / tensor).string()));
+  }
+  // Reads a saved tensor into dst (exactly nbytes).
+  void load(const std::string& tensor, uint8_t* dst, size_t nbytes) const {
+    std::ifstream f(dir_ / tensor, std::ios::binary);
+    f.read((char*)dst, (std::streamsize)nbytes);
+    if (!f || (size_t)f.gcount() != nbytes)
+      throw Error(fmt::format("cannot read back {}", (dir_ / tensor).string()));
+  }
+
+ private:
+  fs::path dir_;
+};
+
+// Shapes of a packed linear, for the writer's declarations.
+struct PackedShape {
+  int64_t N, K, G;
+  int bits;
+};
+
+ojson quant_json(const QuantizeOptions& o) {
+  return ojson{{"bits", o.gptq.bits},
+               {"group_size", o.gptq.group_size},
+               {"damp_percent", o.gptq.damp},
+               {"desc_act", o.method == "gptq" && o.gptq.act_order},
+               {"static_groups", o.gptq.static_groups},
+               {"sym", o.gptq.sym},
+               {"true_sequential", true},
+               {"quant_method", "gptq"},
+               {"checkpoint_format", o.gptq.sym ? "gptq" : "gptq_v2"},
+               {"model_file_base_name", "model"}};
+}
+
+void check_options(const QuantizeOptions& o) {
+  validate(o.gptq);
+  if (o.method != "gptq" && o.method != "rtn")
+    throw Error(fmt::format("--method must be gptq or rtn, got {}", o.method));
+  if (o.method == "rtn" && o.gptq.act_order)
+    throw Error("--act-order applies to --method gptq only (rtn has no column order)");
+  if (o.nsamples <= 0) throw Error(fmt::format("--nsamples must be positive, got {}", o.nsamples));
+  if (o.seqlen <= 0) throw Error(fmt::format("--seqlen must be positive, got {}", o.seqlen));
+  if (o.out_dir.empty()) throw Error("--out is required");
+  if (fs::exists(o.out_dir) && fs::exists(o.model_dir) && fs::equivalent(o.out_dir, o.model_dir))
+    throw Error(fmt::format("--out {} is the input model directory", o.out_dir));
+}
+
+void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
+  if (spec.config.quant)
+    throw Error(fmt::format("{}: the model is already GPTQ-quantized; give an FP16 model", spec.dir));
+  if (o.seqlen > spec.config.max_pos)
+    throw Error(fmt::format("--seqlen {} is longer than the model's max_position_embeddings {}",
+                            o.seqlen, spec.config.max_pos));
+  const int bits = o.gptq.bits;
+  for (const LayerSpec& ls : spec.layers)
+    for (const Group& g : groups())
+      for (const Member& m : g.members) {
+        const LinearSpec& s = ls.*m.spec;
+        if (s.quantized)
+          throw Error(fmt::format("{}: {} is already quantized", spec.dir, s.name));
+        if ((s.K * bits) % 32 != 0 || (s.N * bits) % 32 != 0)
+          throw Error(fmt::format("{}: [{}, {}] cannot be packed at {} bits (in and out features "
+                                  "times bits must be multiples of 32)",
+                                  s.name, s.N, s.K, bits));
+      }
+}
+
+// config.json of the output: the input's, with the quantization config and fp16 dtype.
+void write_config(const QuantizeOptions& o) {
+  const fs::path in = fs::path(o.model_dir) / "config.json";
+  ojson c;
+  try {
+    c = ojson::parse(read_file(in.string(), "model config"));
+  } catch (const ojson::exception& e) {
+    throw Error(fmt::format("{}: {}", in.string(), e.what()));
+  }
+  if (c.contains("dtype")) c["dtype"] = "float16";
+  if (c.contains("torch_dtype") || !c.contains("dtype")) c["torch_dtype"] = "float16";
+  c["quantization_config"] = quant_json(o);
+  write_file(fs::path(o.out_dir) / "config.json", c.dump(2) + "\n");
+  write_file(fs::path(o.out_dir) / "quantize_config.json", quant_json(o).dump(2) + "\n");
+}
+
+void copy_tokenizer_files(const QuantizeOptions& o) {
+  for (const char* name : {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
+                           "special_tokens_map.json", "added_tokens.json",
+                           "generation_config.json"}) {
+    const fs::path src = fs::path(o.model_dir) / name;
+    if (fs::exists(src))
+      fs::copy_file(src, fs::path(o.out_dir) / name, fs::copy_options::overwrite_existing);
+  }
+}
+
+// Every tensor of the input, the quantized linears' weights replaced by their GPTQ tensors
+// and every float tensor stored as fp16.
+void write_weights(const ModelSpec& spec, const std::map<std::string, PackedShape>& packed,
+                   const Scratch& scratch, const std::string& out_dir) {
+  SafetensorsWriter w;
+  for (const std::string& name : spec.files.names()) {
+    const std::string suffix = ".weight";
+    if (name.size() > suffix.size() && name.ends_with(suffix)) {
+      const std::string prefix = name.substr(0, name.size() - suffix.size());
+      if (auto it = packed.find(prefix); it != packed.end()) {
+        const PackedShape s = it->second;
+        auto from_scratch = [&scratch](std::string t) {
+          return [&scratch, t](uint8_t* dst, size_t n) { scratch.load(t, dst, n); };
+        };
+        w.add(prefix + ".qweight", DType::I32, {s.K * s.bits / 32, s.N},
+              from_scratch(prefix + ".qweight"));
+        w.add(prefix + ".qzeros", DType::I32, {s.G, s.N * s.bits / 32},
+              from_scratch(prefix + ".qzeros"));
+        w.add(prefix + ".scales", DType::F16, {s.G, s.N}, from_scratch(prefix + ".scales"));
+        w.add(prefix + ".g_idx", DType::I32, {s.K}, from_scratch(prefix + ".g_idx"));
+        continue;
+      }
+    }
+    const TensorInfo& t = spec.files.get(name);
+    if (t.dtype == DType::F16 || t.dtype == DType::I32) {
+      w.add(name, t.dtype, t.shape, [&t](uint8_t* dst, size_t n) { std::memcpy(dst, t.data, n); });
+    } else {
+      w.add(name, DType::F16, t.shape, [&t](uint8_t* dst, size_t) {
+        const std::vector<float> v = to_float(t);
+        for (size_t i = 0; i < v.size(); ++i) {
+          const uint16_t h = float_to_half(v[i]);
+          std::memcpy(dst + 2 * i, &h, 2);
+        }
+      });
+    }
+  }
+  w.write_model(out_dir);
+}
+
+std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lines, double secs) {
+  std::string s = fmt::format("layer {}/{}  rel. error", l + 1, n_layers);
+  for (const LinearReport& r : lines) {
+    const std::string base = r.name.substr(r.name.rfind('.') + 1);  // "q_proj"
+    s += fmt::format("  {} {:.2e}", base.substr(0, base.find('_')), r.rel_error);
+  }
+  return s + fmt::format("  ({:.1f} s)", secs);
+}
+
+}  // namespace
+
+std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, int nsamples,
+                                                  int seqlen, uint64_t seed,
+                                                  const std::string& where) {
+  if ((int64_t)ids.size() < (int64_t)seqlen + 1)
+    throw Error(fmt::format("{}: {} tokens are too few for calibration windows of {} tokens "
+                            "(--seqlen); it needs at least {}",
+                            where, ids.size(), seqlen, (int64_t)seqlen + 1));
+  std::mt19937_64 rng(seed);
+  const uint64_t starts = ids.size() - seqlen;  // start in [0, size - seqlen - 1]
+  std::vector<std::vector<int>> out(nsamples);
+  for (auto& w : out) {
+    const uint64_t s = rng() % starts;  // modulo bias is below 2^-40 for any real text
+    w.assign(ids.begin() + s, ids.begin() + s + seqlen);
+  }
+  return out;
+}
+
+QuantizeReport quantize_model(const QuantizeOptions& o) {
+  const auto t_start = Clock::now();
+  check_options(o);
+  const ModelSpec spec = load_model_spec(o.model_dir);
+  check_model(spec, o);
+  const ModelConfig& cfg = spec.config;
+  const int zero_offset = o.gptq.sym ? 1 : 0;  // asymmetric zeros may be 0: gptq_v2
+
+  const Tokenizer tok = Tokenizer::load(o.model_dir);
+  const std::vector<int> ids = tok.encode(read_file(o.calib_file, "calibration text"));
+  const auto windows = calibration_windows(ids, o.nsamples, o.seqlen, o.seed, o.calib_file);
+
+  fs::create_directories(o.out_dir);
+  Scratch scratch(fs::path(o.out_dir) / ".kestrel-quantize-scratch");
+
+  // A one-layer engine: each decoder layer is loaded into its slot in turn.
+  ModelSpec one = spec;
+  one.config.n_layers = 1;
+  one.layers = {spec.layers[0]};
+  LlamaCpu engine(one, o.seqlen);
+
+  const size_t win = (size_t)o.seqlen * cfg.hidden;
+  std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
+  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, &X[s * win]);
+  std::vector<float> x(win);  // one window, rerun from X for each group
+
+  QuantizeReport report;
+  report.calib_tokens = (int64_t)ids.size();
+  std::map<std::string, PackedShape> packed;
+  const bool tty = isatty(fileno(stderr)) != 0;
+  Progress bar(fmt::format("{} {}-bit", o.method, o.gptq.bits), cfg.n_layers, "layers",
+               o.progress);
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const auto t_layer = Clock::now();
+    const LayerSpec& ls = spec.layers[l];
+    engine.layer(0) = LlamaCpu::load_layer(ls);
+    std::vector<LinearReport> lines;
+    for (const Group& g : groups()) {
+      Hessian hessian((ls.*(g.members[0].spec)).K);
+      LayerTaps taps;
+      taps.input = [&](LinearGroup id, const float* in, int T, int) {
+        if (id == g.id) hessian.add(in, T);
+      };
+      taps.stop_after = g.id;
+      for (int s = 0; s < o.nsamples; ++s) {
+        std::copy_n(&X[s * win], win, x.begin());
+        engine.layer_forward(0, x.data(), o.seqlen, 0, &taps);
+      }
+      const std::vector<float> H = hessian.matrix();
+      for (const Member& m : g.members) {
+        const auto t_lin = Clock::now();
+        const LinearSpec& s = ls.*m.spec;
+        CpuLinear& lin = engine.layer(0).*m.linear;
+        const QuantizedLinear q =
+            o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), o.gptq, s.name.c_str())
+                               : rtn_quantize(lin.w.data(), s.N, s.K, o.gptq);
+        LinearReport r{s.name, s.N, s.K, relative_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data()), 0};
+        const PackedLinear p = pack(q, zero_offset, s.name.c_str());
+        scratch.save(s.name + ".qweight", p.qweight.data(), p.qweight.size() * 4);
+        scratch.save(s.name + ".qzeros", p.qzeros.data(), p.qzeros.size() * 4);
+        scratch.save(s.name + ".scales", p.scales.data(), p.scales.size() * 2);
+        scratch.save(s.name + ".g_idx", p.g_idx.data(), p.g_idx.size() * 4);
+        packed[s.name] = PackedShape{p.N, p.K, p.groups(), p.bits};
+        lin = to_cpu_linear(p);  // later groups and layers see the quantized linear
+        r.seconds = seconds_since(t_lin);
+        lines.push_back(r);
+      }
+    }
+    // This layer's outputs, through its quantized linears, are the next layer's inputs.
+    for (int s = 0; s < o.nsamples; ++s) engine.layer_forward(0, &X[s * win], o.seqlen, 0);
+    if (o.progress)
+      std::fprintf(stderr, "%s%s\n", tty ? "\r\033[K" : "",
+                   layer_line(l, cfg.n_layers, lines, seconds_since(t_layer)).c_str());
+    report.linears.insert(report.linears.end(), lines.begin(), lines.end());
+    bar.update(l + 1);
+  }
+  bar.finish();
+
+  write_weights(spec, packed, scratch, o.out_dir);
+  write_config(o);
+  copy_tokenizer_files(o);
+  report.seconds = seconds_since(t_start);
+
+  ojson j = {{"method", o.method},
+             {"quantization_config", quant_json(o)},
+             {"calibration", {{"file", o.calib_file},
+                              {"tokens", report.calib_tokens},
+                              {"nsamples", o.nsamples},
+                              {"seqlen", o.seqlen},
+                              {"seed", o.seed}}},
+             {"seconds", report.seconds}};
+  j["linears"] = ojson::array();
+  for (const LinearReport& r : report.linears)
+    j["linears"].push_back({{"name", r.name},
+                            {"out_features", r.N},
+                            {"in_features", r.K},
+                            {"relative_error", r.rel_error},
+                            {"seconds", r.seconds}});
+  write_file(fs::path(o.out_dir) / "quantize_report.json", j.dump(2) + "\n");
+  return report;
+}
+
+PerplexityResult perplexity(Backend& model, const std::vector<int>& ids, int context,
+                            bool progress) {
+  const auto t0 = Clock::now();
+  if (context < 2) throw Error(fmt::format("context must be at least 2 tokens, got {}", context));
+  if (context > model.context_length())
+    throw Error(fmt::format("context {} is longer than the model's {}", context,
+                            model.context_length()));
+  PerplexityResult r;
+  r.tokens = (int64_t)ids.size();
+  r.windows = r.tokens / context;
+  if (r.windows == 0)
+    throw Error(fmt::format("the text has {} tokens, fewer than one window of {}", r.tokens,
+                            context));
+  const size_t vocab = model.config().vocab;
+  std::vector<float> last(vocab), logits(context * vocab);  // [context, vocab]
+  double nll = 0.0;
+  Progress bar("perplexity", (double)r.windows, "windows", progress);
+  for (int64_t w = 0; w < r.windows; ++w) {
+    const int* tokens = ids.data() + w * context;
+    model.forward(tokens, context, 0, last.data(), logits.data());
+    for (int i = 0; i + 1 < context; ++i) {
+      const float* row = logits.data() + i * vocab;
+      float m = row[0];
+      for (size_t v = 1; v < vocab; ++v) m = std::max(m, row[v]);
+      double sum = 0.0;
+      for (size_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - m);  // float exp: terms <= 1
+      nll += std::log(sum) + m - row[tokens[i + 1]];
+    }
+    bar.update((double)(w + 1));
+  }
+  bar.finish();
+  r.predictions = r.windows * (context - 1);
+  r.mean_nll = nll / (double)r.predictions;
+  r.ppl = std::exp(r.mean_nll);
+  r.seconds = seconds_since(t0);
+  return r;
+}
+
+}  // namespace kestrel::quant
