@@ -95,10 +95,10 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
   // Scratch for the largest chunk that fits: halve on out-of-memory (the KV cache may have
   // taken most of the GPU), down to 16 tokens.
   if (!prefill_) {
-    size_t scratch = 0;
     int rows = std::min(prefill_chunk_, ctx_);
     for (;;) {
       try {
+        size_t scratch = 0;
         auto st = std::unique_ptr<PrefillState, PrefillDeleter>(new PrefillState);
         st->rows = rows;
         for (const GpuLayer& l : w_.layers)

@@ -153,8 +153,8 @@ struct RandomGptq {
 
 const std::vector<Format> kFormats = {
     {4, 128, false, false, 1, 264, 512}, {4, 128, true, false, 1, 264, 512},
-    {4, 32, false, true, 0, 136, 320},   {3, 128, true, false, 1, 200, 384},
-    {3, 64, false, true, 1, 200, 320},   {2, 64, false, false, 1, 128, 256},
+    {4, 32, false, true, 0, 136, 320},   {3, 128, true, false, 1, 224, 384},
+    {3, 64, false, true, 1, 224, 320},   {2, 64, false, false, 1, 128, 256},
     {2, 32, true, true, 0, 96, 384},     {8, -1, false, false, 1, 192, 200},
     {8, 128, true, false, 1, 256, 512},
 };
