@@ -96,6 +96,9 @@ namespace kestrel::cuda {
 namespace gemv_detail {
 namespace {
 
+// Row tiles each block prefetches into L2 ahead of the one it computes (GemvLaunch default).
+constexpr int kDefaultPrefetchTiles = 2;
+
 // The planner gives each lane at least this many chunks of a row per tile (quantized kernels).
 constexpr int kMinChunksPerLane = 2;
 
@@ -111,6 +114,7 @@ struct KParams {
   int N, K, nch, G;
   int zero_const, zero_offset;
   int k_split, tiles;
+  int prefetch_tiles;  // row tiles a block pulls into L2 ahead of the one it computes
 };
 
 // ---- PTX --------------------------------------------------------------------------------------
@@ -156,11 +160,24 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Pull [p, p + bytes) into L2 without waiting (the copy engine does it; no registers held).
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+// Pull [p, p + bytes) into L2 without waiting: the copy engine does it, no registers are held,
+// so one thread can keep many kilobytes per row in flight from HBM. Evict-first, like the loads.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint64_t pol) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p),
+               "r"(bytes), "l"(pol)
+               : "memory");
 #endif
+}
+
+// The rows of `tile` into L2, one bulk prefetch per row (threads 0 .. rows_per_tile - 1).
+__device__ __forceinline__ void prefetch_tile(const KParams& p, int tile, int rows_per_tile,
+                                              uint64_t pol) {
+  if (tile < p.tiles && int(threadIdx.x) < rows_per_tile) {
+    const int row = min(tile * rows_per_tile + int(threadIdx.x), p.N - 1);
+    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
+                static_cast<uint32_t>(p.row_stride * 16), pol);
+  }
 }
 
 // Programmatic dependent launch: wait until the previous kernel's writes are visible (a no-op
@@ -569,18 +586,18 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_quant_kernel(const KParams p
   const int kw = warp % ks, rg = warp / ks;
   const int rows_per_tile = R * (kWarps / ks);
 
-  if (blockIdx.x < p.tiles && threadIdx.x < rows_per_tile) {
-    const int row = min(int(blockIdx.x) * rows_per_tile + int(threadIdx.x), p.N - 1);
-    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
-                static_cast<uint32_t>(p.row_stride * 16));
-  }
+  // The weights do not depend on the previous kernel: start this block's first tiles towards
+  // L2 before waiting for it. Later, each finished tile triggers the one prefetch_tiles ahead,
+  // which keeps HBM requests in flight beyond what the per-warp rings hold.
+  const uint64_t pol = evict_first_policy();
+  for (int d = 0; d <= p.prefetch_tiles; ++d)
+    prefetch_tile(p, blockIdx.x + d * gridDim.x, rows_per_tile, pol);
   grid_dependency_wait();
   allow_dependents();
   stage_x<C>(p, x_s, x_nat);
   __syncthreads();
 
   unsigned char* ring = rings + warp * (S * SB);
-  const uint64_t pol = evict_first_policy();
   const int step = 32 * ks;
   const int n_iter = (p.nch + step - 1) / step;  // the same for every warp of the block
   const int my_tiles =
@@ -637,6 +654,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_quant_kernel(const KParams p
       ci = 0;
       finish_tile<R>(p, acc, red, ctile, rows_per_tile, rg, warp, lane);
       ctile += gridDim.x;
+      prefetch_tile(p, ctile + p.prefetch_tiles * gridDim.x, rows_per_tile, pol);
     }
   }
   cp_async_wait<0>();
@@ -660,21 +678,18 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_f16_kernel(const KParams p) 
   const int kw = warp % ks, rg = warp / ks;
   const int rows_per_tile = R * (kWarps / ks);
 
-  // The weights do not depend on the previous kernel: start this block's first tile towards L2
-  // before waiting for it.
-  if (blockIdx.x < p.tiles && threadIdx.x < rows_per_tile) {
-    const int row = min(int(blockIdx.x) * rows_per_tile + int(threadIdx.x), p.N - 1);
-    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
-                static_cast<uint32_t>(p.row_stride * 16));
-  }
+  // As in the quantized kernel: first tiles towards L2 before the wait, then one tile ahead.
+  const uint64_t pol = evict_first_policy();
+  for (int d = 0; d <= p.prefetch_tiles; ++d)
+    prefetch_tile(p, blockIdx.x + d * gridDim.x, rows_per_tile, pol);
   grid_dependency_wait();
   allow_dependents();
   stage_x<C>(p, x_s, x_nat);
   __syncthreads();
 
-  const uint64_t pol = evict_first_policy();
   const int step = 32 * ks;
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    prefetch_tile(p, tile + (p.prefetch_tiles + 1) * gridDim.x, rows_per_tile, pol);
     const int row0 = tile * rows_per_tile + rg * R;
     const uint4* rowp[R];
     int64_t srow[R];
@@ -811,6 +826,8 @@ void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaSt
     throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(p.k_split));
   ensure_smem(k, smem);
   const int grid = std::min(l.grid, p.tiles);
+  KParams q = p;
+  q.prefetch_tiles = l.prefetch_tiles >= 0 ? l.prefetch_tiles : kDefaultPrefetchTiles;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(std::max(grid, 1)));
   cfg.blockDim = dim3(kThreads);
@@ -821,7 +838,7 @@ void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaSt
   attr[0].val.programmaticStreamSerializationAllowed = l.pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, p));
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, q));
 }
 
 }  // namespace

@@ -62,6 +62,10 @@ struct Options {
   int min_replays = 30;
   bool sweep = false;
   std::string out = "md";
+  // Restrict the run (e.g. for a profiler): one shape name, one bit width (16 = fp16 only),
+  // one group size.
+  std::string shape;
+  int bits = 0, group = 0;
 };
 
 double median(std::vector<double> v) {
@@ -243,14 +247,14 @@ struct Bench {
     r.bytes = static_cast<double>(ws[0].bytes_moved());
     r.us = time_gptq(ws, r.launch);
     rows.push_back(r);
-    if (o.sweep && sh.K * sh.N >= 4096 * 11008 && group == 128) {
+    if (o.sweep && sh.K * sh.N >= 4096 * 11008 && group == 128 && bits >= 3) {
       const int sms = cuda::current_device_info().sm_count;
-      for (int ks : {1, 2, 4, 8}) {
+      for (int ks : {1, 2, 4}) {
         if (ks > 1 && ws[0].chunks < 32 * ks) continue;
-        for (int grid : {kAllTiles, sms, 2 * sms, 3 * sms})
-          for (bool pdl : {true, false}) {
+        for (int grid : {sms, 2 * sms})
+          for (int pf : {0, 1, 2, 4}) {
             Row v = r;
-            v.launch = GemvLaunch{ks, grid, pdl};
+            v.launch = GemvLaunch{ks, grid, true, pf};
             v.us = time_gptq(ws, v.launch);
             sweep_rows.push_back(v);
           }
@@ -294,15 +298,16 @@ struct Bench {
     if (o.sweep && sh.N * sh.K >= 4096 * 11008) {
       const int sms = cuda::current_device_info().sm_count;
       for (int ks : {1, 2, 4})
-        for (int grid : {sms, 2 * sms, 3 * sms}) {
-          Row v = r;
-          v.launch = GemvLaunch{ks, grid, true};
-          v.us = time_graph(s, copies, o, [&](int i) {
-            cuda::gemv_f16(ws[i].as<__half>(), x.as<__half>(), y.as<__half>(), sh.N, sh.K, nullptr,
-                           s, v.launch);
-          });
-          sweep_rows.push_back(v);
-        }
+        for (int grid : {sms, 2 * sms})
+          for (int pf : {0, 1, 2, 4}) {
+            Row v = r;
+            v.launch = GemvLaunch{ks, grid, true, pf};
+            v.us = time_graph(s, copies, o, [&](int i) {
+              cuda::gemv_f16(ws[i].as<__half>(), x.as<__half>(), y.as<__half>(), sh.N, sh.K,
+                             nullptr, s, v.launch);
+            });
+            sweep_rows.push_back(v);
+          }
     }
   }
 
@@ -344,9 +349,10 @@ void print_md(const Bench& b) {
       fmt::print("| {} | {} | {} | {} | {} | {:.2f} | {:.0f} | {:.1f}% |\n", r.shape,
                  config_name(r), r.launch.k_split,
                  r.launch.grid == kAllTiles ? std::string("tiles") : std::to_string(r.launch.grid),
-                 r.launch.pdl ? 1 : 0, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps);
-    fmt::print("\n## Best launch per shape and weights (sweep)\n\n| shape | weights | k_split | "
-               "grid | pdl | GB/s | % copy | default GB/s |\n|---|---|---|---|---|---|---|---|\n");
+                 r.launch.prefetch_tiles, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps);
+    fmt::print(
+        "\n## Best launch per shape and weights (sweep)\n\n| shape | weights | k_split | "
+        "grid | prefetch | GB/s | % copy | default GB/s |\n|---|---|---|---|---|---|---|---|\n");
     std::vector<const Row*> best;
     for (const Row& r : b.sweep_rows) {
       auto it = std::find_if(best.begin(), best.end(), [&](const Row* x) {
@@ -361,11 +367,11 @@ void print_md(const Bench& b) {
       double def = 0;
       for (const Row& d : b.rows)
         if (d.shape == r->shape && config_name(d) == config_name(*r)) def = d.gbps();
-      fmt::print("| {} | {} | {} | {} | {} | {:.0f} | {:.1f}% | {:.0f} |\n", r->shape,
-                 config_name(*r), r->launch.k_split,
-                 r->launch.grid == kAllTiles ? std::string("tiles")
-                                             : std::to_string(r->launch.grid),
-                 r->launch.pdl ? 1 : 0, r->gbps(), 100.0 * r->gbps() / b.copy_gbps, def);
+      fmt::print(
+          "| {} | {} | {} | {} | {} | {:.0f} | {:.1f}% | {:.0f} |\n", r->shape, config_name(*r),
+          r->launch.k_split,
+          r->launch.grid == kAllTiles ? std::string("tiles") : std::to_string(r->launch.grid),
+          r->launch.prefetch_tiles, r->gbps(), 100.0 * r->gbps() / b.copy_gbps, def);
     }
   }
 }
@@ -390,6 +396,7 @@ void print_json(const Bench& b) {
                    {"k_split", r.launch.k_split},
                    {"grid", r.launch.grid},
                    {"pdl", r.launch.pdl},
+                   {"prefetch_tiles", r.launch.prefetch_tiles},
                    {"bytes", r.bytes},
                    {"us_median", r.us},
                    {"gbps", r.gbps()},
@@ -406,19 +413,26 @@ int run(int argc, char** argv) {
   Options o;
   app.add_option("-o,--output", o.out, "md or json")->check(CLI::IsMember({"md", "json"}));
   app.add_option("--min-launches", o.min_launches, "timed launches per measurement (at least)");
-  app.add_flag("--sweep", o.sweep, "also sweep k_split, grid and PDL on the large shapes");
+  app.add_flag("--sweep", o.sweep, "also sweep k_split, grid and prefetch on the large shapes");
+  app.add_option("--shape", o.shape, "only this shape (qkv, o, gate_up, down, lm_head)");
+  app.add_option("--bits", o.bits, "only this bit width (2, 3, 4, 8; 16 = fp16)");
+  app.add_option("--group", o.group, "only this group size (32, 64, 128, -1)");
   CLI11_PARSE(app, argc, argv);
 
   Bench b(o);
   b.measure_copy();
+  auto shape_on = [&](const Shape& sh) { return o.shape.empty() || o.shape == sh.name; };
   for (const Shape& sh : kShapes) {
-    b.run_f16(sh);
+    if (!shape_on(sh)) continue;
+    if (o.bits == 0 || o.bits == 16) b.run_f16(sh);
     for (int bits : {2, 3, 4, 8}) {
-      for (int group : {32, 64, 128, -1}) b.run_gptq(sh, bits, group, false);
-      b.run_gptq(sh, bits, 128, true);
+      if (o.bits != 0 && o.bits != bits) continue;
+      for (int group : {32, 64, 128, -1})
+        if (o.group == 0 || o.group == group) b.run_gptq(sh, bits, group, false);
+      if (o.group == 0 || o.group == 128) b.run_gptq(sh, bits, 128, true);
     }
   }
-  b.run_f16(kLmHead);
+  if (shape_on(kLmHead) && (o.bits == 0 || o.bits == 16)) b.run_f16(kLmHead);
   if (o.out == "json")
     print_json(b);
   else
