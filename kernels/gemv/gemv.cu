@@ -20,11 +20,10 @@
 // each of its R rows (so one warp instruction reads 512 contiguous bytes of a row), reads the
 // x chunk c from shared memory once and uses it for all R rows. With k_split = s > 1, s warps
 // share the same R rows and take every s-th group of 32 chunks; their sums meet in shared
-// memory. Lanes sum with warp shuffles. The quantized kernels copy chunks with cp.async into a
-// per-warp ring of 3 shared-memory stages (R*planes 16-byte copies per lane per stage, 2 stages
-// in flight while the third is dequantized); the fp16 kernel loads 4 chunks per row into
-// registers. Weights bypass L1 and carry an L2 evict_first cache policy: they are read once per
-// token and must not evict the KV cache or the activations from L2.
+// memory. Lanes sum with warp shuffles. Two chunks per row are loaded before any is used
+// (2R, 6R for 3-bit, 16-byte loads in flight per thread), with ld.global.nc.L1::no_allocate
+// and an L2 evict_first cache policy: weights are read once per token and must neither evict
+// the KV cache or the activations from L2 nor occupy L1.
 //
 // ---------------------------------------------------------------------------------------------
 // Packed layout (built by gemv_prepare.cpp). Row n is `planes` planes of `chunks` 16-byte
@@ -96,11 +95,7 @@ namespace kestrel::cuda {
 namespace gemv_detail {
 namespace {
 
-// Row tiles each block prefetches into L2 ahead of the one it computes (GemvLaunch default).
-constexpr int kDefaultPrefetchTiles = 2;
-
-// The planner gives each lane at least this many chunks of a row per tile (quantized kernels).
-constexpr int kMinChunksPerLane = 2;
+constexpr int kQuantUnroll = 2;
 
 struct KParams {
   const uint4* codes;      // row n starts at codes + n * row_stride
@@ -114,7 +109,6 @@ struct KParams {
   int N, K, nch, G;
   int zero_const, zero_offset;
   int k_split, tiles;
-  int prefetch_tiles;  // row tiles a block pulls into L2 ahead of the one it computes
 };
 
 // ---- PTX --------------------------------------------------------------------------------------
@@ -136,48 +130,11 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
   return r;
 }
 
-// Asynchronous global -> shared copies (completion tracked per thread by commit/wait groups).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes of weights: bypass L1, evict-first in L2.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, uint64_t pol) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)),
-               "l"(src), "l"(pol)
-               : "memory");
-}
-// 4 or 8 bytes of scales / zeros (shared by neighbouring lanes: cached in L1).
-template <int N>
-__device__ __forceinline__ void cp_async_small(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(N)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Pull [p, p + bytes) into L2 without waiting: the copy engine does it, no registers are held,
-// so one thread can keep many kilobytes per row in flight from HBM. Evict-first, like the loads.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes, uint64_t pol) {
+// Pull [p, p + bytes) into L2 without waiting (the copy engine does it; no registers held).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p),
-               "r"(bytes), "l"(pol)
-               : "memory");
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
-}
-
-// The rows of `tile` into L2, one bulk prefetch per row (threads 0 .. rows_per_tile - 1).
-__device__ __forceinline__ void prefetch_tile(const KParams& p, int tile, int rows_per_tile,
-                                              uint64_t pol) {
-  if (tile < p.tiles && int(threadIdx.x) < rows_per_tile) {
-    const int row = min(tile * rows_per_tile + int(threadIdx.x), p.N - 1);
-    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
-                static_cast<uint32_t>(p.row_stride * 16), pol);
-  }
 }
 
 // Programmatic dependent launch: wait until the previous kernel's writes are visible (a no-op
@@ -259,6 +216,7 @@ struct QuantOp {
   static constexpr int kCodes = chunk_codes(BITS);   // codes per chunk
   static constexpr int kPlanes = chunk_planes(BITS);
   static constexpr int kRows = rows_per_warp(BITS);  // rows per warp
+  static constexpr int kUnroll = kQuantUnroll;       // chunks per row loaded before use
   static constexpr int kVecs = kCodes / 8;           // x uint4 per chunk
   // Groups met inside one chunk (>1 only for 32-code groups with 2- or 3-bit, 64 with 3-bit).
   static constexpr int kGroups = (GS == 0 || GS >= kCodes) ? 1 : kCodes / GS;
@@ -269,68 +227,25 @@ struct QuantOp {
     uint32_t sz[kRows][kGroups];  // scale bits | zero << 16
   };
 
-  // One pipeline stage of a warp (thread-private slots: each lane reads back only what it
-  // copied, so no barrier is needed between the copy and the use):
-  //   codes  [kRows][kPlanes][32 lanes] 16 bytes
-  //   scales [kRows][32 lanes] 8 bytes: the aligned word(s) holding the chunk's scales
-  //   zeros  [kRows][32 lanes] 4 bytes: the aligned word holding the chunk's zero points
-  static constexpr int kStageBytes = stage_bytes(BITS);
-  static constexpr int kScalesAt = kRows * kPlanes * 512;
-  static constexpr int kZerosAt = kScalesAt + kRows * 256;
-  static_assert(kZerosAt + kRows * 128 == kStageBytes, "stage layout");
-
-  // Starts the copies of chunk c of the rows (rowp, srow = row * groups) into a stage.
-  __device__ static __forceinline__ void issue(unsigned char* stage, const KParams& p,
-                                               const uint4* const (&rowp)[kRows],
-                                               const int64_t (&srow)[kRows], int c, int lane,
-                                               uint64_t pol) {
-    uint4* q = reinterpret_cast<uint4*>(stage);
-    uint2* sc = reinterpret_cast<uint2*>(stage + kScalesAt);
-    uint32_t* zs = reinterpret_cast<uint32_t*>(stage + kZerosAt);
+  __device__ static __forceinline__ void load(Frag& f, const KParams& p,
+                                              const uint4* const (&rowp)[kRows],
+                                              const int64_t (&srow)[kRows], int c,
+                                              uint64_t pol) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int pl = 0; pl < kPlanes; ++pl)
-        cp_async16(q + (r * kPlanes + pl) * 32 + lane, rowp[r] + pl * p.nch + c, pol);
-    // Rows start at multiples of 4 groups, so idx & 3 == g0 & 3 and the words are aligned.
-    const int64_t g0 = GS == 0 ? 0 : (int64_t(c) * kCodes) / GS;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int64_t idx = srow[r] + g0;
-      if constexpr (kGroups == 4)
-        cp_async_small<8>(sc + r * 32 + lane, p.scales + idx);
-      else
-        cp_async_small<4>(sc + r * 32 + lane, p.scales + (idx & ~int64_t(1)));
-      if (p.zeros) cp_async_small<4>(zs + r * 32 + lane, p.zeros + (idx & ~int64_t(3)));
-    }
-  }
-
-  // Reads a completed stage of chunk c back into registers.
-  __device__ static __forceinline__ void read(Frag& f, const unsigned char* stage,
-                                              const KParams& p, int c, int lane) {
-    const uint4* q = reinterpret_cast<const uint4*>(stage);
-    const uint2* sc = reinterpret_cast<const uint2*>(stage + kScalesAt);
-    const uint32_t* zs = reinterpret_cast<const uint32_t*>(stage + kZerosAt);
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int pl = 0; pl < kPlanes; ++pl) f.q[r][pl] = q[(r * kPlanes + pl) * 32 + lane];
+      for (int pl = 0; pl < kPlanes; ++pl) f.q[r][pl] = ld_stream(rowp[r] + pl * p.nch + c, pol);
     const int g0 = GS == 0 ? 0 : (c * kCodes) / GS;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const uint2 sw = sc[r * 32 + lane];
-      const uint32_t zw = p.zeros ? zs[r * 32 + lane] : 0u;
+    for (int r = 0; r < kRows; ++r)
 #pragma unroll
       for (int i = 0; i < kGroups; ++i) {
-        // Half (g0 & 1) of the first word when one scale, else halves 0..kGroups-1.
-        const int h = kGroups == 1 ? (g0 & 1) : i;
-        const uint32_t s = ((h < 2 ? sw.x : sw.y) >> (16 * (h & 1))) & 0xFFFFu;
-        const uint32_t z = p.zeros
-                               ? ((zw >> (8 * ((g0 & 3) + i))) & 0xFFu) + uint32_t(p.zero_offset)
-                               : uint32_t(p.zero_const);
+        const int64_t idx = srow[r] + g0 + i;
+        const uint32_t s = __half_as_ushort(__ldg(p.scales + idx));
+        const uint32_t z = p.zeros ? uint32_t(__ldg(p.zeros + idx)) + uint32_t(p.zero_offset)
+                                   : uint32_t(p.zero_const);
         f.sz[r][i] = s | (z << 16);
       }
-    }
   }
 
   // acc[r] += dot(chunk of row r, x chunk). xs = &x_s[c], the chunk's uint4 j at xs[j * nch].
@@ -535,138 +450,10 @@ __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   p.y[row] = __float2half_rn(v);
 }
 
-// Sums the warp's partial dot products of its R rows of `tile`, across lanes and (k_split > 1)
-// across the warps that share the rows, and writes them. Every thread of the block calls it.
-template <int R>
-__device__ __forceinline__ void finish_tile(const KParams& p, float (&acc)[R], float* red, int tile,
-                                            int rows_per_tile, int rg, int warp, int lane) {
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
-  float mine = acc[0];
-#pragma unroll
-  for (int r = 1; r < R; ++r)
-    if (lane == r) mine = acc[r];
-  if (p.k_split == 1) {
-    if (lane < R) store_row(p, tile * rows_per_tile + rg * R + lane, mine);
-  } else {
-    if (lane < R) red[warp * R + lane] = mine;
-    __syncthreads();
-    if (int(threadIdx.x) < rows_per_tile) {
-      const int t = threadIdx.x, g = t / R, r = t % R;
-      float v = 0.f;
-      for (int k = 0; k < p.k_split; ++k) v += red[(g * p.k_split + k) * R + r];
-      store_row(p, tile * rows_per_tile + t, v);
-    }
-    __syncthreads();
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-}
-
-// ---- The quantized kernel: a per-warp cp.async pipeline ---------------------------------------
-//
-// Each warp walks the sequence (tile, i) of its chunks, tile = blockIdx.x, += gridDim.x, and
-// i = 0 .. ceil(chunks / (32 k_split)) - 1, as one stream: the copies run kStages - 1 stages
-// ahead of the compute, also across tile boundaries, so loads stay in flight while the warp
-// dequantizes (with loads into registers, a warp alternates between waiting and computing and
-// the SM's warps fall into step, leaving HBM idle in between).
-template <class Op>
-__global__ void __launch_bounds__(kThreads, 2) gemv_quant_kernel(const KParams p) {
-  constexpr int R = Op::kRows, C = Op::kCodes, S = kStages, SB = Op::kStageBytes;
-  extern __shared__ uint4 smem[];
-  uint4* x_s = smem;
-  float* red = reinterpret_cast<float*>(x_s + static_cast<size_t>(Op::kVecs) * p.nch);
-  unsigned char* rings = reinterpret_cast<unsigned char*>(red + kWarps * 4);
-  __half* x_nat = reinterpret_cast<__half*>(rings);  // act-order staging, before the pipeline
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int ks = p.k_split;
-  const int kw = warp % ks, rg = warp / ks;
-  const int rows_per_tile = R * (kWarps / ks);
-
-  // The weights do not depend on the previous kernel: start this block's first tiles towards
-  // L2 before waiting for it. Later, each finished tile triggers the one prefetch_tiles ahead,
-  // which keeps HBM requests in flight beyond what the per-warp rings hold.
-  const uint64_t pol = evict_first_policy();
-  for (int d = 0; d <= p.prefetch_tiles; ++d)
-    prefetch_tile(p, blockIdx.x + d * gridDim.x, rows_per_tile, pol);
-  grid_dependency_wait();
-  allow_dependents();
-  stage_x<C>(p, x_s, x_nat);
-  __syncthreads();
-
-  unsigned char* ring = rings + warp * (S * SB);
-  const int step = 32 * ks;
-  const int n_iter = (p.nch + step - 1) / step;  // the same for every warp of the block
-  const int my_tiles =
-      int(blockIdx.x) < p.tiles ? (p.tiles - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
-  const int total = my_tiles * n_iter;
-
-  auto rows_of = [&](int tile, const uint4* (&rowp)[R], int64_t (&srow)[R]) {
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int row = min(tile * rows_per_tile + rg * R + r, p.N - 1);  // past N: unwritten
-      rowp[r] = p.codes + static_cast<int64_t>(row) * p.row_stride;
-      srow[r] = static_cast<int64_t>(row) * p.G;
-    }
-  };
-
-  // Issue cursor: next stage to copy.
-  const uint4* irowp[R];
-  int64_t isrow[R];
-  int itile = blockIdx.x, ii = 0, islot = 0, issued = 0;
-  rows_of(itile, irowp, isrow);
-  auto issue_next = [&]() {
-    if (issued < total) {
-      const int c = kw * 32 + lane + ii * step;
-      if (c < p.nch) Op::issue(ring + islot * SB, p, irowp, isrow, c, lane, pol);
-      if (++ii == n_iter) {
-        ii = 0;
-        itile += gridDim.x;
-        rows_of(itile, irowp, isrow);
-      }
-    }
-    ++issued;
-    islot = islot + 1 == S ? 0 : islot + 1;
-    cp_async_commit();  // possibly empty: keeps the group count in step
-  };
-
-#pragma unroll
-  for (int j = 0; j < S - 1; ++j) issue_next();
-
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  int ctile = blockIdx.x, ci = 0, cslot = 0;
-  for (int j = 0; j < total; ++j) {
-    issue_next();
-    cp_async_wait<S - 1>();  // this thread's copies of stage j have landed
-    const int c = kw * 32 + lane + ci * step;
-    if (c < p.nch) {
-      typename Op::Frag f;
-      Op::read(f, ring + cslot * SB, p, c, lane);
-      Op::compute(f, x_s + c, p.nch, acc);
-    }
-    cslot = cslot + 1 == S ? 0 : cslot + 1;
-    if (++ci == n_iter) {
-      ci = 0;
-      finish_tile<R>(p, acc, red, ctile, rows_per_tile, rg, warp, lane);
-      ctile += gridDim.x;
-      prefetch_tile(p, ctile + p.prefetch_tiles * gridDim.x, rows_per_tile, pol);
-    }
-  }
-  cp_async_wait<0>();
-}
-
-// ---- The fp16 kernel: loads into registers ----------------------------------------------------
-//
-// fp16 weights need little arithmetic per byte: 16 loads in flight per thread (4 rows x 4
-// chunks) keep HBM busy without a shared-memory pipeline.
+// ---- The kernel --------------------------------------------------------------------------------
 
 template <class Op>
-__global__ void __launch_bounds__(kThreads, 2) gemv_f16_kernel(const KParams p) {
+__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
   constexpr int R = Op::kRows, U = Op::kUnroll, C = Op::kCodes;
   extern __shared__ uint4 smem[];
   uint4* x_s = smem;
@@ -678,18 +465,21 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_f16_kernel(const KParams p) 
   const int kw = warp % ks, rg = warp / ks;
   const int rows_per_tile = R * (kWarps / ks);
 
-  // As in the quantized kernel: first tiles towards L2 before the wait, then one tile ahead.
-  const uint64_t pol = evict_first_policy();
-  for (int d = 0; d <= p.prefetch_tiles; ++d)
-    prefetch_tile(p, blockIdx.x + d * gridDim.x, rows_per_tile, pol);
+  // The weights do not depend on the previous kernel: start this block's first tile towards L2
+  // before waiting for it.
+  if (blockIdx.x < p.tiles && threadIdx.x < rows_per_tile) {
+    const int row = min(int(blockIdx.x) * rows_per_tile + int(threadIdx.x), p.N - 1);
+    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
+                static_cast<uint32_t>(p.row_stride * 16));
+  }
   grid_dependency_wait();
   allow_dependents();
   stage_x<C>(p, x_s, x_nat);
   __syncthreads();
 
+  const uint64_t pol = evict_first_policy();
   const int step = 32 * ks;
   for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    prefetch_tile(p, tile + (p.prefetch_tiles + 1) * gridDim.x, rows_per_tile, pol);
     const int row0 = tile * rows_per_tile + rg * R;
     const uint4* rowp[R];
     int64_t srow[R];
@@ -718,7 +508,28 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_f16_kernel(const KParams p) 
       }
     }
 
-    finish_tile<R>(p, acc, red, tile, rows_per_tile, rg, warp, lane);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+    float mine = acc[0];
+#pragma unroll
+    for (int r = 1; r < R; ++r)
+      if (lane == r) mine = acc[r];
+
+    if (ks == 1) {
+      if (lane < R) store_row(p, row0 + lane, mine);
+    } else {
+      if (lane < R) red[warp * R + lane] = mine;
+      __syncthreads();
+      if (int(threadIdx.x) < rows_per_tile) {
+        const int t = threadIdx.x, g = t / R, r = t % R;
+        float v = 0.f;
+        for (int k = 0; k < ks; ++k) v += red[(g * ks + k) * R + r];
+        store_row(p, tile * rows_per_tile + t, v);
+      }
+      __syncthreads();
+    }
   }
 }
 
@@ -730,10 +541,10 @@ using Kernel = void (*)(KParams);
 template <int B>
 Kernel quant_kernel_for_group(int gs) {
   switch (gs) {
-    case 0: return gemv_quant_kernel<QuantOp<B, 0>>;
-    case 32: return gemv_quant_kernel<QuantOp<B, 32>>;
-    case 64: return gemv_quant_kernel<QuantOp<B, 64>>;
-    case 128: return gemv_quant_kernel<QuantOp<B, 128>>;
+    case 0: return gemv_kernel<QuantOp<B, 0>>;
+    case 32: return gemv_kernel<QuantOp<B, 32>>;
+    case 64: return gemv_kernel<QuantOp<B, 64>>;
+    case 128: return gemv_kernel<QuantOp<B, 128>>;
     default: return nullptr;
   }
 }
@@ -826,8 +637,6 @@ void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaSt
     throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(p.k_split));
   ensure_smem(k, smem);
   const int grid = std::min(l.grid, p.tiles);
-  KParams q = p;
-  q.prefetch_tiles = l.prefetch_tiles >= 0 ? l.prefetch_tiles : kDefaultPrefetchTiles;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(std::max(grid, 1)));
   cfg.blockDim = dim3(kThreads);
@@ -838,23 +647,20 @@ void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaSt
   attr[0].val.programmaticStreamSerializationAllowed = l.pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, q));
+  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, p));
 }
 
 }  // namespace
 
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
   const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
-  const size_t rings = size_t(kWarps) * kStages * stage_bytes(bits);
-  // x in the kernel's layout, the reduction buffer, then the rings (which x in natural order
-  // borrows during act-order staging).
-  return codes * 2 + kWarps * 4 * sizeof(float) + std::max(rings, has_perm ? codes * 2 : 0);
+  return codes * 2 + kWarps * 4 * sizeof(float) + (has_perm ? codes * 2 : 0);
 }
 
 GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks, size_t smem,
                              GemvLaunch hint) {
-  return plan(quant_kernel(bits, group_size), rows_per_warp(bits), kMinChunksPerLane, N, chunks,
-              smem, hint);
+  return plan(quant_kernel(bits, group_size), rows_per_warp(bits), kQuantUnroll, N, chunks, smem,
+              hint);
 }
 
 }  // namespace gemv_detail
@@ -882,7 +688,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   const Kernel k = quant_kernel(w.bits, w.group_size);
   GemvLaunch l = w.launch;
   if (l.k_split == 0 || l.grid <= 0)
-    l = plan(k, rows_per_warp(w.bits), kMinChunksPerLane, w.N, w.chunks, w.smem_bytes, l);
+    l = plan(k, rows_per_warp(w.bits), kQuantUnroll, w.N, w.chunks, w.smem_bytes, l);
   p.k_split = l.k_split;
   p.tiles = static_cast<int>(tiles_for(w.N, rows_per_warp(w.bits), l.k_split));
   launch(k, p, l, w.smem_bytes, s);
@@ -896,7 +702,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   if ((reinterpret_cast<uintptr_t>(W) & 15u) || (reinterpret_cast<uintptr_t>(x) & 15u))
     throw Error("gemv_f16: W and x must be 16-byte aligned");
   if (N > INT32_MAX || K > INT32_MAX) throw Error("gemv_f16: N and K must fit in 32 bits");
-  const Kernel k = gemv_f16_kernel<F16Op>;
+  const Kernel k = gemv_kernel<F16Op>;
   const int64_t nch = K / 8;
   const size_t smem = static_cast<size_t>(K) * 2 + kWarps * 4 * sizeof(float);
   const GemvLaunch l = plan(k, F16Op::kRows, F16Op::kUnroll, N, nch, smem, launch_hint);

@@ -29,8 +29,6 @@ struct GemvLaunch {
                     // per block); at most the tile count; 0 = at most the resident blocks
   bool pdl = true;  // programmatic dependent launch: the kernel may start (and prefetch its
                     // weights into L2) while the previous kernel in the stream drains
-  int prefetch_tiles = -1;  // row tiles a block pulls into L2 ahead of the one it computes;
-                            // -1 = default
 };
 
 // A GPTQ linear (or several fused along N) repacked for the GEMV kernels. Owns one device

@@ -24,15 +24,6 @@ constexpr int rows_per_warp(int bits) { return bits == 3 ? 2 : 4; }
 constexpr int kThreads = 256;  // threads of every GEMV block
 constexpr int kWarps = kThreads / 32;
 
-// Quantized kernels stream through a per-warp ring of kStages shared-memory stages: while a
-// warp computes one, the copies of the next kStages - 1 are in flight.
-constexpr int kStages = 3;
-// One stage: 16-byte code chunks of every row and plane for 32 lanes, plus 8 bytes of scales
-// and 4 of zero points per row and lane.
-constexpr int stage_bytes(int bits) {
-  return rows_per_warp(bits) * (chunk_planes(bits) * 512 + 256 + 128);
-}
-
 // Bit position of code i (0 <= i < 8) inside a 32-bit word for 4-bit codes (and for the
 // 3-bit "nibble words"): pairs (2p, 2p+1) sit in nibble p of the low and high half.
 constexpr int nibble_pos(int i) { return 16 * (i & 1) + 4 * (i >> 1); }

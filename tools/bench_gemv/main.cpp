@@ -252,9 +252,9 @@ struct Bench {
       for (int ks : {1, 2, 4}) {
         if (ks > 1 && ws[0].chunks < 32 * ks) continue;
         for (int grid : {sms, 2 * sms})
-          for (int pf : {0, 1, 2, 4}) {
+          for (bool pdl : {true, false}) {
             Row v = r;
-            v.launch = GemvLaunch{ks, grid, true, pf};
+            v.launch = GemvLaunch{ks, grid, pdl};
             v.us = time_gptq(ws, v.launch);
             sweep_rows.push_back(v);
           }
@@ -298,16 +298,15 @@ struct Bench {
     if (o.sweep && sh.N * sh.K >= 4096 * 11008) {
       const int sms = cuda::current_device_info().sm_count;
       for (int ks : {1, 2, 4})
-        for (int grid : {sms, 2 * sms})
-          for (int pf : {0, 1, 2, 4}) {
-            Row v = r;
-            v.launch = GemvLaunch{ks, grid, true, pf};
-            v.us = time_graph(s, copies, o, [&](int i) {
-              cuda::gemv_f16(ws[i].as<__half>(), x.as<__half>(), y.as<__half>(), sh.N, sh.K,
-                             nullptr, s, v.launch);
-            });
-            sweep_rows.push_back(v);
-          }
+        for (int grid : {sms, 2 * sms}) {
+          Row v = r;
+          v.launch = GemvLaunch{ks, grid, true};
+          v.us = time_graph(s, copies, o, [&](int i) {
+            cuda::gemv_f16(ws[i].as<__half>(), x.as<__half>(), y.as<__half>(), sh.N, sh.K, nullptr,
+                           s, v.launch);
+          });
+          sweep_rows.push_back(v);
+        }
     }
   }
 
@@ -349,10 +348,10 @@ void print_md(const Bench& b) {
       fmt::print("| {} | {} | {} | {} | {} | {:.2f} | {:.0f} | {:.1f}% |\n", r.shape,
                  config_name(r), r.launch.k_split,
                  r.launch.grid == kAllTiles ? std::string("tiles") : std::to_string(r.launch.grid),
-                 r.launch.prefetch_tiles, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps);
+                 r.launch.pdl ? 1 : 0, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps);
     fmt::print(
         "\n## Best launch per shape and weights (sweep)\n\n| shape | weights | k_split | "
-        "grid | prefetch | GB/s | % copy | default GB/s |\n|---|---|---|---|---|---|---|---|\n");
+        "grid | pdl | GB/s | % copy | default GB/s |\n|---|---|---|---|---|---|---|---|\n");
     std::vector<const Row*> best;
     for (const Row& r : b.sweep_rows) {
       auto it = std::find_if(best.begin(), best.end(), [&](const Row* x) {
@@ -371,7 +370,7 @@ void print_md(const Bench& b) {
           "| {} | {} | {} | {} | {} | {:.0f} | {:.1f}% | {:.0f} |\n", r->shape, config_name(*r),
           r->launch.k_split,
           r->launch.grid == kAllTiles ? std::string("tiles") : std::to_string(r->launch.grid),
-          r->launch.prefetch_tiles, r->gbps(), 100.0 * r->gbps() / b.copy_gbps, def);
+          r->launch.pdl ? 1 : 0, r->gbps(), 100.0 * r->gbps() / b.copy_gbps, def);
     }
   }
 }
@@ -396,7 +395,6 @@ void print_json(const Bench& b) {
                    {"k_split", r.launch.k_split},
                    {"grid", r.launch.grid},
                    {"pdl", r.launch.pdl},
-                   {"prefetch_tiles", r.launch.prefetch_tiles},
                    {"bytes", r.bytes},
                    {"us_median", r.us},
                    {"gbps", r.gbps()},
@@ -413,7 +411,7 @@ int run(int argc, char** argv) {
   Options o;
   app.add_option("-o,--output", o.out, "md or json")->check(CLI::IsMember({"md", "json"}));
   app.add_option("--min-launches", o.min_launches, "timed launches per measurement (at least)");
-  app.add_flag("--sweep", o.sweep, "also sweep k_split, grid and prefetch on the large shapes");
+  app.add_flag("--sweep", o.sweep, "also sweep k_split, grid and PDL on the large shapes");
   app.add_option("--shape", o.shape, "only this shape (qkv, o, gate_up, down, lm_head)");
   app.add_option("--bits", o.bits, "only this bit width (2, 3, 4, 8; 16 = fp16)");
   app.add_option("--group", o.group, "only this group size (32, 64, 128, -1)");
