@@ -1,6 +1,12 @@
 // Choosing the next token from logits, in the order llama.cpp applies its samplers:
 // penalties (repetition over a window, frequency, presence), then top-k, top-p, min-p,
 // temperature, and a draw from the seeded generator. temperature 0 means greedy (argmax).
+//
+// sample() runs once per generated token on the host, between two decode steps, so it is
+// built to cost a small fraction of one: no allocation after the first call, top-k by a
+// threshold scan instead of a sort, top-p by a mass-weighted selection instead of sorting
+// the nucleus, and exp over the whole vocabulary only where the method needs the full
+// normaliser (top-p without top-k), through a vectorisable polynomial.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +21,7 @@ struct SamplingParams {
   float top_p = 0.95f;         // 1 = off
   float min_p = 0.05f;         // 0 = off
   float repeat_penalty = 1.0f; // 1 = off; applied to tokens in the last repeat_last_n
-  int repeat_last_n = 64;
+  int repeat_last_n = 64;      // -1 = the whole history
   float frequency_penalty = 0.0f;
   float presence_penalty = 0.0f;
   uint64_t seed = 0;
@@ -29,13 +35,40 @@ class Sampler {
   int sample(float* logits, int vocab, const std::vector<int>& history);
   const SamplingParams& params() const { return p_; }
 
+  // The penalties alone, as sample() applies them (exposed for tests and logprobs).
+  void apply_penalties(float* logits, int vocab, const std::vector<int>& history);
+
  private:
+  struct Cand {
+    float logit;
+    int id;
+    float w;  // exp(logit - max) at temperature 1
+  };
+  void select_top_k(const float* logits, int vocab, int k);
+  void select_above(const float* logits, int vocab, float threshold);
+  void keep_nucleus(double need);
+  int sample_all(const float* logits, int vocab);
+
   SamplingParams p_;
   std::mt19937_64 rng_;
-  std::vector<std::pair<float, int>> cand_;  // reused candidate buffer
+  std::vector<int> counts_;   // [vocab], zero between calls
+  std::vector<Cand> cand_;    // candidates of the current call
+  std::vector<float> buf_;    // [vocab] scratch for exp over the vocabulary
 };
 
 // Index of the largest value (the first one on ties).
 int argmax(const float* x, int n);
+
+// log-softmax of raw logits: the log-probability of `chosen` and the `n` most likely tokens,
+// most likely first (ties by id).
+struct TokenLogprob {
+  int id;
+  float logprob;
+};
+struct Logprobs {
+  TokenLogprob chosen;
+  std::vector<TokenLogprob> top;
+};
+Logprobs logprobs_of(const float* logits, int vocab, int chosen, int n);
 
 }  // namespace kestrel
