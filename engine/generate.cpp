@@ -43,60 +43,90 @@ std::string StopMatcher::flush() {
   return out;
 }
 
-GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
-                        const GenerateOptions& opt,
-                        const std::function<void(std::string_view)>& on_text, int start_pos) {
-  using clock = std::chrono::steady_clock;
+namespace {
+
+using clock = std::chrono::steady_clock;
+double ms_since(clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(clock::now() - t).count();
+}
+
+// Runs prompt_ids[first..] at positions first.. and generates.
+GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
+                   int first, int pos0, const GenerateOptions& opt,
+                   const std::function<void(std::string_view)>& on_text) {
   const int ctx = model.context_length();
   const int vocab = model.config().vocab;
   const int n_prompt = (int)prompt_ids.size();
+  const int n_run = n_prompt - first;
   KESTREL_CHECK(n_prompt > 0, "the prompt is empty (no tokens to start from)");
-  if (start_pos + n_prompt + opt.max_new_tokens > ctx)
-    throw Error("prompt (" + std::to_string(n_prompt) + " tokens) plus " +
-                std::to_string(opt.max_new_tokens) + " new tokens" +
-                (start_pos ? " after " + std::to_string(start_pos) + " cached" : std::string()) +
-                " exceed the context of " + std::to_string(ctx) +
-                " tokens; shorten the prompt, lower -n or raise -c");
+  KESTREL_CHECK(n_run > 0, "nothing to run: the whole prompt is cached");
+  if (pos0 + n_run + opt.max_new_tokens > ctx)
+    throw Error("prompt (" + std::to_string(pos0 + n_run) + " tokens) plus " +
+                std::to_string(opt.max_new_tokens) + " new tokens exceed the context of " +
+                std::to_string(ctx) + " tokens; shorten the prompt, lower -n or raise -c");
 
   GenerateResult r;
   r.prompt_ids = prompt_ids;
+  r.n_cached = first;
   r.finish_reason = "length";
   Sampler sampler(opt.sampling);
   StreamDecoder detok(tok, /*at_text_start=*/false);
   StopMatcher stop(opt.stop);
   std::vector<int> history = prompt_ids;
-  std::vector<float> logits(vocab);
+  history.reserve(history.size() + opt.max_new_tokens);
+  std::vector<float> logits(vocab), raw;
   auto emit = [&](const std::string& s) {
     if (s.empty()) return;
     r.text += s;
     if (on_text) on_text(s);
   };
+  auto is_end = [&](int id) {
+    return !opt.ignore_eos && (tok.is_eos(id) || std::find(opt.stop_ids.begin(),
+                                                            opt.stop_ids.end(), id) !=
+                                                      opt.stop_ids.end());
+  };
 
   const auto t0 = clock::now();
-  model.forward(prompt_ids.data(), n_prompt, start_pos, logits.data());
-  auto t1 = clock::now();
+  model.forward(prompt_ids.data() + first, n_run, pos0, logits.data());
+  const auto t1 = clock::now();
   r.prompt_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 
   // Greedy decoding without penalties needs only the argmax: the backend may pick it on its
   // device and hand back one id per token instead of the logits.
   const SamplingParams& sp = opt.sampling;
   const bool argmax_only = sp.temperature <= 0.0f && sp.repeat_penalty == 1.0f &&
-                           sp.frequency_penalty == 0.0f && sp.presence_penalty == 0.0f;
-  int pos = start_pos + n_prompt;
+                           sp.frequency_penalty == 0.0f && sp.presence_penalty == 0.0f &&
+                           opt.logprobs <= 0;
+  auto choose = [&] {
+    const auto ts = clock::now();
+    if (opt.logprobs > 0) raw.assign(logits.begin(), logits.end());
+    const int id = sampler.sample(logits.data(), vocab, history);
+    if (opt.logprobs > 0) r.logprobs.push_back(logprobs_of(raw.data(), vocab, id, opt.logprobs));
+    r.sample_ms += ms_since(ts);
+    ++r.n_sampled;
+    return id;
+  };
+  int pos = pos0 + n_run;
   for (int i = 0; i < opt.max_new_tokens; ++i) {
+    if (opt.cancelled && opt.cancelled()) {
+      r.finish_reason = "cancelled";
+      break;
+    }
     int id;
     if (i == 0) {
-      id = sampler.sample(logits.data(), vocab, history);
+      id = choose();
     } else if (argmax_only) {
       id = model.forward_argmax(r.ids.back(), pos - 1);
+      ++r.n_eval;
     } else {
       model.forward(&r.ids.back(), 1, pos - 1, logits.data());
-      id = sampler.sample(logits.data(), vocab, history);
+      ++r.n_eval;
+      id = choose();
     }
     r.ids.push_back(id);
     history.push_back(id);
     ++pos;
-    if (!opt.ignore_eos && tok.is_eos(id)) {
+    if (is_end(id)) {
       r.finish_reason = "eos";
       break;
     }
@@ -110,7 +140,33 @@ GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<
     emit(stop.push(detok.flush()));
     emit(stop.flush());
   }
-  r.gen_ms = std::chrono::duration<double, std::milli>(clock::now() - t1).count();
+  r.gen_ms = ms_since(t1);
+  return r;
+}
+
+}  // namespace
+
+GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
+                        const GenerateOptions& opt,
+                        const std::function<void(std::string_view)>& on_text, int start_pos) {
+  return run(model, tok, prompt_ids, 0, start_pos, opt, on_text);
+}
+
+GenerateResult generate_cached(Backend& model, const Tokenizer& tok,
+                               const std::vector<int>& prompt_ids, const GenerateOptions& opt,
+                               std::vector<int>& cache,
+                               const std::function<void(std::string_view)>& on_text) {
+  KESTREL_CHECK(!prompt_ids.empty(), "the prompt is empty (no tokens to start from)");
+  size_t keep = 0;
+  while (keep < cache.size() && keep < prompt_ids.size() && cache[keep] == prompt_ids[keep]) ++keep;
+  // The last prompt id always runs: its logits start the generation.
+  keep = std::min(keep, prompt_ids.size() - 1);
+  // Whatever happens below, the cache is only known up to the shared prefix.
+  cache.resize(keep);
+  GenerateResult r = run(model, tok, prompt_ids, (int)keep, (int)keep, opt, on_text);
+  // The cache now holds the prompt and every generated id but the last (never run).
+  cache = prompt_ids;
+  if (!r.ids.empty()) cache.insert(cache.end(), r.ids.begin(), r.ids.end() - 1);
   return r;
 }
 

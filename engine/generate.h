@@ -16,16 +16,25 @@ struct GenerateOptions {
   int max_new_tokens = 128;
   SamplingParams sampling;
   std::vector<std::string> stop;  // stop strings: generation ends there, the string unprinted
-  bool ignore_eos = false;
+  std::vector<int> stop_ids;      // more end-of-turn ids besides the tokenizer's EOS ids
+  bool ignore_eos = false;        // also ignores stop_ids
+  int logprobs = 0;               // > 0: record the top-n log-probabilities of every token
+  // Polled before each new token; true ends generation (finish_reason "cancelled").
+  std::function<bool()> cancelled;
 };
 
 struct GenerateResult {
   std::vector<int> prompt_ids;
-  std::vector<int> ids;        // generated ids (an eos id that ended generation included)
+  std::vector<int> ids;        // generated ids (an end id that ended generation included)
   std::string text;            // generated text, cut before a stop string
-  std::string finish_reason;   // "length", "eos" or "stop"
+  std::string finish_reason;   // "length", "eos", "stop" or "cancelled"
+  int n_cached = 0;            // leading prompt ids whose K/V were already in the cache
+  int n_eval = 0;              // generated ids run through the model (all but the last)
+  int n_sampled = 0;           // ids chosen on the host (greedy may pick on the device)
   double prompt_ms = 0;        // time to run the prompt and produce the first logits
   double gen_ms = 0;           // time of the generated tokens after the first
+  double sample_ms = 0;        // of which choosing tokens (sampler, logprobs)
+  std::vector<Logprobs> logprobs;  // one per generated id when GenerateOptions::logprobs > 0
 };
 
 // Holds back text that might be the start of a stop string. push() returns what can be
@@ -50,5 +59,14 @@ GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<
                         const GenerateOptions& opt,
                         const std::function<void(std::string_view)>& on_text = {},
                         int start_pos = 0);
+
+// Generates after `prompt_ids` (a whole sequence from position 0), running only the part
+// after the longest prefix it shares with `cache`: the ids whose K/V the backend holds from
+// position 0, which it then updates. The backend has no rewind; running from a position
+// simply overwrites the cache from there. Penalties see the whole prompt.
+GenerateResult generate_cached(Backend& model, const Tokenizer& tok,
+                               const std::vector<int>& prompt_ids, const GenerateOptions& opt,
+                               std::vector<int>& cache,
+                               const std::function<void(std::string_view)>& on_text = {});
 
 }  // namespace kestrel

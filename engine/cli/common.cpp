@@ -1,10 +1,12 @@
 #include "engine/cli/common.h"
 
 #include <chrono>
+#include <fmt/format.h>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 
 #include "engine/device.h"
@@ -28,10 +30,9 @@ void note(bool quiet, const std::string& msg) {
   if (!quiet) std::cerr << msg << "\n";
 }
 
-LoadedModel load_model(const ModelOptions& o, bool quiet) {
-  const auto t0 = std::chrono::steady_clock::now();
+LoadedModel open_model(const ModelOptions& o, bool quiet) {
   if (!fs::is_directory(o.dir)) throw Error(o.dir + ": no such model directory");
-
+  const auto t0 = std::chrono::steady_clock::now();
   LoadedModel m;
   m.device = o.device;
   if (m.device == "auto") m.device = cuda_status().usable ? "cuda" : "cpu";
@@ -50,13 +51,95 @@ LoadedModel load_model(const ModelOptions& o, bool quiet) {
   if (o.context > c.max_pos)
     note(quiet, "warning: context " + std::to_string(o.context) +
                     " is longer than the model was trained for (" + std::to_string(c.max_pos) + ")");
-  if (m.device == "cuda")
-    m.backend = std::make_unique<LlamaCuda>(*m.spec, o.context, quiet);
-  else
-    m.backend = std::make_unique<LlamaCpu>(*m.spec, o.context);
   m.load_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return m;
+}
+
+int context_length(const LoadedModel& m, const ModelOptions& o) {
+  return o.context > 0 ? o.context : m.spec->config.max_pos;
+}
+
+void load_weights(LoadedModel& m, const ModelOptions& o, bool quiet) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (m.device == "cuda") {
+    m.backend = std::make_unique<LlamaCuda>(*m.spec, o.context, quiet);
+  } else {
+    m.backend = std::make_unique<LlamaCpu>(*m.spec, o.context);
+  }
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  m.load_ms += ms;
+  if (m.device != "cuda")
+    note(quiet, fmt::format("loaded {:.1f} MiB of weights from {} on {} in {:.0f} ms, context {}",
+                            m.spec->files.total_bytes() / 1048576.0, o.dir,
+                            m.backend->device_name(), ms, m.backend->context_length()));
+}
+
+LoadedModel load_model(const ModelOptions& o, bool quiet) {
+  LoadedModel m = open_model(o, quiet);
+  load_weights(m, o, quiet);
+  return m;
+}
+
+void add_sampling_options(CLI::App* cmd, SamplingOptions& s) {
+  cmd->add_option("--temp", s.temperature, "temperature (0 = greedy)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-k", s.top_k, "top-k sampling (0 = off)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", s.top_p, "top-p sampling (1 = off)")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--min-p", s.min_p, "min-p sampling (0 = off)")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1 = off)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--repeat-last-n", s.repeat_last_n, "window of the penalties (-1 = all)")
+      ->check(CLI::Range(-1, 1 << 30));
+  cmd->add_option("--frequency-penalty", s.frequency_penalty, "frequency penalty");
+  cmd->add_option("--presence-penalty", s.presence_penalty, "presence penalty");
+  cmd->add_option("--seed", s.seed, "random seed (default: random, printed)");
+  cmd->add_option("--stop", s.stop, "stop string (repeatable); never printed");
+  cmd->add_flag("--ignore-eos", s.ignore_eos, "keep generating past end-of-sequence");
+}
+
+SamplingParams resolve_sampling(const std::string& dir, const SamplingOptions& s) {
+  SamplingParams p = default_sampling(dir);
+  if (s.temperature) p.temperature = *s.temperature;
+  if (s.top_k) p.top_k = *s.top_k;
+  if (s.top_p) p.top_p = *s.top_p;
+  if (s.min_p) p.min_p = *s.min_p;
+  if (s.repeat_penalty) p.repeat_penalty = *s.repeat_penalty;
+  p.repeat_last_n = s.repeat_last_n;
+  p.frequency_penalty = s.frequency_penalty;
+  p.presence_penalty = s.presence_penalty;
+  p.seed = s.seed ? *s.seed : std::random_device{}();
+  return p;
+}
+
+void add_result(Perf& p, const GenerateResult& r) {
+  p.prompt_ms += r.prompt_ms;
+  p.prompt_tokens += (int64_t)r.prompt_ids.size() - r.n_cached;
+  p.eval_ms += r.gen_ms - r.sample_ms;
+  p.eval_runs += r.n_eval;
+  p.sample_ms += r.sample_ms;
+  p.sampled += r.n_sampled;
+  p.generated += (int64_t)r.ids.size();
+}
+
+void print_perf(const Perf& p, const std::string& device) {
+  const double total =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p.start).count();
+  auto rate = [](double ms, int64_t n) {
+    return fmt::format("({:8.2f} ms per token, {:8.2f} tokens per second)", n ? ms / n : 0.0,
+                       ms > 0 ? n * 1000.0 / ms : 0.0);
+  };
+  std::string s;
+  s += fmt::format("\nperf:        load time = {:10.2f} ms ({})\n", p.load_ms, device);
+  s += fmt::format("perf: prompt eval time = {:10.2f} ms / {:5} tokens {}\n", p.prompt_ms,
+                   p.prompt_tokens, rate(p.prompt_ms, p.prompt_tokens));
+  s += fmt::format("perf:        eval time = {:10.2f} ms / {:5} runs   {}\n", p.eval_ms,
+                   p.eval_runs, rate(p.eval_ms, p.eval_runs));
+  s += fmt::format("perf:    sampling time = {:10.2f} ms / {:5} runs   {}\n", p.sample_ms,
+                   p.sampled, rate(p.sample_ms, p.sampled));
+  s += fmt::format("perf:       total time = {:10.2f} ms / {:5} tokens\n", total,
+                   p.prompt_tokens + p.generated);
+  std::cerr << s << std::flush;
 }
 
 SamplingParams default_sampling(const std::string& dir) {

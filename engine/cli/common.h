@@ -2,10 +2,14 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "engine/backend.h"
+#include "engine/generate.h"
 #include "engine/model_spec.h"
 #include "engine/sampler.h"
 #include "tokenizer/tokenizer.h"
@@ -31,6 +35,48 @@ struct LoadedModel {
 // Resolves the device ("auto": cuda when a usable GPU is present), checks the model
 // directory and loads the tokenizer and the weights. Throws kestrel::Error.
 LoadedModel load_model(const ModelOptions& o, bool quiet);
+// The same in two steps, so that a command can check its prompts against the tokenizer and
+// the context before the weights load: open_model reads the tokenizer and the model spec,
+// load_weights builds the backend (CUDA draws its progress bar; the CPU, which cannot report
+// progress, prints one line when done). Both unless quiet.
+LoadedModel open_model(const ModelOptions& o, bool quiet);
+void load_weights(LoadedModel& m, const ModelOptions& o, bool quiet);
+// The context the backend will have: -c, or the model's max_position_embeddings.
+int context_length(const LoadedModel& m, const ModelOptions& o);
+
+// Sampling options as llama.cpp spells them; unset ones come from generation_config.json.
+struct SamplingOptions {
+  std::optional<float> temperature;
+  std::optional<int> top_k;
+  std::optional<float> top_p;
+  std::optional<float> min_p;
+  std::optional<float> repeat_penalty;
+  int repeat_last_n = 64;
+  float frequency_penalty = 0, presence_penalty = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool ignore_eos = false;
+};
+void add_sampling_options(CLI::App* cmd, SamplingOptions& s);
+// generation_config.json's defaults overridden by the options; a random seed when none is
+// given (the caller prints it).
+SamplingParams resolve_sampling(const std::string& dir, const SamplingOptions& s);
+
+// Totals of a run for the closing performance block (llama.cpp's llama_perf_context_print).
+struct Perf {
+  double load_ms = 0;
+  double prompt_ms = 0;
+  int64_t prompt_tokens = 0;  // tokens run through the model as prompt (cached ones excluded)
+  double eval_ms = 0;
+  int64_t eval_runs = 0;      // generated tokens run through the model one at a time
+  double sample_ms = 0;
+  int64_t sampled = 0;
+  int64_t generated = 0;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+};
+void add_result(Perf& p, const GenerateResult& r);
+// Prints the block to stderr.
+void print_perf(const Perf& p, const std::string& device);
 
 // Sampling defaults from <dir>/generation_config.json (temperature, top_k, top_p; do_sample
 // false means greedy), over Kestrel's own defaults.

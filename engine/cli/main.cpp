@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   std::function<int()> action;
   kestrel::cli::register_generate(app, action);
   kestrel::cli::register_bench(app, action);
+  kestrel::cli::register_chat(app, action);
   kestrel::cli::register_perplexity(app, action);
   try {
     app.parse(argc, argv);

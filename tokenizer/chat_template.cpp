@@ -1,0 +1,286 @@
+#include "tokenizer/chat_template.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "engine/error.h"
+
+namespace kestrel {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::pair<ChatFormat, std::string_view> kNames[] = {
+    {ChatFormat::llama2, "llama2"}, {ChatFormat::mistral, "mistral"},
+    {ChatFormat::zephyr, "zephyr"}, {ChatFormat::chatml, "chatml"},
+    {ChatFormat::vicuna, "vicuna"}, {ChatFormat::raw, "raw"},
+};
+
+std::string known_names() {
+  std::string s;
+  for (const auto& [f, n] : kNames) s += (s.empty() ? "" : ", ") + std::string(n);
+  return s;
+}
+
+std::string strip(std::string_view s) {
+  const auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  while (!s.empty() && ws(s.front())) s.remove_prefix(1);
+  while (!s.empty() && ws(s.back())) s.remove_suffix(1);
+  return std::string(s);
+}
+
+// Appends text, merging with a preceding text segment.
+void text(std::vector<ChatSegment>& out, std::string_view t) {
+  if (t.empty()) return;
+  if (!out.empty() && !out.back().special) {
+    out.back().text += t;
+  } else {
+    out.push_back({std::string(t), false});
+  }
+}
+void special(std::vector<ChatSegment>& out, std::string_view t) {
+  out.push_back({std::string(t), true});
+}
+
+}  // namespace
+
+std::string_view chat_format_name(ChatFormat f) {
+  for (const auto& [g, n] : kNames)
+    if (g == f) return n;
+  return "?";
+}
+
+ChatFormat parse_chat_format(std::string_view name) {
+  for (const auto& [f, n] : kNames)
+    if (n == name) return f;
+  throw Error(fmt::format("unknown chat template \"{}\" (known: {}, or auto)", name, known_names()));
+}
+
+std::optional<ChatFormat> detect_chat_format(std::string_view t) {
+  const auto has = [&](std::string_view s) { return t.find(s) != std::string_view::npos; };
+  if (has("<|im_start|>")) {
+    if (has("<|im_sep|>")) return std::nullopt;  // Phi-4
+    return ChatFormat::chatml;
+  }
+  if (has("[INST]")) {
+    // Mistral's later formats: a system-prompt token, tool calls, " [INST] " spacing.
+    if (has("[SYSTEM_PROMPT]") || has("[AVAILABLE_TOOLS]") || has("' [INST] '"))
+      return std::nullopt;
+    return has("<<SYS>>") ? ChatFormat::llama2 : ChatFormat::mistral;
+  }
+  if (has("<|user|>") && has("<|assistant|>")) {
+    if (has("<|end|>") || has("<|endoftext|>")) return std::nullopt;  // Phi-3, GLM
+    return ChatFormat::zephyr;
+  }
+  if (has("USER: ") && has("ASSISTANT: ")) {
+    if (has("SYSTEM: ")) return std::nullopt;  // Vicuna-Orca
+    return ChatFormat::vicuna;
+  }
+  return std::nullopt;
+}
+
+std::vector<ChatSegment> render_chat(ChatFormat f, const std::vector<ChatMessage>& messages,
+                                     bool add_generation_prompt) {
+  std::optional<std::string> system;
+  size_t first = 0;
+  if (!messages.empty() && messages[0].role == "system") {
+    system = messages[0].content;
+    first = 1;
+  }
+  for (size_t i = first; i < messages.size(); ++i) {
+    const char* want = (i - first) % 2 == 0 ? "user" : "assistant";
+    if (messages[i].role != want)
+      throw Error(fmt::format("chat message {} has role \"{}\"; after an optional system message "
+                              "the roles must alternate user, assistant, user, ...",
+                              i + 1, messages[i].role));
+  }
+
+  std::vector<ChatSegment> out;
+  switch (f) {
+    case ChatFormat::llama2:
+      for (size_t i = first; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role == "user") {
+          std::string content = m.content;
+          if (i == first && system) content = "<<SYS>>\n" + *system + "\n<</SYS>>\n\n" + content;
+          special(out, "<s>");
+          text(out, "[INST] " + strip(content) + " [/INST]");
+        } else {
+          text(out, " " + strip(m.content) + " ");
+          special(out, "</s>");
+        }
+      }
+      break;
+    case ChatFormat::mistral:
+      special(out, "<s>");
+      for (size_t i = first; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role == "user") {
+          const std::string sys = (i == first && system) ? *system + "\n\n" : "";
+          text(out, "[INST] " + sys + m.content + " [/INST]");
+        } else {
+          text(out, m.content);
+          special(out, "</s>");
+        }
+      }
+      break;
+    case ChatFormat::zephyr:
+      for (const ChatMessage& m : messages) {
+        text(out, fmt::format("<|{}|>\n{}", m.role, m.content));
+        special(out, "</s>");
+        text(out, "\n");
+      }
+      if (add_generation_prompt) text(out, "<|assistant|>\n");
+      break;
+    case ChatFormat::chatml:
+      for (const ChatMessage& m : messages) {
+        special(out, "<|im_start|>");
+        text(out, m.role + "\n" + m.content);
+        special(out, "<|im_end|>");
+        text(out, "\n");
+      }
+      if (add_generation_prompt) {
+        special(out, "<|im_start|>");
+        text(out, "assistant\n");
+      }
+      break;
+    case ChatFormat::vicuna:
+      if (system) text(out, *system + " ");
+      for (size_t i = first; i < messages.size(); ++i) {
+        const ChatMessage& m = messages[i];
+        if (m.role == "user") {
+          text(out, "USER: " + m.content + " ");
+        } else {
+          text(out, "ASSISTANT: " + m.content);
+          special(out, "</s>");
+        }
+      }
+      if (add_generation_prompt) text(out, "ASSISTANT:");
+      break;
+    case ChatFormat::raw:
+      for (const ChatMessage& m : messages) text(out, m.content + "\n");
+      break;
+  }
+  return out;
+}
+
+std::string segments_text(const std::vector<ChatSegment>& segments) {
+  std::string s;
+  for (const ChatSegment& g : segments) s += g.text;
+  return s;
+}
+
+ChatTemplate::ChatTemplate(ChatFormat f, const Tokenizer& tok, std::map<std::string, int> added)
+    : format_(f), tok_(&tok), added_(std::move(added)) {}
+
+ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
+                                const Tokenizer& tok, std::string* note) {
+  const fs::path path = fs::path(dir) / "tokenizer_config.json";
+  nlohmann::json cfg = nlohmann::json::object();
+  std::error_code ec;
+  if (fs::exists(path, ec)) {
+    try {
+      std::ifstream in(path);
+      cfg = nlohmann::json::parse(in);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("{}: malformed JSON ({})", path.string(), e.what()));
+    }
+  }
+  // Added tokens (ChatML's <|im_start|> and the like live here, outside tokenizer.model).
+  std::map<std::string, int> added;
+  if (cfg.is_object() && cfg.contains("added_tokens_decoder") &&
+      cfg["added_tokens_decoder"].is_object()) {
+    for (const auto& [id, t] : cfg["added_tokens_decoder"].items()) {
+      if (!t.is_object() || !t.contains("content") || !t["content"].is_string()) continue;
+      try {
+        added[t["content"].get<std::string>()] = std::stoi(id);
+      } catch (const std::exception&) {
+        throw Error(fmt::format("{}: added_tokens_decoder key \"{}\" is not a token id",
+                                path.string(), id));
+      }
+    }
+  }
+  if (name != "auto") return ChatTemplate(parse_chat_format(name), tok, std::move(added));
+
+  // chat_template: a Jinja string, or a list of {name, template} where "default" is the chat one.
+  std::string source;
+  if (cfg.is_object() && cfg.contains("chat_template")) {
+    const auto& t = cfg["chat_template"];
+    if (t.is_string()) {
+      source = t.get<std::string>();
+    } else if (t.is_array()) {
+      for (const auto& e : t)
+        if (e.is_object() && e.value("name", "") == "default" && e.contains("template") &&
+            e["template"].is_string())
+          source = e["template"].get<std::string>();
+    }
+  }
+  if (source.empty()) {
+    if (note)
+      *note = fmt::format("{} has no chat_template: using --template raw (plain text turns, "
+                          "for a base model); pass --template to choose a format",
+                          path.string());
+    return ChatTemplate(ChatFormat::raw, tok, std::move(added));
+  }
+  const auto f = detect_chat_format(source);
+  if (!f)
+    throw Error(fmt::format("{}: chat_template is none of the formats Kestrel knows ({}); pass "
+                            "--template NAME",
+                            path.string(), known_names()));
+  return ChatTemplate(*f, tok, std::move(added));
+}
+
+int ChatTemplate::special_id(const std::string& text) const {
+  const int id = tok_->piece_to_id(text);
+  if (id >= 0 && (tok_->is_control(id) || id == tok_->bos_id() || tok_->is_eos(id))) return id;
+  if (auto it = added_.find(text); it != added_.end()) return it->second;
+  return -1;
+}
+
+std::vector<int> ChatTemplate::tokenize(const std::vector<ChatSegment>& segments) const {
+  std::vector<int> ids;
+  std::string pending;  // text (and specials the tokenizer lacks) not yet encoded
+  auto flush = [&] {
+    if (pending.empty()) return;
+    const std::vector<int> t = tok_->encode(pending, /*with_specials=*/false);
+    ids.insert(ids.end(), t.begin(), t.end());
+    pending.clear();
+  };
+  for (const ChatSegment& s : segments) {
+    const int id = s.special ? special_id(s.text) : -1;
+    if (id >= 0) {
+      flush();
+      ids.push_back(id);
+    } else {
+      pending += s.text;
+    }
+  }
+  flush();
+  if (tok_->add_bos() && tok_->bos_id() >= 0 && (ids.empty() || ids.front() != tok_->bos_id()))
+    ids.insert(ids.begin(), tok_->bos_id());
+  return ids;
+}
+
+std::vector<int> ChatTemplate::tokenize(const std::vector<ChatMessage>& messages,
+                                        bool add_generation_prompt) const {
+  return tokenize(render_chat(format_, messages, add_generation_prompt));
+}
+
+std::vector<int> ChatTemplate::stop_ids() const {
+  if (format_ == ChatFormat::chatml) {
+    const int id = special_id("<|im_end|>");
+    if (id >= 0) return {id};
+  }
+  return {};
+}
+
+std::vector<std::string> ChatTemplate::stop_strings() const {
+  if (format_ == ChatFormat::chatml && special_id("<|im_end|>") < 0) return {"<|im_end|>"};
+  return {};
+}
+
+}  // namespace kestrel

@@ -1,0 +1,93 @@
+// Chat formats: a conversation rendered the way a chat model was trained to read it, and
+// tokenized with the format's special tokens as their ids (never as literal text).
+//
+// Each format reproduces the Jinja chat_template its models ship in tokenizer_config.json
+// (rendered by transformers' apply_chat_template), spelled out here for a conversation of an
+// optional system message and then user and assistant turns alternating:
+//
+//   llama2   <s>[INST] <<SYS>>\n{system}\n<</SYS>>\n\n{user} [/INST] {assistant} </s><s>[INST] {user} [/INST]
+//            (Llama-2-chat; contents stripped of surrounding whitespace)
+//   mistral  <s>[INST] {system}\n\n{user} [/INST]{assistant}</s>[INST] {user} [/INST]
+//            (Mistral-7B-Instruct v0.1/v0.2, which has no system role: it is prepended to the
+//            first user message)
+//   zephyr   <|system|>\n{system}</s>\n<|user|>\n{user}</s>\n<|assistant|>\n{assistant}</s>\n ... <|assistant|>\n
+//   chatml   <|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n
+//   vicuna   {system} USER: {user} ASSISTANT: {assistant}</s>USER: {user} ASSISTANT:
+//            (FastChat's vicuna_v1.1)
+//   raw      {system}\n{user}\n{assistant}\n ... : no markup, for base models
+//
+// The trailing part after the last message is the generation prompt (what opens the
+// assistant's reply). BOS: llama2 and mistral write <s> themselves; for the others the
+// tokenizer's add_bos_token prepends it, as llama.cpp does.
+#pragma once
+
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel {
+
+enum class ChatFormat { llama2, mistral, zephyr, chatml, vicuna, raw };
+
+struct ChatMessage {
+  std::string role;  // "system", "user" or "assistant"
+  std::string content;
+};
+
+// A piece of a rendered conversation: text, or a special token named by its text ("<s>",
+// "</s>", "<|im_start|>"), which tokenizes to the token's id when the tokenizer has it.
+struct ChatSegment {
+  std::string text;
+  bool special = false;
+  bool operator==(const ChatSegment&) const = default;
+};
+
+std::string_view chat_format_name(ChatFormat f);
+// "llama2", "mistral", "zephyr", "chatml", "vicuna", "raw"; throws kestrel::Error naming the
+// known formats otherwise.
+ChatFormat parse_chat_format(std::string_view name);
+
+// Recognises the format of a Jinja chat_template by substrings characteristic of each (as
+// llama.cpp's llm_chat_detect_template does). Templates of related but different formats
+// (Mistral's later [SYSTEM_PROMPT]/[AVAILABLE_TOOLS] ones, Phi-3, ChatML-with-<|im_sep|>,
+// Vicuna-Orca) are not matched: nullopt rather than a near miss.
+std::optional<ChatFormat> detect_chat_format(std::string_view jinja);
+
+// Renders a conversation: an optional leading system message, then user and assistant
+// messages alternating, starting with user. Throws kestrel::Error on any other order.
+std::vector<ChatSegment> render_chat(ChatFormat f, const std::vector<ChatMessage>& messages,
+                                     bool add_generation_prompt);
+// The rendered text (special tokens written as their text).
+std::string segments_text(const std::vector<ChatSegment>& segments);
+
+// A model's chat format bound to its tokenizer's special tokens.
+class ChatTemplate {
+ public:
+  // `name` is a format name or "auto": the format of <dir>/tokenizer_config.json's
+  // chat_template. With no chat_template at all, "auto" is raw and `note` says so (a base
+  // model); a chat_template that matches no known format is an error suggesting --template.
+  static ChatTemplate load(const std::string& dir, const std::string& name, const Tokenizer& tok,
+                           std::string* note = nullptr);
+  ChatTemplate(ChatFormat f, const Tokenizer& tok, std::map<std::string, int> added_tokens = {});
+
+  ChatFormat format() const { return format_; }
+  std::vector<int> tokenize(const std::vector<ChatMessage>& messages,
+                            bool add_generation_prompt) const;
+  std::vector<int> tokenize(const std::vector<ChatSegment>& segments) const;
+  // What ends a reply besides EOS: end-of-turn tokens as ids when the tokenizer has them,
+  // as stop strings when it does not.
+  std::vector<int> stop_ids() const;
+  std::vector<std::string> stop_strings() const;
+
+ private:
+  int special_id(const std::string& text) const;  // -1 when the tokenizer has no such token
+  ChatFormat format_;
+  const Tokenizer* tok_;
+  std::map<std::string, int> added_;  // tokenizer_config.json's added_tokens_decoder
+};
+
+}  // namespace kestrel
