@@ -2,6 +2,7 @@
 // every bad input ending in one clear line on stderr and a non-zero exit.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -21,9 +22,26 @@ struct Result {
   std::string out, err;
 };
 
+// A directory of this test process's own: CTest runs the cases of this file as parallel
+// processes, so nothing may live at a fixed shared path.
+// Removed when the process ends.
+struct Scratch {
+  fs::path dir = fs::temp_directory_path() / ("kestrel_cli_" + std::to_string(getpid()));
+  Scratch() { fs::create_directories(dir); }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+  }
+};
+
+const fs::path& scratch() {
+  static const Scratch s;
+  return s.dir;
+}
+
 // Runs a shell command, capturing stdout and stderr separately.
 Result run(const std::string& cmd) {
-  const fs::path err_file = fs::temp_directory_path() / "kestrel_cli_stderr.txt";
+  const fs::path err_file = scratch() / "stderr.txt";
   Result r;
   FILE* p = popen((cmd + " 2>" + err_file.string()).c_str(), "r");
   std::array<char, 4096> buf;
@@ -48,7 +66,7 @@ const std::string kSynth = KESTREL_SYNTH_BIN;
 class Cli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / "kestrel_cli_model");
+    dir_ = new fs::path(scratch() / "model");
     fs::remove_all(*dir_);
     const Result r = run(kSynth + " --shape tiny --layers 2 --dtype gptq --bits 4 --group-size 64 "
                                   "--act-order --seed 3 --quiet --out " + dir_->string());
@@ -60,7 +78,7 @@ class Cli : public ::testing::Test {
   }
   // A copy of the model directory that a test may damage.
   fs::path copy_model(const std::string& name) {
-    const fs::path d = fs::temp_directory_path() / ("kestrel_cli_" + name);
+    const fs::path d = scratch() / name;
     fs::remove_all(d);
     fs::copy(*dir_, d);
     return d;
@@ -140,7 +158,7 @@ TEST_F(Cli, PromptLongerThanContext) {
 }
 
 TEST_F(Cli, EmptyPromptFile) {
-  const fs::path f = fs::temp_directory_path() / "kestrel_empty_prompt.txt";
+  const fs::path f = scratch() / "empty_prompt.txt";
   std::ofstream(f).close();
   expect_one_line_error(
       run(kKestrel + " generate --device cpu -m " + dir_->string() + " -f " + f.string()),
@@ -156,7 +174,7 @@ TEST_F(Cli, CudaWithoutGpuSaysSoWithVersions) {
 }
 
 TEST_F(Cli, SynthRejectsBadBits) {
-  const Result r = run(kSynth + " --shape tiny --dtype gptq --bits 5 --out /tmp/kestrel_bad_bits");
+  const Result r = run(kSynth + " --shape tiny --dtype gptq --bits 5 --out " + (scratch() / "bad_bits").string());
   EXPECT_NE(r.code, 0);
   EXPECT_EQ(lines(r.err), 1) << r.err;
 }
@@ -173,7 +191,7 @@ TEST(CliFormats, SynthThenGenerateEveryBitsAndFormat) {
     for (const std::string format : {"gptq", "gptq_v2"}) {
       const bool act = i % 2 == 0, asym = format == "gptq_v2" && i % 4 == 1;
       ++i;
-      const fs::path d = fs::temp_directory_path() / ("kestrel_cli_fmt_" + std::to_string(i));
+      const fs::path d = scratch() / ("fmt_" + std::to_string(i));
       fs::remove_all(d);
       const std::string synth = kSynth + " --shape tiny --layers 2 --dtype gptq --bits " +
                                 std::to_string(bits) + " --group-size 64 --format " + format +
