@@ -188,8 +188,8 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   const int64_t Kp = w.chunks * C;
   // Effective group: the largest of 128, 64, 32 that divides the checkpoint's (scales repeat).
   w.group_size = per_row ? 0 : std::gcd(gs_in, 128);
-  // Padded to a multiple of 4 so that the scales (zeros) of one chunk are one aligned 4- or
-  // 8-byte (4-byte) word, which the kernels copy asynchronously.
+  // Padded to a multiple of 4: every row starts 8-byte aligned, so the (up to 4) scales of one
+  // chunk always lie in one aligned 8-byte word, which a kernel can fetch with one load.
   w.groups = ((per_row ? 1 : (Kp + w.group_size - 1) / w.group_size) + 3) / 4 * 4;
   w.zero_offset = p0.zero_offset;
   const int64_t Ge = w.groups;
