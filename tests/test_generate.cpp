@@ -1,0 +1,242 @@
+// The generation loop on a scripted backend: stop strings (never printed, partial matches
+// held back while streaming), UTF-8 assembled from byte pieces, end-of-turn ids,
+// cancellation, log-probabilities, and the reuse of a cached prefix.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "engine/error.h"
+#include "engine/generate.h"
+#include "tools/synth/synth.h"
+
+namespace fs = std::filesystem;
+using namespace kestrel;
+
+namespace {
+
+// A backend whose next token is whatever the script says: each forward writes logits with
+// 1 for the scripted id and 0 elsewhere. It records the (n, pos) of every call.
+class ScriptedBackend : public Backend {
+ public:
+  ScriptedBackend(int vocab, std::vector<int> script) : script_(std::move(script)) {
+    cfg_.vocab = vocab;
+  }
+  const ModelConfig& config() const override { return cfg_; }
+  int context_length() const override { return 256; }
+  std::string device_name() const override { return "script"; }
+  void forward(const int*, int n, int pos, float* logits, float*) override {
+    calls.push_back({n, pos});
+    std::fill(logits, logits + cfg_.vocab, 0.0f);
+    const int id = next < script_.size() ? script_[next] : 0;
+    ++next;
+    logits[id] = 1.0f;
+  }
+  std::vector<std::pair<int, int>> calls;
+  size_t next = 0;
+
+ private:
+  ModelConfig cfg_;
+  std::vector<int> script_;
+};
+
+class Generate : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new fs::path(fs::temp_directory_path() / "kestrel_generate_test_model");
+    fs::remove_all(*dir_);
+    synth::SynthOptions o;
+    o.shape = "tiny";
+    o.n_layers = 1;
+    o.quiet = true;
+    o.out = dir_->string();
+    synth::write_model(o);
+    tok_ = new Tokenizer(Tokenizer::load(dir_->string()));
+  }
+  static void TearDownTestSuite() {
+    delete tok_;
+    fs::remove_all(*dir_);
+    delete dir_;
+  }
+  static GenerateOptions greedy(int n) {
+    GenerateOptions o;
+    o.max_new_tokens = n;
+    o.sampling.temperature = 0;
+    return o;
+  }
+  int byte(int b) const {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    return tok_->piece_to_id(name);
+  }
+  static fs::path* dir_;
+  static Tokenizer* tok_;
+};
+fs::path* Generate::dir_ = nullptr;
+Tokenizer* Generate::tok_ = nullptr;
+
+TEST(StopMatcher, HoldsBackAPossibleStartAndCutsBeforeTheStop) {
+  StopMatcher m({"</end>", "STOP"});
+  EXPECT_EQ(m.push("hello </e"), "hello ");  // "</e" may begin "</end>"
+  EXPECT_EQ(m.push("x and ST"), "</ex and ");
+  EXPECT_EQ(m.push("OP more"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.push("after"), "");
+  EXPECT_EQ(m.flush(), "");
+}
+
+TEST(StopMatcher, FlushReturnsAHeldTailThatNeverCompleted) {
+  StopMatcher m({"world"});
+  EXPECT_EQ(m.push("hello wor"), "hello ");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.flush(), "wor");
+}
+
+TEST(StopMatcher, EarliestStopWins) {
+  StopMatcher m({"bc", "ab"});
+  EXPECT_EQ(m.push("xabc"), "x");
+  EXPECT_TRUE(m.stopped());
+}
+
+TEST_F(Generate, StopStringEndsGenerationUnprinted) {
+  const std::vector<int> prompt = tok_->encode("one");
+  const std::vector<int> script = tok_->encode("the river is long and wide", false);
+  // The oracle: SentencePiece's decode of prompt plus continuation, minus the prompt's.
+  std::vector<int> all = prompt;
+  all.insert(all.end(), script.begin(), script.end());
+  const std::string full = tok_->decode(all).substr(tok_->decode(prompt).size());
+  ASSERT_NE(full.find(" long"), std::string::npos) << full;
+  const std::string want = full.substr(0, full.find(" long"));
+
+  ScriptedBackend b(tok_->vocab_size(), script);
+  GenerateOptions o = greedy(40);
+  o.stop = {" long"};
+  std::string streamed;
+  std::vector<std::string> chunks;
+  const GenerateResult r = generate(b, *tok_, prompt, o, [&](std::string_view s) {
+    streamed += s;
+    chunks.emplace_back(s);
+  });
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.text, want);
+  EXPECT_EQ(streamed, want);
+  for (const std::string& c : chunks) EXPECT_EQ(c.find("long"), std::string::npos);
+}
+
+TEST_F(Generate, MultiByteCharactersStreamWhole) {
+  // "€" is E2 82 AC: three byte pieces, nothing printable until the third.
+  const std::vector<int> euro = {byte(0xE2), byte(0x82), byte(0xAC)};
+  for (int id : euro) ASSERT_GE(id, 0);
+  std::vector<int> script = euro;
+  script.push_back(euro[0]);  // an incomplete sequence at the end: U+FFFD when flushed
+  ScriptedBackend b(tok_->vocab_size(), script);
+  std::vector<std::pair<size_t, std::string>> chunks;  // (forward calls so far, text)
+  const GenerateResult r = generate(b, *tok_, tok_->encode("x"), greedy(4), [&](std::string_view s) {
+    chunks.emplace_back(b.next, std::string(s));
+  });
+  ASSERT_GE(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].second, "\xE2\x82\xAC");
+  EXPECT_EQ(chunks[0].first, 3u);  // after the third byte's token was chosen
+  EXPECT_EQ(r.text, "\xE2\x82\xAC\xEF\xBF\xBD");
+}
+
+TEST_F(Generate, EndIdsAndCancellation) {
+  const std::vector<int> words = tok_->encode("a b c d e f g h", false);
+  {
+    std::vector<int> script = words;
+    script.insert(script.begin() + 3, 77);  // an end-of-turn id after three words
+    ScriptedBackend b(tok_->vocab_size(), script);
+    GenerateOptions o = greedy(20);
+    o.stop_ids = {77};
+    const GenerateResult r = generate(b, *tok_, tok_->encode("x"), o);
+    EXPECT_EQ(r.finish_reason, "eos");
+    EXPECT_EQ(r.ids.size(), 4u);
+    EXPECT_EQ(r.ids.back(), 77);
+    o.ignore_eos = true;
+    ScriptedBackend b2(tok_->vocab_size(), script);
+    EXPECT_EQ(generate(b2, *tok_, tok_->encode("x"), o).ids.size(), 20u);
+  }
+  {
+    ScriptedBackend b(tok_->vocab_size(), words);
+    GenerateOptions o = greedy(20);
+    int polls = 0;
+    o.cancelled = [&] { return ++polls > 3; };
+    const GenerateResult r = generate(b, *tok_, tok_->encode("x"), o);
+    EXPECT_EQ(r.finish_reason, "cancelled");
+    EXPECT_EQ(r.ids.size(), 3u);
+  }
+}
+
+TEST_F(Generate, LogprobsOfTheScriptedDistribution) {
+  const int vocab = tok_->vocab_size();
+  const std::vector<int> script = tok_->encode("a b c", false);
+  ScriptedBackend b(vocab, script);
+  GenerateOptions o = greedy((int)script.size());
+  o.logprobs = 2;
+  const GenerateResult r = generate(b, *tok_, tok_->encode("x"), o);
+  ASSERT_EQ(r.logprobs.size(), script.size());
+  // One logit of 1 among zeros: log(e / (e + vocab - 1)).
+  const double lp = 1.0 - std::log(std::exp(1.0) + vocab - 1);
+  for (size_t i = 0; i < script.size(); ++i) {
+    EXPECT_EQ(r.logprobs[i].chosen.id, script[i]);
+    EXPECT_NEAR(r.logprobs[i].chosen.logprob, lp, 1e-5);
+    ASSERT_EQ(r.logprobs[i].top.size(), 2u);
+    EXPECT_EQ(r.logprobs[i].top[0].id, script[i]);
+    EXPECT_NEAR(r.logprobs[i].top[1].logprob, -std::log(std::exp(1.0) + vocab - 1), 1e-5);
+  }
+}
+
+TEST_F(Generate, CachedPrefixRunsOnlyTheNewSuffix) {
+  const std::vector<int> script = tok_->encode("a b c d e f g h i j k l", false);
+  ScriptedBackend b(tok_->vocab_size(), script);
+  std::vector<int> cache;
+  const std::vector<int> p1 = tok_->encode("one two");
+  const GenerateResult r1 = generate_cached(b, *tok_, p1, greedy(3), cache);
+  ASSERT_EQ(r1.ids.size(), 3u);
+  // The prompt at 0, then the first two generated ids (the third is never run).
+  ASSERT_EQ(b.calls.size(), 3u);
+  EXPECT_EQ(b.calls[0], std::make_pair((int)p1.size(), 0));
+  EXPECT_EQ(b.calls[1], std::make_pair(1, (int)p1.size()));
+  EXPECT_EQ(b.calls[2], std::make_pair(1, (int)p1.size() + 1));
+  std::vector<int> want = p1;
+  want.insert(want.end(), r1.ids.begin(), r1.ids.end() - 1);
+  EXPECT_EQ(cache, want);
+
+  // The next prompt continues the conversation: only what follows the cached ids runs.
+  std::vector<int> p2 = p1;
+  p2.insert(p2.end(), r1.ids.begin(), r1.ids.end());
+  const std::vector<int> more = tok_->encode("three", false);
+  p2.insert(p2.end(), more.begin(), more.end());
+  b.calls.clear();
+  const GenerateResult r2 = generate_cached(b, *tok_, p2, greedy(1), cache);
+  EXPECT_EQ(r2.n_cached, (int)want.size());
+  ASSERT_EQ(b.calls.size(), 1u);
+  EXPECT_EQ(b.calls[0], std::make_pair((int)(p2.size() - want.size()), (int)want.size()));
+
+  // The same prompt again: only its last id runs, for its logits.
+  b.calls.clear();
+  generate_cached(b, *tok_, p2, greedy(1), cache);
+  ASSERT_EQ(b.calls.size(), 1u);
+  EXPECT_EQ(b.calls[0], std::make_pair(1, (int)p2.size() - 1));
+
+  // A prompt that differs early overwrites the cache from there.
+  std::vector<int> p3 = p2;
+  p3[1] = p3[1] == 5 ? 6 : 5;
+  b.calls.clear();
+  generate_cached(b, *tok_, p3, greedy(1), cache);
+  ASSERT_EQ(b.calls.size(), 1u);
+  EXPECT_EQ(b.calls[0], std::make_pair((int)p3.size() - 1, 1));
+}
+
+TEST_F(Generate, ContextOverflowIsAnError) {
+  ScriptedBackend b(tok_->vocab_size(), {});
+  std::vector<int> prompt(200, 5);
+  try {
+    generate(b, *tok_, prompt, greedy(100));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("context of 256"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
