@@ -292,7 +292,8 @@ int run_batch(const GenerateArgs& a) {
     perf.load_ms = m.load_ms;
   }
   const GenerateOptions base = base_options(a, tmpl);
-  if (runnable > 0 && !a.quiet && !a.sampling.seed) std::cerr << "seed: " << base.sampling.seed << "\n";
+  if (runnable > 0 && !a.quiet && !a.sampling.seed && base.sampling.temperature > 0)
+    std::cerr << "seed: " << base.sampling.seed << "\n";
 
   Progress bar("prompts", runnable, "prompts", !a.quiet && runnable > 0);
   std::vector<int> cache;  // ids in the KV cache: prompts sharing a prefix reuse it
