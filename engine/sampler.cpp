@@ -134,6 +134,20 @@ float max_of(const float* x, int n) {
   return best;
 }
 
+// c.w = exp((c.logit - shift) * scale) for every candidate, four at a time; returns the sum.
+template <class Cand>
+double weigh(std::vector<Cand>& cand, float shift, float scale) {
+  double sum = 0;
+  size_t i = 0;
+  for (; i + 4 <= cand.size(); i += 4) {
+    const f32x4 l = {cand[i].logit, cand[i + 1].logit, cand[i + 2].logit, cand[i + 3].logit};
+    const f32x4 w = fast_exp((l - shift) * scale);
+    for (int j = 0; j < 4; ++j) sum += cand[i + j].w = w[j];
+  }
+  for (; i < cand.size(); ++i) sum += cand[i].w = fast_exp((cand[i].logit - shift) * scale);
+  return sum;
+}
+
 // Whether any of x[0..kBlock) exceeds t: lets the scans skip a block with one compare.
 inline bool any_above(const float* x, float t) { return hmax(block_max(x)) > t; }
 
@@ -236,6 +250,7 @@ void Sampler::keep_nucleus(double need) {
     return s;
   };
   size_t lo = 0, hi = cand_.size();  // [0, lo) is in; the cut lies in [lo, hi)
+  if (mass(lo, hi) < need) return;     // all of them (min-p cut deeper than top-p)
   while (hi - lo > 32) {
     float a = cand_[lo].w, b = cand_[(lo + hi) / 2].w, c = cand_[hi - 1].w;
     const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // median
@@ -287,7 +302,7 @@ int Sampler::sample(float* logits, int vocab, const std::vector<int>& history) {
     select_top_k(logits, vocab, p_.top_k);
     max_logit = cand_[0].logit;
     for (const Cand& c : cand_) max_logit = std::max(max_logit, c.logit);
-    for (Cand& c : cand_) norm += c.w = fast_exp(c.logit - max_logit);
+    norm = weigh(cand_, max_logit, 1.0f);
   } else {
     // Top-p and min-p both keep a prefix of the tokens by probability, so only tokens above
     // a logit threshold can survive: min-p's own, or for top-p alone the one below which
@@ -301,7 +316,7 @@ int Sampler::sample(float* logits, int vocab, const std::vector<int>& history) {
       threshold = max_logit + (float)std::log((1.0 - p_.top_p) * norm / vocab);
     }
     select_above(logits, vocab, threshold);
-    for (Cand& c : cand_) c.w = fast_exp(c.logit - max_logit);
+    weigh(cand_, max_logit, 1.0f);
   }
   if (top_p) keep_nucleus(p_.top_p * norm);
   if (min_p && top_k) {
@@ -315,8 +330,7 @@ int Sampler::sample(float* logits, int vocab, const std::vector<int>& history) {
   if (p_.temperature == 1.0f) {
     for (const Cand& c : cand_) total += c.w;
   } else {
-    const float inv_t = 1.0f / p_.temperature;
-    for (Cand& c : cand_) total += c.w = fast_exp((c.logit - max_logit) * inv_t);
+    total = weigh(cand_, max_logit, 1.0f / p_.temperature);
   }
   double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
   for (const Cand& c : cand_) {
