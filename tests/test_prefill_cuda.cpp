@@ -332,10 +332,6 @@ TEST_P(AttnPrefill, MatchesReferenceQueryByQuery) {
   for (size_t i = (size_t)(a.pos0 + a.T) * kv_dim; i < k.size(); ++i) k[i] = v[i] = 0x7E00;
   DeviceBuffer dq = upload(q.data(), q.size() * 2), dk = upload(k.data(), k.size() * 2),
                dv = upload(v.data(), v.size() * 2), dout((size_t)a.T * q_dim * 2);
-  KESTREL_CUDA_CHECK(cudaMemset(dout.get(), 0xFF, (size_t)a.T * q_dim * 2));
-  cuda::attention_prefill_f16(dq.as<__half>(), stride, dk.as<__half>(), dv.as<__half>(), a.pos0,
-                              a.T, a.window, a.H, a.KVH, a.D, dout.as<__half>(), nullptr);
-  const std::vector<float> got = to_floats(download<uint16_t>(dout, (size_t)a.T * q_dim));
 
   const std::vector<float> kf = to_floats(k), vf = to_floats(v);
   std::vector<float> ref((size_t)a.T * q_dim);
@@ -347,12 +343,19 @@ TEST_P(AttnPrefill, MatchesReferenceQueryByQuery) {
     attention_ref(qt.data(), kf.data() + (size_t)first * kv_dim, vf.data() + (size_t)first * kv_dim,
                   a.H, a.KVH, a.D, pos - first + 1, ref.data() + (size_t)t * q_dim);
   }
-  EXPECT_LT(rel_err(got, ref), 3e-3);
-  // Row by row too: a wrong mask on a single query must not hide in the norm of the chunk.
-  for (int t = 0; t < a.T; ++t) {
-    std::vector<float> g(got.begin() + (size_t)t * q_dim, got.begin() + (size_t)(t + 1) * q_dim);
-    std::vector<float> r(ref.begin() + (size_t)t * q_dim, ref.begin() + (size_t)(t + 1) * q_dim);
-    ASSERT_LT(rel_err(g, r), 1e-2) << "query " << t;
+  for (auto kernel : {cuda::PrefillAttnKernel::Mma, cuda::PrefillAttnKernel::Wmma}) {
+    const char* name = kernel == cuda::PrefillAttnKernel::Mma ? "mma" : "wmma";
+    KESTREL_CUDA_CHECK(cudaMemset(dout.get(), 0xFF, (size_t)a.T * q_dim * 2));  // NaN poison
+    cuda::attention_prefill_f16(dq.as<__half>(), stride, dk.as<__half>(), dv.as<__half>(), a.pos0,
+                                a.T, a.window, a.H, a.KVH, a.D, dout.as<__half>(), nullptr, kernel);
+    const std::vector<float> got = to_floats(download<uint16_t>(dout, (size_t)a.T * q_dim));
+    EXPECT_LT(rel_err(got, ref), 3e-3) << name;
+    // Row by row too: a wrong mask on a single query must not hide in the norm of the chunk.
+    for (int t = 0; t < a.T; ++t) {
+      std::vector<float> g(got.begin() + (size_t)t * q_dim, got.begin() + (size_t)(t + 1) * q_dim);
+      std::vector<float> r(ref.begin() + (size_t)t * q_dim, ref.begin() + (size_t)(t + 1) * q_dim);
+      ASSERT_LT(rel_err(g, r), 1e-2) << name << " query " << t;
+    }
   }
 }
 
@@ -455,7 +458,17 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
     const std::vector<float> crow(cpu_all.begin() + (size_t)i * vocab, cpu_all.begin() + (size_t)(i + 1) * vocab);
     worst = std::max(worst, rel_err(row, step));
     worst_cpu = std::max(worst_cpu, rel_err(row, crow));
-    EXPECT_EQ(argmax_of(row.data(), vocab), argmax_of(step.data(), vocab)) << "prompt position " << i;
+    // At random prompt positions the top two logits can be a near tie that the decode path's
+    // FP16 logits (spacing 2^-7 at |logit| ~ 10) cannot order. A different pick must be such a
+    // tie: within the error the row comparison above allows (2e-2 of the logits' rms).
+    const int ap = argmax_of(row.data(), vocab), as = argmax_of(step.data(), vocab);
+    if (ap != as) {
+      double ms = 0;
+      for (float v : step) ms += (double)v * v;
+      const double tol = 2e-2 * std::sqrt(ms / vocab);
+      EXPECT_LT(step[as] - step[ap], tol) << "prompt position " << i << ": prefill picks " << ap << ", decode " << as;
+      EXPECT_LT(row[ap] - row[as], tol) << "prompt position " << i << ": prefill picks " << ap << ", decode " << as;
+    }
   }
   EXPECT_LT(worst, 2e-2) << "prefill vs token-by-token logits, worst row";
   EXPECT_LT(worst_cpu, 2e-2) << "prefill vs CPU engine logits, worst row";

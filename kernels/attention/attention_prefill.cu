@@ -1,21 +1,27 @@
-// Causal prefill attention: flash-attention over the KV cache with WMMA tensor-core tiles.
+// Causal prefill attention: flash-attention over the KV cache on the tensor cores.
 //
-// A block of 4 warps owns 64 consecutive queries of one head; each warp owns 16 of them. For
-// every tile of 64 cached keys (from the first position any of the 64 queries may see up to the
-// last query's own position):
+// Two kernels with the same contract (attention_prefill_cuda.h):
 //
-//   K, V tile -> shared (16-byte loads, rows past the chunk zero-filled)
-//   S  = Q K^T            per warp: 16 x 64, FP16 WMMA, FP32 accumulators -> shared
-//   online softmax        2 lanes per row, 32 columns each: mask (causal, sliding window),
-//                         running max m and sum l in FP32 registers, P = exp2(S' - m) -> FP16
-//   O  = O * alpha + P V  per warp, 64 output columns at a time through the S band in shared
+// Mma (the engine's): FlashAttention-2 in registers with mma.sync m16n8k16 (FP16 in, FP32
+// accumulate). A block of 4 warps owns 64 consecutive queries of one head, each warp 16 rows.
+// Q fragments stay in registers for the whole block; per tile of 64 cached keys:
 //
-// O lives in shared memory in FP32 (WMMA does not expose which row an accumulator element
-// belongs to, and the rescaling by alpha is per row). At the end O / l is written in FP16.
-// Scores are scaled by log2(e) / sqrt(head_dim) so that exp2 replaces exp.
+//   K, V tile -> shared (cp.async, rows past the chunk zero-filled)
+//   S  = Q K^T            16 x 64 per warp in registers (K fragments by ldmatrix)
+//   online softmax        in registers: each thread holds 2 rows x 16 columns of S; row max
+//                         and sum over the 4 threads of a quad by shuffles; FP32 m and l
+//   O  = O * alpha + P V  P goes from the S accumulators straight into A fragments (the
+//                         m16n8k16 accumulator layout of two n-tiles is the A layout of one
+//                         k-step), V fragments by ldmatrix.trans; O [16, D] in registers
 //
-// Flops: 4 * head_dim per (query, key) pair; a causal 2048-token chunk of Llama-2-7B is
-// ~34 GFLOP per layer. Blocks are issued heaviest first (the last query tiles see the most keys).
+// Wmma (the first version, kept as a second implementation for the tests and the benchmark):
+// the same tiling with WMMA fragments; S, P and O pass through shared memory, since WMMA does
+// not say which row an accumulator element belongs to and the rescaling by alpha is per row.
+// Measured 2-4x slower than Mma (tools/bench_gemm prints both).
+//
+// Scores are scaled by log2(e) / sqrt(head_dim) so that exp2 replaces exp. Flops: 4 * head_dim
+// per (query, key) pair; a causal 2048-token chunk of Llama-2-7B is ~34 GFLOP per layer. Blocks
+// are issued heaviest first (the last query tiles see the most keys).
 #include <mma.h>
 
 #include <cmath>
@@ -62,6 +68,8 @@ struct Params {
   __half* out;
   float scale_log2;
 };
+
+// ---- Wmma kernel -----------------------------------------------------------------------------
 
 template <int D>
 __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Params p) {
@@ -206,17 +214,232 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Param
   }
 }
 
+
+// ---- Mma kernel ------------------------------------------------------------------------------
+
 template <int D>
-void launch(const Params& p, int n_heads, cudaStream_t stream) {
-  static bool configured = false;  // the attribute is per function; setting it twice is harmless
+struct MmaLayout {
+  static constexpr int LD = D + 8;  // halves per row: 16-byte aligned, ldmatrix conflict-free
+  static constexpr size_t q_off = 0;
+  static constexpr size_t k_off = q_off + size_t(kBQ) * LD * 2;
+  static constexpr size_t v_off = k_off + size_t(kBK) * LD * 2;
+  static constexpr size_t bytes = v_off + size_t(kBK) * LD * 2;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+// c += a b: a 16x16 (row), b 16x8 (col), c 16x8 FP32. Thread (g = lane / 4, t = lane % 4) holds
+// a: (g, 2t..), (g+8, 2t..), (g, 2t+8..), (g+8, 2t+8..); b: (2t.., g), (2t+8.., g);
+// c: (g, 2t), (g, 2t+1), (g+8, 2t), (g+8, 2t+1).
+__device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  uint32_t u;
+  memcpy(&u, &h, sizeof u);
+  return u;
+}
+
+// Copies rows [kv0, kv0 + 64) of a cache (this block's KV head) into a shared tile; rows past
+// `hi` are zero-filled (never visible, and never uninitialised).
+template <int D>
+__device__ __forceinline__ void load_tile(__half* tile, const __half* cache, int kv0, int hi,
+                                          int64_t kv_dim, int g, int tid) {
+  constexpr int V8 = D / 8, LD = MmaLayout<D>::LD;
+  for (int i = tid; i < kBK * V8; i += kThreads) {
+    const int r = i / V8, c = (i % V8) * 8;
+    const int kp = kv0 + r;
+    if (kp <= hi)
+      cp_async16(smem_u32(tile + r * LD + c), cache + (int64_t)kp * kv_dim + (int64_t)g * D + c);
+    else
+      *reinterpret_cast<uint4*>(tile + r * LD + c) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const Params p) {
+  using L = MmaLayout<D>;
+  constexpr int LD = L::LD, V8 = D / 8;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __half* Qs = reinterpret_cast<__half*>(smem + L::q_off);
+  __half* Ks = reinterpret_cast<__half*>(smem + L::k_off);
+  __half* Vs = reinterpret_cast<__half*>(smem + L::v_off);
+
+  const int tile = gridDim.x - 1 - blockIdx.x;  // heaviest tiles first
+  const int h = blockIdx.y, g = h / p.group;
+  const int t0 = tile * kBQ;
+  const int rows = min(kBQ, p.T - t0);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int gq = lane >> 2, tq = lane & 3;
+
+  for (int i = tid; i < kBQ * V8; i += kThreads) {
+    const int r = i / V8, c = (i % V8) * 8;
+    if (r < rows)
+      cp_async16(smem_u32(Qs + r * LD + c), p.q + (int64_t)(t0 + r) * p.q_stride + (int64_t)h * D + c);
+    else
+      *reinterpret_cast<uint4*>(Qs + r * LD + c) = make_uint4(0, 0, 0, 0);
+  }
+  cp_async_wait_all();
+  __syncthreads();
+
+  // Q fragments of the warp's 16 rows: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15).
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int r = warp * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+    ldmatrix_x4(qf[kk], smem_u32(Qs + r * LD + kk * 16 + 8 * (lane / 16)));
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  const int qpos[2] = {p.pos0 + t0 + warp * 16 + gq, p.pos0 + t0 + warp * 16 + gq + 8};
+
+  const int hi = p.pos0 + t0 + rows - 1;  // the last key any query of the block sees
+  const int lo = p.window > 0 ? max(0, p.pos0 + t0 + 1 - p.window) : 0;
+  for (int kv0 = lo; kv0 <= hi; kv0 += kBK) {
+    __syncthreads();  // every warp is done with the previous K, V tile
+    load_tile<D>(Ks, p.k, kv0, hi, p.kv_dim, g, tid);
+    load_tile<D>(Vs, p.v, kv0, hi, p.kv_dim, g, tid);
+    cp_async_wait_all();
+    __syncthreads();
+
+    // S [16, 64] = Q K^T: 8 n-tiles of 8 keys; one ldmatrix.x4 feeds two n-tiles.
+    float s[kBK / 8][4];
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < kBK / 16; ++np) {
+        uint32_t b[4];
+        const int key = np * 16 + (lane % 8) + 8 * (lane / 16);
+        ldmatrix_x4(b, smem_u32(Ks + key * LD + kk * 16 + 8 * ((lane / 8) % 2)));
+        mma16816(s[2 * np], qf[kk], b[0], b[1]);
+        mma16816(s[2 * np + 1], qf[kk], b[2], b[3]);
+      }
+    }
+
+    // Mask and online softmax; element e of n-tile j is row gq (+8 for e >= 2), key 8j+2tq+(e&1).
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = kv0 + 8 * j + 2 * tq + (e & 1);
+        const int qp = qpos[e >> 1];
+        const bool ok = key <= qp && (p.window <= 0 || key > qp - p.window);
+        s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    float alpha[2], m_new[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+      m_new[r] = fmaxf(m_run[r], mx[r]);
+      // Nothing visible yet (a sliding window before this tile): keep O, add nothing.
+      alpha[r] = m_new[r] == -INFINITY ? 1.0f : exp2f(m_run[r] - m_new[r]);
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < kBK / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float pe = m_new[r] == -INFINITY ? 0.0f : exp2f(s[j][e] - m_new[r]);
+        s[j][e] = pe;
+        sum[r] += pe;
+      }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+      sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+      l_run[r] = l_run[r] * alpha[r] + sum[r];
+      m_run[r] = m_new[r];
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      o[j][0] *= alpha[0];
+      o[j][1] *= alpha[0];
+      o[j][2] *= alpha[1];
+      o[j][3] *= alpha[1];
+    }
+
+    // O += P V: k-step kk2 covers keys 16kk2 .. +15 = n-tiles 2kk2 and 2kk2+1 of S.
+#pragma unroll
+    for (int kk2 = 0; kk2 < kBK / 16; ++kk2) {
+      uint32_t a[4];
+      a[0] = pack_half2(s[2 * kk2][0], s[2 * kk2][1]);
+      a[1] = pack_half2(s[2 * kk2][2], s[2 * kk2][3]);
+      a[2] = pack_half2(s[2 * kk2 + 1][0], s[2 * kk2 + 1][1]);
+      a[3] = pack_half2(s[2 * kk2 + 1][2], s[2 * kk2 + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        uint32_t b[4];
+        const int key = kk2 * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+        ldmatrix_x4_trans(b, smem_u32(Vs + key * LD + dp * 16 + 8 * (lane / 16)));
+        mma16816(o[2 * dp], a, b[0], b[1]);
+        mma16816(o[2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = warp * 16 + gq + 8 * r;
+    if (row >= rows) continue;
+    const float inv = 1.0f / l_run[r];
+    __half* dst = p.out + (int64_t)(t0 + row) * p.out_stride + (int64_t)h * D + 2 * tq;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+      *reinterpret_cast<__half2*>(dst + 8 * j) =
+          __floats2half2_rn(o[j][2 * r] * inv, o[j][2 * r + 1] * inv);
+  }
+}
+
+template <int D>
+void launch(const Params& p, int n_heads, PrefillAttnKernel kernel, cudaStream_t stream) {
+  // The attribute is per function; setting it again is harmless, so no lock is needed.
+  static bool configured = false;
   if (!configured) {
     KESTREL_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<D>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             (int)Layout<D>::bytes));
+    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_mma_kernel<D>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            (int)MmaLayout<D>::bytes));
     configured = true;
   }
   const dim3 grid((p.T + kBQ - 1) / kBQ, n_heads);
-  attention_prefill_kernel<D><<<grid, kThreads, Layout<D>::bytes, stream>>>(p);
+  if (kernel == PrefillAttnKernel::Mma)
+    attention_prefill_mma_kernel<D><<<grid, kThreads, MmaLayout<D>::bytes, stream>>>(p);
+  else
+    attention_prefill_kernel<D><<<grid, kThreads, Layout<D>::bytes, stream>>>(p);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
@@ -225,7 +448,7 @@ void launch(const Params& p, int n_heads, cudaStream_t stream) {
 void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_cache,
                            const __half* v_cache, int pos0, int T, int sliding_window,
                            int n_heads, int n_kv_heads, int head_dim, __half* out,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, PrefillAttnKernel kernel) {
   KESTREL_CHECK(head_dim == 64 || head_dim == 128,
                 "attention_prefill_f16: head_dim " + std::to_string(head_dim) +
                     " is not supported (64 or 128)");
@@ -255,9 +478,9 @@ void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_ca
   p.out = out;
   p.scale_log2 = (float)(1.4426950408889634 / std::sqrt((double)head_dim));
   if (head_dim == 64)
-    launch<64>(p, n_heads, stream);
+    launch<64>(p, n_heads, kernel, stream);
   else
-    launch<128>(p, n_heads, stream);
+    launch<128>(p, n_heads, kernel, stream);
 }
 
 }  // namespace kestrel::cuda

@@ -11,6 +11,10 @@
 
 namespace kestrel::cuda {
 
+// Mma: registers and mma.sync (the engine's). Wmma: WMMA fragments with S, P and O staged in
+// shared memory (slower; a second implementation for tests and benchmarks).
+enum class PrefillAttnKernel { Mma, Wmma };
+
 // q: row t (the query at position pos0 + t) at q + t * q_stride, head h at + h * head_dim
 // (q_stride a multiple of 8, q 16-byte aligned: the fused qkv buffer qualifies).
 // k_cache, v_cache [max_ctx, n_kv_heads * head_dim], 16-byte aligned, rows < pos0 + T written.
@@ -21,6 +25,6 @@ namespace kestrel::cuda {
 void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_cache,
                            const __half* v_cache, int pos0, int T, int sliding_window,
                            int n_heads, int n_kv_heads, int head_dim, __half* out,
-                           cudaStream_t stream);
+                           cudaStream_t stream, PrefillAttnKernel kernel = PrefillAttnKernel::Mma);
 
 }  // namespace kestrel::cuda

@@ -4,7 +4,8 @@
 //   quant    the quantized GEMM path: dequantize to FP16 scratch + cuBLASLt (+ gather, act-order)
 //   f16      cuBLASLt alone on the already dequantized FP16 weight (the ceiling of quant)
 //   deq      the dequantization alone
-// and a device-to-device copy for the bandwidth ceiling. quant / f16 is the fraction of the
+// then the causal prefill attention of one 7B layer (32 heads of 128) for a chunk of M tokens
+// from position 0, both kernels, and a device-to-device copy for the bandwidth ceiling. quant / f16 is the fraction of the
 // plain FP16 GEMM the quantized path reaches; the crossover is the smallest M at which quant
 // beats the GEMVs (kernels/gemm/gemm.h's kGemmMinRows).
 //
@@ -24,6 +25,7 @@
 
 #include "engine/dtype.h"
 #include "engine/error.h"
+#include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/gemv/gemv.h"
@@ -195,6 +197,30 @@ int run(const Options& o) {
     }
     fmt::print("{:>6} | {:>10} {:>10.3f} {:>10.3f} | {:>6.1f}%\n", rows[ri],
                have_g ? fmt::format("{:.3f}", g) : std::string("-"), q, f, 100.0 * f / q);
+  }
+
+  // Causal attention of one Llama-2-7B layer over a chunk at position 0.
+  fmt::print("\n{:>6} {:>6} | {:>9} {:>8} | {:>13}\n", "M", "kernel", "attn ms", "TFLOP/s", "x 32 layers ms");
+  const int H = 32, D = 128, q_dim = H * D;
+  for (int T : {512, 2048}) {
+    if (T > o.max_rows) continue;
+    std::vector<uint16_t> h((size_t)T * 3 * q_dim);
+    for (auto& v : h) v = float_to_half(nd(rng));
+    DeviceBuffer qkv(h.size() * 2), kc((size_t)T * q_dim * 2), vc((size_t)T * q_dim * 2),
+        out((size_t)T * q_dim * 2);
+    KESTREL_CUDA_CHECK(cudaMemcpy(qkv.get(), h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    KESTREL_CUDA_CHECK(cudaMemcpy(kc.get(), h.data(), (size_t)T * q_dim * 2, cudaMemcpyHostToDevice));
+    KESTREL_CUDA_CHECK(cudaMemcpy(vc.get(), h.data() + (size_t)T * q_dim, (size_t)T * q_dim * 2,
+                                  cudaMemcpyHostToDevice));
+    const double flop = 4.0 * D * H * (double)T * (T + 1) / 2;
+    for (auto kernel : {cuda::PrefillAttnKernel::Mma, cuda::PrefillAttnKernel::Wmma}) {
+      const double ms = time_ms(o.reps, [&] {
+        cuda::attention_prefill_f16(qkv.as<__half>(), 3 * q_dim, kc.as<__half>(), vc.as<__half>(), 0,
+                                    T, 0, H, H, D, out.as<__half>(), nullptr, kernel);
+      });
+      fmt::print("{:>6} {:>6} | {:>9.3f} {:>8.1f} | {:>13.2f}\n", T,
+                 kernel == cuda::PrefillAttnKernel::Mma ? "mma" : "wmma", ms, flop / ms * 1e-9, 32 * ms);
+    }
   }
   return 0;
 }
