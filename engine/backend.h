@@ -11,6 +11,14 @@
 
 namespace kestrel {
 
+// Time spent in one kind of op over a decode step (for `kestrel bench --profile`).
+struct OpTime {
+  std::string op;
+  int launches = 0;
+  double us = 0;      // summed over the launches
+  double bytes = 0;   // bytes the op must move through device memory (0 = not counted)
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -37,6 +45,10 @@ class Backend {
       if (logits[i] > logits[best]) best = i;
     return best;
   }
+
+  // Runs one decode step op by op with a timer around each, at `pos`. Empty where the
+  // backend cannot (the CPU reference).
+  virtual std::vector<OpTime> profile_step(int /*token*/, int /*pos*/) { return {}; }
 
   // Bytes the backend holds on its device: weights, and everything else (KV cache, scratch).
   virtual size_t weight_bytes() const { return 0; }

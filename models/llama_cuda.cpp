@@ -77,6 +77,10 @@ bool fusable(const std::vector<const LinearSpec*>& parts) {
 
 }  // namespace
 
+double GpuLinear::bytes_moved() const {
+  return quantized ? (double)q.bytes_moved() : (double)N * K * sizeof(__half) + (K + 2.0 * N) * sizeof(__half);
+}
+
 void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s) const {
   if (quantized)
     cuda::gemv(q, x, y, residual, s);
@@ -250,9 +254,11 @@ LlamaCuda::~LlamaCuda() {
 void LlamaCuda::record_step(cudaStream_t s, Head head) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
+  const double h2 = sizeof(__half);
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
 
   cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
+  mark("embedding", 2 * c.hidden * h2, s);
   for (int l = 0; l < c.n_layers; ++l) {
     const GpuLayer& L = w_.layers[l];
     __half* k_cache = s_.key_cache + l * kv_layer;    // [ctx, kv_dim]
@@ -260,31 +266,105 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
 
     // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
     cuda::rms_norm_f16(s_.x, L.input_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
+    mark("rms_norm", 3 * c.hidden * h2, s);
     L.qkv.run(s_.xb, s_.qkv, nullptr, s);  // qkv [q_dim | kv_dim | kv_dim]
+    mark("gemv qkv", L.qkv.bytes_moved(), s);
     cuda::rope_kv_write_f16(s_.qkv, k_cache, v_cache, s_.pos, c.n_heads, c.n_kv_heads, c.head_dim,
                             c.rope_theta, c.rope_linear_factor, s);
+    mark("rope + kv write", (c.q_dim() * 2 + c.kv_dim() * 4) * h2, s);
     cuda::attention_decode_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window, c.n_heads,
                                c.n_kv_heads, c.head_dim, s_.att_workspace, s_.att, s);
+    mark("attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
     L.o.run(s_.att, s_.x, s_.x, s);
+    mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
     // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
     cuda::rms_norm_f16(s_.x, L.post_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
+    mark("rms_norm", 3 * c.hidden * h2, s);
     L.gate_up.run(s_.xb, s_.gate_up, nullptr, s);  // [gate | up]
+    mark("gemv gate|up", L.gate_up.bytes_moved(), s);
     cuda::silu_mul_f16(s_.gate_up, c.intermediate, s_.act, s);
+    mark("silu * up", 3.0 * c.intermediate * h2, s);
     L.down.run(s_.act, s_.x, s_.x, s);
+    mark("gemv down (+residual)", L.down.bytes_moved(), s);
   }
   if (head == Head::None) return;
 
   cuda::rms_norm_f16(s_.x, w_.final_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
+  mark("rms_norm", 3 * c.hidden * h2, s);
   cuda::gemv_f16(w_.lm_head, s_.xb, s_.logits, c.vocab, c.hidden, nullptr, s);  // [vocab]
+  mark("gemv lm_head", (double)c.vocab * c.hidden * h2, s);
   if (head == Head::Argmax) {
     cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
+    mark("argmax", c.vocab * h2, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_io_ + 2, s_.next, sizeof(int), cudaMemcpyDeviceToHost, s));
   } else {
     cuda::half_to_float(s_.logits, s_.logits_f32, c.vocab, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_logits_, s_.logits_f32, c.vocab * sizeof(float),
                                        cudaMemcpyDeviceToHost, s));
   }
+}
+
+struct LlamaCuda::StepProfile {
+  cudaEvent_t start = nullptr;
+  std::vector<std::pair<std::string, double>> ops;  // name, bytes
+  std::vector<cudaEvent_t> events;
+};
+
+void LlamaCuda::mark(const char* op, double bytes, cudaStream_t s) {
+  if (!profile_) return;
+  cudaEvent_t e;
+  KESTREL_CUDA_CHECK(cudaEventCreate(&e));
+  KESTREL_CUDA_CHECK(cudaEventRecordWithFlags(e, s, cudaEventRecordExternal));
+  profile_->ops.emplace_back(op, bytes);
+  profile_->events.push_back(e);
+}
+
+std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
+  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+  StepProfile prof;
+  host_io_[0] = token;
+  host_io_[1] = pos;
+  profile_pos_ = pos;
+  KESTREL_CUDA_CHECK(cudaEventCreate(&prof.start));
+  // Captured as a graph with an event node after every op, so that the step runs as in
+  // decoding (no host launch gaps), and replayed twice: the second replay is timed.
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  profile_ = &prof;
+  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  try {
+    KESTREL_CUDA_CHECK(cudaEventRecordWithFlags(prof.start, stream_, cudaEventRecordExternal));
+    record_step(stream_, Head::Argmax);
+  } catch (...) {
+    profile_ = nullptr;
+    cudaStreamEndCapture(stream_, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    throw;
+  }
+  profile_ = nullptr;
+  KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  KESTREL_CUDA_CHECK(err);
+  for (int i = 0; i < 2; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  cudaGraphExecDestroy(exec);
+  std::vector<OpTime> out;
+  cudaEvent_t prev = prof.start;
+  for (size_t i = 0; i < prof.ops.size(); ++i) {
+    float ms = 0;
+    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, prev, prof.events[i]));
+    prev = prof.events[i];
+    auto it = std::find_if(out.begin(), out.end(), [&](const OpTime& t) { return t.op == prof.ops[i].first; });
+    if (it == out.end()) it = out.insert(out.end(), OpTime{prof.ops[i].first});
+    it->launches += 1;
+    it->us += ms * 1000.0;
+    it->bytes += prof.ops[i].second;
+  }
+  cudaEventDestroy(prof.start);
+  for (cudaEvent_t e : prof.events) cudaEventDestroy(e);
+  return out;
 }
 
 void LlamaCuda::capture_graphs() {

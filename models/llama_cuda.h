@@ -24,6 +24,8 @@ struct GpuLinear {
   __half* dense = nullptr;    // [N, K] FP16, dense
   size_t bytes = 0;
 
+  // Bytes one run moves through device memory (weights, x, y).
+  double bytes_moved() const;
   // y [N] = W x (+ residual [N]; y may alias residual)
   void run(const __half* x, __half* y, const __half* residual, cudaStream_t s) const;
 };
@@ -75,6 +77,7 @@ class LlamaCuda final : public Backend {
   std::string device_name() const override { return device_name_; }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
+  std::vector<OpTime> profile_step(int token, int pos) override;
   size_t weight_bytes() const override { return weight_bytes_; }
   size_t cache_bytes() const override { return cache_bytes_; }
 
@@ -101,6 +104,12 @@ class LlamaCuda final : public Backend {
   void capture_graphs();
   // Runs one step through the graph for `head`; returns when the result is on the host.
   void step(int token, int pos, Head head);
+
+  // Events recorded after each op while profiling (nullptr otherwise: graphs carry none).
+  struct StepProfile;
+  StepProfile* profile_ = nullptr;
+  int profile_pos_ = 0;
+  void mark(const char* op, double bytes, cudaStream_t s);
 
   ModelConfig cfg_;
   int ctx_ = 0;

@@ -22,6 +22,7 @@ struct BenchArgs {
   int reps = 5;
   std::string output = "md";
   uint64_t seed = 1234;
+  bool profile = false;
 };
 
 struct Stat {
@@ -56,6 +57,25 @@ int64_t count_params(const ModelSpec& s) {
   int64_t p = per_layer * c.n_layers + (int64_t)c.vocab * c.hidden + c.hidden;
   if (s.lm_head != s.embed) p += (int64_t)c.vocab * c.hidden;
   return p;
+}
+
+// One decode step, op by op: time, share and achieved bandwidth.
+void print_profile(const std::vector<OpTime>& ops) {
+  if (ops.empty()) {
+    std::cout << "\n(--profile: this device has no per-op timing)\n";
+    return;
+  }
+  double total = 0;
+  for (const OpTime& t : ops) total += t.us;
+  std::cout << fmt::format("\n| {:<22} | {:>8} | {:>9} | {:>6} | {:>9} | {:>8} |\n", "op (one decode step)",
+                           "launches", "us", "share", "MB", "GB/s");
+  std::cout << fmt::format("| {:-<22} | {:->8} | {:->9} | {:->6} | {:->9} | {:->8} |\n", "", "", "", "", "", "");
+  for (const OpTime& t : ops)
+    std::cout << fmt::format("| {:<22} | {:>8} | {:>9.1f} | {:>5.1f}% | {:>9.2f} | {:>8.0f} |\n", t.op,
+                             t.launches, t.us, 100 * t.us / total, t.bytes / 1e6,
+                             t.us > 0 ? t.bytes / (t.us * 1e3) : 0.0);
+  std::cout << fmt::format("| {:<22} | {:>8} | {:>9.1f} | {:>5.1f}% | {:>9} | {:>8} |\n", "total", "", total, 100.0,
+                           "", "");
 }
 
 int run_bench(BenchArgs a) {
@@ -132,6 +152,7 @@ int run_bench(BenchArgs a) {
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+    if (a.profile) print_profile(b.profile_step(1, a.n_prompt + a.n_gen - 1));
     if (m.device == "cuda")
       std::cout << fmt::format("\nGPU memory: weights {:.2f} GiB + KV cache {:.2f} GiB ({} positions)\n",
                                b.weight_bytes() / 1073741824.0, b.cache_bytes() / 1073741824.0,
@@ -151,6 +172,8 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")->check(CLI::PositiveNumber);
   cmd->add_option("-o,--output", a->output, "md, json or csv")->check(CLI::IsMember({"md", "json", "csv"}));
   cmd->add_option("--seed", a->seed, "seed of the random prompt tokens");
+  cmd->add_flag("--profile", a->profile,
+                "also time each op of one decode step (at the last position) against its bytes");
   cmd->callback([a, &action] { action = [a] { return run_bench(*a); }; });
 }
 
