@@ -684,7 +684,9 @@ TEST_F(EndToEnd, GptqCloseToFp16AndBelowRtn) {
   EXPECT_EQ(spec.config.quant->group_size, 64);
   EXPECT_TRUE(spec.config.quant->desc_act);
   EXPECT_EQ(spec.config.quant->format, GptqFormat::V1);
-  EXPECT_TRUE(fs::exists(gptq_dir / "quantize_config.json"));
+  const nlohmann::json qc = nlohmann::json::parse(std::ifstream(gptq_dir / "quantize_config.json"));
+  EXPECT_EQ(qc["damp_percent"], 0.01);
+  EXPECT_EQ(qc["checkpoint_format"], "gptq");
   EXPECT_TRUE(fs::exists(gptq_dir / "tokenizer.model"));
   EXPECT_FALSE(fs::exists(gptq_dir / ".kestrel-quantize-scratch"));
   EXPECT_EQ(spec.embed->dtype, DType::F16);

@@ -116,7 +116,7 @@ struct PackedShape {
 ojson quant_json(const QuantizeOptions& o) {
   return ojson{{"bits", o.gptq.bits},
                {"group_size", o.gptq.group_size},
-               {"damp_percent", o.gptq.damp},
+               {"damp_percent", std::stod(fmt::format("{:g}", o.gptq.damp))},  // 0.01, not 0.0099999998
                {"desc_act", o.method == "gptq" && o.gptq.act_order},
                {"static_groups", o.gptq.static_groups},
                {"sym", o.gptq.sym},
@@ -179,9 +179,12 @@ void copy_tokenizer_files(const QuantizeOptions& o) {
   for (const char* name : {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                            "special_tokens_map.json", "added_tokens.json",
                            "generation_config.json"}) {
-    const fs::path src = fs::path(o.model_dir) / name;
-    if (fs::exists(src))
-      fs::copy_file(src, fs::path(o.out_dir) / name, fs::copy_options::overwrite_existing);
+    const fs::path src = fs::path(o.model_dir) / name, dst = fs::path(o.out_dir) / name;
+    if (!fs::exists(src)) continue;
+    // A read-only source (a shared model folder) must not leave a file a rerun cannot replace.
+    fs::remove(dst);
+    fs::copy_file(src, dst);
+    fs::permissions(dst, fs::perms::owner_write, fs::perm_options::add);
   }
 }
 
