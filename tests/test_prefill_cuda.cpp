@@ -302,9 +302,10 @@ TEST(RopeRows, MatchesReferenceAndDecodeKernel) {
   }
   EXPECT_LT(worst, 2e-3);  // one fp16 rounding of values of order 1
   // Rows outside the chunk untouched.
-  for (int p = 0; p < ctx; ++p)
-    if (p < pos0 || p >= pos0 + T)
-      for (int i = 0; i < kv_dim; ++i) ASSERT_EQ(kcache[(size_t)p * kv_dim + i], 0) << "row " << p;
+  for (int p = 0; p < ctx; ++p) {
+    if (p >= pos0 && p < pos0 + T) continue;
+    for (int i = 0; i < kv_dim; ++i) ASSERT_EQ(kcache[(size_t)p * kv_dim + i], 0) << "row " << p;
+  }
   // The pad columns past q|k|v stay as they were.
   for (int t = 0; t < T; ++t)
     for (int i = qkv_n; i < stride; ++i) EXPECT_EQ(rows[(size_t)t * stride + i], qkv[(size_t)t * stride + i]);

@@ -99,9 +99,8 @@ int run_perplexity(const PerplexityArgs& a) {
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << fmt::format(
-        "perplexity: {:.4f} over {} windows of {} tokens ({} predicted; {} of {} windows; "
-        "{:.1f} s, {:.0f} tokens/s)\n",
-        ppl, n_windows, window, scored, n_windows, available, seconds,
+        "perplexity: {:.4f} ({} of {} windows of {} tokens, {} predicted; {:.1f} s, {:.0f} tokens/s)\n",
+        ppl, n_windows, available, window, scored, seconds,
         seconds > 0 ? (double)(n_windows * window) / seconds : 0.0);
   }
   return 0;
@@ -114,6 +113,8 @@ void register_perplexity(CLI::App& app, std::function<int()>& action) {
   CLI::App* cmd = app.add_subcommand(
       "perplexity", "perplexity of a text file in windows of -c tokens (default 2048)");
   add_model_options(cmd, a->model);
+  // Here -c is the window length (and the context the model is loaded with).
+  cmd->get_option("--ctx-size")->description("window length in tokens (0 = 2048)");
   cmd->add_option("-f,--file", a->file, "text file (tokenized once, BOS at the start)")->required();
   cmd->add_option("--chunks", a->chunks, "score only the first N windows (0 = all)")
       ->check(CLI::NonNegativeNumber);
