@@ -81,11 +81,12 @@ double GpuLinear::bytes_moved() const {
   return quantized ? (double)q.bytes_moved() : (double)N * K * sizeof(__half) + (K + 2.0 * N) * sizeof(__half);
 }
 
-void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s) const {
+void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
+                    cuda::GemvInput in) const {
   if (quantized)
-    cuda::gemv(q, x, y, residual, s);
+    cuda::gemv(q, x, y, residual, s, in);
   else
-    cuda::gemv_f16(dense, x, y, N, K, residual, s);
+    cuda::gemv_f16(dense, x, y, N, K, residual, s, {}, in);
 }
 
 // Streams the checkpoint's tensors to the GPU, one at a time, counting bytes for the bar.
@@ -223,11 +224,9 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   s_.next = io + 2;
   auto halves = [&](size_t n) { return static_cast<__half*>(alloc(n * sizeof(__half))); };
   s_.x = halves(c.hidden);
-  s_.xb = halves(c.hidden);
   s_.qkv = halves(c.q_dim() + 2 * c.kv_dim());
   s_.att = halves(c.q_dim());
   s_.gate_up = halves(2 * (size_t)c.intermediate);
-  s_.act = halves(c.intermediate);
   s_.logits = halves(c.vocab);
   s_.logits_f32 = static_cast<float*>(alloc(c.vocab * sizeof(float)));
   s_.att_workspace =
@@ -264,11 +263,10 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     __half* k_cache = s_.key_cache + l * kv_layer;    // [ctx, kv_dim]
     __half* v_cache = s_.value_cache + l * kv_layer;  // [ctx, kv_dim]
 
-    // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
-    cuda::rms_norm_f16(s_.x, L.input_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
-    mark("rms_norm", 3 * c.hidden * h2, s);
-    L.qkv.run(s_.xb, s_.qkv, nullptr, s);  // qkv [q_dim | kv_dim | kv_dim]
-    mark("gemv qkv", L.qkv.bytes_moved(), s);
+    // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x))); the RMSNorm runs inside
+    // the qkv GEMV as it stages x.
+    L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
+    mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
     cuda::rope_kv_write_f16(s_.qkv, k_cache, v_cache, s_.pos, c.n_heads, c.n_kv_heads, c.head_dim,
                             c.rope_theta, c.rope_linear_factor, s);
     mark("rope + kv write", (c.q_dim() * 2 + c.kv_dim() * 4) * h2, s);
@@ -278,22 +276,18 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     L.o.run(s_.att, s_.x, s_.x, s);
     mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
-    // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
-    cuda::rms_norm_f16(s_.x, L.post_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
-    mark("rms_norm", 3 * c.hidden * h2, s);
-    L.gate_up.run(s_.xb, s_.gate_up, nullptr, s);  // [gate | up]
-    mark("gemv gate|up", L.gate_up.bytes_moved(), s);
-    cuda::silu_mul_f16(s_.gate_up, c.intermediate, s_.act, s);
-    mark("silu * up", 3.0 * c.intermediate * h2, s);
-    L.down.run(s_.act, s_.x, s_.x, s);
-    mark("gemv down (+residual)", L.down.bytes_moved(), s);
+    // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x); the norm runs inside
+    // the gate|up GEMV, SiLU * up inside the down GEMV.
+    L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps});  // [gate | up]
+    mark("rms_norm + gemv gate|up", L.gate_up.bytes_moved(), s);
+    L.down.run(s_.gate_up, s_.x, s_.x, s, {nullptr, 0.f, /*silu_mul=*/true});
+    mark("silu*up + gemv down (+res)", L.down.bytes_moved(), s);
   }
   if (head == Head::None) return;
 
-  cuda::rms_norm_f16(s_.x, w_.final_norm, c.rms_eps, 1, c.hidden, s_.xb, s);
-  mark("rms_norm", 3 * c.hidden * h2, s);
-  cuda::gemv_f16(w_.lm_head, s_.xb, s_.logits, c.vocab, c.hidden, nullptr, s);  // [vocab]
-  mark("gemv lm_head", (double)c.vocab * c.hidden * h2, s);
+  cuda::gemv_f16(w_.lm_head, s_.x, s_.logits, c.vocab, c.hidden, nullptr, s, {},
+                 {w_.final_norm, c.rms_eps});  // [vocab] = lm_head rmsnorm(x)
+  mark("rms_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
   if (head == Head::Argmax) {
     cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
     mark("argmax", c.vocab * h2, s);

@@ -27,7 +27,9 @@ struct GpuLinear {
   // Bytes one run moves through device memory (weights, x, y).
   double bytes_moved() const;
   // y [N] = W x (+ residual [N]; y may alias residual)
-  void run(const __half* x, __half* y, const __half* residual, cudaStream_t s) const;
+  // `in` fuses the op before the linear (RMSNorm, SiLU * up) into its staging of x.
+  void run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
+           cuda::GemvInput in = {}) const;
 };
 
 struct GpuLayer {
@@ -56,7 +58,6 @@ struct GpuRunState {
   __half* qkv = nullptr;         // [q_dim + 2 * kv_dim]
   __half* att = nullptr;         // [q_dim]
   __half* gate_up = nullptr;     // [2 * intermediate]
-  __half* act = nullptr;         // [intermediate] silu(gate) * up
   __half* logits = nullptr;      // [vocab]
   float* logits_f32 = nullptr;   // [vocab]
   float* att_workspace = nullptr;

@@ -27,7 +27,9 @@
 #include "kernels/gemv/gemv.h"
 #include "kernels/gemv/gemv_layout.h"
 #include "kernels/gptq/gptq_format.h"
+#include "kernels/activation/activation.h"
 #include "kernels/matmul/matmul.h"
+#include "kernels/norm/norm.h"
 
 namespace kestrel {
 namespace {
@@ -383,6 +385,76 @@ TEST(GemvResidual, AddsResidualSeparateAndAliased) {
   f.bits = 3;
   const Linear L3 = random_linear(f, 64, 11008, rng);
   check_quant(L3, 33, rng, true, true);
+}
+
+// ---- Fused input ops --------------------------------------------------------------------------
+
+// x as the GEMV stages it after the fused op: the CPU reference op, rounded to fp16.
+std::vector<float> fused_input(const std::vector<uint16_t>& x, int64_t K, const std::vector<uint16_t>& norm_w,
+                               float eps, bool silu) {
+  const std::vector<float> xf = to_float(x);
+  std::vector<float> out(K);
+  if (silu) {
+    silu_mul_ref(xf.data(), xf.data() + K, K, out.data());
+  } else {
+    const std::vector<float> wf = to_float(norm_w);
+    rms_norm_ref(xf.data(), wf.data(), eps, 1, K, out.data());
+  }
+  for (float& v : out) v = half_to_float(float_to_half(v));
+  return out;
+}
+
+TEST(GemvInputOps, RmsNormAndSiluMulFusedIntoStaging) {
+  REQUIRE_GPU();
+  std::mt19937 rng(51);
+  for (bool act : {false, true})
+    for (bool silu : {false, true})
+      for (int64_t K : {96, 4096}) {
+        Format f;
+        f.bits = 4;
+        f.group_size = 32;
+        f.act_order = act;
+        const int64_t n = 33;
+        const Linear L = random_linear(f, round_up(n, 32), K, rng);
+        const std::string what = describe(f, n, K) + (silu ? " silu*up" : " rmsnorm");
+        SCOPED_TRACE(what);
+        Packed P = pack(L, n);
+        GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+        const std::vector<uint16_t> x = random_x(silu ? 2 * K : K, rng);
+        std::vector<uint16_t> norm_w = random_x(K, rng);
+        const float eps = 1e-5f;
+        double terms2 = 0;
+        const std::vector<float> ref = reference(L, n, fused_input(x, K, norm_w, eps, silu), &terms2);
+        DeviceBuffer dnw = upload(norm_w);
+        cuda::GemvInput in;
+        if (silu)
+          in.silu_mul = true;
+        else
+          in = {dnw.as<__half>(), eps, false};
+        const std::vector<float> y =
+            run(n, x, {}, false, [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+              cuda::gemv(w, dx, dy, dr, st, in);
+            });
+        cuda::gemv_free(w);
+        expect_close(y, ref, terms2, what);
+
+        // The fp16 GEMV stages x the same way.
+        std::vector<uint16_t> W(n * K);
+        std::normal_distribution<float> d(0.f, 0.02f);
+        for (auto& v : W) v = float_to_half(d(rng));
+        const std::vector<float> xe = fused_input(x, K, norm_w, eps, silu);
+        std::vector<float> ref16(n);
+        matmul_f16w_ref(xe.data(), W.data(), nullptr, 1, n, K, ref16.data());
+        double t2 = 0;
+        for (int64_t r = 0; r < n; ++r)
+          for (int64_t k = 0; k < K; ++k) t2 += std::pow(double(half_to_float(W[r * K + k])) * xe[k], 2);
+        DeviceBuffer dW = upload(W);
+        const std::vector<float> y16 =
+            run(n, x, {}, false, [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+              cuda::gemv_f16(dW.as<__half>(), dx, dy, n, K, dr, st, {}, in);
+            });
+        expect_close(y16, ref16, t2, what + " f16");
+      }
 }
 
 // ---- Fused parts -------------------------------------------------------------------------------

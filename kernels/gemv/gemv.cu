@@ -113,6 +113,11 @@ struct KParams {
   int N, K, nch, G;
   int zero_const, zero_offset;
   int k_split, tiles;
+  // The op before the GEMV, fused into the staging of x (GemvInput): RMSNorm with these
+  // weights, or SiLU(gate) * up over an x that holds [gate | up].
+  const __half* norm_w;  // nullptr = no norm
+  float eps;
+  bool silu_mul;
 };
 
 // ---- PTX --------------------------------------------------------------------------------------
@@ -402,6 +407,62 @@ struct F16Op {
 
 // ---- Staging x --------------------------------------------------------------------------------
 
+// The fused input ops compute exactly what the stand-alone kernels do (kernels/norm,
+// kernels/activation): fp32 math on fp16 inputs, one rounding to fp16 of the staged value.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// RMSNorm's 1 / rms(x) over the block (every block stages the whole x anyway).
+__device__ float input_inv_rms(const KParams& p, bool vec) {
+  __shared__ float part[kWarps];
+  float ss = 0.f;
+  if (vec) {
+    for (int v = threadIdx.x; v < p.K / 8; v += kThreads) {
+      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(h2(word(raw, j)));
+        ss += f.x * f.x + f.y * f.y;
+      }
+    }
+  } else {
+    for (int k = threadIdx.x; k < p.K; k += kThreads) {
+      const float f = __half2float(__ldcg(p.x + k));
+      ss += f * f;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += part[w];
+  return rsqrtf(total / (float)p.K + p.eps);
+}
+
+// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
+__device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) {
+  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+  if (!p.norm_w && !p.silu_mul) return raw;
+  const uint4 other = p.norm_w ? __ldg(reinterpret_cast<const uint4*>(p.norm_w + k))
+                               : __ldcg(reinterpret_cast<const uint4*>(p.x + p.K + k));
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 a = __half22float2(h2(word(raw, j))), b = __half22float2(h2(word(other, j)));
+    const __half2 r = p.norm_w ? __floats2half2_rn(a.x * inv_rms * b.x, a.y * inv_rms * b.y)
+                               : __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y));
+    memcpy(&out[j], &r, 4);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+__device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms) {
+  const float a = __half2float(__ldcg(p.x + k));
+  if (p.norm_w) return __float2half_rn(a * inv_rms * __half2float(__ldg(p.norm_w + k)));
+  if (p.silu_mul) return __float2half_rn(silu_times(a, __half2float(__ldcg(p.x + p.K + k))));
+  return __float2half_rn(a);
+}
+
 // x_s[j * nch + c] = x values k = c*C + 8j .. +7 of the permuted K axis (zero past K).
 // x and residual are read with ld.global.cg: written by the previous kernel, which with
 // programmatic dependent launch may still have been running when this one started.
@@ -409,18 +470,20 @@ template <int C>
 __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat) {
   constexpr int V = C / 8;
   const int nvec = p.nch * V;
-  const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0);
+  const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
+                   ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
+  const float inv_rms = p.norm_w ? input_inv_rms(p, vec) : 1.f;
   auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
   if (p.perm == nullptr) {
     for (int v = threadIdx.x; v < nvec; v += kThreads) {
       const int k = v * 8;
       uint4 val = make_uint4(0, 0, 0, 0);
       if (vec) {
-        if (k < p.K) val = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+        if (k < p.K) val = input8(p, k, inv_rms);
       } else {
         __half e[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? __ldcg(p.x + k + i) : __half(0.f);
+        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? input1(p, k + i, inv_rms) : __half(0.f);
         memcpy(&val, e, sizeof(val));
       }
       slot(v) = val;
@@ -428,9 +491,9 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
   } else {
     if (vec) {
       for (int v = threadIdx.x; v < p.K / 8; v += kThreads)
-        reinterpret_cast<uint4*>(x_nat)[v] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+        reinterpret_cast<uint4*>(x_nat)[v] = input8(p, v * 8, inv_rms);
     } else {
-      for (int k = threadIdx.x; k < p.K; k += kThreads) x_nat[k] = __ldcg(p.x + k);
+      for (int k = threadIdx.x; k < p.K; k += kThreads) x_nat[k] = input1(p, k, inv_rms);
     }
     __syncthreads();
     for (int v = threadIdx.x; v < nvec; v += kThreads) {
@@ -671,10 +734,18 @@ GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks
 
 using namespace gemv_detail;
 
+void set_input(KParams& p, const GemvInput& in) {
+  if (in.norm_w && in.silu_mul) throw Error("gemv: one fused input op at a time (norm or silu_mul)");
+  p.norm_w = in.norm_w;
+  p.eps = in.eps;
+  p.silu_mul = in.silu_mul;
+}
+
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
-          cudaStream_t s) {
+          cudaStream_t s, GemvInput in) {
   if (!w.device) throw Error("gemv: the weight is empty (not prepared, or freed)");
   KParams p{};
+  set_input(p, in);
   p.codes = w.codes;
   p.row_stride = int64_t(w.planes) * w.chunks;
   p.scales = w.scales;
@@ -699,7 +770,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
 }
 
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
-              const __half* residual, cudaStream_t s, GemvLaunch launch_hint) {
+              const __half* residual, cudaStream_t s, GemvLaunch launch_hint, GemvInput in) {
   if (N <= 0 || K <= 0 || K % 8 != 0)
     throw Error("gemv_f16: need N > 0 and K a positive multiple of 8, got N=" +
                 std::to_string(N) + " K=" + std::to_string(K));
@@ -711,6 +782,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   const size_t smem = static_cast<size_t>(K) * 2 + kWarps * 4 * sizeof(float);
   const GemvLaunch l = plan(k, F16Op::kRows, F16Op::kUnroll, N, nch, smem, launch_hint);
   KParams p{};
+  set_input(p, in);
   p.codes = reinterpret_cast<const uint4*>(W);
   p.row_stride = nch;
   p.x = x;

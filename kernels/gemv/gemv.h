@@ -74,14 +74,25 @@ void gemv_free(GemvWeight& w);
 // A second, independent device copy of w (benchmarks rotate copies to stay out of L2).
 GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
 
+// The op before a GEMV, fused into its staging of x (each block reads all of x anyway), which
+// saves a kernel launch and a round trip of x through memory:
+//   norm_w:   x <- RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w [K])
+//   silu_mul: x holds [gate | up], 2K values: x <- silu(gate) * up
+// Each computes what the stand-alone kernel does (fp32 math, the staged value rounded to fp16).
+struct GemvInput {
+  const __half* norm_w = nullptr;
+  float eps = 0.f;
+  bool silu_mul = false;
+};
+
 // y[N] = W x + residual. x [K], residual [N] or nullptr; y may alias residual (not x).
 // Pointers are device pointers; x must be 16-byte aligned when K is a multiple of 8.
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
-          cudaStream_t s);
+          cudaStream_t s, GemvInput in = {});
 
 // y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
 // 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error.
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
-              const __half* residual, cudaStream_t s, GemvLaunch launch = {});
+              const __half* residual, cudaStream_t s, GemvLaunch launch = {}, GemvInput in = {});
 
 }  // namespace kestrel::cuda
