@@ -37,6 +37,7 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/pdl.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -78,6 +79,7 @@ __global__ void __launch_bounds__(kThreads)
                            const __half* __restrict__ v_cache, const int* __restrict__ d_pos,
                            int sliding_window, int n_kv_heads, int group, float q_scale,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+  pdl_wait_then_release();  // q and the new K/V row come from the kernels before
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
   constexpr int kStep = kRows * kUnroll;    // rows per unrolled iteration
@@ -238,6 +240,7 @@ __global__ void attention_combine_kernel(const float* __restrict__ ws_o,
                                          const float* __restrict__ ws_ml,
                                          const int* __restrict__ d_pos, int sliding_window,
                                          int n_chunks_all, __half* __restrict__ out) {
+  pdl_wait_then_release();  // the split kernel's partial results
   const int h = blockIdx.x, d = threadIdx.x, D = blockDim.x;
   const int n_ctx = *d_pos + 1;
   const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
@@ -262,9 +265,8 @@ void launch_split(const __half* q, const __half* k_cache, const __half* v_cache,
   const dim3 grid(n_kv_heads, n_chunks(max_ctx), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
-  attention_split_kernel<D, GMAX><<<grid, kThreads, 0, stream>>>(
-      q, k_cache, v_cache, d_pos, sliding_window, n_kv_heads, group, q_scale, ws_o, ws_ml);
-  KESTREL_CUDA_CHECK_LAUNCH();
+  launch_pdl(attention_split_kernel<D, GMAX>, grid, dim3(kThreads), 0, stream, q, k_cache, v_cache,
+             d_pos, sliding_window, n_kv_heads, group, q_scale, ws_o, ws_ml);
 }
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, 8, 16 (a group of
@@ -326,9 +328,8 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
       throw Error("attention_decode_f16: head_dim " + std::to_string(head_dim) +
                   " is not compiled (supported: 64, 128)");
   }
-  attention_combine_kernel<<<n_heads, head_dim, 0, stream>>>(ws_o, ws_ml, d_pos, sliding_window,
-                                                             n_chunks(max_ctx), out);
-  KESTREL_CUDA_CHECK_LAUNCH();
+  launch_pdl(attention_combine_kernel, dim3(n_heads), dim3(head_dim), 0, stream,
+             (const float*)ws_o, (const float*)ws_ml, d_pos, sliding_window, n_chunks(max_ctx), out);
 }
 
 }  // namespace kestrel::cuda

@@ -18,6 +18,7 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/pdl.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -32,6 +33,7 @@ struct InvFreq {
 __global__ void rope_kv_write_kernel(__half* qkv, __half* k_cache, __half* v_cache,
                                      const int* d_pos, int n_heads, int n_kv_heads, int head_dim,
                                      const InvFreq inv_freq) {
+  pdl_wait_then_release();  // qkv comes from the GEMV before
   const int half = head_dim / 2;
   const int kv_dim = n_kv_heads * head_dim;
   const int n_pairs = (n_heads + n_kv_heads) * half;
@@ -79,9 +81,8 @@ void rope_kv_write_f16(__half* qkv, __half* k_cache, __half* v_cache, const int*
   }
   const int n_threads = (n_heads + n_kv_heads) * (head_dim / 2) + n_kv_heads * head_dim;
   const int blocks = (n_threads + kThreads - 1) / kThreads;
-  rope_kv_write_kernel<<<blocks, kThreads, 0, stream>>>(qkv, k_cache, v_cache, d_pos, n_heads,
-                                                        n_kv_heads, head_dim, inv_freq);
-  KESTREL_CUDA_CHECK_LAUNCH();
+  launch_pdl(rope_kv_write_kernel, dim3(blocks), dim3(kThreads), 0, stream, qkv, k_cache, v_cache,
+             d_pos, n_heads, n_kv_heads, head_dim, inv_freq);
 }
 
 }  // namespace kestrel::cuda

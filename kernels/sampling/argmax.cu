@@ -11,6 +11,7 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/pdl.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -34,6 +35,7 @@ __device__ __forceinline__ void take_better(float& av, int& ai, float bv, int bi
 template <bool kVec>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const __half* __restrict__ x, int n, int* __restrict__ out) {
+  pdl_wait_then_release();  // the logits come from the lm_head GEMV
   // INT_MAX marks "nothing beat -inf" (every value -inf or NaN); it loses all index ties.
   float best = -INFINITY;
   int idx = INT_MAX;
@@ -87,11 +89,10 @@ __global__ void half_to_float_kernel(const __half* __restrict__ in, float* __res
 void argmax_f16(const __half* logits, int n, int* d_out_token, cudaStream_t stream) {
   KESTREL_CHECK(n > 0, "argmax_f16: n must be positive, got " + std::to_string(n));
   if (n % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0) {
-    argmax_kernel<true><<<1, kArgmaxThreads, 0, stream>>>(logits, n, d_out_token);
+    launch_pdl(argmax_kernel<true>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n, d_out_token);
   } else {
-    argmax_kernel<false><<<1, kArgmaxThreads, 0, stream>>>(logits, n, d_out_token);
+    launch_pdl(argmax_kernel<false>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n, d_out_token);
   }
-  KESTREL_CUDA_CHECK_LAUNCH();
 }
 
 void half_to_float(const __half* in, float* out, int n, cudaStream_t stream) {
