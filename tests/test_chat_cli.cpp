@@ -12,30 +12,16 @@
 #include <sstream>
 #include <string>
 
+#include "tests/test_util.h"
+
 namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string out, err;
-};
-
-// Runs a shell command, capturing stdout and stderr separately.
-Result run(const std::string& cmd) {
-  const fs::path err_file = fs::temp_directory_path() / "kestrel_chat_cli_stderr.txt";
-  Result r;
-  FILE* p = popen((cmd + " 2>" + err_file.string()).c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(in), {});
-  return r;
-}
+using Result = kestrel::test::CommandResult;
+using kestrel::test::scratch;
+Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
 void write_file(const fs::path& p, const std::string& text) {
   std::ofstream(p, std::ios::binary) << text;
@@ -66,7 +52,7 @@ const std::string kSynth = KESTREL_SYNTH_BIN;
 class ChatCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / "kestrel_chat_cli_model");
+    dir_ = new fs::path(scratch() / "chat_cli_model");
     fs::remove_all(*dir_);
     const Result r = run(kSynth + " --shape tiny --layers 2 --dtype gptq --bits 4 --group-size 64 "
                                   "--seed 11 --quiet --out " + dir_->string());
@@ -78,14 +64,14 @@ class ChatCli : public ::testing::Test {
   }
   // kestrel chat with `input` on stdin.
   Result chat(const std::string& input, const std::string& args = "") {
-    const fs::path in = fs::temp_directory_path() / "kestrel_chat_cli_input.txt";
+    const fs::path in = scratch() / "chat_cli_input.txt";
     write_file(in, input);
     return run(kKestrel + " chat --device cpu -m " + dir_->string() + " --temp 0 " + args + " < " +
                in.string());
   }
   // kestrel generate --json on a prompt file: the greedy continuation's text.
   std::string generate_text(const std::string& prompt, int n) {
-    const fs::path f = fs::temp_directory_path() / "kestrel_chat_cli_prompt.txt";
+    const fs::path f = scratch() / "chat_cli_prompt.txt";
     write_file(f, prompt);
     const Result r = run(kKestrel + " generate --device cpu -m " + dir_->string() + " -f " +
                          f.string() + " -n " + std::to_string(n) + " --temp 0 --json");
@@ -158,7 +144,7 @@ TEST_F(ChatCli, UnknownTemplateIsOneLine) {
 }
 
 TEST_F(ChatCli, BatchWithABadLine) {
-  const fs::path f = fs::temp_directory_path() / "kestrel_chat_cli_batch.jsonl";
+  const fs::path f = scratch() / "chat_cli_batch.jsonl";
   write_file(f,
              "{\"prompt\": \"the river\", \"n_predict\": 6}\n"
              "{\"prompt\": \"the river\", oops}\n"
@@ -195,8 +181,8 @@ TEST_F(ChatCli, BatchWithABadLine) {
 }
 
 TEST_F(ChatCli, BatchToAFileAndEmptyBatch) {
-  const fs::path f = fs::temp_directory_path() / "kestrel_chat_cli_batch2.jsonl";
-  const fs::path o = fs::temp_directory_path() / "kestrel_chat_cli_batch2.out";
+  const fs::path f = scratch() / "chat_cli_batch2.jsonl";
+  const fs::path o = scratch() / "chat_cli_batch2.out";
   write_file(f, "{\"prompt\": \"a b\", \"n_predict\": 2}\n");
   const Result r = run(kKestrel + " generate --device cpu -q -m " + dir_->string() +
                        " --batch-file " + f.string() + " -o " + o.string());

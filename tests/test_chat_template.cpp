@@ -12,6 +12,8 @@
 #include "tokenizer/chat_template.h"
 #include "tools/synth/synth.h"
 
+#include "tests/test_util.h"
+
 namespace fs = std::filesystem;
 using namespace kestrel;
 
@@ -156,7 +158,7 @@ TEST(ChatTemplate, DetectsTheShippedTemplates) {
 class ChatTokenize : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / "kestrel_chat_template_model");
+    dir_ = new fs::path(kestrel::test::scratch() / "chat_template_model");
     fs::remove_all(*dir_);
     synth::SynthOptions o;
     o.shape = "tiny";

@@ -13,46 +13,15 @@
 
 #include "engine/device.h"
 
+#include "tests/test_util.h"
+
 namespace fs = std::filesystem;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string out, err;
-};
-
-// A directory of this test process's own: CTest runs the cases of this file as parallel
-// processes, so nothing may live at a fixed shared path.
-// Removed when the process ends.
-struct Scratch {
-  fs::path dir = fs::temp_directory_path() / ("kestrel_cli_" + std::to_string(getpid()));
-  Scratch() { fs::create_directories(dir); }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(dir, ec);
-  }
-};
-
-const fs::path& scratch() {
-  static const Scratch s;
-  return s.dir;
-}
-
-// Runs a shell command, capturing stdout and stderr separately.
-Result run(const std::string& cmd) {
-  const fs::path err_file = scratch() / "stderr.txt";
-  Result r;
-  FILE* p = popen((cmd + " 2>" + err_file.string()).c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(in), {});
-  return r;
-}
+using Result = kestrel::test::CommandResult;
+using kestrel::test::scratch;
+Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
 int lines(const std::string& s) {
   int n = 0;

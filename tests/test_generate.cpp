@@ -10,6 +10,8 @@
 #include "engine/generate.h"
 #include "tools/synth/synth.h"
 
+#include "tests/test_util.h"
+
 namespace fs = std::filesystem;
 using namespace kestrel;
 
@@ -43,7 +45,7 @@ class ScriptedBackend : public Backend {
 class Generate : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / "kestrel_generate_test_model");
+    dir_ = new fs::path(kestrel::test::scratch() / "generate_test_model");
     fs::remove_all(*dir_);
     synth::SynthOptions o;
     o.shape = "tiny";

@@ -27,29 +27,16 @@
 #include "tokenizer/tokenizer.h"
 #include "tools/synth/synth.h"
 
+#include "tests/test_util.h"
+
 namespace fs = std::filesystem;
 using namespace kestrel;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string out, err;
-};
-
-Result run(const std::string& cmd) {
-  const fs::path err_file = fs::temp_directory_path() / "kestrel_ppl_stderr.txt";
-  Result r;
-  FILE* p = popen((cmd + " 2>" + err_file.string()).c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(in), {});
-  return r;
-}
+using Result = kestrel::test::CommandResult;
+using kestrel::test::scratch;
+Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
 const std::string kKestrel = KESTREL_BIN;
 
@@ -72,8 +59,8 @@ std::string make_text(int words, uint32_t seed) {
 class Perplexity : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(fs::temp_directory_path() / "kestrel_ppl_model");
-    text_ = new fs::path(fs::temp_directory_path() / "kestrel_ppl_text.txt");
+    dir_ = new fs::path(scratch() / "ppl_model");
+    text_ = new fs::path(scratch() / "ppl_text.txt");
     fs::remove_all(*dir_);
     synth::SynthOptions o;
     o.shape = "tiny";

@@ -1,0 +1,53 @@
+// Helpers shared by the tests that run the executables or write model directories.
+#pragma once
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <system_error>
+
+namespace kestrel::test {
+
+// A directory of this test process's own, removed when the process ends. CTest runs every
+// case as its own process, several at a time, so nothing may live at a fixed shared path.
+inline const std::filesystem::path& scratch() {
+  struct Dir {
+    std::filesystem::path path = std::filesystem::temp_directory_path() /
+                                 ("kestrel_test_" + std::to_string(getpid()));
+    Dir() { std::filesystem::create_directories(path); }
+    ~Dir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
+}
+
+struct CommandResult {
+  int code = -1;  // exit status; -1 when the command did not exit normally
+  std::string out, err;
+};
+
+// Runs a shell command, capturing stdout and stderr separately.
+inline CommandResult run_command(const std::string& cmd) {
+  const std::filesystem::path err_file = scratch() / "stderr.txt";
+  CommandResult r;
+  FILE* p = popen((cmd + " 2>" + err_file.string()).c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(err_file);
+  r.err.assign(std::istreambuf_iterator<char>(in), {});
+  return r;
+}
+
+}  // namespace kestrel::test
