@@ -304,6 +304,18 @@ TEST_F(TokenizerTest, TokenizerConfigSpecialTokens) {
   }
 }
 
+// A token added on top of the SentencePiece model (ChatML models add <|im_end|> this way) is
+// found through added_tokens_decoder.
+TEST_F(TokenizerTest, EosFromAddedTokensDecoder) {
+  const fs::path dir = model_dir("tc-added", {{"tokenizer_config.json", R"({
+      "eos_token": "<|turn_end|>",
+      "added_tokens_decoder": {"4000": {"content": "<|turn_end|>", "special": true}}})"}});
+  const Tokenizer tok = Tokenizer::load(dir.string());
+  ASSERT_LT(tok.piece_to_id("<|turn_end|>"), 0) << "the test needs a token the model lacks";
+  EXPECT_TRUE(tok.is_eos(4000));
+  EXPECT_EQ(tok.eos_ids().front(), 4000);
+}
+
 TEST_F(TokenizerTest, EosSetIsTheUnionOfConfigs) {
   const fs::path dir = model_dir("gen", {
       {"generation_config.json", R"({"bos_token_id": 1, "eos_token_id": [7, 9, 2]})"},

@@ -252,9 +252,24 @@ Tokenizer Tokenizer::load(const std::string& dir) {
     auto to_id = [&](const char* key) -> std::optional<int> {
       auto text = token_field(*tc, key, tc_path);
       if (!text) return std::nullopt;
-      const int id = tok.piece_to_id(*text);
-      KESTREL_CHECK(id >= 0, fmt::format("{}: {} \"{}\" is not a piece of {}", tc_path.string(),
-                                         key, *text, model_path.string()));
+      int id = tok.piece_to_id(*text);
+      // Tokens added on top of the SentencePiece model (ChatML's <|im_end|>, say) have their
+      // ids in added_tokens_decoder.
+      if (id < 0 && tc->contains("added_tokens_decoder") && (*tc)["added_tokens_decoder"].is_object()) {
+        for (const auto& [key_id, t] : (*tc)["added_tokens_decoder"].items()) {
+          if (t.is_object() && t.value("content", std::string()) == *text) {
+            try {
+              id = std::stoi(key_id);
+            } catch (const std::exception&) {
+              throw Error(fmt::format("{}: added_tokens_decoder key \"{}\" is not a token id",
+                                      tc_path.string(), key_id));
+            }
+            break;
+          }
+        }
+      }
+      KESTREL_CHECK(id >= 0, fmt::format("{}: {} \"{}\" is neither a piece of {} nor in added_tokens_decoder",
+                                         tc_path.string(), key, *text, model_path.string()));
       return id;
     };
     if (auto id = to_id("bos_token")) tok.bos_id_ = *id;
