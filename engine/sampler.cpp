@@ -53,13 +53,15 @@ inline float hmax(f32x4 v) {
 // exp(x) for x <= 0 (every caller passes a logit minus the maximum, possibly scaled) to a few
 // ulp, without branches or library calls: e^x = 2^n 2^f with z = x log2(e), n = round(z),
 // |f| <= 1/2, a degree-6 polynomial for 2^f (Taylor; error below 2e-7 on the interval) and 2^n
-// built in the exponent bits. Below 2^-126 it returns 2^-126 rather than leave the normal range.
+// built in the exponent bits. Below 2^-126 (and for -inf or NaN) it returns exactly 0, so a
+// token masked with -inf gets no weight at all.
 template <class V>
 [[gnu::always_inline]] inline V fast_exp(V x) {
-  V z = x * 1.44269504088896341f;
-  z = vmax(z, splat<V>(-126.0f));
-  const V n = (z + 12582912.0f) - 12582912.0f;  // round to nearest: the 1.5 * 2^23 trick
-  const V f = z - n;
+  const V z = x * 1.44269504088896341f;
+  const auto live = z > -126.0f;
+  const V zc = vmax(z, splat<V>(-126.0f));
+  const V n = (zc + 12582912.0f) - 12582912.0f;  // round to nearest: the 1.5 * 2^23 trick
+  const V f = zc - n;
   V p = splat<V>(1.5403530393e-4f);
   p = p * f + 1.3333558146e-3f;
   p = p * f + 9.6181291076e-3f;
@@ -69,50 +71,145 @@ template <class V>
   p = p * f + 1.0f;
   using I = typename Lanes<V>::Int;
   const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return p * std::bit_cast<V>(bits);
+  return live ? p * std::bit_cast<V>(bits) : V{};
 }
 inline float fast_exp(float x) { return fast_exp(splat(x))[0]; }
 
-// sum of exp(x[i] - shift) with vectors V and four accumulators.
-template <class V>
-[[gnu::always_inline]] inline double sum_exp_v(const float* x, int n, float shift) {
+[[gnu::always_inline]] inline float hsum(f32x4 v) {
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2);
+  return v[0];
+}
+[[gnu::always_inline]] inline float hsum(f32x8 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+[[gnu::always_inline]] inline float hsum(f32x16 v) {
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+
+// The passes over the whole vocabulary sum in float within a span of kSpan logits (16 terms a
+// lane at most, so the sum keeps float precision) and in double across spans. The span is
+// also the first level of a draw: its weights' sum is kept, a draw walks those sums and then
+// only the one span where the uniform falls.
+constexpr int kSpan = 256;
+
+struct Sums {
+  double all = 0;   // every weight
+  double kept = 0;  // the weights of the logits >= the floor
+};
+
+// w_i = exp((x_i - shift) * scale) over x[0, n): the sum per span of the weights of the logits
+// >= floor into span_sum[n / kSpan rounded up], and every weight into out[n] when Store.
+template <class V, bool Store>
+[[gnu::always_inline]] inline Sums weigh_v(const float* x, int n, float shift, float scale,
+                                           float floor, float* out, double* span_sum) {
   constexpr int N = Lanes<V>::n;
-  V a0{}, a1{}, a2{}, a3{};
-  const V s = splat<V>(shift);
-  int i = 0;
-  for (; i + 4 * N <= n; i += 4 * N) {
-    a0 += fast_exp(load<V>(x + i) - s);
-    a1 += fast_exp(load<V>(x + i + N) - s);
-    a2 += fast_exp(load<V>(x + i + 2 * N) - s);
-    a3 += fast_exp(load<V>(x + i + 3 * N) - s);
+  const V s = splat<V>(shift), k = splat<V>(scale), fl = splat<V>(floor);
+  Sums t;
+  for (int b0 = 0; b0 < n; b0 += kSpan) {
+    const int b1 = std::min(n, b0 + kSpan);
+    V a{}, m{};
+    int i = b0;
+    for (; i + N <= b1; i += N) {
+      const V l = load<V>(x + i);
+      const V w = fast_exp((l - s) * k);
+      if constexpr (Store) std::memcpy(out + i, &w, sizeof w);
+      a += w;
+      m += l >= fl ? w : V{};
+    }
+    double all = hsum(a), kept = hsum(m);
+    for (; i < b1; ++i) {
+      const float w = fast_exp(splat((x[i] - shift) * scale))[0];
+      if constexpr (Store) out[i] = w;
+      all += w;
+      if (x[i] >= floor) kept += w;
+    }
+    span_sum[b0 / kSpan] = kept;
+    t.all += all;
+    t.kept += kept;
   }
-  const V a = (a0 + a1) + (a2 + a3);
-  double sum = 0;
-  for (int j = 0; j < N; ++j) sum += a[j];
-  for (; i < n; ++i) sum += fast_exp(x[i] - shift);
-  return sum;
+  return t;
+}
+
+struct Mass {
+  double sum = 0;  // of the weights
+  int count = 0;   // of the logits
+};
+
+// The weights w_i and the number of the logits x_i >= t over [begin, end).
+template <class V>
+[[gnu::always_inline]] inline Mass mass_v(const float* x, const float* w, int begin, int end,
+                                          float t) {
+  constexpr int N = Lanes<V>::n;
+  using I = typename Lanes<V>::Int;
+  const V tv = splat<V>(t);
+  Mass out;
+  I c{};
+  for (int b0 = begin; b0 < end; b0 += kSpan) {
+    const int b1 = std::min(end, b0 + kSpan);
+    V a{};
+    int i = b0;
+    for (; i + N <= b1; i += N) {
+      const auto in = load<V>(x + i) >= tv;
+      a += in ? load<V>(w + i) : V{};
+      c -= in;  // a true lane is -1
+    }
+    double sum = hsum(a);
+    for (; i < b1; ++i)
+      if (x[i] >= t) {
+        sum += w[i];
+        ++out.count;
+      }
+    out.sum += sum;
+  }
+  for (int j = 0; j < N; ++j) out.count += c[j];
+  return out;
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KESTREL_SAMPLER_AVX2 1
-[[gnu::target("avx2,fma")]] double sum_exp_avx2(const float* x, int n, float shift) {
-  return sum_exp_v<f32x8>(x, n, shift);
+[[gnu::target("avx2,fma")]] Sums weigh_avx2(const float* x, int n, float shift, float scale,
+                                            float floor, float* out, double* span_sum) {
+  return out ? weigh_v<f32x8, true>(x, n, shift, scale, floor, out, span_sum)
+             : weigh_v<f32x8, false>(x, n, shift, scale, floor, out, span_sum);
 }
-[[gnu::target("avx512f")]] double sum_exp_avx512(const float* x, int n, float shift) {
-  return sum_exp_v<f32x16>(x, n, shift);
+[[gnu::target("avx512f")]] Sums weigh_avx512(const float* x, int n, float shift, float scale,
+                                             float floor, float* out, double* span_sum) {
+  return out ? weigh_v<f32x16, true>(x, n, shift, scale, floor, out, span_sum)
+             : weigh_v<f32x16, false>(x, n, shift, scale, floor, out, span_sum);
+}
+[[gnu::target("avx2,fma")]] Mass mass_avx2(const float* x, const float* w, int begin, int end,
+                                           float t) {
+  return mass_v<f32x8>(x, w, begin, end, t);
+}
+[[gnu::target("avx512f")]] Mass mass_avx512(const float* x, const float* w, int begin, int end,
+                                            float t) {
+  return mass_v<f32x16>(x, w, begin, end, t);
 }
 const bool kHaveAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
 #endif
 
-// sum of exp(x[i] - shift): the softmax normaliser, without storing the terms.
-double sum_exp(const float* x, int n, float shift) {
+Sums weigh(const float* x, int n, float shift, float scale, float floor, float* out,
+           double* span_sum) {
 #ifdef KESTREL_SAMPLER_AVX2
-  if (kHaveAvx512) return sum_exp_avx512(x, n, shift);
-  if (kHaveAvx2) return sum_exp_avx2(x, n, shift);
+  if (kHaveAvx512) return weigh_avx512(x, n, shift, scale, floor, out, span_sum);
+  if (kHaveAvx2) return weigh_avx2(x, n, shift, scale, floor, out, span_sum);
 #endif
-  return sum_exp_v<f32x4>(x, n, shift);
+  return out ? weigh_v<f32x4, true>(x, n, shift, scale, floor, out, span_sum)
+             : weigh_v<f32x4, false>(x, n, shift, scale, floor, out, span_sum);
 }
+
+Mass mass_from(const float* x, const float* w, int begin, int end, float t) {
+#ifdef KESTREL_SAMPLER_AVX2
+  if (kHaveAvx512) return mass_avx512(x, w, begin, end, t);
+  if (kHaveAvx2) return mass_avx2(x, w, begin, end, t);
+#endif
+  return mass_v<f32x4>(x, w, begin, end, t);
+}
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The largest of 16 floats, lane-wise (4 lanes).
 inline f32x4 block_max(const float* x) {
@@ -136,7 +233,7 @@ float max_of(const float* x, int n) {
 
 // c.w = exp((c.logit - shift) * scale) for every candidate, four at a time; returns the sum.
 template <class Cand>
-double weigh(std::vector<Cand>& cand, float shift, float scale) {
+double weigh_cands(std::vector<Cand>& cand, float shift, float scale) {
   double sum = 0;
   size_t i = 0;
   for (; i + 4 <= cand.size(); i += 4) {
@@ -147,9 +244,6 @@ double weigh(std::vector<Cand>& cand, float shift, float scale) {
   for (; i < cand.size(); ++i) sum += cand[i].w = fast_exp((cand[i].logit - shift) * scale);
   return sum;
 }
-
-// Whether any of x[0..kBlock) exceeds t: lets the scans skip a block with one compare.
-inline bool any_above(const float* x, float t) { return hmax(block_max(x)) > t; }
 
 }  // namespace
 
@@ -224,19 +318,6 @@ void Sampler::select_top_k(const float* logits, int vocab, int k) {
   }
 }
 
-// Every logit >= threshold.
-void Sampler::select_above(const float* logits, int vocab, float threshold) {
-  cand_.clear();
-  const float below = std::nextafter(threshold, -std::numeric_limits<float>::infinity());
-  int i = 0;
-  for (; i + kBlock <= vocab; i += kBlock)
-    if (any_above(logits + i, below))
-      for (int j = i; j < i + kBlock; ++j)
-        if (logits[j] >= threshold) cand_.push_back({logits[j], j, 0.0f});
-  for (; i < vocab; ++i)
-    if (logits[i] >= threshold) cand_.push_back({logits[i], i, 0.0f});
-}
-
 // Top-p over the candidates: keeps the fewest most likely ones whose weights reach `need`
 // (the one that crosses included, as llama.cpp). A quickselect weighted by mass, so the
 // nucleus is found in expected linear time and never sorted; only a short run at the cut is.
@@ -290,47 +371,29 @@ void Sampler::keep_nucleus(double need) {
 int Sampler::sample(float* logits, int vocab, const std::vector<int>& history) {
   apply_penalties(logits, vocab, history);
   if (p_.temperature <= 0.0f) return argmax(logits, vocab);
-  if (cand_.capacity() < (size_t)vocab) cand_.reserve(vocab);
+  if (p_.top_k > 0 && p_.top_k < vocab) return sample_top_k(logits, vocab);
+  return sample_by_mass(logits, vocab);
+}
 
-  const bool top_k = p_.top_k > 0 && p_.top_k < vocab;
-  const bool top_p = p_.top_p < 1.0f;
-  const bool min_p = p_.min_p > 0.0f;
-  if (!top_k && !top_p && !min_p) return sample_all(logits, vocab);
-  float max_logit;
-  double norm = 0;  // the softmax normaliser at temperature 1 that top-p measures against
-  if (top_k) {
-    select_top_k(logits, vocab, p_.top_k);
-    max_logit = cand_[0].logit;
-    for (const Cand& c : cand_) max_logit = std::max(max_logit, c.logit);
-    norm = weigh(cand_, max_logit, 1.0f);
-  } else {
-    // Top-p and min-p both keep a prefix of the tokens by probability, so only tokens above
-    // a logit threshold can survive: min-p's own, or for top-p alone the one below which
-    // the whole vocabulary cannot hold more than 1 - top_p of the mass.
-    max_logit = max_of(logits, vocab);
-    if (top_p) norm = sum_exp(logits, vocab, max_logit);
-    float threshold = -std::numeric_limits<float>::infinity();
-    if (min_p) {
-      threshold = max_logit + std::log(p_.min_p);
-    } else if (top_p) {
-      threshold = max_logit + (float)std::log((1.0 - p_.top_p) * norm / vocab);
-    }
-    select_above(logits, vocab, threshold);
-    weigh(cand_, max_logit, 1.0f);
-  }
-  if (top_p) keep_nucleus(p_.top_p * norm);
-  if (min_p && top_k) {
+// Top-k first: the other cut-offs then work on k candidates.
+int Sampler::sample_top_k(const float* logits, int vocab) {
+  if (cand_.capacity() < (size_t)vocab) cand_.reserve(vocab);
+  select_top_k(logits, vocab, p_.top_k);
+  float max_logit = cand_[0].logit;
+  for (const Cand& c : cand_) max_logit = std::max(max_logit, c.logit);
+  const double norm = weigh_cands(cand_, max_logit, 1.0f);
+  if (p_.top_p < 1.0f) keep_nucleus(p_.top_p * norm);
+  if (p_.min_p > 0.0f) {
     // The most likely token survives top-k and top-p, so min-p measures against max_logit.
     const float threshold = max_logit + std::log(p_.min_p);
     std::erase_if(cand_, [&](const Cand& c) { return c.logit < threshold; });
   }
   if (cand_.size() == 1) return cand_[0].id;
-
   double total = 0;
   if (p_.temperature == 1.0f) {
     for (const Cand& c : cand_) total += c.w;
   } else {
-    total = weigh(cand_, max_logit, 1.0f / p_.temperature);
+    total = weigh_cands(cand_, max_logit, 1.0f / p_.temperature);
   }
   double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
   for (const Cand& c : cand_) {
@@ -340,25 +403,149 @@ int Sampler::sample(float* logits, int vocab, const std::vector<int>& history) {
   return cand_.back().id;
 }
 
-// No truncation: every token, weighted at the temperature, in one vectorised pass.
-int Sampler::sample_all(const float* logits, int vocab) {
-  if ((int)buf_.size() < vocab) buf_.resize(vocab);
+// Without top-k, nothing is sorted or collected. Min-p is a floor on the logit (p_i >= min_p *
+// p_max exactly when l_i >= l_max + ln(min_p)), and without top-p the draw walks the span sums
+// of one weighing pass and then one span. Top-p keeps token x exactly when the mass of the
+// tokens ahead of it (larger logit, or equal logit and lower id) is below top_p of the total:
+// that is llama.cpp's rule (keep the sorted prefix up to the token whose cumulative mass
+// reaches top_p) read token by token. So a token drawn from the min-p set at the temperature
+// is tested with one pass over the stored weights, and drawn again if it falls outside; the
+// accepted draw then follows the distribution over the nucleus exactly. With top-p 0.95 at a
+// temperature <= 1 the nucleus holds at least 95% of the drawn mass, so a second draw is rare.
+int Sampler::sample_by_mass(const float* logits, int vocab) {
   const float m = max_of(logits, vocab);
-  const f32x4 inv_t = splat(1.0f / p_.temperature);
-  double total = 0;
-  int i = 0;
-  for (; i + 4 <= vocab; i += 4) {
-    const f32x4 w = fast_exp((load4(logits + i) - m) * inv_t);
-    std::memcpy(&buf_[i], &w, sizeof w);
+  const float inv_t = 1.0f / p_.temperature;
+  const float floor = p_.min_p > 0.0f ? m + std::log(p_.min_p) : -kInf;
+  const int n_spans = (vocab + kSpan - 1) / kSpan;
+  if (spans_.size() < 2 * (size_t)n_spans) spans_.resize(2 * n_spans);
+  double* at_one = spans_.data();          // span sums at temperature 1
+  double* at_t = spans_.data() + n_spans;  // span sums at the temperature
+  if (p_.top_p >= 1.0f) {
+    const Sums s = weigh(logits, vocab, m, inv_t, floor, nullptr, at_t);
+    return draw(logits, vocab, nullptr, at_t, m, inv_t, floor, s.kept);
   }
-  for (; i < vocab; ++i) buf_[i] = fast_exp((logits[i] - m) / p_.temperature);
-  for (int j = 0; j < vocab; ++j) total += buf_[j];
+  if (p_.top_p <= 0.0f) return argmax(logits, vocab);  // llama.cpp keeps one token
+
+  if ((int)buf_.size() < vocab) buf_.resize(vocab);
+  float* w = buf_.data();
+  const Sums one = weigh(logits, vocab, m, 1.0f, floor, w, at_one);
+  const double need = p_.top_p * one.all;
+  // Below temperature 1 a draw at temperature 1 accepted with probability
+  // exp((l - max) (1/T - 1)) <= 1 is a draw at the temperature, and saves the second exp
+  // pass; after a few refusals (a low temperature) that pass is made after all.
+  double total_t = -1;
+  int refused = 0, tested = 0;
+  while (tested < kNucleusTests) {
+    int x;
+    if (inv_t >= 1.0f && refused < kTemperatureRefusals) {
+      x = draw(logits, vocab, w, at_one, m, 1.0f, floor, one.kept);
+      if (inv_t > 1.0f) {
+        const double keep = std::exp(((double)logits[x] - m) * (inv_t - 1.0));
+        if (std::uniform_real_distribution<double>(0.0, 1.0)(rng_) >= keep) {
+          ++refused;
+          continue;
+        }
+      }
+    } else {
+      if (total_t < 0) total_t = weigh(logits, vocab, m, inv_t, floor, nullptr, at_t).kept;
+      x = draw(logits, vocab, nullptr, at_t, m, inv_t, floor, total_t);
+    }
+    ++tested;
+    const float l = logits[x];
+    const double ahead = mass_from(logits, w, 0, x, l).sum +
+                         mass_from(logits, w, x + 1, vocab, std::nextafter(l, kInf)).sum;
+    if (ahead < need) return x;
+  }
+  return draw_from_nucleus(logits, vocab, m, floor, need);
+}
+
+// Picks a token by the span sums span_sum (of the weights exp((l - shift) * scale) of the
+// logits >= floor; `total` is their sum, in order), then inside the span by its weights: the
+// stored ones in w, or recomputed when w is null.
+int Sampler::draw(const float* x, int n, const float* w, const double* span_sum, float shift,
+                  float scale, float floor, double total) {
   double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
-  for (int j = 0; j < vocab; ++j) {
-    r -= buf_[j];
-    if (r < 0) return j;
+  const int n_spans = (n + kSpan - 1) / kSpan;
+  int b = -1;
+  for (int i = 0; i < n_spans; ++i) {
+    if (!(span_sum[i] > 0)) continue;
+    b = i;
+    if (r < span_sum[i]) break;
+    r -= span_sum[i];  // rounding may leave r past the last span: the last token with weight
   }
-  return argmax(logits, vocab);
+  if (b < 0) return argmax(x, n);  // no weight anywhere (NaN logits)
+  const int b0 = b * kSpan, len = std::min(kSpan, n - b0);
+  float local[kSpan];
+  double sum;
+  if (w) {
+    std::memcpy(local, w + b0, len * sizeof(float));
+  } else {
+    weigh(x + b0, len, shift, scale, floor, local, &sum);
+  }
+  int last = b0;
+  for (int i = 0; i < len; ++i) {
+    if (!(x[b0 + i] >= floor) || !(local[i] > 0)) continue;
+    last = b0 + i;
+    r -= local[i];
+    if (r < 0) break;
+  }
+  return last;
+}
+
+// The nucleus made explicit, for the calls where draws kept falling outside it (a small top-p
+// or a high temperature): a bisection on the logit value narrows the cut to a few logits
+// (bounded by the mass >= lo reaching `need` and the mass >= hi not), those are ordered by
+// logit and id, and the draw at the temperature covers the logits >= hi and the kept ones of
+// the few. Expects buf_ to hold the weights at temperature 1.
+int Sampler::draw_from_nucleus(const float* logits, int vocab, float m, float floor, double need) {
+  const float* w = buf_.data();
+  // Below m - 64 a weight is under 2^-92: the whole vocabulary there cannot reach 1 - top_p
+  // of a total >= 1 at float precision, so the cut lies above.
+  float lo = m - 64.0f, hi = std::nextafter(m, kInf);
+  Mass at_lo = mass_from(logits, w, 0, vocab, lo), at_hi;
+  cand_.clear();
+  if (at_lo.sum < need) {
+    hi = -kInf;  // rounding put the whole vocabulary short of `need`: every token is kept
+  } else {
+    while (at_lo.count - at_hi.count > kFewAtTheCut) {
+      const float mid = lo + 0.5f * (hi - lo);
+      if (!(mid > lo && mid < hi)) break;  // lo and hi adjacent floats: one value between
+      const Mass at = mass_from(logits, w, 0, vocab, mid);
+      if (at.sum >= need) {
+        lo = mid;
+        at_lo = at;
+      } else {
+        hi = mid;
+        at_hi = at;
+      }
+    }
+    for (int i = 0; i < vocab; ++i)
+      if (logits[i] >= lo && logits[i] < hi) cand_.push_back({logits[i], i, w[i]});
+    std::sort(cand_.begin(), cand_.end(), [](const Cand& a, const Cand& b) {
+      return a.logit != b.logit ? a.logit > b.logit : a.id < b.id;
+    });
+    double ahead = at_hi.sum;
+    size_t keep = 0;
+    while (keep < cand_.size() && ahead < need) ahead += cand_[keep++].w;
+    cand_.resize(keep);
+    std::erase_if(cand_, [&](const Cand& c) { return !(c.logit >= floor); });
+  }
+  const float inv_t = 1.0f / p_.temperature;
+  const int n_spans = (vocab + kSpan - 1) / kSpan;
+  double* at_t = spans_.data() + n_spans;
+  const float cut = std::max(floor, hi);
+  const double in_spans = weigh(logits, vocab, m, inv_t, cut, nullptr, at_t).kept;
+  const double in_few = weigh_cands(cand_, m, inv_t);
+  if (in_few > 0 &&
+      std::uniform_real_distribution<double>(0.0, in_spans + in_few)(rng_) >= in_spans) {
+    double r = std::uniform_real_distribution<double>(0.0, in_few)(rng_);
+    for (const Cand& c : cand_) {
+      r -= c.w;
+      if (r < 0) return c.id;
+    }
+    return cand_.back().id;
+  }
+  return draw(logits, vocab, nullptr, at_t, m, inv_t, cut, in_spans);
 }
 
 Logprobs logprobs_of(const float* logits, int vocab, int chosen, int n) {

@@ -45,15 +45,27 @@ class Sampler {
     float w;  // exp(logit - max) at temperature 1
   };
   void select_top_k(const float* logits, int vocab, int k);
-  void select_above(const float* logits, int vocab, float threshold);
   void keep_nucleus(double need);
-  int sample_all(const float* logits, int vocab);
+  int sample_top_k(const float* logits, int vocab);
+  int sample_by_mass(const float* logits, int vocab);
+  int draw(const float* x, int n, const float* w, const double* span_sum, float shift,
+           float scale, float floor, double total);
+  int draw_from_nucleus(const float* logits, int vocab, float max_logit, float floor,
+                        double need);
+
+  // Draws tested against the nucleus before it is made explicit, and draws at temperature 1
+  // refused for a temperature below 1 before the weights at the temperature are computed.
+  static constexpr int kNucleusTests = 4;
+  static constexpr int kTemperatureRefusals = 8;
+  // The bisection for an explicit nucleus stops with this many logits or fewer at the cut.
+  static constexpr int kFewAtTheCut = 64;
 
   SamplingParams p_;
   std::mt19937_64 rng_;
-  std::vector<int> counts_;   // [vocab], zero between calls
-  std::vector<Cand> cand_;    // candidates of the current call
-  std::vector<float> buf_;    // [vocab] scratch for exp over the vocabulary
+  std::vector<int> counts_;     // [vocab], zero between calls
+  std::vector<Cand> cand_;      // candidates of the current call
+  std::vector<float> buf_;      // [vocab] scratch: block maxima, or weights at temperature 1
+  std::vector<double> spans_;   // weight sums per span of logits, at 1 and at the temperature
 };
 
 // Index of the largest value (the first one on ties).
