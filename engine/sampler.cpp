@@ -14,8 +14,8 @@ namespace {
 // The scans below work on whole vectors of floats through GCC/Clang vector extensions,
 // portable C++ that becomes SSE, AVX or NEON instructions (the build targets no particular
 // ISA, and the compiler does not vectorise the scalar forms of these reductions on its own).
-// The one pass that needs exp over the whole vocabulary also has AVX2+FMA and AVX-512
-// versions, chosen at run time on x86-64. (The vector types cross no function boundary, so
+// The passes over the whole vocabulary (maximum, exp weights, masses) also have AVX2+FMA and
+// AVX-512 versions, chosen at run time on x86-64. (The vector types cross no function boundary, so
 // GCC's -Wpsabi notes about their calling convention, silenced in CMake, do not apply.)
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef int32_t i32x4 __attribute__((vector_size(16)));
@@ -23,10 +23,19 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 template <class V> struct Lanes;
-template <> struct Lanes<f32x4> { using Int = i32x4; static constexpr int n = 4; };
-template <> struct Lanes<f32x8> { using Int = i32x8; static constexpr int n = 8; };
-template <> struct Lanes<f32x16> { using Int = i32x16; static constexpr int n = 16; };
+template <class F, class I, class U, int N>
+struct LaneTypes {
+  using Int = I;
+  using UInt = U;
+  static constexpr int n = N;
+};
+template <> struct Lanes<f32x4> : LaneTypes<f32x4, i32x4, u32x4, 4> {};
+template <> struct Lanes<f32x8> : LaneTypes<f32x8, i32x8, u32x8, 8> {};
+template <> struct Lanes<f32x16> : LaneTypes<f32x16, i32x16, u32x16, 16> {};
 constexpr int kBlock = 16;  // floats per step of a scan
 
 template <class V>
@@ -50,28 +59,38 @@ inline float hmax(f32x4 v) {
   return v[0];
 }
 
-// exp(x) for x <= 0 (every caller passes a logit minus the maximum, possibly scaled) to a few
-// ulp, without branches or library calls: e^x = 2^n 2^f with z = x log2(e), n = round(z),
-// |f| <= 1/2, a degree-6 polynomial for 2^f (Taylor; error below 2e-7 on the interval) and 2^n
-// built in the exponent bits. Below 2^-126 (and for -inf or NaN) it returns exactly 0, so a
-// token masked with -inf gets no weight at all.
+// 2^z for z <= 0 (every caller passes a logit minus the maximum, scaled, times log2(e)) to
+// about 1.2e-7 relative, without branches or library calls: 2^z = 2^n 2^f with n = round(z),
+// |f| <= 1/2, a degree-5 polynomial for 2^f (minimax for the relative error with the constant
+// term held at 1, so that exp(0) = 1 exactly and equal logits sum exactly; 1.1e-7 with its
+// coefficients in float) and 2^n built in the exponent bits. Adding 1.5 * 2^23 + 127 rounds z
+// and leaves n + 127 in the low mantissa bits, so one shift makes 2^n. z is first clamped to
+// -127, where that exponent field is 0: from about 2^-127 down, and for -inf, the result is
+// exactly 0, so a token masked with -inf gets no weight at all. The clamp is an unsigned
+// minimum of the bits (one instruction; GCC turns a float maximum against a constant into a
+// compare and a blend): negative floats order by magnitude as unsigned integers above every
+// non-negative one.
+template <class V>
+[[gnu::always_inline]] inline V exp2_neg(V z) {
+  constexpr float kRound = 12582912.0f + 127.0f;
+  using I = typename Lanes<V>::Int;
+  using U = typename Lanes<V>::UInt;
+  const U zb = std::bit_cast<U>(z), lo = std::bit_cast<U>(splat<V>(-127.0f));
+  const V zc = std::bit_cast<V>(zb < lo ? zb : lo);
+  const V t = zc + kRound;
+  const V f = zc - (t - kRound);
+  V p = splat<V>(1.3264735462e-3f);
+  p = p * f + 9.6715176478e-3f;
+  p = p * f + 5.5507339537e-2f;
+  p = p * f + 2.4022242427e-1f;
+  p = p * f + 6.9314700365e-1f;
+  p = p * f + 1.0f;
+  return p * std::bit_cast<V>(std::bit_cast<I>(t) << 23);
+}
+constexpr float kLog2e = 1.44269504088896341f;
 template <class V>
 [[gnu::always_inline]] inline V fast_exp(V x) {
-  const V z = x * 1.44269504088896341f;
-  const auto live = z > -126.0f;
-  const V zc = vmax(z, splat<V>(-126.0f));
-  const V n = (zc + 12582912.0f) - 12582912.0f;  // round to nearest: the 1.5 * 2^23 trick
-  const V f = zc - n;
-  V p = splat<V>(1.5403530393e-4f);
-  p = p * f + 1.3333558146e-3f;
-  p = p * f + 9.6181291076e-3f;
-  p = p * f + 5.5504108665e-2f;
-  p = p * f + 2.4022650696e-1f;
-  p = p * f + 6.9314718056e-1f;
-  p = p * f + 1.0f;
-  using I = typename Lanes<V>::Int;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  return live ? p * std::bit_cast<V>(bits) : V{};
+  return exp2_neg(x * kLog2e);
 }
 inline float fast_exp(float x) { return fast_exp(splat(x))[0]; }
 
@@ -81,7 +100,8 @@ inline float fast_exp(float x) { return fast_exp(splat(x))[0]; }
   return v[0];
 }
 [[gnu::always_inline]] inline float hsum(f32x8 v) {
-  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+  return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3) +
+              __builtin_shufflevector(v, v, 4, 5, 6, 7));
 }
 [[gnu::always_inline]] inline float hsum(f32x16 v) {
   return hsum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -100,12 +120,18 @@ struct Sums {
 };
 
 // w_i = exp((x_i - shift) * scale) over x[0, n): the sum per span of the weights of the logits
-// >= floor into span_sum[n / kSpan rounded up], and every weight into out[n] when Store.
-template <class V, bool Store>
+// >= floor into span_sum[n / kSpan rounded up], of all of them into span_all[] when that is
+// not null, and every weight into out[n] when Store.
+// Without a floor (Floor false) the masked sum is skipped: kept is all. The argument of the
+// exp is one fused multiply-add, x_i k - shift k with k = scale log2(e): the rounding of
+// shift k scales every weight by the same factor, which the normalisation removes.
+template <class V, bool Store, bool Floor>
 [[gnu::always_inline]] inline Sums weigh_v(const float* x, int n, float shift, float scale,
-                                           float floor, float* out, double* span_sum) {
+                                           float floor, float* out, double* span_sum,
+                                           double* span_all) {
   constexpr int N = Lanes<V>::n;
-  const V s = splat<V>(shift), k = splat<V>(scale), fl = splat<V>(floor);
+  const float k = scale * kLog2e;
+  const V kv = splat<V>(k), sk = splat<V>(shift * k), fl = splat<V>(floor);
   Sums t;
   for (int b0 = 0; b0 < n; b0 += kSpan) {
     const int b1 = std::min(n, b0 + kSpan);
@@ -113,23 +139,37 @@ template <class V, bool Store>
     int i = b0;
     for (; i + N <= b1; i += N) {
       const V l = load<V>(x + i);
-      const V w = fast_exp((l - s) * k);
+      const V w = exp2_neg(l * kv - sk);
       if constexpr (Store) std::memcpy(out + i, &w, sizeof w);
       a += w;
-      m += l >= fl ? w : V{};
+      if constexpr (Floor) m += l >= fl ? w : V{};
     }
-    double all = hsum(a), kept = hsum(m);
+    double all = hsum(a), kept = Floor ? hsum(m) : 0.0;
     for (; i < b1; ++i) {
-      const float w = fast_exp(splat((x[i] - shift) * scale))[0];
+      const float w = exp2_neg(splat(x[i] * k - shift * k))[0];
       if constexpr (Store) out[i] = w;
       all += w;
-      if (x[i] >= floor) kept += w;
+      if (Floor && x[i] >= floor) kept += w;
     }
+    if constexpr (!Floor) kept = all;
     span_sum[b0 / kSpan] = kept;
+    if (span_all) span_all[b0 / kSpan] = all;
     t.all += all;
     t.kept += kept;
   }
   return t;
+}
+template <class V>
+[[gnu::always_inline]] inline Sums weigh_any(const float* x, int n, float shift, float scale,
+                                             float floor, float* out, double* span_sum,
+                                             double* span_all) {
+  const bool has_floor = floor > -std::numeric_limits<float>::infinity();
+  if (out) {
+    return has_floor ? weigh_v<V, true, true>(x, n, shift, scale, floor, out, span_sum, span_all)
+                     : weigh_v<V, true, false>(x, n, shift, scale, floor, out, span_sum, span_all);
+  }
+  return has_floor ? weigh_v<V, false, true>(x, n, shift, scale, floor, out, span_sum, span_all)
+                   : weigh_v<V, false, false>(x, n, shift, scale, floor, out, span_sum, span_all);
 }
 
 struct Mass {
@@ -137,8 +177,8 @@ struct Mass {
   int count = 0;   // of the logits
 };
 
-// The weights w_i and the number of the logits x_i >= t over [begin, end).
-template <class V>
+// The weights w_i and (when Count) the number of the logits x_i >= t over [begin, end).
+template <class V, bool Count>
 [[gnu::always_inline]] inline Mass mass_v(const float* x, const float* w, int begin, int end,
                                           float t) {
   constexpr int N = Lanes<V>::n;
@@ -153,7 +193,7 @@ template <class V>
     for (; i + N <= b1; i += N) {
       const auto in = load<V>(x + i) >= tv;
       a += in ? load<V>(w + i) : V{};
-      c -= in;  // a true lane is -1
+      if constexpr (Count) c -= in;  // a true lane is -1
     }
     double sum = hsum(a);
     for (; i < b1; ++i)
@@ -170,43 +210,45 @@ template <class V>
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KESTREL_SAMPLER_AVX2 1
 [[gnu::target("avx2,fma")]] Sums weigh_avx2(const float* x, int n, float shift, float scale,
-                                            float floor, float* out, double* span_sum) {
-  return out ? weigh_v<f32x8, true>(x, n, shift, scale, floor, out, span_sum)
-             : weigh_v<f32x8, false>(x, n, shift, scale, floor, out, span_sum);
+                                            float floor, float* out, double* span_sum,
+                                            double* span_all) {
+  return weigh_any<f32x8>(x, n, shift, scale, floor, out, span_sum, span_all);
 }
 [[gnu::target("avx512f")]] Sums weigh_avx512(const float* x, int n, float shift, float scale,
-                                             float floor, float* out, double* span_sum) {
-  return out ? weigh_v<f32x16, true>(x, n, shift, scale, floor, out, span_sum)
-             : weigh_v<f32x16, false>(x, n, shift, scale, floor, out, span_sum);
+                                             float floor, float* out, double* span_sum,
+                                             double* span_all) {
+  return weigh_any<f32x16>(x, n, shift, scale, floor, out, span_sum, span_all);
 }
 [[gnu::target("avx2,fma")]] Mass mass_avx2(const float* x, const float* w, int begin, int end,
-                                           float t) {
-  return mass_v<f32x8>(x, w, begin, end, t);
+                                           float t, bool count) {
+  return count ? mass_v<f32x8, true>(x, w, begin, end, t)
+               : mass_v<f32x8, false>(x, w, begin, end, t);
 }
 [[gnu::target("avx512f")]] Mass mass_avx512(const float* x, const float* w, int begin, int end,
-                                            float t) {
-  return mass_v<f32x16>(x, w, begin, end, t);
+                                            float t, bool count) {
+  return count ? mass_v<f32x16, true>(x, w, begin, end, t)
+               : mass_v<f32x16, false>(x, w, begin, end, t);
 }
 const bool kHaveAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 const bool kHaveAvx512 = __builtin_cpu_supports("avx512f");
 #endif
 
 Sums weigh(const float* x, int n, float shift, float scale, float floor, float* out,
-           double* span_sum) {
+           double* span_sum, double* span_all = nullptr) {
 #ifdef KESTREL_SAMPLER_AVX2
-  if (kHaveAvx512) return weigh_avx512(x, n, shift, scale, floor, out, span_sum);
-  if (kHaveAvx2) return weigh_avx2(x, n, shift, scale, floor, out, span_sum);
+  if (kHaveAvx512) return weigh_avx512(x, n, shift, scale, floor, out, span_sum, span_all);
+  if (kHaveAvx2) return weigh_avx2(x, n, shift, scale, floor, out, span_sum, span_all);
 #endif
-  return out ? weigh_v<f32x4, true>(x, n, shift, scale, floor, out, span_sum)
-             : weigh_v<f32x4, false>(x, n, shift, scale, floor, out, span_sum);
+  return weigh_any<f32x4>(x, n, shift, scale, floor, out, span_sum, span_all);
 }
 
-Mass mass_from(const float* x, const float* w, int begin, int end, float t) {
+Mass mass_from(const float* x, const float* w, int begin, int end, float t, bool count) {
 #ifdef KESTREL_SAMPLER_AVX2
-  if (kHaveAvx512) return mass_avx512(x, w, begin, end, t);
-  if (kHaveAvx2) return mass_avx2(x, w, begin, end, t);
+  if (kHaveAvx512) return mass_avx512(x, w, begin, end, t, count);
+  if (kHaveAvx2) return mass_avx2(x, w, begin, end, t, count);
 #endif
-  return mass_v<f32x4>(x, w, begin, end, t);
+  return count ? mass_v<f32x4, true>(x, w, begin, end, t)
+               : mass_v<f32x4, false>(x, w, begin, end, t);
 }
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -216,19 +258,40 @@ inline f32x4 block_max(const float* x) {
   return vmax(vmax(load4(x), load4(x + 4)), vmax(load4(x + 8), load4(x + 12)));
 }
 
-float max_of(const float* x, int n) {
-  float best = -std::numeric_limits<float>::infinity();
+// The largest of x[0, n), with vectors V and four accumulators.
+template <class V>
+[[gnu::always_inline]] inline float max_v(const float* x, int n) {
+  constexpr int N = Lanes<V>::n;
+  float best = -kInf;
   int i = 0;
-  if (n >= kBlock) {
-    f32x4 m0 = block_max(x), m1 = m0;
-    for (i = kBlock; i + 2 * kBlock <= n; i += 2 * kBlock) {
-      m0 = vmax(m0, block_max(x + i));
-      m1 = vmax(m1, block_max(x + i + kBlock));
+  if (n >= 4 * N) {
+    V m0 = load<V>(x), m1 = load<V>(x + N), m2 = load<V>(x + 2 * N), m3 = load<V>(x + 3 * N);
+    for (i = 4 * N; i + 4 * N <= n; i += 4 * N) {
+      m0 = vmax(m0, load<V>(x + i));
+      m1 = vmax(m1, load<V>(x + i + N));
+      m2 = vmax(m2, load<V>(x + i + 2 * N));
+      m3 = vmax(m3, load<V>(x + i + 3 * N));
     }
-    best = hmax(vmax(m0, m1));
+    const V m = vmax(vmax(m0, m1), vmax(m2, m3));
+    for (int j = 0; j < N; ++j) best = m[j] > best ? m[j] : best;
   }
   for (; i < n; ++i) best = x[i] > best ? x[i] : best;
   return best;
+}
+
+#ifdef KESTREL_SAMPLER_AVX2
+[[gnu::target("avx2")]] float max_avx2(const float* x, int n) { return max_v<f32x8>(x, n); }
+[[gnu::target("avx512f")]] float max_avx512(const float* x, int n) {
+  return max_v<f32x16>(x, n);
+}
+#endif
+
+float max_of(const float* x, int n) {
+#ifdef KESTREL_SAMPLER_AVX2
+  if (kHaveAvx512) return max_avx512(x, n);
+  if (kHaveAvx2) return max_avx2(x, n);
+#endif
+  return max_v<f32x4>(x, n);
 }
 
 // c.w = exp((c.logit - shift) * scale) for every candidate, four at a time; returns the sum.
@@ -375,8 +438,9 @@ int Sampler::sample(float* logits, int vocab, const std::vector<int>& history) {
   return sample_by_mass(logits, vocab);
 }
 
-// Top-k first: the other cut-offs then work on k candidates.
-int Sampler::sample_top_k(const float* logits, int vocab) {
+// Top-k first: the other cut-offs then work on k candidates, which are left in cand_ with their
+// weights at the temperature; returns the weights' sum.
+double Sampler::truncate_top_k(const float* logits, int vocab) {
   if (cand_.capacity() < (size_t)vocab) cand_.reserve(vocab);
   select_top_k(logits, vocab, p_.top_k);
   float max_logit = cand_[0].logit;
@@ -388,13 +452,17 @@ int Sampler::sample_top_k(const float* logits, int vocab) {
     const float threshold = max_logit + std::log(p_.min_p);
     std::erase_if(cand_, [&](const Cand& c) { return c.logit < threshold; });
   }
-  if (cand_.size() == 1) return cand_[0].id;
-  double total = 0;
   if (p_.temperature == 1.0f) {
+    double total = 0;
     for (const Cand& c : cand_) total += c.w;
-  } else {
-    total = weigh_cands(cand_, max_logit, 1.0f / p_.temperature);
+    return total;
   }
+  return weigh_cands(cand_, max_logit, 1.0f / p_.temperature);
+}
+
+int Sampler::sample_top_k(const float* logits, int vocab) {
+  const double total = truncate_top_k(logits, vocab);
+  if (cand_.size() == 1) return cand_[0].id;
   double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
   for (const Cand& c : cand_) {
     r -= c.w;
@@ -417,9 +485,9 @@ int Sampler::sample_by_mass(const float* logits, int vocab) {
   const float inv_t = 1.0f / p_.temperature;
   const float floor = p_.min_p > 0.0f ? m + std::log(p_.min_p) : -kInf;
   const int n_spans = (vocab + kSpan - 1) / kSpan;
-  if (spans_.size() < 2 * (size_t)n_spans) spans_.resize(2 * n_spans);
-  double* at_one = spans_.data();          // span sums at temperature 1
-  double* at_t = spans_.data() + n_spans;  // span sums at the temperature
+  if (spans_.size() < 3 * (size_t)n_spans) spans_.resize(3 * n_spans);
+  double* at_one = spans_.data();          // span sums at temperature 1, above the floor
+  double* at_t = spans_.data() + n_spans;  // span sums at the temperature, above the floor
   if (p_.top_p >= 1.0f) {
     const Sums s = weigh(logits, vocab, m, inv_t, floor, nullptr, at_t);
     return draw(logits, vocab, nullptr, at_t, m, inv_t, floor, s.kept);
@@ -428,13 +496,16 @@ int Sampler::sample_by_mass(const float* logits, int vocab) {
 
   if ((int)buf_.size() < vocab) buf_.resize(vocab);
   float* w = buf_.data();
-  const Sums one = weigh(logits, vocab, m, 1.0f, floor, w, at_one);
+  const Sums one = weigh(logits, vocab, m, 1.0f, floor, w, at_one, spans_.data() + 2 * n_spans);
   const double need = p_.top_p * one.all;
   // Below temperature 1 a draw at temperature 1 accepted with probability
   // exp((l - max) (1/T - 1)) <= 1 is a draw at the temperature, and saves the second exp
-  // pass; after a few refusals (a low temperature) that pass is made after all.
+  // pass; after a few refusals (a low temperature) that pass is made after all. Giving up on
+// draws after a fixed number of them keeps the result exact: an accepted draw follows the
+// target distribution whichever attempt it came from, and so does the explicit nucleus.
   double total_t = -1;
   int refused = 0, tested = 0;
+  float outside = -kInf;  // the largest logit found outside the nucleus: the cut is not below
   while (tested < kNucleusTests) {
     int x;
     if (inv_t >= 1.0f && refused < kTemperatureRefusals) {
@@ -451,12 +522,77 @@ int Sampler::sample_by_mass(const float* logits, int vocab) {
       x = draw(logits, vocab, nullptr, at_t, m, inv_t, floor, total_t);
     }
     ++tested;
-    const float l = logits[x];
-    const double ahead = mass_from(logits, w, 0, x, l).sum +
-                         mass_from(logits, w, x + 1, vocab, std::nextafter(l, kInf)).sum;
-    if (ahead < need) return x;
+    if (in_nucleus(logits, vocab, x, need, one.all)) return x;
+    outside = std::max(outside, logits[x]);
   }
-  return draw_from_nucleus(logits, vocab, m, floor, need);
+  return draw_from_nucleus(logits, vocab, m, floor, need, outside);
+}
+
+// Whether the mass at temperature 1 of the tokens ahead of x in llama.cpp's order (larger
+// logit, or equal logit and lower id) is below `need`, from the weights in buf_ and the sums
+// of all weights per span (the last third of spans_, `total` theirs). The spans are visited
+// in order, and the walk stops as soon as the answer is known: the mass ahead has reached
+// `need` (sums of weights >= 0 only grow, so that is final), or the mass ahead so far plus
+// everything not yet visited stays below it (with a margin far above the rounding of the
+// sums, so that the answer is the one the whole walk gives). For top-p 0.95 and a likely
+// token that happens within the first spans.
+bool Sampler::in_nucleus(const float* logits, int vocab, int x, double need, double total) const {
+  const int n_spans = (vocab + kSpan - 1) / kSpan;
+  const double* span_all = spans_.data() + 2 * n_spans;
+  const float* w = buf_.data();
+  const float l = logits[x], above = std::nextafter(l, kInf);
+  const double sure = need * (1.0 - 1e-6);
+  double ahead = 0, rest = total;
+  for (int b = 0; b < n_spans; ++b) {
+    const int b0 = b * kSpan, b1 = std::min(vocab, b0 + kSpan);
+    if (b1 <= x) {
+      ahead += mass_from(logits, w, b0, b1, l, false).sum;
+    } else if (b0 > x) {
+      ahead += mass_from(logits, w, b0, b1, above, false).sum;
+    } else {
+      ahead += mass_from(logits, w, b0, x, l, false).sum +
+               mass_from(logits, w, x + 1, b1, above, false).sum;
+    }
+    rest -= span_all[b];
+    if (ahead >= need) return false;
+    if (ahead + rest < sure) return true;
+  }
+  return ahead < need;
+}
+
+std::vector<double> Sampler::distribution(const float* logits, int vocab) {
+  std::vector<double> prob(vocab, 0.0);
+  if (p_.temperature <= 0.0f || (p_.top_p <= 0.0f && !(p_.top_k > 0 && p_.top_k < vocab))) {
+    prob[argmax(logits, vocab)] = 1.0;
+    return prob;
+  }
+  if (p_.top_k > 0 && p_.top_k < vocab) {
+    const double total = truncate_top_k(logits, vocab);
+    for (const Cand& c : cand_) prob[c.id] = c.w / total;
+    return prob;
+  }
+  // Token by token, through the same floor and nucleus test as sample_by_mass.
+  const float m = max_of(logits, vocab);
+  const float floor = p_.min_p > 0.0f ? m + std::log(p_.min_p) : -kInf;
+  const int n_spans = (vocab + kSpan - 1) / kSpan;
+  if (spans_.size() < 3 * (size_t)n_spans) spans_.resize(3 * n_spans);
+  std::vector<float> at_t(vocab);
+  weigh(logits, vocab, m, 1.0f / p_.temperature, floor, at_t.data(), spans_.data());
+  double need = 0, z = 0;
+  if (p_.top_p < 1.0f) {
+    if ((int)buf_.size() < vocab) buf_.resize(vocab);
+    z = weigh(logits, vocab, m, 1.0f, floor, buf_.data(), spans_.data(),
+              spans_.data() + 2 * n_spans).all;
+    need = p_.top_p * z;
+  }
+  double total = 0;
+  for (int i = 0; i < vocab; ++i) {
+    if (!(logits[i] >= floor)) continue;
+    if (p_.top_p < 1.0f && !in_nucleus(logits, vocab, i, need, z)) continue;
+    total += prob[i] = at_t[i];
+  }
+  for (double& q : prob) q /= total;
+  return prob;
 }
 
 // Picks a token by the span sums span_sum (of the weights exp((l - shift) * scale) of the
@@ -493,24 +629,34 @@ int Sampler::draw(const float* x, int n, const float* w, const double* span_sum,
 }
 
 // The nucleus made explicit, for the calls where draws kept falling outside it (a small top-p
-// or a high temperature): a bisection on the logit value narrows the cut to a few logits
+// or a high temperature): a search on the logit value narrows the cut to a few logits
 // (bounded by the mass >= lo reaching `need` and the mass >= hi not), those are ordered by
 // logit and id, and the draw at the temperature covers the logits >= hi and the kept ones of
 // the few. Expects buf_ to hold the weights at temperature 1.
-int Sampler::draw_from_nucleus(const float* logits, int vocab, float m, float floor, double need) {
+int Sampler::draw_from_nucleus(const float* logits, int vocab, float m, float floor, double need,
+                               float outside) {
   const float* w = buf_.data();
-  // Below m - 64 a weight is under 2^-92: the whole vocabulary there cannot reach 1 - top_p
-  // of a total >= 1 at float precision, so the cut lies above.
-  float lo = m - 64.0f, hi = std::nextafter(m, kInf);
-  Mass at_lo = mass_from(logits, w, 0, vocab, lo), at_hi;
+  // A token outside the nucleus has at least `need` ahead of it, so the mass >= its logit
+  // reaches `need`. Failing one, below m - 64 a weight is under 2^-92: the whole vocabulary
+  // there cannot reach 1 - top_p of a total >= 1 at float precision, so the cut lies above.
+  float lo = std::max(outside, m - 64.0f), hi = std::nextafter(m, kInf);
+  Mass at_lo = mass_from(logits, w, 0, vocab, lo, true), at_hi;
+  if (at_lo.sum < need && lo > m - 64.0f) {
+    lo = m - 64.0f;
+    at_lo = mass_from(logits, w, 0, vocab, lo, true);
+  }
   cand_.clear();
   if (at_lo.sum < need) {
     hi = -kInf;  // rounding put the whole vocabulary short of `need`: every token is kept
   } else {
     while (at_lo.count - at_hi.count > kFewAtTheCut) {
-      const float mid = lo + 0.5f * (hi - lo);
+      // The mass >= t is near linear in t over a short bracket: interpolate, but move at
+      // least a tenth of the bracket from either end, so it shrinks geometrically anyway.
+      const double frac = std::clamp((at_lo.sum - need) / (at_lo.sum - at_hi.sum), 0.1, 0.9);
+      float mid = lo + (float)frac * (hi - lo);
+      if (!(mid > lo && mid < hi)) mid = lo + 0.5f * (hi - lo);
       if (!(mid > lo && mid < hi)) break;  // lo and hi adjacent floats: one value between
-      const Mass at = mass_from(logits, w, 0, vocab, mid);
+      const Mass at = mass_from(logits, w, 0, vocab, mid, true);
       if (at.sum >= need) {
         lo = mid;
         at_lo = at;

@@ -3,10 +3,12 @@
 // temperature, and a draw from the seeded generator. temperature 0 means greedy (argmax).
 //
 // sample() runs once per generated token on the host, between two decode steps, so it is
-// built to cost a small fraction of one: no allocation after the first call, top-k by a
-// threshold scan instead of a sort, top-p by a mass-weighted selection instead of sorting
-// the nucleus, and exp over the whole vocabulary only where the method needs the full
-// normaliser (top-p without top-k), through a vectorisable polynomial.
+// built to cost a small fraction of one (under 2% of a 7B decode step, whatever the
+// cut-offs): no allocation after the first call and no sort of the vocabulary. Top-k is a
+// threshold scan. Without top-k, min-p is a floor on the logit, the draw walks the weight
+// sums of spans of 256 logits from one vectorised exp pass, and top-p tests only the drawn
+// token: it belongs to the nucleus exactly when the mass ahead of it is below top_p of the
+// total, one more pass over the stored weights (see sample_by_mass in sampler.cpp).
 #pragma once
 
 #include <cstdint>
@@ -38,6 +40,12 @@ class Sampler {
   // The penalties alone, as sample() applies them (exposed for tests and logprobs).
   void apply_penalties(float* logits, int vocab, const std::vector<int>& history);
 
+  // The probability sample() gives each token of these logits (after penalties), 0 outside
+  // the kept set, through the same cut-offs and weights as sample() but without a draw. For
+  // tests and diagnostics: it allocates, and without top-k it tests every token's place in
+  // the nucleus with a pass over the vocabulary (quadratic).
+  std::vector<double> distribution(const float* logits, int vocab);
+
  private:
   struct Cand {
     float logit;
@@ -46,18 +54,20 @@ class Sampler {
   };
   void select_top_k(const float* logits, int vocab, int k);
   void keep_nucleus(double need);
+  double truncate_top_k(const float* logits, int vocab);
   int sample_top_k(const float* logits, int vocab);
+  bool in_nucleus(const float* logits, int vocab, int x, double need, double total) const;
   int sample_by_mass(const float* logits, int vocab);
   int draw(const float* x, int n, const float* w, const double* span_sum, float shift,
            float scale, float floor, double total);
   int draw_from_nucleus(const float* logits, int vocab, float max_logit, float floor,
-                        double need);
+                        double need, float outside);
 
   // Draws tested against the nucleus before it is made explicit, and draws at temperature 1
   // refused for a temperature below 1 before the weights at the temperature are computed.
   static constexpr int kNucleusTests = 4;
   static constexpr int kTemperatureRefusals = 8;
-  // The bisection for an explicit nucleus stops with this many logits or fewer at the cut.
+  // The search for an explicit nucleus stops with this many logits or fewer at the cut.
   static constexpr int kFewAtTheCut = 64;
 
   SamplingParams p_;
@@ -65,7 +75,9 @@ class Sampler {
   std::vector<int> counts_;     // [vocab], zero between calls
   std::vector<Cand> cand_;      // candidates of the current call
   std::vector<float> buf_;      // [vocab] scratch: block maxima, or weights at temperature 1
-  std::vector<double> spans_;   // weight sums per span of logits, at 1 and at the temperature
+  // Weight sums per span of logits: at temperature 1 above the min-p floor, at the
+  // temperature above the floor, and at temperature 1 over all logits.
+  std::vector<double> spans_;
 };
 
 // Index of the largest value (the first one on ties).

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
@@ -212,6 +213,226 @@ TEST(Sampler, TemperatureSharpens) {
     const double want = (i + 1) * (i + 1) / 30.0;
     const double f = (h.count(i) ? h.at(i) : 0) / (double)draws;
     EXPECT_NEAR(f, want, 5 * std::sqrt(want * (1 - want) / draws)) << "token " << i;
+  }
+}
+
+// llama.cpp's chain written the plain way, in double: order by logit (ties by id), top-k,
+// softmax, the top-p prefix (a token stays while the mass ahead of it is below p), min-p
+// against the top token, the temperature, normalise. Tokens whose mass ahead lies within
+// fp32 rounding of the top-p cut could fall either way in the sampler's float arithmetic;
+// `borderline` says whether there were any.
+std::vector<double> reference(const std::vector<float>& l, const SamplingParams& p,
+                              bool* borderline) {
+  const int n = (int)l.size();
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return l[a] != l[b] ? l[a] > l[b] : a < b; });
+  if (p.top_k > 0 && p.top_k < n) order.resize(p.top_k);
+  const double m = l[order[0]];
+  double z = 0;
+  for (int id : order) z += std::exp(l[id] - m);
+  *borderline = false;
+  if (p.top_p < 1.0f) {
+    const double need = (double)p.top_p * z;
+    double ahead = 0;
+    size_t keep = order.size();
+    for (size_t j = 0; j < order.size(); ++j) {
+      if (std::abs(ahead - need) <= 1e-5 * z) *borderline = true;
+      if (j > 0 && !(ahead < need)) {
+        keep = j;
+        break;
+      }
+      ahead += std::exp(l[order[j]] - m);
+    }
+    order.resize(keep);
+  }
+  if (p.min_p > 0.0f) {
+    const float floor = (float)m + std::log(p.min_p);  // as llama.cpp, in float
+    std::erase_if(order, [&](int id) { return l[id] < floor; });
+  }
+  std::vector<double> prob(n, 0.0);
+  double total = 0;
+  for (int id : order) total += prob[id] = std::exp((l[id] - m) / p.temperature);
+  for (double& q : prob) q /= total;
+  return prob;
+}
+
+SamplingParams params(int top_k, float top_p, float min_p, float temp) {
+  SamplingParams p;
+  p.top_k = top_k;
+  p.top_p = top_p;
+  p.min_p = min_p;
+  p.temperature = temp;
+  return p;
+}
+
+// Cut-offs across the paths: top-k, top-p with and without min-p at temperatures below,
+// at and above 1, min-p alone, no truncation, and top-p small enough that draws often land
+// outside the nucleus (the explicit nucleus).
+const std::vector<SamplingParams> kConfigs = {
+    params(0, 0.95f, 0.05f, 0.8f), params(0, 0.95f, 0.0f, 0.8f), params(0, 1.0f, 0.0f, 0.8f),
+    params(0, 1.0f, 0.05f, 1.3f),  params(0, 0.5f, 0.0f, 1.0f),  params(0, 0.9f, 0.1f, 2.0f),
+    params(0, 0.1f, 0.0f, 0.7f),   params(40, 0.95f, 0.05f, 0.8f), params(200, 0.9f, 0.0f, 1.5f),
+};
+
+// Logits of several shapes: flat, peaked, a few spikes over a flat floor, coarse steps (many
+// ties), and flat with a tenth masked to -inf.
+std::vector<float> shaped_logits(int shape, int n, uint64_t seed) {
+  std::vector<float> l = random_logits(n, shape == 1 ? 5.0f : 1.0f, seed);
+  std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull);
+  std::uniform_int_distribution<int> any(0, n - 1);
+  if (shape == 2)
+    for (int i = 0; i < 3; ++i) l[any(rng)] += 8.0f + i;
+  if (shape == 3)
+    for (float& x : l) x = std::round(x * 2.0f) / 2.0f;
+  if (shape == 4)
+    for (int i = 0; i < n / 10; ++i) l[any(rng)] = -std::numeric_limits<float>::infinity();
+  return l;
+}
+
+// The kept set and the probabilities of every token equal the sorted reference's, for many
+// logit vectors and every configuration.
+TEST(Sampler, DistributionEqualsASortedReference) {
+  int compared = 0, skipped = 0;
+  for (int shape = 0; shape < 5; ++shape) {
+    for (int n : {1000, 3001}) {
+      for (uint64_t seed = 0; seed < 4; ++seed) {
+        const std::vector<float> logits = shaped_logits(shape, n, 1000 * shape + 10 * n + seed);
+        for (size_t c = 0; c < kConfigs.size(); ++c) {
+          bool borderline;
+          const std::vector<double> want = reference(logits, kConfigs[c], &borderline);
+          if (borderline) {
+            ++skipped;
+            continue;
+          }
+          Sampler s(kConfigs[c]);
+          const std::vector<double> got = s.distribution(logits.data(), n);
+          ASSERT_EQ(got.size(), (size_t)n);
+          for (int i = 0; i < n; ++i) {
+            ASSERT_EQ(got[i] > 0, want[i] > 0) << "shape " << shape << " n " << n << " seed "
+                                               << seed << " config " << c << " token " << i;
+            ASSERT_NEAR(got[i], want[i], 1e-5 * want[i] + 1e-12)
+                << "shape " << shape << " config " << c << " token " << i;
+          }
+          ++compared;
+        }
+      }
+    }
+  }
+  EXPECT_LE(skipped, compared / 20);  // the borderline cases are rare, or the test says little
+}
+
+// The same at the full vocabulary size, the shapes the benchmark measures.
+TEST(Sampler, DistributionOverAFullVocabularyEqualsTheReference) {
+  for (float sigma : {1.0f, 2.5f, 5.0f}) {
+    const std::vector<float> logits = random_logits(32000, sigma, 4242);
+    for (size_t c = 0; c < 3; ++c) {
+      bool borderline;
+      const std::vector<double> want = reference(logits, kConfigs[c], &borderline);
+      if (borderline) continue;
+      Sampler s(kConfigs[c]);
+      const std::vector<double> got = s.distribution(logits.data(), 32000);
+      int kept = 0;
+      for (int i = 0; i < 32000; ++i) {
+        ASSERT_EQ(got[i] > 0, want[i] > 0) << "sigma " << sigma << " config " << c << " " << i;
+        ASSERT_NEAR(got[i], want[i], 1e-5 * want[i] + 1e-12);
+        kept += want[i] > 0;
+      }
+      EXPECT_GT(kept, 1) << "sigma " << sigma << " config " << c;
+    }
+  }
+}
+
+// Pearson's statistic of the counts against the probabilities, cells with an expectation below
+// 5 pooled; and the number of degrees of freedom. Any draw of a token with probability 0 fails.
+std::pair<double, int> chi_square(const std::vector<int>& counts, const std::vector<double>& prob,
+                                  int draws) {
+  double stat = 0, pooled_e = 0;
+  int pooled_o = 0, cells = 0;
+  for (size_t i = 0; i < prob.size(); ++i) {
+    if (prob[i] == 0) {
+      EXPECT_EQ(counts[i], 0) << "token " << i << " has probability 0";
+      continue;
+    }
+    const double e = prob[i] * draws;
+    if (e < 5) {
+      pooled_e += e;
+      pooled_o += counts[i];
+      continue;
+    }
+    stat += (counts[i] - e) * (counts[i] - e) / e;
+    ++cells;
+  }
+  if (pooled_e > 0) {
+    stat += (pooled_o - pooled_e) * (pooled_o - pooled_e) / pooled_e;
+    ++cells;
+  }
+  return {stat, cells - 1};
+}
+
+// The draws follow the reference probabilities: a chi-square bound six standard deviations
+// above its mean, and no draw outside the kept set.
+TEST(Sampler, DrawFrequenciesMatchTheReference) {
+  const int n = 300, draws = 60000;
+  for (int shape : {0, 3, 4}) {
+    const std::vector<float> logits = shaped_logits(shape, n, 77 + shape);
+    for (size_t c = 0; c < kConfigs.size(); ++c) {
+      bool borderline;
+      const std::vector<double> want = reference(logits, kConfigs[c], &borderline);
+      if (borderline) continue;
+      SamplingParams p = kConfigs[c];
+      p.seed = 1000 + c;
+      Sampler s(p);
+      std::vector<int> counts(n, 0);
+      std::vector<float> l;
+      for (int i = 0; i < draws; ++i) {
+        l = logits;
+        ++counts[s.sample(l.data(), n, {})];
+      }
+      const auto [stat, dof] = chi_square(counts, want, draws);
+      if (dof == 0) continue;
+      EXPECT_LT(stat, dof + 6 * std::sqrt(2.0 * dof)) << "shape " << shape << " config " << c;
+    }
+  }
+}
+
+// Equal logits order by id: top-p 0.5 over 100 of them keeps exactly the first 50 (the mass
+// ahead of token 50 is 50/100, not below 0.5), and half of the draws land outside, so the
+// explicit nucleus is used too.
+TEST(Sampler, TopPOverEqualLogitsKeepsTheLowestIds) {
+  const std::vector<float> logits(100, 0.25f);
+  SamplingParams p = params(0, 0.5f, 0.0f, 0.9f);
+  Sampler s(p);
+  const std::vector<double> prob = s.distribution(logits.data(), 100);
+  for (int i = 0; i < 100; ++i) EXPECT_DOUBLE_EQ(prob[i], i < 50 ? 1.0 / 50 : 0.0) << i;
+  std::vector<int> counts(100, 0);
+  std::vector<float> l;
+  for (int i = 0; i < 20000; ++i) {
+    l = logits;
+    ++counts[s.sample(l.data(), 100, {})];
+  }
+  for (int i = 0; i < 100; ++i) {
+    if (i < 50) {
+      EXPECT_NEAR(counts[i], 400, 5 * std::sqrt(400.0)) << i;
+    } else {
+      EXPECT_EQ(counts[i], 0) << i;
+    }
+  }
+}
+
+// A token masked with -inf is never drawn, whatever the cut-offs.
+TEST(Sampler, MaskedTokensAreNeverDrawn) {
+  std::vector<float> logits = random_logits(2000, 1.0f, 9);
+  for (int i = 0; i < 2000; i += 2) logits[i] = -std::numeric_limits<float>::infinity();
+  for (const SamplingParams& c : kConfigs) {
+    Sampler s(c);
+    std::vector<float> l;
+    for (int i = 0; i < 2000; ++i) {
+      l = logits;
+      const int id = s.sample(l.data(), 2000, {});
+      ASSERT_EQ(id % 2, 1) << "top_k " << c.top_k << " top_p " << c.top_p << " min_p " << c.min_p;
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <fmt/format.h>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -29,6 +30,8 @@ int main(int argc, char** argv) {
   app.add_option("--vocab", vocab, "vocabulary size")->check(CLI::PositiveNumber);
   app.add_option("--calls", calls, "timed calls per configuration")->check(CLI::PositiveNumber);
   app.add_option("--sigma", sigmas, "standard deviations of the logits (repeatable)");
+  std::string only;
+  app.add_option("--only", only, "run only the configurations whose name contains this");
   CLI11_PARSE(app, argc, argv);
 
   kestrel::SamplingParams def;  // Kestrel's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05
@@ -42,6 +45,16 @@ int main(int argc, char** argv) {
     configs.push_back({"top-k 0, top-p 0.95, min-p 0", p});
     p.top_p = 1;
     configs.push_back({"no truncation (full vocabulary)", p});
+    // Where draws at temperature 1 cannot stand in for draws at the temperature, and where
+    // many draws land outside a small nucleus (which is then made explicit).
+    p = def;
+    p.top_k = 0;
+    p.min_p = 0;
+    p.temperature = 1.5f;
+    configs.push_back({"top-k 0, top-p 0.95, min-p 0, temp 1.5", p});
+    p.temperature = def.temperature;
+    p.top_p = 0.5f;
+    configs.push_back({"top-k 0, top-p 0.5, min-p 0", p});
   }
   {
     auto p = def;
@@ -69,6 +82,7 @@ int main(int argc, char** argv) {
       for (float& x : s) x = normal(rng);
     std::vector<float> logits(vocab);
     for (const Config& c : configs) {
+      if (c.name.find(only) == std::string::npos) continue;
       auto p = c.p;
       p.seed = 7;
       kestrel::Sampler sampler(p);
