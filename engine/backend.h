@@ -46,6 +46,12 @@ class Backend {
     return best;
   }
 
+  // Runs tokens[0..n) at positions pos.. (as forward) and writes
+  // nll[i] = -log p(targets[i] | tokens[0..i]) for targets[i] >= 0, and 0 otherwise. The
+  // default takes every token's logits to the host and the log-softmax in double; a GPU
+  // backend keeps the logits on the device and hands back one float per token.
+  virtual void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll);
+
   // Runs one decode step op by op with a timer around each, at `pos`. Empty where the
   // backend cannot (the CPU reference).
   virtual std::vector<OpTime> profile_step(int /*token*/, int /*pos*/) { return {}; }

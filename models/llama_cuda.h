@@ -82,9 +82,8 @@ class LlamaCuda final : public Backend {
   size_t weight_bytes() const override { return weight_bytes_; }
   size_t cache_bytes() const override { return cache_bytes_; }
 
-  // Perplexity without logits on the host: runs tokens[0..n) at positions pos.. (as forward)
-  // and writes nll[i] = -log p(targets[i] | tokens[0..i]) for targets[i] >= 0, 0 otherwise.
-  void forward_nll(const int* tokens, int n, int pos, const int* targets, float* nll);
+  // Log-softmax on the device: only one float per token reaches the host.
+  void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) override;
   // Tokens per prefill chunk (default 2048; tests shrink it to cross chunk boundaries).
   void set_prefill_chunk(int tokens);
 

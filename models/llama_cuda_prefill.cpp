@@ -188,14 +188,16 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
   }
 }
 
-void LlamaCuda::forward_nll(const int* tokens, int n, int pos, const int* targets, float* nll) {
+void LlamaCuda::forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) {
   KESTREL_CHECK(n > 0, "forward_nll: no tokens");
   KESTREL_CHECK(pos + n <= ctx_, fmt::format("{} tokens do not fit the context of {}", pos + n, ctx_));
   for (int i = 0; i < n; ++i)
     KESTREL_CHECK(targets[i] < cfg_.vocab,
                   fmt::format("target id {} at index {} is outside the vocabulary ({})", targets[i],
                               i, cfg_.vocab));
-  prefill(tokens, n, pos, nullptr, nullptr, targets, nll);
+  std::vector<float> nll32(n);  // the device's log-softmax is fp32
+  prefill(tokens, n, pos, nullptr, nullptr, targets, nll32.data());
+  std::copy(nll32.begin(), nll32.end(), nll);
 }
 
 }  // namespace kestrel

@@ -488,7 +488,7 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
   // The NLL head agrees with a log-softmax of the same engine's logits.
   std::vector<int> targets(n_prompt);
   for (int i = 0; i < n_prompt; ++i) targets[i] = i + 1 < n_prompt ? prompt[i + 1] : -1;
-  std::vector<float> nll(n_prompt);
+  std::vector<double> nll(n_prompt);
   chunked.forward_nll(prompt.data(), n_prompt, 0, targets.data(), nll.data());
   for (int i = 0; i + 1 < n_prompt; ++i) {
     const float* l = &all[(size_t)i * vocab];

@@ -29,6 +29,7 @@
 #include "engine/dtype.h"
 #include "engine/error.h"
 #include "engine/model_spec.h"
+#include "engine/perplexity.h"
 #include "engine/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/llama.h"
@@ -649,7 +650,7 @@ class EndToEnd : public ::testing::Test {
   }
   static double ppl(const fs::path& dir, const std::vector<int>& ids) {
     LlamaCpu m(load_model_spec(dir.string()), 128);
-    return perplexity(m, ids, 128, false).ppl;
+    return kestrel::perplexity(m, ids, 128, 0, false).ppl;
   }
   static fs::path* fp16_;
   static fs::path* calib_;

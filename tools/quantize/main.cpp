@@ -1,53 +1,22 @@
 // kestrel-quantize: GPTQ (or round-to-nearest) quantization of an FP16 Hugging Face Llama
-// model on calibration text, and perplexity evaluation of any model on the CPU engine.
+// model on calibration text (`kestrel perplexity` measures the result).
 // A thin command line over kestrel::quant.
 #include <exception>
-#include <fstream>
 #include <iostream>
-#include <iterator>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "engine/error.h"
-#include "engine/model_spec.h"
-#include "models/llama.h"
-#include "tokenizer/tokenizer.h"
 #include "tools/quantize/quantize.h"
 
 namespace {
-
-int eval_ppl(const std::string& file, const std::string& model_dir, int context, bool quiet) {
-  using namespace kestrel;
-  if (model_dir.empty()) throw Error("--eval-ppl needs -m MODEL_DIR");
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error(fmt::format("cannot read {}", file));
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const Tokenizer tok = Tokenizer::load(model_dir);
-  const ModelSpec spec = load_model_spec(model_dir);
-  for (const std::string& w : spec.warnings)
-    if (!quiet) std::cerr << "kestrel-quantize: warning: " << w << "\n";
-  if (context > spec.config.max_pos)
-    throw Error(fmt::format("-c {} is longer than the model's max_position_embeddings {}", context,
-                            spec.config.max_pos));
-  // Tokenized once, BOS at the start only (the GPTQ paper's protocol).
-  std::vector<int> ids = tok.encode(text, /*with_specials=*/false);
-  if (tok.add_bos()) ids.insert(ids.begin(), tok.bos_id());
-  LlamaCpu model(spec, context);
-  const quant::PerplexityResult r = quant::perplexity(model, ids, context, !quiet);
-  std::cout << fmt::format("perplexity {:.4f}  (mean NLL {:.6f} over {} windows of {} tokens, {} "
-                           "predictions; {} tokens; {:.1f} s)\n",
-                           r.ppl, r.mean_nll, r.windows, context, r.predictions, r.tokens,
-                           r.seconds);
-  return 0;
-}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   kestrel::quant::QuantizeOptions o;
-  std::string device = "cpu", eval_file;
-  int context = 2048;
+  std::string device = "cpu";
   bool quiet = false;
   CLI::App app{"kestrel-quantize: GPTQ quantization of an FP16 Hugging Face Llama model"};
   app.add_option("-m,--model", o.model_dir, "FP16 model directory (Hugging Face layout)");
@@ -67,9 +36,6 @@ int main(int argc, char** argv) {
   app.add_option("--method", o.method, "gptq or rtn (round to nearest)")->capture_default_str();
   app.add_option("--device", device, "cpu (cuda is not available in this build)")
       ->capture_default_str();
-  app.add_option("--eval-ppl", eval_file,
-                 "Instead of quantizing: perplexity of -m on this text file, windows of -c tokens");
-  app.add_option("-c,--ctx-size", context, "Window of --eval-ppl in tokens")->capture_default_str();
   app.add_flag("-q,--quiet", quiet, "No progress or per-layer lines");
 
   try {
@@ -84,7 +50,6 @@ int main(int argc, char** argv) {
       throw kestrel::Error("--device cuda is not available in this build; use --device cpu");
     if (device != "cpu")
       throw kestrel::Error(fmt::format("--device must be cpu or cuda, got {}", device));
-    if (!eval_file.empty()) return eval_ppl(eval_file, o.model_dir, context, quiet);
     if (o.model_dir.empty() || o.calib_file.empty() || o.out_dir.empty())
       throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required");
     o.progress = !quiet;

@@ -357,42 +357,4 @@ QuantizeReport quantize_model(const QuantizeOptions& o) {
   return report;
 }
 
-PerplexityResult perplexity(Backend& model, const std::vector<int>& ids, int context,
-                            bool progress) {
-  const auto t0 = Clock::now();
-  if (context < 2) throw Error(fmt::format("context must be at least 2 tokens, got {}", context));
-  if (context > model.context_length())
-    throw Error(fmt::format("context {} is longer than the model's {}", context,
-                            model.context_length()));
-  PerplexityResult r;
-  r.tokens = (int64_t)ids.size();
-  r.windows = r.tokens / context;
-  if (r.windows == 0)
-    throw Error(fmt::format("the text has {} tokens, fewer than one window of {}", r.tokens,
-                            context));
-  const size_t vocab = model.config().vocab;
-  std::vector<float> last(vocab), logits(context * vocab);  // [context, vocab]
-  double nll = 0.0;
-  Progress bar("perplexity", (double)r.windows, "windows", progress);
-  for (int64_t w = 0; w < r.windows; ++w) {
-    const int* tokens = ids.data() + w * context;
-    model.forward(tokens, context, 0, last.data(), logits.data());
-    for (int i = 0; i + 1 < context; ++i) {
-      const float* row = logits.data() + i * vocab;
-      float m = row[0];
-      for (size_t v = 1; v < vocab; ++v) m = std::max(m, row[v]);
-      double sum = 0.0;
-      for (size_t v = 0; v < vocab; ++v) sum += std::exp(row[v] - m);  // float exp: terms <= 1
-      nll += std::log(sum) + m - row[tokens[i + 1]];
-    }
-    bar.update((double)(w + 1));
-  }
-  bar.finish();
-  r.predictions = r.windows * (context - 1);
-  r.mean_nll = nll / (double)r.predictions;
-  r.ppl = std::exp(r.mean_nll);
-  r.seconds = seconds_since(t0);
-  return r;
-}
-
 }  // namespace kestrel::quant

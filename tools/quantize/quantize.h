@@ -57,17 +57,4 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 // Throws kestrel::Error with one line on bad options, models or files.
 QuantizeReport quantize_model(const QuantizeOptions& o);
 
-struct PerplexityResult {
-  double ppl = 0, mean_nll = 0;
-  int64_t tokens = 0;       // tokens of the text, with BOS
-  int64_t windows = 0;      // windows of `context` tokens (tail dropped)
-  int64_t predictions = 0;  // windows * (context - 1)
-  double seconds = 0;
-};
-
-// Perplexity over `ids` cut into windows of `context` tokens (tail dropped): each window
-// runs from position 0, its first context-1 tokens predict the next, ppl = exp(mean NLL).
-PerplexityResult perplexity(Backend& model, const std::vector<int>& ids, int context,
-                            bool progress);
-
 }  // namespace kestrel::quant

@@ -1,0 +1,46 @@
+#include "engine/perplexity.h"
+
+#include <chrono>
+#include <cmath>
+#include <fmt/format.h>
+
+#include "engine/error.h"
+#include "engine/progress.h"
+
+namespace kestrel {
+
+PerplexityResult perplexity(Backend& model, const std::vector<int>& ids, int window,
+                            int64_t max_windows, bool progress) {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (window < 2) throw Error(fmt::format("-c {}: a window needs at least 2 tokens", window));
+  if (window > model.context_length())
+    throw Error(fmt::format("a window of {} tokens is longer than the context of {}", window,
+                            model.context_length()));
+  PerplexityResult r;
+  r.tokens = (int64_t)ids.size();
+  r.windows_available = r.tokens / window;
+  if (r.windows_available == 0)
+    throw Error(fmt::format("{} tokens do not fill one window of {} (-c)", r.tokens, window));
+  r.windows = max_windows > 0 ? std::min(max_windows, r.windows_available) : r.windows_available;
+
+  std::vector<int> targets(window);
+  std::vector<double> nll(window);
+  double sum = 0;
+  Progress bar("perplexity", (double)r.windows, "windows", progress);
+  for (int64_t w = 0; w < r.windows; ++w) {
+    const int* t = ids.data() + w * window;
+    for (int i = 0; i + 1 < window; ++i) targets[i] = t[i + 1];
+    targets[window - 1] = -1;  // the last token predicts nothing inside the window
+    model.forward_nll(t, window, 0, targets.data(), nll.data());
+    for (int i = 0; i + 1 < window; ++i) sum += nll[i];
+    bar.update((double)(w + 1));
+  }
+  bar.finish();
+  r.predictions = r.windows * (window - 1);
+  r.mean_nll = sum / (double)r.predictions;
+  r.ppl = std::exp(r.mean_nll);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+}  // namespace kestrel
