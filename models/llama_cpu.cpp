@@ -77,19 +77,7 @@ LlamaCpu::LlamaCpu(const ModelSpec& spec, int context) : cfg_(spec.config) {
   head.weight = spec.lm_head;
   w_.lm_head = CpuLinear::load(head);
   w_.layers.reserve(cfg_.n_layers);
-  for (const LayerSpec& ls : spec.layers) {
-    CpuLayer l;
-    l.input_norm = to_float(*ls.input_norm);
-    l.post_norm = to_float(*ls.post_norm);
-    l.q = CpuLinear::load(ls.q);
-    l.k = CpuLinear::load(ls.k);
-    l.v = CpuLinear::load(ls.v);
-    l.o = CpuLinear::load(ls.o);
-    l.gate = CpuLinear::load(ls.gate);
-    l.up = CpuLinear::load(ls.up);
-    l.down = CpuLinear::load(ls.down);
-    w_.layers.push_back(std::move(l));
-  }
+  for (const LayerSpec& ls : spec.layers) w_.layers.push_back(load_layer(ls));
 
   s_.x.resize(hidden);
   s_.xb.resize(hidden);
