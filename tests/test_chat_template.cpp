@@ -10,7 +10,7 @@
 
 #include "engine/error.h"
 #include "tokenizer/chat_template.h"
-#include "tools/synth/synth.h"
+#include "tests/synth_model.h"
 
 #include "tests/test_util.h"
 
@@ -158,14 +158,8 @@ TEST(ChatTemplate, DetectsTheShippedTemplates) {
 class ChatTokenize : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(kestrel::test::scratch() / "chat_template_model");
-    fs::remove_all(*dir_);
-    synth::SynthOptions o;
-    o.shape = "tiny";
-    o.n_layers = 1;
-    o.quiet = true;
-    o.out = dir_->string();
-    synth::write_model(o);
+    dir_ = new fs::path(kestrel::test::write_tiny_model(
+        {"fp16", "fp16", 16, 0, false, false, "gptq"}, /*seed=*/0, /*n_layers=*/1));
     tok_ = new Tokenizer(Tokenizer::load(dir_->string()));
   }
   static void TearDownTestSuite() {

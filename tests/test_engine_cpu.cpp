@@ -14,7 +14,7 @@
 #include "engine/model_spec.h"
 #include "engine/safetensors.h"
 #include "models/llama.h"
-#include "tools/synth/synth.h"
+#include "tests/synth_model.h"
 
 namespace fs = std::filesystem;
 using namespace kestrel;
@@ -206,33 +206,13 @@ int argmax_of(const std::vector<float>& v) {
   return (int)(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
-struct Case {
-  std::string name;
-  std::string dtype;
-  int bits, group_size;
-  bool act_order, asym;
-  std::string format;
-};
+using Case = kestrel::test::ModelFormat;
 
 class EngineVsPlain : public ::testing::TestWithParam<Case> {};
 
 TEST_P(EngineVsPlain, GreedyContinuationMatches) {
   const Case& c = GetParam();
-  const fs::path dir = fs::temp_directory_path() / ("kestrel_e2e_" + c.name);
-  fs::remove_all(dir);
-  synth::SynthOptions o;
-  o.shape = "tiny";
-  o.n_layers = 2;  // keeps the plain loops quick
-  o.dtype = c.dtype;
-  o.bits = c.bits;
-  o.group_size = c.group_size;
-  o.act_order = c.act_order;
-  o.asym = c.asym;
-  o.format = c.format;
-  o.seed = 7;
-  o.out = dir.string();
-  o.quiet = true;
-  synth::write_model(o);
+  const fs::path dir = kestrel::test::write_tiny_model(c, /*seed=*/7, /*n_layers=*/2);  // 2: quick plain loops
 
   const ModelSpec spec = load_model_spec(dir.string());
   LlamaCpu engine(spec, 64);

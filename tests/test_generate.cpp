@@ -8,7 +8,7 @@
 
 #include "engine/error.h"
 #include "engine/generate.h"
-#include "tools/synth/synth.h"
+#include "tests/synth_model.h"
 
 #include "tests/test_util.h"
 
@@ -45,14 +45,8 @@ class ScriptedBackend : public Backend {
 class Generate : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = new fs::path(kestrel::test::scratch() / "generate_test_model");
-    fs::remove_all(*dir_);
-    synth::SynthOptions o;
-    o.shape = "tiny";
-    o.n_layers = 1;
-    o.quiet = true;
-    o.out = dir_->string();
-    synth::write_model(o);
+    dir_ = new fs::path(kestrel::test::write_tiny_model(
+        {"fp16", "fp16", 16, 0, false, false, "gptq"}, /*seed=*/0, /*n_layers=*/1));
     tok_ = new Tokenizer(Tokenizer::load(dir_->string()));
   }
   static void TearDownTestSuite() {

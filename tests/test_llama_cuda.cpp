@@ -16,20 +16,14 @@
 #include "engine/model_spec.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"
-#include "tools/synth/synth.h"
+#include "tests/synth_model.h"
 
 namespace fs = std::filesystem;
 using namespace kestrel;
 
 namespace {
 
-struct Case {
-  std::string name, dtype;
-  int bits, group_size;
-  bool act_order, asym;
-  std::string format;
-  int heads = 4, kv_heads = 2;
-};
+using Case = kestrel::test::ModelFormat;
 
 class GpuVsCpu : public ::testing::TestWithParam<Case> {};
 
@@ -50,22 +44,7 @@ int argmax_of(const std::vector<float>& v) {
 TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
   if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
   const Case& c = GetParam();
-  const fs::path dir = fs::temp_directory_path() / ("kestrel_gpu_" + c.name);
-  fs::remove_all(dir);
-  synth::SynthOptions o;
-  o.shape = "tiny";
-  o.dtype = c.dtype;
-  o.bits = c.bits;
-  o.group_size = c.group_size;
-  o.act_order = c.act_order;
-  o.asym = c.asym;
-  o.format = c.format;
-  o.n_heads = c.heads;
-  o.n_kv_heads = c.kv_heads;
-  o.seed = 11;
-  o.out = dir.string();
-  o.quiet = true;
-  synth::write_model(o);
+  const fs::path dir = kestrel::test::write_tiny_model(c, /*seed=*/11);
 
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 128, steps = 64;

@@ -43,7 +43,7 @@
 #include "kernels/rope/rope_rows_cuda.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"
-#include "tools/synth/synth.h"
+#include "tests/synth_model.h"
 
 namespace fs = std::filesystem;
 
@@ -405,13 +405,7 @@ TEST(Nll, MatchesHostLogSoftmax) {
 // relative that test_llama_cuda allows against the CPU engine; 2e-2 leaves the same margin and a
 // wrong cache row, mask or chunk offset gives errors of order 1. Greedy tokens must match exactly.
 
-struct ModelCase {
-  std::string name, dtype;
-  int bits, group_size;
-  bool act_order, asym;
-  std::string format;
-  int heads = 4, kv_heads = 2;
-};
+using ModelCase = kestrel::test::ModelFormat;
 
 class Prefill : public ::testing::TestWithParam<ModelCase> {};
 
@@ -420,22 +414,7 @@ int argmax_of(const float* v, int n) { return (int)(std::max_element(v, v + n) -
 TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
   REQUIRE_GPU();
   const ModelCase& c = GetParam();
-  const fs::path dir = fs::temp_directory_path() / ("kestrel_prefill_" + c.name);
-  fs::remove_all(dir);
-  synth::SynthOptions o;
-  o.shape = "tiny";
-  o.dtype = c.dtype;
-  o.bits = c.bits;
-  o.group_size = c.group_size;
-  o.act_order = c.act_order;
-  o.asym = c.asym;
-  o.format = c.format;
-  o.n_heads = c.heads;
-  o.n_kv_heads = c.kv_heads;
-  o.seed = 21;
-  o.out = dir.string();
-  o.quiet = true;
-  synth::write_model(o);
+  const fs::path dir = kestrel::test::write_tiny_model(c, /*seed=*/21);
 
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab, ctx = 256, n_prompt = 150, steps = 24;
