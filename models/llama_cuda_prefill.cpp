@@ -22,6 +22,7 @@
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/rope/rope_rows_cuda.h"
 #include "models/llama_cuda.h"
+#include "models/llama_cuda_layer.h"
 
 namespace kestrel {
 
@@ -81,6 +82,37 @@ void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T,
 
 }  // namespace
 
+void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
+                        int T, int pos0, __half* k_cache, __half* v_cache,
+                        const LayerRowsScratch& b, cudaStream_t s, const GpuLayerTaps* taps) {
+  const int qkv_n = c.q_dim() + 2 * c.kv_dim();
+  // Hands a group's input to the taps; true when the caller asked to stop there.
+  auto tap = [&](LinearGroup g, const __half* in, int K) {
+    if (!taps) return false;
+    if (taps->input) taps->input(g, in, T, K);
+    return taps->stop_after == g;
+  };
+
+  // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
+  cuda::rms_norm_f16(x, L.input_norm, c.rms_eps, T, c.hidden, b.xb, s);
+  if (tap(LinearGroup::QKV, b.xb, c.hidden)) return;
+  run_linear(gemm, L.qkv, b.xb, T, b.qkv, nullptr, b.weights, s);  // [T, q | k | v]
+  cuda::rope_kv_write_rows_f16(b.qkv, qkv_n, T, pos0, k_cache, v_cache, c.n_heads, c.n_kv_heads,
+                               c.head_dim, c.rope_theta, c.rope_linear_factor, s);
+  cuda::attention_prefill_f16(b.qkv, qkv_n, k_cache, v_cache, pos0, T, c.sliding_window,
+                              c.n_heads, c.n_kv_heads, c.head_dim, b.att, s);  // [T, q_dim]
+  if (tap(LinearGroup::O, b.att, c.q_dim())) return;
+  run_linear(gemm, L.o, b.att, T, x, x, b.weights, s);
+
+  // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
+  cuda::rms_norm_f16(x, L.post_norm, c.rms_eps, T, c.hidden, b.xb, s);
+  if (tap(LinearGroup::GateUp, b.xb, c.hidden)) return;
+  run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, nullptr, b.weights, s);  // [T, gate | up]
+  cuda::silu_mul_rows_f16(b.gate_up, T, c.intermediate, b.act, s);
+  if (tap(LinearGroup::Down, b.act, c.intermediate)) return;
+  run_linear(gemm, L.down, b.act, T, x, x, b.weights, s);
+}
+
 void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float* all_logits,
                         const int* targets, float* nll) {
   const ModelConfig& c = cfg_;
@@ -139,26 +171,10 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.tokens, tokens + c0, T * sizeof(int), cudaMemcpyHostToDevice, s));
     cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
 
-    for (int l = 0; l < c.n_layers; ++l) {
-      const GpuLayer& L = w_.layers[l];
-      __half* k_cache = s_.key_cache + l * kv_layer;    // [ctx, kv_dim]
-      __half* v_cache = s_.value_cache + l * kv_layer;  // [ctx, kv_dim]
-
-      // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
-      cuda::rms_norm_f16(S.x, L.input_norm, c.rms_eps, T, c.hidden, S.xb, s);
-      run_linear(S.gemm, L.qkv, S.xb, T, S.qkv, nullptr, S.scratch, s);  // [T, q | k | v]
-      cuda::rope_kv_write_rows_f16(S.qkv, qkv_n, T, p0, k_cache, v_cache, c.n_heads, c.n_kv_heads,
-                                   c.head_dim, c.rope_theta, c.rope_linear_factor, s);
-      cuda::attention_prefill_f16(S.qkv, qkv_n, k_cache, v_cache, p0, T, c.sliding_window,
-                                  c.n_heads, c.n_kv_heads, c.head_dim, S.att, s);  // [T, q_dim]
-      run_linear(S.gemm, L.o, S.att, T, S.x, S.x, S.scratch, s);
-
-      // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
-      cuda::rms_norm_f16(S.x, L.post_norm, c.rms_eps, T, c.hidden, S.xb, s);
-      run_linear(S.gemm, L.gate_up, S.xb, T, S.gate_up, nullptr, S.scratch, s);  // [T, gate | up]
-      cuda::silu_mul_rows_f16(S.gate_up, T, c.intermediate, S.act, s);
-      run_linear(S.gemm, L.down, S.act, T, S.x, S.x, S.scratch, s);
-    }
+    const LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
+    for (int l = 0; l < c.n_layers; ++l)
+      layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, p0, s_.key_cache + l * kv_layer,
+                         s_.value_cache + l * kv_layer, scratch, s);
 
     // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
     const bool last = c0 + T == n;

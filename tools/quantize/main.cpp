@@ -7,16 +7,13 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "engine/device.h"
 #include "engine/error.h"
 #include "tools/quantize/quantize.h"
 
-namespace {
-
-}  // namespace
-
 int main(int argc, char** argv) {
   kestrel::quant::QuantizeOptions o;
-  std::string device = "cpu";
+  std::string device = "auto";
   bool quiet = false;
   CLI::App app{"kestrel-quantize: GPTQ quantization of an FP16 Hugging Face Llama model"};
   app.add_option("-m,--model", o.model_dir, "FP16 model directory (Hugging Face layout)");
@@ -34,7 +31,7 @@ int main(int argc, char** argv) {
   app.add_option("--seqlen", o.seqlen, "Tokens per calibration window")->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of the calibration window draw")->capture_default_str();
   app.add_option("--method", o.method, "gptq or rtn (round to nearest)")->capture_default_str();
-  app.add_option("--device", device, "cpu (cuda is not available in this build)")
+  app.add_option("--device", device, "cpu, cuda or auto (cuda when a GPU is usable)")
       ->capture_default_str();
   app.add_flag("-q,--quiet", quiet, "No progress or per-layer lines");
 
@@ -46,12 +43,17 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    if (device == "cuda")
-      throw kestrel::Error("--device cuda is not available in this build; use --device cpu");
-    if (device != "cpu")
-      throw kestrel::Error(fmt::format("--device must be cpu or cuda, got {}", device));
+    if (device != "cpu" && device != "cuda" && device != "auto")
+      throw kestrel::Error(fmt::format("--device must be cpu, cuda or auto, got {}", device));
     if (o.model_dir.empty() || o.calib_file.empty() || o.out_dir.empty())
       throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required");
+    if (device != "cpu") {
+      const kestrel::CudaStatus st = kestrel::cuda_status();
+      if (device == "cuda" && !st.usable)
+        throw kestrel::DeviceError(st.problem + "; run with --device cpu");
+      device = st.usable ? "cuda" : "cpu";
+    }
+    o.device = device;
     o.progress = !quiet;
     const kestrel::quant::QuantizeReport r = kestrel::quant::quantize_model(o);
     if (!quiet) {
@@ -59,8 +61,11 @@ int main(int argc, char** argv) {
       for (const auto& l : r.linears) mean += l.rel_error;
       mean /= r.linears.empty() ? 1 : (double)r.linears.size();
       std::cerr << fmt::format("kestrel-quantize: wrote {} ({} linears, mean rel. error {:.3e}) "
-                               "in {:.1f} s\n",
-                               o.out_dir, r.linears.size(), mean, r.seconds);
+                               "in {:.1f} s on {} (calibration forward {:.1f} s, Hessians {:.1f} s, "
+                               "quantize {:.1f} s, write {:.1f} s)\n",
+                               o.out_dir, r.linears.size(), mean, r.seconds, o.device,
+                               r.forward_seconds, r.hessian_seconds, r.quantize_seconds,
+                               r.write_seconds);
     }
   } catch (const std::exception& e) {
     std::cerr << "kestrel-quantize: " << e.what() << "\n";

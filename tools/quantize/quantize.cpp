@@ -1,5 +1,5 @@
 // The model-level quantizer: calibration windows, the layer-by-layer GPTQ loop over the CPU
-// engine's layer forward, and the checkpoint writer.
+// engine's layer forward (the GPU loop is quantize_cuda.cpp), and the checkpoint writer.
 #include "tools/quantize/quantize.h"
 
 #include <unistd.h>
@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
 #include <set>
 #include <sstream>
@@ -24,6 +25,7 @@
 #include "models/llama.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/pack.h"
+#include "tools/quantize/quantize_loops.h"
 
 namespace kestrel::quant {
 
@@ -113,6 +115,28 @@ struct PackedShape {
   int bits;
 };
 
+// The quantized linears' checkpoint tensors: each packed, saved to the scratch folder, and its
+// shapes kept for the writer.
+class PackedParts {
+ public:
+  PackedParts(Scratch& scratch, int zero_offset) : scratch_(scratch), zero_offset_(zero_offset) {}
+  PackedLinear add(const LinearSpec& s, const QuantizedLinear& q) {
+    PackedLinear p = pack(q, zero_offset_, s.name.c_str());
+    scratch_.save(s.name + ".qweight", p.qweight.data(), p.qweight.size() * 4);
+    scratch_.save(s.name + ".qzeros", p.qzeros.data(), p.qzeros.size() * 4);
+    scratch_.save(s.name + ".scales", p.scales.data(), p.scales.size() * 2);
+    scratch_.save(s.name + ".g_idx", p.g_idx.data(), p.g_idx.size() * 4);
+    shapes_[s.name] = PackedShape{p.N, p.K, p.groups(), p.bits};
+    return p;
+  }
+  const std::map<std::string, PackedShape>& shapes() const { return shapes_; }
+
+ private:
+  Scratch& scratch_;
+  int zero_offset_;
+  std::map<std::string, PackedShape> shapes_;
+};
+
 ojson quant_json(const QuantizeOptions& o) {
   return ojson{{"bits", o.gptq.bits},
                {"group_size", o.gptq.group_size},
@@ -132,6 +156,8 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--method must be gptq or rtn, got {}", o.method));
   if (o.method == "rtn" && o.gptq.act_order)
     throw Error("--act-order applies to --method gptq only (rtn has no column order)");
+  if (o.device != "cpu" && o.device != "cuda")
+    throw Error(fmt::format("--device must be cpu or cuda, got {}", o.device));
   if (o.nsamples <= 0) throw Error(fmt::format("--nsamples must be positive, got {}", o.nsamples));
   if (o.seqlen <= 0) throw Error(fmt::format("--seqlen must be positive, got {}", o.seqlen));
   if (o.out_dir.empty()) throw Error("--out is required");
@@ -227,13 +253,79 @@ void write_weights(const ModelSpec& spec, const std::map<std::string, PackedShap
   w.write_model(out_dir);
 }
 
-std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lines, double secs) {
+std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lines,
+                       const LayerTimes& t) {
   std::string s = fmt::format("layer {}/{}  rel. error", l + 1, n_layers);
   for (const LinearReport& r : lines) {
     const std::string base = r.name.substr(r.name.rfind('.') + 1);  // "q_proj"
     s += fmt::format("  {} {:.2e}", base.substr(0, base.find('_')), r.rel_error);
   }
-  return s + fmt::format("  ({:.1f} s)", secs);
+  return s + fmt::format("  ({:.2f} s: forward {:.2f}, Hessians {:.2f}, quantize {:.2f})", t.total,
+                         t.forward, t.hessian, t.quantize);
+}
+
+// The layer loop on the CPU: a one-layer LlamaCpu engine takes each decoder layer in turn.
+void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
+                         const std::vector<std::vector<int>>& windows, PackedParts& parts,
+                         const LayerDone& done) {
+  const ModelConfig& cfg = spec.config;
+  ModelSpec one = spec;
+  one.config.n_layers = 1;
+  one.layers = {spec.layers[0]};
+  LlamaCpu engine(one, o.seqlen);
+
+  const size_t win = (size_t)o.seqlen * cfg.hidden;
+  std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
+  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, &X[s * win]);
+  std::vector<float> x(win);  // one window, rerun from X for each group
+
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const auto t_layer = Clock::now();
+    LayerTimes times;
+    const LayerSpec& ls = spec.layers[l];
+    engine.layer(0) = LlamaCpu::load_layer(ls);
+    std::vector<LinearReport> lines;
+    for (const Group& g : groups()) {
+      const auto t_fwd = Clock::now();
+      double hess = 0;
+      Hessian hessian((ls.*(g.members[0].spec)).K);
+      LayerTaps taps;
+      taps.input = [&](LinearGroup id, const float* in, int T, int) {
+        if (id != g.id) return;
+        const auto t_h = Clock::now();
+        hessian.add(in, T);
+        hess += seconds_since(t_h);
+      };
+      taps.stop_after = g.id;
+      for (int s = 0; s < o.nsamples; ++s) {
+        std::copy_n(&X[s * win], win, x.begin());
+        engine.layer_forward(0, x.data(), o.seqlen, 0, &taps);
+      }
+      times.hessian += hess;
+      times.forward += seconds_since(t_fwd) - hess;
+      const auto t_q = Clock::now();
+      const std::vector<float> H = hessian.matrix();
+      for (const Member& m : g.members) {
+        const auto t_lin = Clock::now();
+        const LinearSpec& s = ls.*m.spec;
+        CpuLinear& lin = engine.layer(0).*m.linear;
+        const QuantizedLinear q =
+            o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), o.gptq, s.name.c_str())
+                               : rtn_quantize(lin.w.data(), s.N, s.K, o.gptq);
+        LinearReport r{s.name, s.N, s.K, relative_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data()), 0};
+        lin = to_cpu_linear(parts.add(s, q));  // later groups and layers see the quantized linear
+        r.seconds = seconds_since(t_lin);
+        lines.push_back(r);
+      }
+      times.quantize += seconds_since(t_q);
+    }
+    // This layer's outputs, through its quantized linears, are the next layer's inputs.
+    const auto t_out = Clock::now();
+    for (int s = 0; s < o.nsamples; ++s) engine.layer_forward(0, &X[s * win], o.seqlen, 0);
+    times.forward += seconds_since(t_out);
+    times.total = seconds_since(t_layer);
+    done(l, lines, times);
+  }
 }
 
 }  // namespace
@@ -269,73 +361,44 @@ QuantizeReport quantize_model(const QuantizeOptions& o) {
 
   fs::create_directories(o.out_dir);
   Scratch scratch(fs::path(o.out_dir) / ".kestrel-quantize-scratch");
-
-  // A one-layer engine: each decoder layer is loaded into its slot in turn.
-  ModelSpec one = spec;
-  one.config.n_layers = 1;
-  one.layers = {spec.layers[0]};
-  LlamaCpu engine(one, o.seqlen);
-
-  const size_t win = (size_t)o.seqlen * cfg.hidden;
-  std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
-  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, &X[s * win]);
-  std::vector<float> x(win);  // one window, rerun from X for each group
+  PackedParts parts(scratch, zero_offset);
 
   QuantizeReport report;
   report.calib_tokens = (int64_t)ids.size();
-  std::map<std::string, PackedShape> packed;
   const bool tty = isatty(fileno(stderr)) != 0;
-  Progress bar(fmt::format("{} {}-bit", o.method, o.gptq.bits), cfg.n_layers, "layers",
-               o.progress);
-  for (int l = 0; l < cfg.n_layers; ++l) {
-    const auto t_layer = Clock::now();
-    const LayerSpec& ls = spec.layers[l];
-    engine.layer(0) = LlamaCpu::load_layer(ls);
-    std::vector<LinearReport> lines;
-    for (const Group& g : groups()) {
-      Hessian hessian((ls.*(g.members[0].spec)).K);
-      LayerTaps taps;
-      taps.input = [&](LinearGroup id, const float* in, int T, int) {
-        if (id == g.id) hessian.add(in, T);
-      };
-      taps.stop_after = g.id;
-      for (int s = 0; s < o.nsamples; ++s) {
-        std::copy_n(&X[s * win], win, x.begin());
-        engine.layer_forward(0, x.data(), o.seqlen, 0, &taps);
-      }
-      const std::vector<float> H = hessian.matrix();
-      for (const Member& m : g.members) {
-        const auto t_lin = Clock::now();
-        const LinearSpec& s = ls.*m.spec;
-        CpuLinear& lin = engine.layer(0).*m.linear;
-        const QuantizedLinear q =
-            o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), o.gptq, s.name.c_str())
-                               : rtn_quantize(lin.w.data(), s.N, s.K, o.gptq);
-        LinearReport r{s.name, s.N, s.K, relative_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data()), 0};
-        const PackedLinear p = pack(q, zero_offset, s.name.c_str());
-        scratch.save(s.name + ".qweight", p.qweight.data(), p.qweight.size() * 4);
-        scratch.save(s.name + ".qzeros", p.qzeros.data(), p.qzeros.size() * 4);
-        scratch.save(s.name + ".scales", p.scales.data(), p.scales.size() * 2);
-        scratch.save(s.name + ".g_idx", p.g_idx.data(), p.g_idx.size() * 4);
-        packed[s.name] = PackedShape{p.N, p.K, p.groups(), p.bits};
-        lin = to_cpu_linear(p);  // later groups and layers see the quantized linear
-        r.seconds = seconds_since(t_lin);
-        lines.push_back(r);
-      }
-    }
-    // This layer's outputs, through its quantized linears, are the next layer's inputs.
-    for (int s = 0; s < o.nsamples; ++s) engine.layer_forward(0, &X[s * win], o.seqlen, 0);
+  Progress bar(fmt::format("{} {}-bit ({})", o.method, o.gptq.bits, o.device), cfg.n_layers,
+               "layers", o.progress);
+  const LayerDone done = [&](int l, const std::vector<LinearReport>& lines, const LayerTimes& t) {
     if (o.progress)
       std::fprintf(stderr, "%s%s\n", tty ? "\r\033[K" : "",
-                   layer_line(l, cfg.n_layers, lines, seconds_since(t_layer)).c_str());
+                   layer_line(l, cfg.n_layers, lines, t).c_str());
     report.linears.insert(report.linears.end(), lines.begin(), lines.end());
+    report.forward_seconds += t.forward;
+    report.hessian_seconds += t.hessian;
+    report.quantize_seconds += t.quantize;
     bar.update(l + 1);
+  };
+  if (o.device == "cuda") {
+    // One linear is packed and saved on a second thread while the GPU goes on (its result
+    // or error is collected before the next one starts, and at the end).
+    std::future<void> pending;
+    const SaveLinear save = [&](const LinearSpec& s, QuantizedLinear q) {
+      if (pending.valid()) pending.get();
+      pending = std::async(std::launch::async,
+                           [&parts, &s, q = std::move(q)] { parts.add(s, q); });
+    };
+    quantize_layers_cuda(spec, o, windows, save, done);
+    if (pending.valid()) pending.get();
+  } else {
+    quantize_layers_cpu(spec, o, windows, parts, done);
   }
   bar.finish();
 
-  write_weights(spec, packed, scratch, o.out_dir);
+  const auto t_write = Clock::now();
+  write_weights(spec, parts.shapes(), scratch, o.out_dir);
   write_config(o);
   copy_tokenizer_files(o);
+  report.write_seconds = seconds_since(t_write);
   report.seconds = seconds_since(t_start);
 
   ojson j = {{"method", o.method},
@@ -345,7 +408,12 @@ QuantizeReport quantize_model(const QuantizeOptions& o) {
                               {"nsamples", o.nsamples},
                               {"seqlen", o.seqlen},
                               {"seed", o.seed}}},
-             {"seconds", report.seconds}};
+             {"device", o.device},
+             {"seconds", report.seconds},
+             {"seconds_by_step", {{"calibration_forward", report.forward_seconds},
+                                  {"hessians", report.hessian_seconds},
+                                  {"quantize", report.quantize_seconds},
+                                  {"write", report.write_seconds}}}};
   j["linears"] = ojson::array();
   for (const LinearReport& r : report.linears)
     j["linears"].push_back({{"name", r.name},

@@ -3,8 +3,8 @@
 //
 // Layer by layer, as the reference implementation: the calibration windows' activations
 // enter decoder layer l as the outputs of the already quantized layers 0 .. l-1, computed by
-// the CPU engine's own batched layer forward (LlamaCpu::layer_forward), never by a second
-// model. Within a layer the linears go in true-sequential groups (q/k/v, o, gate/up, down):
+// the engine's own batched layer forward (LlamaCpu::layer_forward on the CPU,
+// layer_forward_rows of models/llama_cuda_layer.h on the GPU), never by a second model. Within a layer the linears go in true-sequential groups (q/k/v, o, gate/up, down):
 // each group's Hessian comes from inputs that the layer's already quantized groups produced.
 // Only one decoder layer's weights are held at a time (a one-layer engine takes each layer in
 // turn), packed results go to a scratch folder in the output directory until the checkpoint
@@ -30,6 +30,7 @@ struct QuantizeOptions {
   int seqlen = 2048;            // tokens per window
   uint64_t seed = 0;            // window draw
   bool progress = true;         // progress bar and per-layer lines on stderr
+  std::string device = "cpu";   // cpu | cuda (where the forward, Hessians and GPTQ run)
 };
 
 struct LinearReport {
@@ -42,7 +43,10 @@ struct LinearReport {
 struct QuantizeReport {
   std::vector<LinearReport> linears;
   int64_t calib_tokens = 0;  // tokens of the whole calibration text
-  double seconds = 0;
+  double seconds = 0;        // end to end
+  // Summed over the layers: calibration forward passes, Hessian accumulation, quantization
+  // of the linears (factor, GPTQ/RTN, errors); then the checkpoint writer.
+  double forward_seconds = 0, hessian_seconds = 0, quantize_seconds = 0, write_seconds = 0;
 };
 
 // Draws `nsamples` windows of `seqlen` tokens from `ids` (start uniform in

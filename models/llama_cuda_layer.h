@@ -1,0 +1,53 @@
+// One Llama decoder layer over T consecutive tokens on the GPU: the prefill's layer step
+// (llama_cuda_prefill.cpp), exposed so that the quantizer's calibration runs the engine's own
+// forward one layer at a time, with taps on the inputs of the linears (the GPU counterpart of
+// LlamaCpu::layer_forward and its LayerTaps).
+//
+//   rmsnorm -> [tap QKV] qkv GEMM -> RoPE + KV write -> causal attention over the cache
+//   -> [tap O] o GEMM (+ residual) -> rmsnorm -> [tap GateUp] gate|up GEMM -> SiLU*up
+//   -> [tap Down] down GEMM (+ residual)
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <optional>
+
+#include "engine/config.h"
+#include "kernels/gemm/gemm.h"
+#include "models/llama.h"
+#include "models/llama_cuda.h"
+
+namespace kestrel {
+
+// Activations of one layer step for up to `rows` tokens, all fp16 on the device.
+struct LayerRowsScratch {
+  __half* xb = nullptr;       // [rows, hidden] normalised block input
+  __half* qkv = nullptr;      // [rows, q_dim + 2 * kv_dim]
+  __half* att = nullptr;      // [rows, q_dim]
+  __half* gate_up = nullptr;  // [rows, 2 * intermediate]
+  __half* act = nullptr;      // [rows, intermediate]
+  __half* weights = nullptr;  // dequantized GPTQ weight (quant_gemm_scratch_elems); unused
+                              // when every linear is dense
+};
+
+// Observers of layer_forward_rows (the quantizer's calibration hooks).
+struct GpuLayerTaps {
+  // Receives the input x [T, K] (device, fp16) of each group's linears, ready in stream order:
+  // work enqueued on the same stream reads it before the layer goes on.
+  std::function<void(LinearGroup group, const __half* x, int T, int K)> input;
+  // When set, the step returns as soon as this group's input has been handed over; x and the
+  // cache are then left partly updated (the caller reruns from a saved copy).
+  std::optional<LinearGroup> stop_after;
+};
+
+// x [T, hidden] (the residual stream, in and out) through layer L at positions pos0 ..
+// pos0 + T - 1; their K/V go into k_cache/v_cache ([ctx, kv_dim], this layer's), and token i
+// attends causally over cache rows up to pos0 + i (Mistral's window applied). Enqueued on s.
+void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
+                        int T, int pos0, __half* k_cache, __half* v_cache,
+                        const LayerRowsScratch& b, cudaStream_t s,
+                        const GpuLayerTaps* taps = nullptr);
+
+}  // namespace kestrel

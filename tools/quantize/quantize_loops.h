@@ -1,0 +1,40 @@
+// What quantize_model (quantize.cpp) shares with its GPU layer loop (quantize_cuda.cpp): the
+// loop gets the model, the options and the calibration windows, and hands back each quantized
+// linear (to be packed into the checkpoint) and each finished layer (for the report and the
+// progress line). Private to the quantizer library.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "engine/model_spec.h"
+#include "tools/quantize/gptq.h"
+#include "tools/quantize/quantize.h"
+
+namespace kestrel::quant {
+
+// Receives one quantized linear (codes, scales, zeros, g_idx; dequant may be empty).
+using SaveLinear = std::function<void(const LinearSpec& spec, QuantizedLinear q)>;
+
+// Wall time of one layer, by step.
+struct LayerTimes {
+  double forward = 0;   // calibration forward passes (group reruns and the final pass)
+  double hessian = 0;   // Hessian accumulation
+  double quantize = 0;  // GPTQ / RTN of the layer's linears, their errors and hand-over
+  double total = 0;
+};
+
+// Called after each decoder layer with its linears' reports, in checkpoint order.
+using LayerDone =
+    std::function<void(int layer, const std::vector<LinearReport>& lines, const LayerTimes& t)>;
+
+// The layer loop on the GPU: the calibration activations of every window stay on the GPU in
+// fp16; one decoder layer's fp16 weights at a time run models/llama_cuda_layer.h's forward,
+// whose taps feed GPU Hessians; each true-sequential group is quantized (gptq_cuda.h) and its
+// dequantized weights replace it before the next group's forward; the layer's outputs become
+// the next layer's inputs. Throws kestrel::Error / DeviceError with one line.
+void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
+                          const std::vector<std::vector<int>>& windows, const SaveLinear& save,
+                          const LayerDone& done);
+
+}  // namespace kestrel::quant
