@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/device.h"
 #include "engine/dtype.h"
 #include "engine/error.h"
 #include "engine/model_spec.h"
@@ -33,6 +34,7 @@
 #include "engine/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/llama.h"
+#include "tests/quant_inputs.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/pack.h"
@@ -43,6 +45,9 @@
 namespace fs = std::filesystem;
 using namespace kestrel;
 using namespace kestrel::quant;
+using kestrel::test::correlated_inputs;
+using kestrel::test::hessian_of;
+using kestrel::test::random_weights;
 
 namespace {
 
@@ -91,42 +96,6 @@ fs::path synth_model(const std::string& name, int layers = 2, uint64_t seed = 11
   o.quiet = true;
   synth::write_model(o);
   return dir;
-}
-
-// Inputs with correlated features, as real activations have: a few latent directions, a few
-// loud channels, some noise. x [n, K].
-std::vector<float> correlated_inputs(int64_t n, int64_t K, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  const int latent = 8;
-  std::vector<float> mix(latent * K), loud(K);
-  for (float& m : mix) m = g(rng);
-  for (int64_t k = 0; k < K; ++k) loud[k] = (k % 37 == 0) ? 8.0f : 1.0f;
-  std::vector<float> x(n * K);
-  for (int64_t i = 0; i < n; ++i) {
-    float z[latent];
-    for (float& v : z) v = g(rng);
-    for (int64_t k = 0; k < K; ++k) {
-      float s = 0.3f * g(rng);
-      for (int j = 0; j < latent; ++j) s += z[j] * mix[j * K + k];
-      x[i * K + k] = s * loud[k];
-    }
-  }
-  return x;
-}
-
-std::vector<float> random_weights(int64_t N, int64_t K, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> g(0.0f, 0.02f);
-  std::vector<float> w(N * K);
-  for (float& v : w) v = g(rng);
-  return w;
-}
-
-std::vector<float> hessian_of(const std::vector<float>& x, int64_t n, int64_t K) {
-  Hessian h(K);
-  for (int64_t i = 0; i < n; i += 100) h.add(&x[i * K], std::min<int64_t>(100, n - i));
-  return h.matrix();
 }
 
 // ---------------------------------------------------------------------------------------
@@ -742,6 +711,76 @@ TEST_F(EndToEnd, RtnCheckpointRoundTripsThroughTheLoader) {
   fs::remove_all(out);
 }
 
+// --device cuda: the same algorithm on the GPU's fp16 forward, Hessians and GPTQ. Its
+// Hessians differ from the CPU's fp32 ones by fp16 rounding, so its codes are not the CPU's;
+// its quality must be.
+TEST_F(EndToEnd, CudaGptqHasTheCpuQuality) {
+  if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
+  const fs::path gpu_dir = temp_dir("e2e_cuda_gptq"), cpu_dir = temp_dir("e2e_cpu_gptq"),
+                 rtn_dir = temp_dir("e2e_cuda_rtn");
+  QuantizeOptions og = options(gpu_dir.string(), "gptq");
+  og.gptq.act_order = true;
+  og.device = "cuda";
+  QuantizeOptions oc = og;
+  oc.out_dir = cpu_dir.string();
+  oc.device = "cpu";
+  const QuantizeReport rg = quantize_model(og);
+  const QuantizeReport rc = quantize_model(oc);
+  const QuantizeReport rr = quantize_model(options(rtn_dir.string(), "rtn"));
+  ASSERT_EQ(rg.linears.size(), 14u);
+  ASSERT_EQ(rc.linears.size(), 14u);
+  for (size_t i = 0; i < rg.linears.size(); ++i) {
+    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
+    EXPECT_GT(rg.linears[i].rel_error, 0.8 * rc.linears[i].rel_error) << rg.linears[i].name;
+    EXPECT_LT(rg.linears[i].rel_error, 1.25 * rc.linears[i].rel_error) << rg.linears[i].name;
+    EXPECT_LT(rg.linears[i].rel_error, rr.linears[i].rel_error) << rg.linears[i].name;
+  }
+  const nlohmann::json report = nlohmann::json::parse(std::ifstream(gpu_dir / "quantize_report.json"));
+  EXPECT_EQ(report["device"], "cuda");
+  const ModelSpec spec = load_model_spec(gpu_dir.string());
+  ASSERT_TRUE(spec.config.quant.has_value());
+  EXPECT_TRUE(spec.config.quant->desc_act);
+  EXPECT_TRUE(spec.layers[1].down.act_order);
+  EXPECT_FALSE(fs::exists(gpu_dir / ".kestrel-quantize-scratch"));
+
+  const double p16 = ppl(*fp16_, *sampled_), pg = ppl(gpu_dir, *sampled_),
+               pc = ppl(cpu_dir, *sampled_), pr = ppl(rtn_dir, *sampled_);
+  // The CPU path's bounds (GptqCloseToFp16AndBelowRtn).
+  EXPECT_LT(pg, 1.06 * p16) << p16 << " " << pg << " " << pc << " " << pr;
+  EXPECT_LT(pg - p16, 0.5 * (pr - p16)) << p16 << " " << pg << " " << pc << " " << pr;
+  fs::remove_all(gpu_dir);
+  fs::remove_all(cpu_dir);
+  fs::remove_all(rtn_dir);
+}
+
+// RTN depends on the weights alone, and the GPU's RTN repeats the CPU's arithmetic: the
+// checkpoint kestrel-quantize --device cuda writes holds exactly the CPU's quantization.
+TEST_F(EndToEnd, CudaRtnCheckpointEqualsTheCpuQuantization) {
+  if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
+  const fs::path out = temp_dir("e2e_cuda_rtn_cli");
+  const Result r = run(std::string(KESTREL_QUANTIZE_BIN) + " -m " + fp16_->string() + " --calib " +
+                       calib_->string() + " --out " + out.string() +
+                       " --method rtn --bits 3 --group-size 64 --asym --nsamples 8 --seqlen 128 "
+                       "--device cuda");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("on cuda"), std::string::npos) << r.err;
+  GptqOptions o{.bits = 3, .group_size = 64, .sym = false};
+  const ModelSpec in = load_model_spec(fp16_->string());
+  const ModelSpec q = load_model_spec(out.string());
+  for (size_t l = 0; l < in.layers.size(); ++l)
+    for (auto lin : {&LayerSpec::q, &LayerSpec::k, &LayerSpec::v, &LayerSpec::o, &LayerSpec::gate,
+                     &LayerSpec::up, &LayerSpec::down}) {
+      const LinearSpec& a = in.layers[l].*lin;
+      const std::vector<float> W = to_float(*a.weight);
+      const QuantizedLinear ref = rtn_quantize(W.data(), a.N, a.K, o);
+      const CpuLinear loaded = CpuLinear::load(q.layers[l].*lin);
+      std::vector<float> deq(a.N * a.K);
+      gptq::dequantize_ref(loaded.view(), deq.data());
+      ASSERT_EQ(deq, ref.dequant) << a.name;
+    }
+  fs::remove_all(out);
+}
+
 TEST_F(EndToEnd, ClearOneLineErrors) {
   const std::string bin = KESTREL_QUANTIZE_BIN;
   const fs::path out = temp_dir("e2e_err");
@@ -751,8 +790,11 @@ TEST_F(EndToEnd, ClearOneLineErrors) {
     EXPECT_NE(r.err.find(what), std::string::npos) << r.err;
   };
   const std::string base = bin + " -m " + fp16_->string() + " --out " + out.string();
-  expect_error(run(base + " --calib " + calib_->string() + " --device cuda"),
-               "--device cuda is not available in this build; use --device cpu");
+  if (!cuda_status().usable)
+    expect_error(run(base + " --calib " + calib_->string() + " --device cuda"),
+                 "; run with --device cpu");
+  expect_error(run(base + " --calib " + calib_->string() + " --device tpu"),
+               "--device must be cpu, cuda or auto, got tpu");
   const fs::path short_text = temp_dir("short.txt");
   std::ofstream(short_text) << "just a few words";
   expect_error(run(base + " --calib " + short_text.string() + " --seqlen 64 -q"), "too few");
