@@ -10,7 +10,8 @@
 // - GPTQ: against gptq_quantize over bits, group sizes, act-order, static groups, sym/asym and
 //   shapes that are not multiples of the 128-column block. Exact where exactness follows from
 //   the arithmetic, bounded where it cannot (see GptqVsCpu).
-// - relative_error_cuda equals relative_error.
+// - relative_error_cuda equals relative_error; an allocation that does not fit is one line
+//   naming what it was for.
 // - layer_forward_rows with taps against the CPU engine's layer_forward.
 // Every test skips where no GPU is usable.
 #include <gtest/gtest.h>
@@ -85,6 +86,21 @@ struct Gpu {
 DeviceBuffer hessian_on_device(const std::vector<float>& H) { return to_device(H); }
 
 // ---------------------------------------------------------------------------------------
+
+TEST(GpuAlloc, OutOfMemoryIsOneLineNamingWhat) {
+  REQUIRE_GPU();
+  try {
+    gpu_alloc(size_t(1) << 52, "the calibration activations");  // 4 PiB
+    FAIL() << "no error";
+  } catch (const DeviceError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("out of GPU memory for the calibration activations"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  // The failure leaves no error behind: the next allocation and launch work.
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_NO_THROW(gpu_alloc(1 << 20, "a small buffer"));
+}
 
 TEST(GpuHessian, EqualsTheCpuHessian) {
   REQUIRE_GPU();

@@ -153,9 +153,10 @@ void check_bad(const int* bad, cudaStream_t s, const std::string& what) {
 cuda::DeviceBuffer gpu_alloc(size_t bytes, const std::string& what) {
   try {
     return cuda::DeviceBuffer(std::max<size_t>(bytes, 16));
-  } catch (const DeviceError&) {
+  } catch (const DeviceError& e) {
+    cudaGetLastError();  // an allocation failure is not sticky: clear it and carry on
     // Only an allocation failure becomes the memory message; any other fault stays as it was.
-    if (cudaGetLastError() != cudaErrorMemoryAllocation) throw;
+    if (std::string(e.what()).find("cudaErrorMemoryAllocation") == std::string::npos) throw;
     size_t free_b = 0, total_b = 0;
     cudaMemGetInfo(&free_b, &total_b);
     throw DeviceError(fmt::format("out of GPU memory for {} ({:.0f} MiB; {:.0f} MiB free of {:.0f} MiB)",
