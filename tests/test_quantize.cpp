@@ -324,6 +324,10 @@ class BlockedVsPlain : public ::testing::TestWithParam<Opt> {};
 // The blocked, BLAS-driven implementation against the column-by-column loop above. Both work in
 // fp32 apart from the plain loop's double Cholesky, so a few weights may land on the other side
 // of a rounding boundary; GPTQ's rows are independent, so such a flip changes that row only.
+// The same goes for a group's scale, fitted on updated weights and rounded to fp16: where
+// range / maxq lies next to an fp16 rounding boundary the two may pick neighbouring fp16 values
+// (seen with OpenBLAS's AVX-512 kernels), so a row whose codes all agree may still differ in
+// a group by exactly that one fp16 step of its scale.
 TEST_P(BlockedVsPlain, SameCodesToFp32Rounding) {
   const Opt& p = GetParam();
   const int64_t n = 1500, N = 32, K = 320;  // K: two and a half lazy blocks
@@ -338,7 +342,7 @@ TEST_P(BlockedVsPlain, SameCodesToFp32Rounding) {
   const QuantizedLinear q = gptq_quantize(W.data(), N, K, H.data(), o, "test");
   const PlainResult ref = plain_gptq(W, N, K, H, o);
 
-  int rows_differing = 0;
+  int rows_differing = 0, scale_near_ties = 0;
   for (int64_t r = 0; r < N; ++r) {
     bool same = true;
     for (int64_t k = 0; k < K; ++k) same &= q.codes[r * K + k] == ref.codes[r * K + k];
@@ -346,9 +350,18 @@ TEST_P(BlockedVsPlain, SameCodesToFp32Rounding) {
       ++rows_differing;
       continue;
     }
-    for (int64_t k = 0; k < K; ++k) ASSERT_EQ(q.dequant[r * K + k], ref.dequant[r * K + k]);
+    std::vector<bool> group_differs(q.groups(), false);
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = q.dequant[r * K + k], b = ref.dequant[r * K + k];
+      if (a == b) continue;
+      // Same code, neighbouring fp16 scales: the values differ by at most 2^-10 relative.
+      ASSERT_LE(std::abs(a - b), std::ldexp(std::abs(b), -10) * 1.0001f) << "row " << r << " col " << k;
+      group_differs[q.g_idx[k]] = true;
+    }
+    for (bool d : group_differs) scale_near_ties += d;
   }
   EXPECT_LE(rows_differing, 1);
+  EXPECT_LE(scale_near_ties, 1);
   // Dead inputs are quantized from zero weights.
   for (int64_t r = 0; r < N; ++r) EXPECT_EQ(q.dequant[r * K + 7], 0.0f);
   // g_idx is act-order's (groups in processing order) unless groups are static or absent.
