@@ -59,6 +59,10 @@ class Backend {
   // Bytes the backend holds on its device: weights, and everything else (KV cache, scratch).
   virtual size_t weight_bytes() const { return 0; }
   virtual size_t cache_bytes() const { return 0; }
+  // Device memory the backend has taken (free memory when it started minus free memory now):
+  // right after loading (the decode step's footprint), and now. 0 where not measured.
+  virtual size_t device_bytes_after_load() const { return 0; }
+  virtual size_t device_bytes_in_use() const { return 0; }
 };
 
 }  // namespace kestrel

@@ -178,6 +178,10 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
     throw Error(fmt::format("{}: head_dim {} is not supported by the CUDA engine (64 or 128); use --device cpu",
                             spec.dir, c.head_dim));
   KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  {
+    size_t total = 0;
+    KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));
+  }
 
   // Weights, streamed tensor by tensor.
   {
@@ -235,6 +239,14 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
 
   capture_graphs();
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  after_load_bytes_ = device_bytes_in_use();
+}
+
+size_t LlamaCuda::device_bytes_in_use() const {
+  size_t free_b = 0, total = 0;
+  if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 0;
+  return free_at_start_ > free_b ? free_at_start_ - free_b : 0;
 }
 
 LlamaCuda::~LlamaCuda() {

@@ -81,6 +81,8 @@ class LlamaCuda final : public Backend {
   std::vector<OpTime> profile_step(int token, int pos) override;
   size_t weight_bytes() const override { return weight_bytes_; }
   size_t cache_bytes() const override { return cache_bytes_; }
+  size_t device_bytes_after_load() const override { return after_load_bytes_; }
+  size_t device_bytes_in_use() const override;
 
   // Log-softmax on the device: only one float per token reaches the host.
   void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) override;
@@ -115,6 +117,7 @@ class LlamaCuda final : public Backend {
   int ctx_ = 0;
   std::string device_name_;
   size_t weight_bytes_ = 0, cache_bytes_ = 0;
+  size_t free_at_start_ = 0, after_load_bytes_ = 0;  // device_bytes_* (cudaMemGetInfo)
   GpuWeights w_;
   GpuRunState s_;
   std::vector<void*> allocations_;

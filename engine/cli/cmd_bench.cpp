@@ -131,6 +131,8 @@ int run_bench(BenchArgs a) {
     j["gen_tokens_per_s"] = {{"mean", g.mean}, {"sd", g.sd}, {"samples", tg}};
     j["gpu_weight_bytes"] = b.weight_bytes();
     j["gpu_cache_bytes"] = b.cache_bytes();
+    j["gpu_bytes_after_load"] = b.device_bytes_after_load();
+    j["gpu_bytes_in_use"] = b.device_bytes_in_use();
     std::cout << j.dump(2) << "\n";
   } else if (a.output == "csv") {
     std::cout << "model,type,size_gib,params_b,backend,device,test,tokens_per_s_mean,tokens_per_s_sd\n";
@@ -153,10 +155,19 @@ int run_bench(BenchArgs a) {
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
     if (a.profile) print_profile(b.profile_step(1, a.n_prompt + a.n_gen - 1));
-    if (m.device == "cuda")
+    if (m.device == "cuda") {
+      const double wk = double(b.weight_bytes() + b.cache_bytes());
+      auto over = [&](size_t used) {
+        return fmt::format("{:.2f} GiB ({:+.1f}% over weights + KV cache)", used / 1073741824.0,
+                           100.0 * (double(used) - wk) / wk);
+      };
       std::cout << fmt::format("\nGPU memory: weights {:.2f} GiB + KV cache {:.2f} GiB ({} positions)\n",
                                b.weight_bytes() / 1073741824.0, b.cache_bytes() / 1073741824.0,
                                b.context_length());
+      std::cout << fmt::format("Device memory taken by the engine: after loading {}, after the "
+                               "prompt runs (prefill scratch) {}\n",
+                               over(b.device_bytes_after_load()), over(b.device_bytes_in_use()));
+    }
   }
   return 0;
 }
