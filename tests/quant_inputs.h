@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <vector>
@@ -44,6 +45,31 @@ inline std::vector<float> hessian_of(const std::vector<float>& x, int64_t n, int
   quant::Hessian h(K);
   for (int64_t i = 0; i < n; i += 100) h.add(&x[i * K], std::min<int64_t>(100, n - i));
   return h.matrix();
+}
+
+// How well U, the upper Cholesky factor of H^-1 (H^-1 = U^T U), inverts H [K, K] (row-major,
+// float or double): the largest |(H U^T U - I)_ij|, and how many entries below U's diagonal are
+// not zero.
+struct FactorCheck {
+  double worst = 0;
+  int64_t below_diagonal = 0;
+};
+
+template <class T>
+FactorCheck check_inverse_factor(const std::vector<T>& H, const std::vector<float>& U, int64_t K) {
+  FactorCheck c;
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = 0; j < K; ++j) {
+      if (i > j && U[i * K + j] != 0.0f) ++c.below_diagonal;
+      double s = 0;
+      for (int64_t a = 0; a < K; ++a) {
+        double inv_aj = 0;
+        for (int64_t p = 0; p <= std::min(a, j); ++p) inv_aj += (double)U[p * K + a] * U[p * K + j];
+        s += (double)H[i * K + a] * inv_aj;
+      }
+      c.worst = std::max(c.worst, std::abs(s - (i == j ? 1.0 : 0.0)));
+    }
+  return c;
 }
 
 }  // namespace kestrel::test

@@ -40,7 +40,9 @@ namespace {
 
 using cuda::DeviceBuffer;
 using namespace kestrel::quant;
+using test::check_inverse_factor;
 using test::correlated_inputs;
+using test::FactorCheck;
 using test::hessian_of;
 using test::random_weights;
 
@@ -157,21 +159,9 @@ TEST(GpuGptqFactor, UFactorsTheDampedPermutedInverse) {
       Hp[a * K + b] = v;
     }
   // Hp (U^T U) = I, U upper triangular.
-  double worst = 0;
-  for (int64_t i = 0; i < K; ++i)
-    for (int64_t j = 0; j < K; ++j) {
-      if (i > j) {
-        ASSERT_EQ(U[i * K + j], 0.0f);
-      }
-      double s = 0;
-      for (int64_t a = 0; a < K; ++a) {
-        double inv_aj = 0;
-        for (int64_t p = 0; p <= std::min(a, j); ++p) inv_aj += (double)U[p * K + a] * U[p * K + j];
-        s += Hp[i * K + a] * inv_aj;
-      }
-      worst = std::max(worst, std::abs(s - (i == j ? 1.0 : 0.0)));
-    }
-  EXPECT_LT(worst, 2e-3);  // the CPU factor's bound in test_quantize
+  const FactorCheck c = check_inverse_factor(Hp, U, K);
+  ASSERT_EQ(c.below_diagonal, 0);
+  EXPECT_LT(c.worst, 2e-3);  // the CPU factor's bound in test_quantize
 }
 
 TEST(GpuGptqFactor, NotPositiveDefiniteIsAClearError) {
