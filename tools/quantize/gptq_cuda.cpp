@@ -138,15 +138,33 @@ QuantizedLinear finish(GpuContext& ctx, const float* W, int64_t N, int64_t K, co
   return r;
 }
 
-void check_bad(const int* bad, cudaStream_t s, const std::string& what) {
-  int b = 0;
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(&b, bad, sizeof(int), cudaMemcpyDeviceToHost, s));
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
-  if (b)
-    throw Error(fmt::format("{}: a group's weight range does not fit an fp16 scale (weights too "
-                            "large, or not finite)",
-                            what));
-}
+// The scales and zero points [G, N] of one linear and the flag find_params raises when a
+// group's range does not fit an fp16 scale, in one device allocation (the flag cleared).
+struct GroupParams {
+  cuda::DeviceBuffer buf;
+  float* scale;
+  float* zero;
+  int* bad;
+
+  GroupParams(int64_t G, int64_t N, cudaStream_t s, const std::string& what)
+      : buf(gpu_alloc((size_t)2 * G * N * sizeof(float) + 16,
+                      fmt::format("the scales and zeros of {}", what))),
+        scale(buf.as<float>()),
+        zero(scale + G * N),
+        bad(reinterpret_cast<int*>(zero + G * N)) {
+    KESTREL_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), s));
+  }
+  // Throws kestrel::Error naming `what` when the flag is raised (synchronises s).
+  void check_bad(cudaStream_t s, const std::string& what) const {
+    int b = 0;
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(&b, bad, sizeof(int), cudaMemcpyDeviceToHost, s));
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+    if (b)
+      throw Error(fmt::format("{}: a group's weight range does not fit an fp16 scale (weights too "
+                              "large, or not finite)",
+                              what));
+  }
+};
 
 }  // namespace
 
@@ -267,12 +285,10 @@ QuantizedLinear gptq_quantize_cuda(GpuContext& ctx, const GpuGptqFactor& f, cons
   const int gs = o.group_size;
   const int64_t G = group_count(K, gs);
   const size_t nk = (size_t)N * K;
-  cuda::DeviceBuffer params = gpu_alloc((size_t)2 * G * N * sizeof(float) + 16,
-                                        fmt::format("the scales and zeros of {}", what));
-  float* scale = params.as<float>();
-  float* zero = scale + G * N;
-  int* bad = reinterpret_cast<int*>(zero + G * N);
-  KESTREL_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), s));
+  const GroupParams params(G, N, s, what);
+  float* scale = params.scale;
+  float* zero = params.zero;
+  int* bad = params.bad;
 
   // Per-row parameters are read from W as given, before dead inputs are zeroed.
   if (gs == -1) kern::find_params(W, K, N, K, 0, K, 1, 0, o.bits, o.sym, scale, zero, bad, s);
@@ -333,7 +349,7 @@ QuantizedLinear gptq_quantize_cuda(GpuContext& ctx, const GpuGptqFactor& f, cons
                                        E.as<float>(), (int)cnt, &one, Wp + i2, (int)K));
     }
   }
-  check_bad(bad, s, what);
+  params.check_bad(s, what);
   Wperm.reset();
   Wd.reset();
   E.reset();
@@ -355,14 +371,12 @@ QuantizedLinear rtn_quantize_cuda(GpuContext& ctx, const float* W, int64_t N, in
   cudaStream_t s = ctx.stream();
   const int gs = o.group_size;
   const int64_t G = group_count(K, gs), width = gs == -1 ? K : gs;
-  cuda::DeviceBuffer params = gpu_alloc((size_t)2 * G * N * sizeof(float) + 16,
-                                        fmt::format("the scales and zeros of {}", what));
-  float* scale = params.as<float>();
-  float* zero = scale + G * N;
-  int* bad = reinterpret_cast<int*>(zero + G * N);
-  KESTREL_CUDA_CHECK(cudaMemsetAsync(bad, 0, sizeof(int), s));
+  const GroupParams params(G, N, s, what);
+  float* scale = params.scale;
+  float* zero = params.zero;
+  int* bad = params.bad;
   kern::find_params(W, K, N, K, 0, width, G, 0, o.bits, o.sym, scale, zero, bad, s);
-  check_bad(bad, s, what);
+  params.check_bad(s, what);
   std::vector<int32_t> g_idx(K);
   for (int64_t k = 0; k < K; ++k) g_idx[k] = (int32_t)(k / width);
   cuda::DeviceBuffer d_gidx = upload(g_idx, "g_idx", s);
