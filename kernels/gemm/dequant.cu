@@ -2,7 +2,7 @@
 // FP16 matrix [N, K] for the tensor-core GEMM, and the column gather of act-order inputs.
 //
 // One thread per 8 consecutive codes of a row: it reads the 16-byte chunk plane(s) holding them
-// (the 4 to 16 threads that share a chunk hit L1) and writes one 16-byte vector of 8 halves, so
+// (the 4 to 16 threads that share a chunk hit L1; the chunks of a warp fill whole sectors) and writes one 16-byte vector of 8 halves, so
 // a warp's stores cover 512 contiguous bytes. Bytes per 4-bit weight: 0.5 read + 2 written
 // (+ scales); the 7B gate|up matrix (90 M weights) is ~230 MB of traffic, ~55 us at 4.2 TB/s.
 //
@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
   if (k0 >= p.K) return;
   uint4 v[3];
 #pragma unroll
-  for (int pl = 0; pl < P; ++pl) v[pl] = __ldg(p.codes + (n * P + pl) * p.chunks + c);
+  for (int pl = 0; pl < P; ++pl)
+    v[pl] = __ldg(p.codes + n * P * p.chunks + gemv_detail::chunk_index(BITS, p.chunks, c, pl));
   if constexpr (P == 1) v[1] = v[2] = v[0];
 
   const int64_t g = p.group_size ? k0 / p.group_size : 0;

@@ -8,34 +8,41 @@
 // the *instruction issue* is not: at 4-bit a GPU-wide 8.5 T weights/s leaves ~4 issue slots per
 // weight, so dequantization must cost a handful of integer/half2 ops per pair of weights.
 //
-// Measured (kernels/gemv/NOTES.md): fp16 90-100% of the copy bandwidth on the large shapes,
-// 8-bit ~70%, 3/4-bit ~55%: the quantized kernels are bound by instruction issue (ncu: 3.8
-// instructions per 4-bit weight), not by memory latency.
+// Measured (kernels/gemv/NOTES.md): fp16 90-100% of the copy bandwidth on the large shapes; the
+// quantized kernel 60-85% on the 7B shapes, within ~10% of a kernel that only loads the same
+// bytes in the same pattern: what is left is the fixed cost of a launch (~1.5 us: grid start,
+// the wait on the previous kernel, staging x), a quarter of a 25 MB GEMV.
 //
 // ---------------------------------------------------------------------------------------------
-// Work decomposition. A block of 8 warps owns tiles of consecutive rows and loops over them
-// (grid = at most the resident blocks, so x is staged into shared memory once per block):
+// Work decomposition, quantized. One block of 16 warps per SM stages x into shared memory once.
+// Warp w of the W in the grid owns the rows [N*w/W, N*(w+1)/W) (equal runs, so no warp has a
+// whole extra tile to finish) and streams them R = 2 at a time. Along K a row is cut into units
+// (256, 128, 128, 64 codes at 2, 3, 4, 8 bits; four 16-byte loads, or three 3-bit planes), and
+// lane l takes units l, l + 32, ...:
 //
-//                 K (chunks of 16 bytes per row)  ------------------------------------->
-//   warp (rg,kw)  | lane0 lane1 ... lane31 | lane0 ... lane31 | lane0 ...     (k_split = 1)
-//   rows rg*R..   | c=0   c=1       c=31   | c=32      c=63   | ...
+//                 K (units of 4 x 16 bytes per row)  --------------------------------->
+//   warp w        | lane0 lane1 ... lane31 | lane0 ... lane31 | lane0 ...
+//   rows r, r+1   | u=0   u=1       u=31   | u=32      u=63   | ...
 //
-// Each warp streams R rows (R = 4, or 2 for 3-bit) at once: lane l loads chunk c = l + 32*i of
-// each of its R rows (so one warp instruction reads 512 contiguous bytes of a row), reads the
-// x chunk c from shared memory once and uses it for all R rows. With k_split = s > 1, s warps
-// share the same R rows and take every s-th group of 32 chunks; their sums meet in shared
-// memory. Lanes sum with warp shuffles. Two chunks per row are loaded before any is used
-// (2R, 6R for 3-bit, 16-byte loads in flight per thread), with ld.global.nc.L1::no_allocate
-// and an L2 evict_first cache policy: weights are read once per token and must neither evict
-// the KV cache or the activations from L2 nor occupy L1.
+// A step loads one unit of each of the R rows (4R 16-byte loads in flight per thread, plus the
+// unit's scales as one vector load per row), then computes: each x uint4 is read from shared
+// memory once for both rows. The first step is loaded before the kernel waits for the previous
+// one (programmatic dependent launch). Loads are ld.global.nc.L1::no_allocate with an L2
+// evict_first policy: weights are read once per token and must neither evict the KV cache or the
+// activations from L2 nor occupy L1. Lanes sum with warp shuffles at the end of each row pair.
+//
+// fp16 (gemv_f16, weights as stored): blocks of 8 warps loop over tiles of 4 rows per warp;
+// lane l reads 16-byte chunk c = l + 32i of each row; k_split warps may share a row.
 //
 // ---------------------------------------------------------------------------------------------
-// Packed layout (built by gemv_prepare.cpp). Row n is `planes` planes of `chunks` 16-byte
-// chunks, plane-major: chunk c of plane p at codes[(n*planes + p)*chunks + c]. Chunk c holds the
-// C consecutive codes k = c*C .. c*C+C-1 of the (act-order permuted) K axis, zero-padded past
-// K. Inside a 32-bit word, the two codes that meet the same half2 of x sit in the low and the
-// high 16-bit half at the same bit position, so one lop3 with a mask drops both into the
-// mantissas of an fp16 pair:
+// Packed layout (built by gemv_prepare.cpp). Row n is planes * chunks 16-byte chunks. Chunk c
+// holds the C consecutive codes k = c*C .. c*C+C-1 of the (act-order permuted) K axis,
+// zero-padded past K; unit u is chunks 4u .. 4u+3 (3-bit: chunk u, planes 0-2). Inside a row,
+// the units u = 32i .. 32i+31 (fewer in the last group, cnt of them) store their load slot t
+// together: slot t of unit u at uint4 32i*loads + t*cnt + u%32 (gemv_layout.h chunk_index), so
+// the 32 lanes of a warp read 512 contiguous bytes per load. Inside a 32-bit word, the two codes
+// that meet the same half2 of x sit in the low and the high 16-bit half at the same bit
+// position, so one lop3 with a mask drops both into the mantissas of an fp16 pair:
 //
 //  4-bit, C = 32, word j of the chunk holds k = 8j .. 8j+7 (i = k - 8j):
 //     bit 31           16 15             0
@@ -48,7 +55,7 @@
 //  8-bit, C = 16, word j holds k = 4j .. 4j+3 at byte i; prmt puts bytes (0,1) and (2,3)
 //     under a 0x64 high byte: 1024 + q.
 //  3-bit, C = 128, 3 planes (48 bytes per chunk, three fully coalesced 16-byte loads):
-//     32-code unit u of the chunk = word u of plane 0, 1, 2 (a, b, c):
+//     32-code piece u of the chunk = word u of plane 0, 1, 2 (a, b, c):
 //        a: codes 0..7 , b: codes 8..15, c: codes 16..23 as 3-bit values in the 4-bit layout
 //           above (bits 0-2 of each nibble);
 //        bit 3 of nibble slot i of a, b, c = bit 0, 1, 2 of code 24+i.
@@ -59,25 +66,27 @@
 //     decode as 4-bit words with mask 7.
 //  fp16 weights: the row as stored, C = 8.
 //
-// x in shared memory mirrors this: the 8 x values of word j (4-bit; two uint4 per 2-bit word,
-// half a uint4 per 8-bit word) form uint4 number j of the chunk, stored at x_s[j*chunks + c], so
-// that the 32 lanes of a warp read 512 contiguous bytes (no bank conflicts). With act-order
+// x in shared memory mirrors this: the 8 x values of word j of the unit (4-bit; two uint4 per
+// 2-bit word, half a uint4 per 8-bit word) form uint4 number j of the unit, stored at
+// x_s[j*units + u], so that the 32 lanes of a warp read 512 contiguous bytes (no bank conflicts). With act-order
 // the block first copies x in its natural order to shared memory, then gathers it through perm.
 //
 // Scales [N][groups] fp16 and, unless every zero point is equal, zeros [N][groups] uint8,
-// at the effective group size (a divisor of the checkpoint's, repeated; 0 = one per row).
+// at the effective group size (a divisor of the checkpoint's, repeated; 0 = one per row); rows
+// padded to 8 groups, so the 1-8 scales of a unit are one aligned vector load.
 //
 // ---------------------------------------------------------------------------------------------
 // Dequantization and accuracy. lop3 yields t = M + q exactly (M = 2^(10-p) for a code at
 // mantissa bit p); t - (M + z) = q - z is exact (M + z is built with integer ops, no convert).
 // The single-hfma2 form t*s + (-(M+z)*s) is avoided: rounding -(1024+z)*s to fp16 costs up to
 // half a quantization step.
-//   4-, 8-bit: w = (q - z) * s in fp16 (one rounding, as the fp16 model's weight), then
-//     hfma2 with x into a half2 partial sum over one chunk (32 or 16 codes), added in fp32.
-//   2-, 3-bit: the partial sum over 32 codes is sum (q - z) x in half2 (|q - z| <= 7, exact
-//     factors), then scaled by s in fp32: one op less per pair, which 3-bit needs to keep up.
-//     It overflows only if sum |q - z| |x| over 32 consecutive inputs exceeds 65504 (|x| > 292
-//     on all 32 at the extreme code), far beyond the activations of a normalised decoder.
+//   8-bit: w = (q - z) * s in fp16 (one rounding, as the fp16 model's weight), then hfma2 with
+//     x into a half2 partial sum over the unit (64 codes), added in fp32.
+//   2-, 3-, 4-bit: the partial sum over 32 codes is sum (q - z) x in half2 (exact factors,
+//     |q - z| <= 15), then scaled by s in fp32: lop3, hsub2, hfma2 per pair of weights, one op
+//     less than scaling each weight. Each half of the half2 sums 16 products, so it overflows
+//     only if sum |q - z| |x| over those 16 inputs exceeds 65504 (|x| > 273 on all 16 at the
+//     extreme 4-bit code), far beyond the activations of a normalised decoder.
 // ---------------------------------------------------------------------------------------------
 
 #include <cuda_fp16.h>
@@ -98,8 +107,6 @@
 namespace kestrel::cuda {
 namespace gemv_detail {
 namespace {
-
-constexpr int kQuantUnroll = 2;
 
 struct KParams {
   const uint4* codes;      // row n starts at codes + n * row_stride
@@ -204,155 +211,199 @@ __device__ __forceinline__ __half2 nibble_word_int(uint32_t w, uint4 xv, uint32_
   return acc;
 }
 
-// Scaled dot: returns acc + sum ((q - z) * s) * x.
-__device__ __forceinline__ __half2 nibble_word_scaled(uint32_t w, uint4 xv, uint32_t mz0,
-                                                      uint32_t mz4, __half2 s, __half2 acc) {
-  const uint32_t w8 = w >> 8;
-  acc = __hfma2(__hmul2(minus_zero(and_or(w, 0x000F000Fu, 0x64006400u), mz0), s), h2(xv.x), acc);
-  acc = __hfma2(__hmul2(minus_zero(and_or(w, 0x00F000F0u, 0x54005400u), mz4), s), h2(xv.y), acc);
-  acc = __hfma2(__hmul2(minus_zero(and_or(w8, 0x000F000Fu, 0x64006400u), mz0), s), h2(xv.z), acc);
-  acc = __hfma2(__hmul2(minus_zero(and_or(w8, 0x00F000F0u, 0x54005400u), mz4), s), h2(xv.w), acc);
-  return acc;
-}
-
 // ---- Formats ------------------------------------------------------------------------------------
 
-// Per-format policy of the generic kernel: chunk geometry, what one chunk-load holds, and the
-// dot product of a loaded chunk with x.
-//   BITS: 2, 3, 4, 8.  GS: effective group size, 32/64/128, or 0 for one group per row.
+// The quantized formats: what one unit of a row holds, how its scales are fetched, and its dot
+// product with x. BITS: 2, 3, 4, 8. GS: effective group size, 32/64/128, or 0 for one per row.
 template <int BITS, int GS>
 struct QuantOp {
-  static constexpr int kCodes = chunk_codes(BITS);   // codes per chunk
-  static constexpr int kPlanes = chunk_planes(BITS);
-  static constexpr int kRows = rows_per_warp(BITS);  // rows per warp
-  static constexpr int kUnroll = kQuantUnroll;       // chunks per row loaded before use
-  static constexpr int kVecs = kCodes / 8;           // x uint4 per chunk
-  // Groups met inside one chunk (>1 only for 32-code groups with 2- or 3-bit, 64 with 3-bit).
-  static constexpr int kGroups = (GS == 0 || GS >= kCodes) ? 1 : kCodes / GS;
-  static_assert(GS == 0 || GS % 32 == 0, "groups are whole 32-code units");
+  static constexpr int kCodes = chunk_codes(BITS);        // codes per chunk
+  static constexpr int kChunks = unit_chunks(BITS);       // chunks per unit
+  static constexpr int kLoads = unit_loads(BITS);         // 16-byte loads per unit and row
+  static constexpr int kUnitCodes = kCodes * kChunks;     // 256, 128, 128, 64 for 2, 3, 4, 8
+  static constexpr int kVecs = kUnitCodes / 8;            // x uint4 per unit
+  // Scales a unit meets: several when groups are smaller than the unit, else one (a group of
+  // 128 spans two 8-bit units).
+  static constexpr int kScales = (GS == 0 || GS >= kUnitCodes) ? 1 : kUnitCodes / GS;
+  static_assert(GS == 0 || GS % 32 == 0, "groups are whole 32-code pieces");
+  static_assert(kScales == 1 || kScales == 2 || kScales == 4 || kScales == 8, "scale vector");
+  static constexpr int R = kQuantRows;
 
   struct Frag {
-    uint4 q[kRows][kPlanes];
-    uint32_t sz[kRows][kGroups];  // scale bits | zero << 16
+    uint4 q[R][kLoads];
+    uint32_t s[R][(kScales + 1) / 2];  // fp16 scale bits, two per word
+    uint32_t z[R][(kScales + 3) / 4];  // stored zero points, four per word (asymmetric only)
   };
 
-  __device__ static __forceinline__ void load(Frag& f, const KParams& p,
-                                              const uint4* const (&rowp)[kRows],
-                                              const int64_t (&srow)[kRows], int c,
-                                              uint64_t pol) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int pl = 0; pl < kPlanes; ++pl) f.q[r][pl] = ld_stream(rowp[r] + pl * p.nch + c, pol);
-    const int g0 = GS == 0 ? 0 : (c * kCodes) / GS;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int i = 0; i < kGroups; ++i) {
-        const int64_t idx = srow[r] + g0 + i;
-        const uint32_t s = __half_as_ushort(__ldg(p.scales + idx));
-        const uint32_t z = p.zeros ? uint32_t(__ldg(p.zeros + idx)) + uint32_t(p.zero_offset)
-                                   : uint32_t(p.zero_const);
-        f.sz[r][i] = s | (z << 16);
-      }
+  // Scale slot of the group holding code `off` of the unit (compile-time in every caller).
+  static constexpr int group_in_unit(int off) { return kScales == 1 ? 0 : off / GS; }
+  __device__ static __forceinline__ int64_t scale_index(int u) {
+    return GS == 0 ? 0 : GS >= kUnitCodes ? int64_t(u) * kUnitCodes / GS : int64_t(u) * kScales;
   }
 
-  // acc[r] += dot(chunk of row r, x chunk). xs = &x_s[c], the chunk's uint4 j at xs[j * nch].
-  __device__ static __forceinline__ void compute(const Frag& f, const uint4* xs, int nch,
-                                                 float (&acc)[kRows]) {
-    if constexpr (BITS == 4) {
-      __half2 h[kRows], s[kRows];
-      uint32_t mz0[kRows], mz4[kRows];
+  // Loads unit u (iteration i = u / 32, lane = u % 32) of rows row0 .. row0 + nrows - 1; rows
+  // past nrows get zero codes and scales (computed, never stored).
+  __device__ static __forceinline__ void load(Frag& f, const KParams& p, int row0, int nrows,
+                                              int i, int lane, uint64_t pol) {
+    const int cnt = min(32, p.nch - 32 * i);
+    const int64_t si = scale_index(32 * i + lane);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const uint32_t z2 = (f.sz[r][0] >> 16) * 0x00010001u;
-        mz0[r] = 0x64006400u | z2;
-        mz4[r] = 0x54005400u | (z2 << 4);
-        s[r] = h2((f.sz[r][0] & 0xFFFFu) * 0x00010001u);
-        h[r] = __float2half2_rn(0.f);
+    for (int r = 0; r < R; ++r) {
+      if (r < nrows) {
+        const uint4* base = p.codes + int64_t(row0 + r) * p.row_stride + 32 * i * kLoads + lane;
+#pragma unroll
+        for (int t = 0; t < kLoads; ++t) f.q[r][t] = ld_stream(base + t * cnt, pol);
+        const int64_t idx = int64_t(row0 + r) * p.G + si;
+        if constexpr (kScales == 1) {
+          f.s[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.scales) + idx);
+        } else if constexpr (kScales == 2) {
+          f.s[r][0] = __ldg(reinterpret_cast<const uint32_t*>(p.scales + idx));
+        } else if constexpr (kScales == 4) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(p.scales + idx));
+          f.s[r][0] = v.x, f.s[r][1] = v.y;
+        } else {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.scales + idx));
+          f.s[r][0] = v.x, f.s[r][1] = v.y, f.s[r][2] = v.z, f.s[r][3] = v.w;
+        }
+        if (p.zeros) {
+          if constexpr (kScales == 1) {
+            f.z[r][0] = __ldg(p.zeros + idx);
+          } else if constexpr (kScales == 2) {
+            f.z[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.zeros + idx));
+          } else if constexpr (kScales == 4) {
+            f.z[r][0] = __ldg(reinterpret_cast<const uint32_t*>(p.zeros + idx));
+          } else {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p.zeros + idx));
+            f.z[r][0] = v.x, f.z[r][1] = v.y;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < kLoads; ++t) f.q[r][t] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int g = 0; g < (kScales + 1) / 2; ++g) f.s[r][g] = 0;
+#pragma unroll
+        for (int g = 0; g < (kScales + 3) / 4; ++g) f.z[r][g] = 0;
       }
+    }
+  }
+
+  __device__ static __forceinline__ uint32_t scale_bits(const Frag& f, int r, int g) {
+    return (f.s[r][g / 2] >> (16 * (g % 2))) & 0xFFFFu;
+  }
+  __device__ static __forceinline__ float scale(const Frag& f, int r, int g) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(scale_bits(f, r, g))));
+  }
+  __device__ static __forceinline__ uint32_t zero(const Frag& f, const KParams& p, int r, int g) {
+    return p.zeros ? ((f.z[r][g / 4] >> (8 * (g % 4))) & 0xFFu) + uint32_t(p.zero_offset)
+                   : uint32_t(p.zero_const);
+  }
+
+  // acc[r] += dot(unit of row r, x). xs = &x_s[u]: the unit's x uint4 v at xs[v * stride].
+  __device__ static __forceinline__ void compute(const Frag& f, const KParams& p, const uint4* xs,
+                                                 int stride, float (&acc)[R]) {
+    if constexpr (BITS == 4) {
+      // Chunk j = codes 32j .. 32j+31 of the unit; word w of it meets x uint4 4j + w.
+      uint32_t mz0[R][kScales], mz4[R][kScales];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int g = 0; g < kScales; ++g) {
+          const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
+          mz0[r][g] = 0x64006400u | z2;
+          mz4[r][g] = 0x54005400u | (z2 << 4);
+        }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint4 xv = xs[j * nch];
+        const int g = group_in_unit(32 * j);
+        __half2 h[R];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          h[r] = nibble_word_scaled(word(f.q[r][0], j), xv, mz0[r], mz4[r], s[r], h[r]);
+        for (int r = 0; r < R; ++r) h[r] = __float2half2_rn(0.f);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const uint4 xv = xs[(4 * j + w) * stride];
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            h[r] = nibble_word_int<15>(word(f.q[r][j], w), xv, mz0[r][g], mz4[r][g], h[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(scale(f, r, g), hsum(h[r]), acc[r]);
       }
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r] += hsum(h[r]);
     } else if constexpr (BITS == 8) {
-      __half2 h[kRows], s[kRows];
-      uint32_t mz[kRows];
+      // Chunk j = codes 16j .. 16j+15; words (2v, 2v+1) meet x uint4 2j + v. w = (q - z) * s
+      // in fp16, summed over the unit in half2.
+      __half2 h[R];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        mz[r] = 0x64006400u | ((f.sz[r][0] >> 16) * 0x00010001u);
-        s[r] = h2((f.sz[r][0] & 0xFFFFu) * 0x00010001u);
-        h[r] = __float2half2_rn(0.f);
-      }
+      for (int r = 0; r < R; ++r) h[r] = __float2half2_rn(0.f);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const uint4 xv = xs[j * nch];
+      for (int j = 0; j < 4; ++j) {
+        const int g = group_in_unit(16 * j);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const uint32_t w0 = word(f.q[r][0], 2 * j), w1 = word(f.q[r][0], 2 * j + 1);
-          // prmt: bytes (0,1) / (2,3) of the word each under a 0x64 byte = 1024 + q.
-          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4140u), mz[r]), s[r]),
-                         h2(xv.x), h[r]);
-          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4342u), mz[r]), s[r]),
-                         h2(xv.y), h[r]);
-          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4140u), mz[r]), s[r]),
-                         h2(xv.z), h[r]);
-          h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4342u), mz[r]), s[r]),
-                         h2(xv.w), h[r]);
-        }
-      }
+        for (int v = 0; v < 2; ++v) {
+          const uint4 xv = xs[(2 * j + v) * stride];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) acc[r] += hsum(h[r]);
-    } else if constexpr (BITS == 2) {
-      // Two 32-code units per chunk (words 2u, 2u+1; x uint4 4u .. 4u+3).
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        uint4 xv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * u + i) * nch];
-        constexpr int gi_div = GS == 0 ? 1 << 30 : GS;
-        const int gi = kGroups == 1 ? 0 : (32 * u) / gi_div;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const uint32_t sz = f.sz[r][gi];
-          const uint32_t z2 = (sz >> 16) * 0x00010001u;
-          const uint32_t mz[4] = {0x64006400u | z2, 0x5C005C00u | (z2 << 2),
-                                  0x54005400u | (z2 << 4), 0x4C004C00u | (z2 << 6)};
-          constexpr uint32_t magic[4] = {0x64006400u, 0x5C005C00u, 0x54005400u, 0x4C004C00u};
-          __half2 h = __float2half2_rn(0.f);
-#pragma unroll
-          for (int wi = 0; wi < 2; ++wi) {
-            const uint32_t w = word(f.q[r][0], 2 * u + wi), w8 = w >> 8;
-            const uint4 xa = xv[2 * wi], xb = xv[2 * wi + 1];
-#pragma unroll
-            for (int sl = 0; sl < 4; ++sl) {
-              const uint32_t m = 0x00030003u << (2 * sl);
-              h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), h2(word(xa, sl)), h);
-              h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), h2(word(xb, sl)), h);
-            }
+          for (int r = 0; r < R; ++r) {
+            const uint32_t mz = 0x64006400u | (zero(f, p, r, g) * 0x00010001u);
+            const __half2 s = h2(scale_bits(f, r, g) * 0x00010001u);
+            const uint32_t w0 = word(f.q[r][j], 2 * v), w1 = word(f.q[r][j], 2 * v + 1);
+            // prmt: bytes (0,1) / (2,3) of the word each under a 0x64 byte = 1024 + q.
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4140u), mz), s),
+                           h2(xv.x), h[r]);
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4342u), mz), s),
+                           h2(xv.y), h[r]);
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4140u), mz), s),
+                           h2(xv.z), h[r]);
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4342u), mz), s),
+                           h2(xv.w), h[r]);
           }
-          acc[r] += __half2float(__ushort_as_half(uint16_t(sz & 0xFFFFu))) * hsum(h);
         }
       }
-    } else {  // BITS == 3: four 32-code units per chunk
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int r = 0; r < R; ++r) acc[r] += hsum(h[r]);
+    } else if constexpr (BITS == 2) {
+      // Chunk j = codes 64j .. 64j+63 = pieces 2j, 2j+1; piece pc of the chunk is words 2pc,
+      // 2pc+1 against x uint4 8j + 4pc .. +3.
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int pc = 0; pc < 2; ++pc) {
+          const int g = group_in_unit(64 * j + 32 * pc);
+          uint4 xv[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xv[i] = xs[(8 * j + 4 * pc + i) * stride];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
+            const uint32_t mz[4] = {0x64006400u | z2, 0x5C005C00u | (z2 << 2),
+                                    0x54005400u | (z2 << 4), 0x4C004C00u | (z2 << 6)};
+            constexpr uint32_t magic[4] = {0x64006400u, 0x5C005C00u, 0x54005400u, 0x4C004C00u};
+            __half2 h = __float2half2_rn(0.f);
+#pragma unroll
+            for (int wi = 0; wi < 2; ++wi) {
+              const uint32_t w = word(f.q[r][j], 2 * pc + wi), w8 = w >> 8;
+              const uint4 xa = xv[2 * wi], xb = xv[2 * wi + 1];
+#pragma unroll
+              for (int sl = 0; sl < 4; ++sl) {
+                const uint32_t m = 0x00030003u << (2 * sl);
+                h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), h2(word(xa, sl)), h);
+                h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), h2(word(xb, sl)), h);
+              }
+            }
+            acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
+          }
+        }
+    } else {  // BITS == 3: one chunk of 3 planes; piece pc = word pc of planes a, b, c
+#pragma unroll
+      for (int pc = 0; pc < 4; ++pc) {
+        const int g = group_in_unit(32 * pc);
         uint4 xv[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * u + i) * nch];
-        constexpr int gi_div = GS == 0 ? 1 << 30 : GS;
-        const int gi = kGroups == 1 ? 0 : (32 * u) / gi_div;
+        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * pc + i) * stride];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const uint32_t sz = f.sz[r][gi];
-          const uint32_t z2 = (sz >> 16) * 0x00010001u;
+        for (int r = 0; r < R; ++r) {
+          const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
           const uint32_t mz0 = 0x64006400u | z2, mz4 = 0x54005400u | (z2 << 4);
-          const uint32_t a = word(f.q[r][0], u), b = word(f.q[r][1], u), c = word(f.q[r][2], u);
+          const uint32_t a = word(f.q[r][0], pc), b = word(f.q[r][1], pc), c = word(f.q[r][2], pc);
           const uint32_t d = select_bits(a >> 3, select_bits(b >> 2, c >> 1, 0x22222222u),
                                          0x11111111u);
           __half2 h = __float2half2_rn(0.f);
@@ -360,7 +411,7 @@ struct QuantOp {
           h = nibble_word_int<7>(b, xv[1], mz0, mz4, h);
           h = nibble_word_int<7>(c, xv[2], mz0, mz4, h);
           h = nibble_word_int<7>(d, xv[3], mz0, mz4, h);
-          acc[r] += __half2float(__ushort_as_half(uint16_t(sz & 0xFFFFu))) * hsum(h);
+          acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
         }
       }
     }
@@ -370,7 +421,7 @@ struct QuantOp {
 // fp16 weights: the row as stored, 8 values per chunk, fp32 products and sums.
 struct F16Op {
   static constexpr int kCodes = 8;
-  static constexpr int kRows = 4;
+  static constexpr int kRows = kF16Rows;
   static constexpr int kUnroll = 4;  // 16 loads in flight: a chunk is only 8 weights
   static constexpr int kVecs = 1;
 
@@ -411,12 +462,13 @@ struct F16Op {
 // kernels/activation): fp32 math on fp16 inputs, one rounding to fp16 of the staged value.
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// RMSNorm's 1 / rms(x) over the block (every block stages the whole x anyway).
+// RMSNorm's 1 / rms(x) over the block of T threads (every block stages the whole x anyway).
+template <int T>
 __device__ float input_inv_rms(const KParams& p, bool vec) {
-  __shared__ float part[kWarps];
+  __shared__ float part[T / 32];
   float ss = 0.f;
   if (vec) {
-    for (int v = threadIdx.x; v < p.K / 8; v += kThreads) {
+    for (int v = threadIdx.x; v < p.K / 8; v += T) {
       const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -425,7 +477,7 @@ __device__ float input_inv_rms(const KParams& p, bool vec) {
       }
     }
   } else {
-    for (int k = threadIdx.x; k < p.K; k += kThreads) {
+    for (int k = threadIdx.x; k < p.K; k += T) {
       const float f = __half2float(__ldcg(p.x + k));
       ss += f * f;
     }
@@ -435,7 +487,7 @@ __device__ float input_inv_rms(const KParams& p, bool vec) {
   __syncthreads();
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += part[w];
+  for (int w = 0; w < T / 32; ++w) total += part[w];
   return rsqrtf(total / (float)p.K + p.eps);
 }
 
@@ -463,19 +515,21 @@ __device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms)
   return __float2half_rn(a);
 }
 
-// x_s[j * nch + c] = x values k = c*C + 8j .. +7 of the permuted K axis (zero past K).
-// x and residual are read with ld.global.cg: written by the previous kernel, which with
-// programmatic dependent launch may still have been running when this one started.
-template <int C>
+// x_s[j * n + c] = x values k = c*C + 8j .. +7 of the permuted K axis (zero past K), for
+// n = p.nch pieces of C codes (chunks of the fp16 kernel, units of the quantized one), staged by
+// a block of T threads. x and residual are read with ld.global.cg: written by the previous
+// kernel, which with programmatic dependent launch may still have been running when this one
+// started.
+template <int C, int T>
 __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat) {
   constexpr int V = C / 8;
   const int nvec = p.nch * V;
   const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
                    ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
-  const float inv_rms = p.norm_w ? input_inv_rms(p, vec) : 1.f;
+  const float inv_rms = p.norm_w ? input_inv_rms<T>(p, vec) : 1.f;
   auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
   if (p.perm == nullptr) {
-    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+    for (int v = threadIdx.x; v < nvec; v += T) {
       const int k = v * 8;
       uint4 val = make_uint4(0, 0, 0, 0);
       if (vec) {
@@ -490,13 +544,13 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
     }
   } else {
     if (vec) {
-      for (int v = threadIdx.x; v < p.K / 8; v += kThreads)
+      for (int v = threadIdx.x; v < p.K / 8; v += T)
         reinterpret_cast<uint4*>(x_nat)[v] = input8(p, v * 8, inv_rms);
     } else {
-      for (int k = threadIdx.x; k < p.K; k += kThreads) x_nat[k] = input1(p, k, inv_rms);
+      for (int k = threadIdx.x; k < p.K; k += T) x_nat[k] = input1(p, k, inv_rms);
     }
     __syncthreads();
-    for (int v = threadIdx.x; v < nvec; v += kThreads) {
+    for (int v = threadIdx.x; v < nvec; v += T) {
       const int k = v * 8;
       const int4 i0 = __ldg(reinterpret_cast<const int4*>(p.perm + k));
       const int4 i1 = __ldg(reinterpret_cast<const int4*>(p.perm + k + 4));
@@ -541,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
   }
   grid_dependency_wait();
   allow_dependents();
-  stage_x<C>(p, x_s, x_nat);
+  stage_x<C, kThreads>(p, x_s, x_nat);
   __syncthreads();
 
   const uint64_t pol = evict_first_policy();
@@ -600,6 +654,64 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
   }
 }
 
+
+// The quantized kernel: one block of kQuantThreads per SM; warp w of the grid owns the rows
+// [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time, unit by unit (module comment).
+template <int BITS, int GS>
+__global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KParams p) {
+  using Op = QuantOp<BITS, GS>;
+  constexpr int R = kQuantRows;
+  extern __shared__ uint4 smem[];
+  uint4* x_s = smem;
+  __half* x_nat = reinterpret_cast<__half*>(x_s + static_cast<size_t>(Op::kVecs) * p.nch);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t wg = int64_t(blockIdx.x) * kQuantWarps + warp, W = int64_t(gridDim.x) * kQuantWarps;
+  const int rb = static_cast<int>(p.N * wg / W), re = static_cast<int>(p.N * (wg + 1) / W);
+  const int iters = (p.nch + 31) / 32;  // unit groups per row (p.nch = units here)
+  const int steps = (re - rb + R - 1) / R * iters;
+  const uint64_t pol = evict_first_policy();
+
+  // The weights do not depend on the previous kernel: load the first step into registers
+  // before waiting for it. (A bulk L2 prefetch of the warp's whole run of rows here made every
+  // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
+  typename Op::Frag f;
+  if (steps > 0 && lane < p.nch) Op::load(f, p, rb, min(R, re - rb), 0, lane, pol);
+  grid_dependency_wait();
+  allow_dependents();
+  stage_x<Op::kUnitCodes, kQuantThreads>(p, x_s, x_nat);
+  __syncthreads();
+
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  int row0 = rb, i = 0;
+  for (int s = 0; s < steps; ++s) {
+    const int nrows = min(R, re - row0);
+    const int u = 32 * i + lane;
+    if (u < p.nch) {
+      if (s > 0) Op::load(f, p, row0, nrows, i, lane, pol);
+      Op::compute(f, p, x_s + u, p.nch, acc);
+    }
+    if (++i == iters) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1)
+          acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+      float mine = acc[0];
+#pragma unroll
+      for (int r = 1; r < R; ++r)
+        if (lane == r) mine = acc[r];
+      if (lane < nrows) store_row(p, row0 + lane, mine);
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] = 0.f;
+      i = 0;
+      row0 += R;
+    }
+  }
+}
+
 // ---- Dispatch ---------------------------------------------------------------------------------
 
 using Kernel = void (*)(KParams);
@@ -608,10 +720,10 @@ using Kernel = void (*)(KParams);
 template <int B>
 Kernel quant_kernel_for_group(int gs) {
   switch (gs) {
-    case 0: return gemv_kernel<QuantOp<B, 0>>;
-    case 32: return gemv_kernel<QuantOp<B, 32>>;
-    case 64: return gemv_kernel<QuantOp<B, 64>>;
-    case 128: return gemv_kernel<QuantOp<B, 128>>;
+    case 0: return gemv_quant_kernel<B, 0>;
+    case 32: return gemv_quant_kernel<B, 32>;
+    case 64: return gemv_quant_kernel<B, 64>;
+    case 128: return gemv_quant_kernel<B, 128>;
     default: return nullptr;
   }
 }
@@ -654,7 +766,7 @@ void ensure_smem(Kernel k, size_t bytes) {
 
 // Resident blocks per SM of a kernel at a shared-memory size (cached: queried per call it would
 // cost microseconds of host time per GEMV).
-int blocks_per_sm(Kernel k, size_t smem) {
+int blocks_per_sm(Kernel k, int threads, size_t smem) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, size_t>, int> cache;
   const DeviceInfo& d = current_device_info();
@@ -664,7 +776,7 @@ int blocks_per_sm(Kernel k, size_t smem) {
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   int occ = 0;
-  KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, kThreads, smem));
+  KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, threads, smem));
   if (occ < 1)
     throw Error("gemv: a block with " + std::to_string(smem) +
                 " bytes of shared memory does not fit on device " + std::to_string(d.id));
@@ -681,8 +793,8 @@ int64_t tiles_for(int64_t N, int rows, int ks) {
 // that a warp keeps its full set of loads in flight. Larger k_split means smaller row tiles,
 // hence more tiles per block and an even tail. grid: at most the resident blocks, so that x
 // is staged into shared memory once per block and blocks loop over tiles.
-GemvLaunch plan(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size_t smem,
-                GemvLaunch hint) {
+GemvLaunch plan_f16(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size_t smem,
+                    GemvLaunch hint) {
   const DeviceInfo& d = current_device_info();
   GemvLaunch out = hint;
   if (out.k_split == 0) {
@@ -692,26 +804,37 @@ GemvLaunch plan(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size_t s
   if (out.k_split != 1 && out.k_split != 2 && out.k_split != 4 && out.k_split != 8)
     throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(out.k_split));
   const int64_t tiles = tiles_for(N, rows, out.k_split);
-  const int64_t resident = int64_t(blocks_per_sm(k, smem)) * d.sm_count;
+  const int64_t resident = int64_t(blocks_per_sm(k, kThreads, smem)) * d.sm_count;
   const int64_t cap = out.grid > 0 ? out.grid : resident;
   out.grid = static_cast<int>(std::max<int64_t>(1, std::min(tiles, cap)));
   return out;
 }
 
-// Grids larger than the tile count are clamped (extra blocks would only idle).
-void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaStream_t s) {
-  if (p.k_split != 1 && p.k_split != 2 && p.k_split != 4 && p.k_split != 8)
-    throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(p.k_split));
+// Quantized: the resident blocks (one per SM), fewer when N gives each warp less than
+// kQuantRows rows; every warp then takes an equal run of rows, so the grid only sets how many
+// warps share N. k_split does not apply (a lane owns whole units of K).
+GemvLaunch plan_quant(Kernel k, int64_t N, size_t smem, GemvLaunch hint) {
+  const DeviceInfo& d = current_device_info();
+  GemvLaunch out = hint;
+  out.k_split = 1;
+  const int64_t resident = int64_t(blocks_per_sm(k, kQuantThreads, smem)) * d.sm_count;
+  const int64_t useful = (N + int64_t(kQuantRows) * kQuantWarps - 1) / (int64_t(kQuantRows) * kQuantWarps);
+  const int64_t cap = out.grid > 0 ? out.grid : std::min(resident, useful);
+  out.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, INT32_MAX / kQuantWarps)));
+  return out;
+}
+
+void launch(Kernel k, const KParams& p, int grid, int threads, bool pdl, size_t smem,
+            cudaStream_t s) {
   ensure_smem(k, smem);
-  const int grid = std::min(l.grid, p.tiles);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(std::max(grid, 1)));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = l.pdl ? 1 : 0;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, p));
@@ -721,13 +844,12 @@ void launch(Kernel k, const KParams& p, const GemvLaunch& l, size_t smem, cudaSt
 
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
   const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
-  return codes * 2 + kWarps * 4 * sizeof(float) + (has_perm ? codes * 2 : 0);
+  return codes * 2 + (has_perm ? codes * 2 : 0);
 }
 
-GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks, size_t smem,
+GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t, size_t smem,
                              GemvLaunch hint) {
-  return plan(quant_kernel(bits, group_size), rows_per_warp(bits), kQuantUnroll, N, chunks, smem,
-              hint);
+  return plan_quant(quant_kernel(bits, group_size), N, smem, hint);
 }
 
 }  // namespace gemv_detail
@@ -756,17 +878,14 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.residual = residual;
   p.N = static_cast<int>(w.N);
   p.K = static_cast<int>(w.K);
-  p.nch = static_cast<int>(w.chunks);
+  p.nch = static_cast<int>(w.chunks / unit_chunks(w.bits));  // units per row
   p.G = static_cast<int>(w.groups);
   p.zero_const = w.zero_const;
   p.zero_offset = w.zero_offset;
   const Kernel k = quant_kernel(w.bits, w.group_size);
   GemvLaunch l = w.launch;
-  if (l.k_split == 0 || l.grid <= 0)
-    l = plan(k, rows_per_warp(w.bits), kQuantUnroll, w.N, w.chunks, w.smem_bytes, l);
-  p.k_split = l.k_split;
-  p.tiles = static_cast<int>(tiles_for(w.N, rows_per_warp(w.bits), l.k_split));
-  launch(k, p, l, w.smem_bytes, s);
+  if (l.grid <= 0) l = plan_quant(k, w.N, w.smem_bytes, l);
+  launch(k, p, l.grid, kQuantThreads, l.pdl, w.smem_bytes, s);
 }
 
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
@@ -780,7 +899,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   const Kernel k = gemv_kernel<F16Op>;
   const int64_t nch = K / 8;
   const size_t smem = static_cast<size_t>(K) * 2 + kWarps * 4 * sizeof(float);
-  const GemvLaunch l = plan(k, F16Op::kRows, F16Op::kUnroll, N, nch, smem, launch_hint);
+  const GemvLaunch l = plan_f16(k, F16Op::kRows, F16Op::kUnroll, N, nch, smem, launch_hint);
   KParams p{};
   set_input(p, in);
   p.codes = reinterpret_cast<const uint4*>(W);
@@ -794,7 +913,9 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   p.G = 0;
   p.k_split = l.k_split;
   p.tiles = static_cast<int>(tiles_for(N, F16Op::kRows, l.k_split));
-  launch(k, p, l, smem, s);
+  if (p.k_split != 1 && p.k_split != 2 && p.k_split != 4 && p.k_split != 8)
+    throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(p.k_split));
+  launch(k, p, std::min(l.grid, p.tiles), kThreads, l.pdl, smem, s);
 }
 
 }  // namespace kestrel::cuda

@@ -24,9 +24,11 @@ namespace kestrel::cuda {
 // How a GEMV is spread over the GPU. gemv_prepare chooses it for the current device; a
 // benchmark may override it. Zero fields mean "choose".
 struct GemvLaunch {
-  int k_split = 0;  // warps of a block that share each row, each summing a slice of K: 1, 2, 4, 8
-  int grid = 0;     // blocks, each looping over row tiles (x is staged in shared memory once
-                    // per block); at most the tile count; 0 = at most the resident blocks
+  int k_split = 0;  // fp16 kernel: warps of a block that share each row, each summing a slice
+                    // of K: 1, 2, 4, 8 (the quantized kernel gives each lane whole units of K)
+  int grid = 0;     // blocks (x is staged in shared memory once per block); each warp takes an
+                    // equal run of rows (quantized) or blocks loop over row tiles (fp16);
+                    // 0 = chosen (at most the resident blocks)
   bool pdl = true;  // programmatic dependent launch: the kernel may start (and prefetch its
                     // weights into L2) while the previous kernel in the stream drains
 };
@@ -39,14 +41,15 @@ struct GemvWeight {
   int64_t N = 0, K = 0;
   bool has_perm = false;  // act-order: the K axis was permuted so that groups are contiguous
 
-  // Layout (see gemv.cu): each row is `planes` planes of `chunks` 16-byte chunks.
+  // Layout (see gemv.cu): each row is `planes` planes of `chunks` 16-byte chunks (a whole
+  // number of units: 4 chunks, or one 3-bit chunk).
   int64_t chunks = 0;
   int planes = 0;
-  int64_t groups = 0;     // scale/zero entries per row (padded to a multiple of 4)
+  int64_t groups = 0;     // scale/zero entries per row (padded to a multiple of 8)
   int zero_const = 0;     // zero point of every group when zeros == nullptr
   int zero_offset = 0;    // z = zeros[i] + zero_offset otherwise
 
-  const uint4* codes = nullptr;    // [N][planes][chunks] 16-byte chunks
+  const uint4* codes = nullptr;    // [N][planes * chunks] 16-byte chunks
   const __half* scales = nullptr;  // [N][groups]
   const uint8_t* zeros = nullptr;  // [N][groups] stored zero points, or nullptr (all equal)
   const int32_t* perm = nullptr;   // [chunks * codes per chunk]: x index of each permuted k

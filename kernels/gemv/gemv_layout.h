@@ -18,11 +18,34 @@ constexpr int chunk_codes(int bits) {
 }
 constexpr int chunk_planes(int bits) { return bits == 3 ? 3 : 1; }
 
-// Rows one warp streams at a time (they share each x chunk read from shared memory).
-constexpr int rows_per_warp(int bits) { return bits == 3 ? 2 : 4; }
+// A lane's unit of work in one row: 4 chunks (2-, 4-, 8-bit: 256, 128, 64 codes) or one 3-bit
+// chunk of 3 planes (128 codes): 4 or 3 16-byte loads. Rows hold a whole number of units.
+constexpr int unit_chunks(int bits) { return bits == 3 ? 1 : 4; }
+constexpr int unit_loads(int bits) { return unit_chunks(bits) * chunk_planes(bits); }
 
-constexpr int kThreads = 256;  // threads of every GEMV block
+// Where plane p of chunk c sits in its row, in uint4 from the row's start (gemv.cu draws it):
+// the 32 units u = 32i .. 32i+31 of a row (fewer in the last group) store load slot
+// t = (c % unit_chunks) * planes + p of every unit together, so that the lanes of a warp, one
+// unit each, read 512 contiguous bytes per load.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline int64_t chunk_index(int bits, int64_t chunks, int64_t c, int p) {
+  const int uc = unit_chunks(bits), nq = unit_loads(bits);
+  const int64_t units = chunks / uc, u = c / uc, i = u / 32;
+  const int64_t cnt = units - 32 * i < 32 ? units - 32 * i : 32;
+  const int64_t t = (c % uc) * chunk_planes(bits) + p;
+  return i * 32 * nq + t * cnt + (u % 32);
+}
+
+// The fp16 kernel (row-major weights as stored): rows per warp, threads per block.
+constexpr int kF16Rows = 4;
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+// The quantized kernel: rows a warp streams at once, threads per block (one block per SM).
+constexpr int kQuantRows = 2;
+constexpr int kQuantThreads = 512;
+constexpr int kQuantWarps = kQuantThreads / 32;
 
 // Bit position of code i (0 <= i < 8) inside a 32-bit word for 4-bit codes (and for the
 // 3-bit "nibble words"): pairs (2p, 2p+1) sit in nibble p of the low and high half.
@@ -33,7 +56,7 @@ constexpr int crumb_pos(int i) { return 16 * (i & 1) + 2 * (i >> 1); }
 // The repacked weight on the host, before upload: what gemv_prepare sends to the device.
 struct HostRepack {
   GemvWeight meta;               // every field but the device pointers, smem and launch
-  std::vector<uint32_t> codes;   // [N][planes][chunks][4] words
+  std::vector<uint32_t> codes;   // [N][planes * chunks][4] words, placed by chunk_index
   std::vector<uint16_t> scales;  // [N][groups] fp16 bits
   std::vector<uint8_t> zeros;    // [N][groups] stored zero points; empty when all are equal
   std::vector<int32_t> perm;     // [chunks * chunk_codes]: x index of permuted k (0 past K);
@@ -47,8 +70,8 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts);
 // buffer and, with act-order, x in its natural order for the gather.
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm);
 
-// Chooses k_split and grid for a quantized GEMV on the current device (fills the zero
-// fields of `hint`). Throws kestrel::Error for an unsupported (bits, group size).
+// Chooses the grid for a quantized GEMV on the current device (fills the zero fields of
+// `hint`). Throws kestrel::Error for an unsupported (bits, group size).
 GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks,
                              size_t smem, GemvLaunch hint);
 

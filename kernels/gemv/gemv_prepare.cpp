@@ -51,13 +51,14 @@ void parallel_for(int64_t n, Fn fn) {
 
 size_t align16(size_t n) { return (n + 15) & ~size_t(15); }
 
-// Writes the permuted, zero-padded codes of one row (cp[j], j < chunks*C) into its chunks.
+// Writes the permuted, zero-padded codes of one row (cp[j], j < chunks*C) into its chunks,
+// each plane p of chunk c at uint4 chunk_index(bits, nch, c, p) of the row.
 void pack_row(int bits, int64_t nch, const uint8_t* cp, uint32_t* out /* planes*nch*4 words */) {
   const int C = chunk_codes(bits);
   std::memset(out, 0, static_cast<size_t>(chunk_planes(bits)) * nch * 16);
   for (int64_t c = 0; c < nch; ++c) {
     const uint8_t* q = cp + c * C;
-    uint32_t* w = out + c * 4;
+    uint32_t* w = out + chunk_index(bits, nch, c, 0) * 4;
     switch (bits) {
       case 4:
         for (int j = 0; j < 4; ++j)
@@ -72,17 +73,17 @@ void pack_row(int bits, int64_t nch, const uint8_t* cp, uint32_t* out /* planes*
           for (int i = 0; i < 4; ++i) w[j] |= uint32_t(q[4 * j + i]) << (8 * i);
         break;
       case 3:
-        // Unit u (codes 32u..32u+31) lives in word u of planes 0, 1, 2 (a, b, c).
+        // Piece u (codes 32u..32u+31) lives in word u of planes 0, 1, 2 (a, b, c).
         for (int u = 0; u < 4; ++u) {
           const uint8_t* qu = q + 32 * u;
           for (int i = 0; i < 24; ++i) {
             const int plane = i / 8, ii = i % 8;
-            out[(plane * nch + c) * 4 + u] |= uint32_t(qu[i] & 7u) << nibble_pos(ii);
+            out[chunk_index(bits, nch, c, plane) * 4 + u] |= uint32_t(qu[i] & 7u) << nibble_pos(ii);
           }
           for (int i = 0; i < 8; ++i) {
             const int pos = nibble_pos(i) + 3;
             for (int b = 0; b < 3; ++b)
-              out[(b * nch + c) * 4 + u] |= uint32_t((qu[24 + i] >> b) & 1u) << pos;
+              out[chunk_index(bits, nch, c, b) * 4 + u] |= uint32_t((qu[24 + i] >> b) & 1u) << pos;
           }
         }
         break;
@@ -184,13 +185,14 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   w.has_perm = !identity;
   w.planes = chunk_planes(bits);
   const int C = chunk_codes(bits);
-  w.chunks = (K + C - 1) / C;
+  const int UC = unit_chunks(bits);
+  w.chunks = ((K + C - 1) / C + UC - 1) / UC * UC;  // whole units
   const int64_t Kp = w.chunks * C;
   // Effective group: the largest of 128, 64, 32 that divides the checkpoint's (scales repeat).
   w.group_size = per_row ? 0 : std::gcd(gs_in, 128);
-  // Padded to a multiple of 4: every row starts 8-byte aligned, so the (up to 4) scales of one
-  // chunk always lie in one aligned 8-byte word, which a kernel can fetch with one load.
-  w.groups = ((per_row ? 1 : (Kp + w.group_size - 1) / w.group_size) + 3) / 4 * 4;
+  // Padded to a multiple of 8: every row starts 16-byte aligned, so the (up to 8) scales of one
+  // unit always lie in one aligned 16-byte vector, which a kernel fetches with one load.
+  w.groups = ((per_row ? 1 : (Kp + w.group_size - 1) / w.group_size) + 7) / 8 * 8;
   w.zero_offset = p0.zero_offset;
   const int64_t Ge = w.groups;
 
