@@ -1,5 +1,5 @@
 // The Llama decode step on the GPU. Per token: embedding, then per layer
-//   rmsnorm -> fused qkv GEMV -> RoPE + KV write -> flash-decoding attention
+//   rmsnorm -> fused qkv GEMV -> flash-decoding attention (RoPE and the KV write inside)
 //   -> o GEMV (+ residual) -> rmsnorm -> fused gate|up GEMV -> SiLU*up -> down GEMV (+ residual)
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured once as a CUDA graph and replayed per token; the host
@@ -18,7 +18,6 @@
 #include "kernels/common/cuda_utils.h"
 #include "kernels/embedding/embedding_cuda.h"
 #include "kernels/norm/norm_cuda.h"
-#include "kernels/rope/rope_cuda.h"
 #include "kernels/sampling/argmax_cuda.h"
 
 namespace kestrel {
@@ -279,12 +278,12 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     // the qkv GEMV as it stages x.
     L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
     mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
-    cuda::rope_kv_write_f16(s_.qkv, k_cache, v_cache, s_.pos, c.n_heads, c.n_kv_heads, c.head_dim,
-                            c.rope_theta, c.rope_linear_factor, s);
-    mark("rope + kv write", (c.q_dim() * 2 + c.kv_dim() * 4) * h2, s);
-    cuda::attention_decode_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window, c.n_heads,
-                               c.n_kv_heads, c.head_dim, s_.att_workspace, s_.att, s);
-    mark("attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
+    // RoPE of q and the new k, the KV-cache write and the attention: one split kernel (and
+    // its combine), which rotates as it reads qkv.
+    cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window,
+                                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
+                                    c.rope_linear_factor, s_.att_workspace, s_.att, s);
+    mark("rope + kv write + attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
     L.o.run(s_.att, s_.x, s_.x, s);
     mark("gemv o (+residual)", L.o.bytes_moved(), s);
 

@@ -395,6 +395,67 @@ TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
   KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
+// attention_decode_rope_f16 (RoPE, KV write and attention in one kernel) against the two
+// kernels it replaces, bit for bit: the output, the q|k|v row (left untouched by the fused
+// kernel) and both caches, replayed in a graph over positions that cross chunk boundaries, with
+// and without a sliding window, MHA and GQA, both head dims.
+TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
+  REQUIRE_CUDA();
+  struct Case {
+    int hd, n_heads, n_kv, window;
+  };
+  for (const Case c : {Case{128, 4, 4, 0}, Case{64, 8, 2, 0}, Case{64, 32, 2, 100},
+                       Case{128, 6, 2, 70}}) {
+    SCOPED_TRACE("hd " + std::to_string(c.hd) + " heads " + std::to_string(c.n_heads) + "/" +
+                 std::to_string(c.n_kv) + " window " + std::to_string(c.window));
+    const int max_ctx = 300, steps = 200;
+    const int q_dim = c.n_heads * c.hd, kv_dim = c.n_kv * c.hd, qkv_dim = q_dim + 2 * kv_dim;
+    const float theta = 500000.0f, factor = 2.0f;
+    Dev<uint16_t> dqkv(qkv_dim), dqkv2(qkv_dim), dk((size_t)max_ctx * kv_dim),
+        dv((size_t)max_ctx * kv_dim), dk2((size_t)max_ctx * kv_dim),
+        dv2((size_t)max_ctx * kv_dim), dout(q_dim), dout2(q_dim);
+    Dev<int> dpos(1);
+    const size_t ws_n = cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.hd) / sizeof(float);
+    Dev<float> ws(ws_n), ws2(ws_n);
+    for (auto* d : {&dk, &dv, &dk2, &dv2}) d->poison();
+
+    cudaStream_t stream;
+    KESTREL_CUDA_CHECK(cudaStreamCreate(&stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), c.n_heads, c.n_kv, c.hd,
+                            theta, factor, stream);
+    cuda::attention_decode_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
+                               c.n_heads, c.n_kv, c.hd, ws.get(), dout.half(), stream);
+    cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
+                                    c.window, c.n_heads, c.n_kv, c.hd, theta, factor, ws2.get(),
+                                    dout2.half(), stream);
+    KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int pos = 0; pos < steps; ++pos) {
+      const auto qkv = random_half(qkv_dim, -2.0f, 2.0f, 7000 + pos);
+      dqkv.upload(qkv);
+      dqkv2.upload(qkv);
+      dpos.upload({pos});
+      dout.poison();
+      dout2.poison();
+      KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const std::string at = " at pos " + std::to_string(pos);
+      ASSERT_EQ(dout2.download(), dout.download()) << "attention output" << at;
+      ASSERT_EQ(dqkv2.download(), qkv) << "the fused kernel must not modify qkv" << at;
+      if (pos % 50 == 49 || pos == steps - 1) {
+        ASSERT_EQ(dk2.download(), dk.download()) << "k cache" << at;
+        ASSERT_EQ(dv2.download(), dv.download()) << "v cache" << at;
+      }
+    }
+    KESTREL_CUDA_CHECK(cudaGraphExecDestroy(exec));
+    KESTREL_CUDA_CHECK(cudaGraphDestroy(graph));
+    KESTREL_CUDA_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
 // ---- silu * up ----
 
 struct SiluShape {

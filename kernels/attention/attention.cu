@@ -38,6 +38,7 @@
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
+#include "kernels/rope/rope_kv.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -70,60 +71,160 @@ __device__ __forceinline__ int window_start(int n_ctx, int sliding_window) {
   return sliding_window > 0 ? max(0, n_ctx - sliding_window) : 0;
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
+}
+
+// 8 consecutive dims d0 .. d0+7 (inside one half of the head) of the rotated head x: each pairs
+// with d + head_dim/2 (or d - head_dim/2), as rope_kv_row rotates them. cs: the angles'
+// (cos, sin) per pair index, rope_angle of this position.
+template <int D>
+__device__ __forceinline__ uint4 rotate8(const __half* x, int d0, const float2* cs) {
+  constexpr int H = D / 2;
+  const bool first = d0 < H;
+  Half8 own, other, out;
+  own.raw = __ldcg(reinterpret_cast<const uint4*>(x + d0));
+  other.raw = __ldcg(reinterpret_cast<const uint4*>(x + (first ? d0 + H : d0 - H)));
+  const int i0 = first ? d0 : d0 - H;  // pair index of dim d0
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const __half a[2] = {__low2half(own.h2[j]), __high2half(own.h2[j])};
+    const __half b[2] = {__low2half(other.h2[j]), __high2half(other.h2[j])};
+    __half r[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      __half y1, y2;
+      if (first)
+        rope_detail::rotate_pair(a[e], b[e], cs[i0 + 2 * j + e], y1, y2);
+      else
+        rope_detail::rotate_pair(b[e], a[e], cs[i0 + 2 * j + e], y1, y2);
+      r[e] = first ? y1 : y2;
+    }
+    out.h2[j] = __halves2half2(r[0], r[1]);
+  }
+  return out.raw;
+}
+
 // D: head_dim. GMAX: query heads per block, rounded up to a power of two; the live count `nh`
 // is a runtime value <= GMAX, and every loop over heads is unrolled to GMAX with a uniform
 // `g < nh` test so that the accumulators stay in registers.
-template <int D, int GMAX>
+// ROPE: q points at the un-rotated [q | k | v] row of the new token; the block rotates its query
+// heads, and the block whose chunk holds *d_pos rotates the new k, writes k and v into the
+// caches' row *d_pos and uses them from registers (rope_kv_write_f16 + this kernel, in one).
+//
+// Latency: the K rows of the chunk (registers) and its V rows (cp.async into shared memory) are
+// all requested at once, before the wait on the previous kernel: rows before *d_pos were
+// written by earlier steps, and *d_pos itself before the step's first kernel. Only q and the
+// new row come after the wait.
+template <int D, int GMAX, bool ROPE>
 __global__ void __launch_bounds__(kThreads)
-    attention_split_kernel(const __half* __restrict__ q, const __half* __restrict__ k_cache,
-                           const __half* __restrict__ v_cache, const int* __restrict__ d_pos,
-                           int sliding_window, int n_kv_heads, int group, float q_scale,
+    attention_split_kernel(const __half* __restrict__ q, __half* __restrict__ k_cache,
+                           __half* __restrict__ v_cache, const int* __restrict__ d_pos,
+                           int sliding_window, int n_heads, int n_kv_heads, int group,
+                           float q_scale, const rope_detail::InvFreq inv_freq,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml) {
-  pdl_wait_then_release();  // q and the new K/V row come from the kernels before
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
-  constexpr int kStep = kRows * kUnroll;    // rows per unrolled iteration
+  constexpr int kPasses = kChunk / kRows;   // passes over the chunk
   constexpr int kHeadsPerRound = GMAX < 4 ? GMAX : 4;  // heads reduced per shared-memory round
   constexpr int kScoreFloats = GMAX * kChunk;
   constexpr int kRedFloats = kHeadsPerRound * kRows * D;
   constexpr int kBufFloats = kScoreFloats > kRedFloats ? kScoreFloats : kRedFloats;
   static_assert(D % 8 == 0 && 32 % kLanes == 0, "a row's threads must lie inside one warp");
+  static_assert(kChunk % kRows == 0, "whole passes per chunk");
 
   __shared__ __align__(16) float q_s[GMAX * D];
   __shared__ __align__(16) float buf[kBufFloats];  // scores [GMAX][kChunk], then reduction
+  __shared__ __align__(16) uint4 v_s[kChunk * kLanes];  // the chunk's V rows, [row][8 dims]
+  __shared__ float2 cs[ROPE ? D / 2 : 1];                 // RoPE (cos, sin) per pair index
+  __shared__ __align__(16) uint4 knew_s[kLanes];          // K of the new token's row
 
-  const int n_ctx = *d_pos + 1;
+  const int pos = *d_pos, n_ctx = pos + 1;
   const int chunk = blockIdx.y;
   const int lo = max(chunk * kChunk, window_start(n_ctx, sliding_window));
   const int hi = min(chunk * kChunk + kChunk, n_ctx);
   if (lo >= hi) return;  // the whole block: no position of this chunk is live
   const int n_rows = hi - lo;
+  const int new_row = pos - lo;  // the new token's row, when it is in this chunk (< n_rows)
   const int n_chunks_all = gridDim.y;
 
   const int kvh = blockIdx.x;
   const int h0 = kvh * group + blockIdx.z * GMAX;  // first query head of this block
   const int nh = min(GMAX, group - (int)blockIdx.z * GMAX);
 
-  for (int i = threadIdx.x; i < nh * D; i += kThreads)
-    q_s[i] = __half2float(q[(size_t)h0 * D + i]) * q_scale;
-  __syncthreads();
-
   const int seg = threadIdx.x % kLanes;  // which 8 dims
   const int r0 = threadIdx.x / kLanes;   // which row of a pass
   const size_t row_stride = (size_t)n_kv_heads * D;
   const size_t first_elem = (size_t)lo * row_stride + (size_t)kvh * D + seg * 8;
+
+  uint4 kraw[kPasses];
+#pragma unroll
+  for (int u = 0; u < kPasses; ++u) {
+    const int r = u * kRows + r0;
+    kraw[u] = make_uint4(0, 0, 0, 0);
+    if (r < n_rows && r != new_row) {
+      const size_t e = first_elem + (size_t)r * row_stride;
+      kraw[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + e));
+      cp_async16(&v_s[r * kLanes + seg], v_cache + e);
+    }
+  }
+  if constexpr (ROPE) {
+    for (int i = threadIdx.x; i < D / 2; i += kThreads) cs[i] = rope_detail::rope_angle(pos, inv_freq.v[i]);
+    __syncthreads();
+  }
+  pdl_wait_then_release();  // q and the new k, v come from the kernels before
+
+  const bool has_new = new_row < n_rows && new_row % kRows == r0;  // this thread's row
+  if constexpr (!ROPE) {
+    if (has_new) {  // written to the caches by the kernel before
+      const size_t e = first_elem + (size_t)new_row * row_stride;
+      knew_s[seg] = __ldcg(reinterpret_cast<const uint4*>(k_cache + e));
+      cp_async16(&v_s[new_row * kLanes + seg], v_cache + e);
+    }
+  }
+  if constexpr (ROPE) {
+    if (has_new) {
+      // This thread's 8 dims of the new row: k rotated, v as is; both into the caches.
+      const __half* kx = q + (size_t)n_heads * D + (size_t)kvh * D;
+      const __half* vx = kx + (size_t)n_kv_heads * D;
+      const uint4 kr = rotate8<D>(kx, seg * 8, cs);
+      const uint4 vr = __ldcg(reinterpret_cast<const uint4*>(vx + seg * 8));
+      knew_s[seg] = kr;
+      v_s[new_row * kLanes + seg] = vr;
+      if (blockIdx.z == 0) {
+        const size_t e = first_elem + (size_t)new_row * row_stride;
+        *reinterpret_cast<uint4*>(k_cache + e) = kr;
+        *reinterpret_cast<uint4*>(v_cache + e) = vr;
+      }
+    }
+    for (int i = threadIdx.x; i < nh * D / 8; i += kThreads) {
+      const int g = i / kLanes, d0 = (i % kLanes) * 8;
+      Half8 h;
+      h.raw = rotate8<D>(q + (size_t)(h0 + g) * D, d0, cs);
+      float f[8];
+      to_float8(h, f);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) q_s[g * D + d0 + j] = f[j] * q_scale;
+    }
+  } else {
+    for (int i = threadIdx.x; i < nh * D; i += kThreads)
+      q_s[i] = __half2float(q[(size_t)h0 * D + i]) * q_scale;
+  }
+  cp_async_wait_all();
+  __syncthreads();
   float* scores = buf;
 
   // 1. scores, in the log2 domain (q carries log2(e) / sqrt(D)).
-  for (int base = 0; base < n_rows; base += kStep) {
-    float kf[kUnroll][8];
+  {
+    float kf[kPasses][8];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int r = base + u * kRows + r0;
+    for (int u = 0; u < kPasses; ++u) {
       Half8 h;
-      h.raw = r < n_rows ? __ldg(reinterpret_cast<const uint4*>(k_cache + first_elem +
-                                                               (size_t)r * row_stride))
-                         : make_uint4(0, 0, 0, 0);
+      h.raw = u * kRows + r0 == new_row ? knew_s[seg] : kraw[u];
       to_float8(h, kf[u]);
     }
 #pragma unroll
@@ -131,21 +232,21 @@ __global__ void __launch_bounds__(kThreads)
       if (g >= nh) break;  // uniform over the block: the shuffles below stay convergent
       const float4 qa = *reinterpret_cast<const float4*>(&q_s[g * D + seg * 8]);
       const float4 qb = *reinterpret_cast<const float4*>(&q_s[g * D + seg * 8 + 4]);
-      float dot[kUnroll];
+      float dot[kPasses];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
+      for (int u = 0; u < kPasses; ++u) {
         dot[u] = qa.x * kf[u][0] + qa.y * kf[u][1] + qa.z * kf[u][2] + qa.w * kf[u][3] +
                  qb.x * kf[u][4] + qb.y * kf[u][5] + qb.z * kf[u][6] + qb.w * kf[u][7];
       }
 #pragma unroll
       for (int o = kLanes / 2; o > 0; o >>= 1) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
+        for (int u = 0; u < kPasses; ++u) dot[u] += __shfl_xor_sync(0xffffffffu, dot[u], o);
       }
       if (seg == 0) {
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int r = base + u * kRows + r0;
+        for (int u = 0; u < kPasses; ++u) {
+          const int r = u * kRows + r0;
           if (r < n_rows) scores[g * kChunk + r] = dot[u];
         }
       }
@@ -182,28 +283,20 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.0f;
   }
-  for (int base = 0; base < n_rows; base += kStep) {
-    Half8 h[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int r = base + u * kRows + r0;
-      h[u].raw = r < n_rows ? __ldg(reinterpret_cast<const uint4*>(v_cache + first_elem +
-                                                                  (size_t)r * row_stride))
-                            : make_uint4(0, 0, 0, 0);
-    }
+  for (int u = 0; u < kPasses; ++u) {
+    const int r = u * kRows + r0;
+    if (r >= n_rows) break;  // rows only grow with u
+    Half8 h;
+    h.raw = v_s[r * kLanes + seg];
+    float vf[8];
+    to_float8(h, vf);
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int r = base + u * kRows + r0;
-      if (r >= n_rows) break;  // rows only grow with u
-      float vf[8];
-      to_float8(h[u], vf);
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= nh) break;
+      const float p = scores[g * kChunk + r];
 #pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        if (g >= nh) break;
-        const float p = scores[g * kChunk + r];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
-      }
+      for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(p, vf[j], acc[g][j]);
     }
   }
   __syncthreads();  // every read of the scores is done: buf becomes the reduction buffer
@@ -258,26 +351,31 @@ __global__ void attention_combine_kernel(const float* __restrict__ ws_o,
   out[(size_t)h * D + d] = __float2half_rn(acc / l);
 }
 
-template <int D, int GMAX>
-void launch_split(const __half* q, const __half* k_cache, const __half* v_cache, const int* d_pos,
-                  int max_ctx, int sliding_window, int n_kv_heads, int group, float* ws_o,
-                  float* ws_ml, cudaStream_t stream) {
+template <int D, int GMAX, bool ROPE>
+void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
+                  int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
+                  const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
+                  cudaStream_t stream) {
+  const int group = n_heads / n_kv_heads;
   const dim3 grid(n_kv_heads, n_chunks(max_ctx), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
-  launch_pdl(attention_split_kernel<D, GMAX>, grid, dim3(kThreads), 0, stream, q, k_cache, v_cache,
-             d_pos, sliding_window, n_kv_heads, group, q_scale, ws_o, ws_ml);
+  launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
+             v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o,
+             ws_ml);
 }
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, 8, 16 (a group of
 // 3 runs as 4 with one head idle, a group of 32 as two blocks of 16).
-template <int D>
-void dispatch_group(const __half* q, const __half* k_cache, const __half* v_cache,
-                    const int* d_pos, int max_ctx, int sliding_window, int n_kv_heads, int group,
-                    float* ws_o, float* ws_ml, cudaStream_t stream) {
-#define KESTREL_ATTN_CALL(G)                                                                \
-  launch_split<D, G>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_kv_heads, group, \
-                     ws_o, ws_ml, stream)
+template <int D, bool ROPE>
+void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
+                    int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
+                    const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
+                    cudaStream_t stream) {
+#define KESTREL_ATTN_CALL(G)                                                               \
+  launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads, \
+                           n_kv_heads, inv_freq, ws_o, ws_ml, stream)
+  const int group = n_heads / n_kv_heads;
   if (group <= 1) {
     KESTREL_ATTN_CALL(1);
   } else if (group <= 2) {
@@ -292,6 +390,43 @@ void dispatch_group(const __half* q, const __half* k_cache, const __half* v_cach
 #undef KESTREL_ATTN_CALL
 }
 
+// Both entry points: checks, the split kernel, the combine kernel.
+template <bool ROPE>
+void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
+                      int max_ctx, int sliding_window, int n_heads, int n_kv_heads, int head_dim,
+                      const rope_detail::InvFreq& inv_freq, float* workspace, __half* out,
+                      cudaStream_t stream, const char* who) {
+  KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
+                std::string(who) + ": n_heads " + std::to_string(n_heads) +
+                    " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
+  KESTREL_CHECK(max_ctx > 0 && sliding_window >= 0,
+                std::string(who) + ": bad max_ctx " + std::to_string(max_ctx) +
+                    " or sliding_window " + std::to_string(sliding_window));
+  KESTREL_CHECK(reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v_cache) % 16 == 0,
+                std::string(who) + ": the K/V caches must be 16-byte aligned");
+  KESTREL_CHECK(!ROPE || reinterpret_cast<uintptr_t>(q) % 16 == 0,
+                std::string(who) + ": the qkv row must be 16-byte aligned");
+  // Workspace: o [n_heads][n_chunks][head_dim], then (m, l) [n_heads][n_chunks][2].
+  float* ws_o = workspace;
+  float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx) * head_dim;
+  switch (head_dim) {
+    case 64:
+      dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
+                               n_kv_heads, inv_freq, ws_o, ws_ml, stream);
+      break;
+    case 128:
+      dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
+                                n_kv_heads, inv_freq, ws_o, ws_ml, stream);
+      break;
+    default:
+      throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
+                  " is not compiled (supported: 64, 128)");
+  }
+  launch_pdl(attention_combine_kernel, dim3(n_heads), dim3(head_dim), 0, stream,
+             (const float*)ws_o, (const float*)ws_ml, d_pos, sliding_window, n_chunks(max_ctx), out);
+}
+
 }  // namespace
 
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim) {
@@ -302,34 +437,21 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
                           const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
                           cudaStream_t stream) {
-  KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
-                "attention_decode_f16: n_heads " + std::to_string(n_heads) +
-                    " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
-  KESTREL_CHECK(max_ctx > 0 && sliding_window >= 0,
-                "attention_decode_f16: bad max_ctx " + std::to_string(max_ctx) +
-                    " or sliding_window " + std::to_string(sliding_window));
-  KESTREL_CHECK(reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(v_cache) % 16 == 0,
-                "attention_decode_f16: the K/V caches must be 16-byte aligned");
-  const int group = n_heads / n_kv_heads;
-  // Workspace: o [n_heads][n_chunks][head_dim], then (m, l) [n_heads][n_chunks][2].
-  float* ws_o = workspace;
-  float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx) * head_dim;
-  switch (head_dim) {
-    case 64:
-      dispatch_group<64>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_kv_heads, group,
-                         ws_o, ws_ml, stream);
-      break;
-    case 128:
-      dispatch_group<128>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_kv_heads, group,
-                          ws_o, ws_ml, stream);
-      break;
-    default:
-      throw Error("attention_decode_f16: head_dim " + std::to_string(head_dim) +
-                  " is not compiled (supported: 64, 128)");
-  }
-  launch_pdl(attention_combine_kernel, dim3(n_heads), dim3(head_dim), 0, stream,
-             (const float*)ws_o, (const float*)ws_ml, d_pos, sliding_window, n_chunks(max_ctx), out);
+  // The caches are only read without RoPE.
+  attention_decode<false>(q, const_cast<__half*>(k_cache), const_cast<__half*>(v_cache), d_pos,
+                          max_ctx, sliding_window, n_heads, n_kv_heads, head_dim,
+                          rope_detail::InvFreq{}, workspace, out, stream, "attention_decode_f16");
+}
+
+void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
+                               const int* d_pos, int max_ctx, int sliding_window, int n_heads,
+                               int n_kv_heads, int head_dim, float theta, float linear_factor,
+                               float* workspace, __half* out, cudaStream_t stream) {
+  const rope_detail::InvFreq inv_freq =
+      rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, theta, linear_factor);
+  attention_decode<true>(qkv, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
+                         n_kv_heads, head_dim, inv_freq, workspace, out, stream,
+                         "attention_decode_rope_f16");
 }
 
 }  // namespace kestrel::cuda

@@ -27,4 +27,15 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
                           cudaStream_t stream);
 
+// The decode step's RoPE, KV-cache write and attention in one: qkv is the new token's
+// un-rotated [q | k | v] row (n_heads + 2 n_kv_heads heads, 16-byte aligned); q and k are
+// rotated for position *d_pos (frequencies, arithmetic and fp16 rounding as
+// rope_kv_write_f16), k and v are written to row *d_pos of the caches, and q attends as in
+// attention_decode_f16. The same values as rope_kv_write_f16 followed by attention_decode_f16,
+// one launch fewer; qkv itself is not modified.
+void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
+                               const int* d_pos, int max_ctx, int sliding_window, int n_heads,
+                               int n_kv_heads, int head_dim, float theta, float linear_factor,
+                               float* workspace, __half* out, cudaStream_t stream);
+
 }  // namespace kestrel::cuda

@@ -42,6 +42,23 @@ inline int threads_per_row(int n_heads, int n_kv_heads, int head_dim) {
   return (n_heads + n_kv_heads) * (head_dim / 2) + n_kv_heads * head_dim;
 }
 
+// The rotation of the pair (x1, x2) = (x[i], x[i + head_dim/2]) of one head at position pos.
+// Every path that applies RoPE at decode (rope_kv_row, the attention kernel that rotates as it
+// reads) calls it, so that they agree bitwise.
+// The angle's cosine and sine, and the rotation by them, apart so that a kernel can share one
+// table of angles between many pairs.
+__device__ __forceinline__ float2 rope_angle(int pos, float inv_freq) {
+  float s, c;
+  sincosf((float)pos * inv_freq, &s, &c);
+  return make_float2(c, s);
+}
+__device__ __forceinline__ void rotate_pair(__half x1h, __half x2h, float2 cs, __half& y1,
+                                            __half& y2) {
+  const float x1 = __half2float(x1h), x2 = __half2float(x2h);
+  y1 = __float2half_rn(x1 * cs.x - x2 * cs.y);
+  y2 = __float2half_rn(x2 * cs.x + x1 * cs.y);
+}
+
 // Thread t of a row at position pos: rotates its pair in place (q heads first, then k heads,
 // which follow q directly in the row) and writes rotated k, or copies one v element, into the
 // caches at row pos.
@@ -56,11 +73,8 @@ __device__ __forceinline__ void rope_kv_row(__half* row, __half* k_cache, __half
     const int head = t / half;
     const int i = t % half;
     __half* xh = row + (size_t)head * head_dim;
-    float s, c;
-    sincosf((float)pos * inv_freq.v[i], &s, &c);
-    const float x1 = __half2float(xh[i]), x2 = __half2float(xh[i + half]);
-    const __half y1 = __float2half_rn(x1 * c - x2 * s);
-    const __half y2 = __float2half_rn(x2 * c + x1 * s);
+    __half y1, y2;
+    rotate_pair(xh[i], xh[i + half], rope_angle(pos, inv_freq.v[i]), y1, y2);
     xh[i] = y1;
     xh[i + half] = y2;
     if (head >= n_heads) {
