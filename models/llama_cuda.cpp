@@ -234,6 +234,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   s_.logits_f32 = static_cast<float*>(alloc(c.vocab * sizeof(float)));
   s_.att_workspace =
       static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx_, c.n_heads, c.head_dim)));
+  cuda::attention_workspace_reset(s_.att_workspace, ctx_, c.n_heads, c.head_dim, stream_);
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 4 * sizeof(int)));
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
 

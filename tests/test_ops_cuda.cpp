@@ -292,6 +292,7 @@ TEST_P(AttentionCuda, MatchesReferenceAndReadsOnlyLiveRows) {
   Dev<int> dpos(std::vector<int>{c.n_ctx - 1});
   Dev<float> ws(cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.head_dim) / sizeof(float));
   ws.poison();
+  cuda::attention_workspace_reset(ws.get(), max_ctx, c.n_heads, c.head_dim, nullptr);
   dout.poison();
   cuda::attention_decode_f16(dq.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
                              c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(), nullptr);
@@ -352,9 +353,10 @@ TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
       dout(q_dim);
   Dev<int> dpos(1);
   Dev<float> ws(cuda::attention_workspace_bytes(max_ctx, n_heads, hd) / sizeof(float));
+  ws.poison();
+  cuda::attention_workspace_reset(ws.get(), max_ctx, n_heads, hd, nullptr);
   dk.poison();
   dv.poison();
-  ws.poison();
 
   cudaStream_t stream;
   KESTREL_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -418,6 +420,10 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
     const size_t ws_n = cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.hd) / sizeof(float);
     Dev<float> ws(ws_n), ws2(ws_n);
     for (auto* d : {&dk, &dv, &dk2, &dv2}) d->poison();
+    ws.poison();
+    ws2.poison();
+    cuda::attention_workspace_reset(ws.get(), max_ctx, c.n_heads, c.hd, nullptr);
+    cuda::attention_workspace_reset(ws2.get(), max_ctx, c.n_heads, c.hd, nullptr);
 
     cudaStream_t stream;
     KESTREL_CUDA_CHECK(cudaStreamCreate(&stream));

@@ -21,8 +21,12 @@
 //   3. V: the same thread layout accumulates sum p * v for its 8 dims over its rows in fp32
 //      registers, then the kRows row-groups are summed through shared memory.
 //   Per (head, chunk) the block writes m, l and the unnormalised output o to the fp32 workspace.
-// Kernel 2 (combine), one block per query head, one thread per dim, over the live chunks:
+// The merge (combine_heads), by the last block of each head range to finish (a counter per
+// range in the workspace; that block resets it) when a block serves one or two heads, else by
+// a second kernel with one block per head, over the live chunks:
 //   M = max m_s,  out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s.
+// (A second kernel did this first: its launch and its serial loop over chunks cost 2.5 us per
+// 7B layer at 640 positions and 8 us at 4096, more than the split itself.)
 //
 // Only positions inside [first, n_ctx) are ever loaded: rows beyond the live context may hold
 // anything (a NaN there would otherwise survive a multiplication by p = 0).
@@ -109,6 +113,74 @@ __device__ __forceinline__ uint4 rotate8(const __half* x, int d0, const float2* 
   return out.raw;
 }
 
+// The merge of chunks c0 .. c1 for query heads h0 .. h0 + nh - 1, by one block of kThreads:
+//   M = max m_c,  out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c.
+// Threads split the (dim, chunk) pairs of a head, kThreads / D chunks at a time, and keep 8
+// chunks' loads in flight; red (>= kThreads floats of shared memory) sums the chunk slices.
+// Reads go through L2 (ld.global.cg): other blocks wrote them during this kernel.
+template <int D>
+__device__ void combine_heads(const float* ws_o, const float* ws_ml, int h0, int nh, int c0,
+                              int c1, int n_chunks_all, __half* out, float* red) {
+  constexpr int kSlices = kThreads / D;  // chunk slices per head
+  constexpr int kInFlight = 8;
+  const int d = threadIdx.x % D, slice = threadIdx.x / D;
+  __shared__ float m_s[kThreads / 32];
+  for (int g = 0; g < nh; ++g) {
+    const int h = h0 + g;
+    const float* ml = ws_ml + (size_t)h * n_chunks_all * 2;
+    const float* o = ws_o + (size_t)h * n_chunks_all * D + d;
+    // M over the live chunks, by the whole block.
+    float m = -INFINITY;
+    for (int c = c0 + threadIdx.x; c <= c1; c += kThreads) m = fmaxf(m, __ldcg(ml + 2 * c));
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (threadIdx.x % 32 == 0) m_s[threadIdx.x / 32] = m;
+    __syncthreads();
+    float M = m_s[0];
+#pragma unroll
+    for (int w = 1; w < kThreads / 32; ++w) M = fmaxf(M, m_s[w]);
+    // This thread's slice of the chunks for dim d.
+    float l = 0.0f, acc = 0.0f;
+    for (int c = c0 + slice; c <= c1; c += kSlices * kInFlight) {
+      float mc[kInFlight], lc[kInFlight], oc[kInFlight];
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const int cc = c + i * kSlices;
+        mc[i] = cc <= c1 ? __ldcg(ml + 2 * cc) : -INFINITY;
+        lc[i] = cc <= c1 ? __ldcg(ml + 2 * cc + 1) : 0.0f;
+        oc[i] = cc <= c1 ? __ldcg(o + (size_t)cc * D) : 0.0f;
+      }
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const float w = exp2f(mc[i] - M);
+        l = fmaf(w, lc[i], l);
+        acc = fmaf(w, oc[i], acc);
+      }
+    }
+    red[threadIdx.x] = acc;
+    red[kThreads + threadIdx.x] = l;
+    __syncthreads();
+    if (slice == 0) {
+      float a = acc, L = l;
+#pragma unroll
+      for (int s = 1; s < kSlices; ++s) {
+        a += red[s * D + d];
+        L += red[kThreads + s * D + d];
+      }
+      out[(size_t)h * D + d] = __float2half_rn(a / L);
+    }
+    __syncthreads();
+  }
+}
+
+template <int GMAX>
+constexpr bool kMergeInBlock = GMAX <= 2;
+
+template <int D>
+__device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
+                                              int* counters, __half* out, float* buf, int h0,
+                                              int nh, int n_ctx, int sliding_window,
+                                              int n_chunks_all);
+
 // D: head_dim. GMAX: query heads per block, rounded up to a power of two; the live count `nh`
 // is a runtime value <= GMAX, and every loop over heads is unrolled to GMAX with a uniform
 // `g < nh` test so that the accumulators stay in registers.
@@ -126,7 +198,8 @@ __global__ void __launch_bounds__(kThreads)
                            __half* __restrict__ v_cache, const int* __restrict__ d_pos,
                            int sliding_window, int n_heads, int n_kv_heads, int group,
                            float q_scale, const rope_detail::InvFreq inv_freq,
-                           float* __restrict__ ws_o, float* __restrict__ ws_ml) {
+                           float* __restrict__ ws_o, float* __restrict__ ws_ml,
+                           int* __restrict__ counters, __half* __restrict__ out) {
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
   constexpr int kPasses = kChunk / kRows;   // passes over the chunk
@@ -326,43 +399,64 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
   }
+
+  // 4. With one or two heads per block, the last block of this head range to finish merges
+  //    the live chunks (a counter per head range; the last one resets it for the next step):
+  //    no second kernel, no second launch. Larger groups leave it to attention_combine_kernel,
+  //    one block per head: merged in series by one block, 8 heads cost more than a launch.
+  if constexpr (kMergeInBlock<GMAX>) merge_if_last<D>(ws_o, ws_ml, counters, out, buf, h0, nh,
+                                                      n_ctx, sliding_window, n_chunks_all);
 }
 
-// One block per query head, one thread per dim; reads only the chunks kernel 1 wrote this step.
-__global__ void attention_combine_kernel(const float* __restrict__ ws_o,
-                                         const float* __restrict__ ws_ml,
-                                         const int* __restrict__ d_pos, int sliding_window,
-                                         int n_chunks_all, __half* __restrict__ out) {
+template <int D>
+__device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
+                                              int* counters, __half* out, float* buf, int h0,
+                                              int nh, int n_ctx, int sliding_window,
+                                              int n_chunks_all) {
+  __shared__ int is_last;
+  __threadfence();  // this block's m, l and o are visible to whichever block merges
+  __syncthreads();
+  const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
+  if (threadIdx.x == 0) {
+    const int done = atomicAdd(&counters[h0], 1) + 1;
+    is_last = done == c1 - c0 + 1;
+    if (is_last) counters[h0] = 0;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  combine_heads<D>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, buf);
+}
+
+// One block per query head: the merge of its live chunks (groups of more than two heads).
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
+                             const int* __restrict__ d_pos, int sliding_window, int n_chunks_all,
+                             __half* __restrict__ out) {
+  __shared__ float red[2 * kThreads];
   pdl_wait_then_release();  // the split kernel's partial results
-  const int h = blockIdx.x, d = threadIdx.x, D = blockDim.x;
   const int n_ctx = *d_pos + 1;
   const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
-  const float* ml = ws_ml + (size_t)h * n_chunks_all * 2;
-  const float* o = ws_o + (size_t)h * n_chunks_all * D + d;
-
-  float m = -INFINITY;
-  for (int c = c0; c <= c1; ++c) m = fmaxf(m, ml[2 * c]);
-  float l = 0.0f, acc = 0.0f;
-  for (int c = c0; c <= c1; ++c) {
-    const float w = exp2f(ml[2 * c] - m);
-    l = fmaf(w, ml[2 * c + 1], l);
-    acc = fmaf(w, o[(size_t)c * D], acc);
-  }
-  out[(size_t)h * D + d] = __float2half_rn(acc / l);
+  combine_heads<D>(ws_o, ws_ml, blockIdx.x, 1, c0, c1, n_chunks_all, out, red);
 }
 
 template <int D, int GMAX, bool ROPE>
 void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                   int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
-                  cudaStream_t stream) {
+                  int* counters, __half* out, cudaStream_t stream) {
   const int group = n_heads / n_kv_heads;
   const dim3 grid(n_kv_heads, n_chunks(max_ctx), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
   launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
              v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o,
-             ws_ml);
+             ws_ml, counters, out);
+  if constexpr (!kMergeInBlock<GMAX>)
+    launch_pdl(attention_combine_kernel<D>, dim3(n_heads), dim3(kThreads), 0, stream,
+               (const float*)ws_o, (const float*)ws_ml, d_pos, sliding_window, n_chunks(max_ctx),
+               out);
 }
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, 8, 16 (a group of
@@ -371,10 +465,10 @@ template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
-                    cudaStream_t stream) {
+                    int* counters, __half* out, cudaStream_t stream) {
 #define KESTREL_ATTN_CALL(G)                                                               \
   launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads, \
-                           n_kv_heads, inv_freq, ws_o, ws_ml, stream)
+                           n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, stream)
   const int group = n_heads / n_kv_heads;
   if (group <= 1) {
     KESTREL_ATTN_CALL(1);
@@ -390,7 +484,7 @@ void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int
 #undef KESTREL_ATTN_CALL
 }
 
-// Both entry points: checks, the split kernel, the combine kernel.
+// Both entry points: checks, then the split kernel (which merges in its last blocks).
 template <bool ROPE>
 void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                       int max_ctx, int sliding_window, int n_heads, int n_kv_heads, int head_dim,
@@ -407,30 +501,38 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
                 std::string(who) + ": the K/V caches must be 16-byte aligned");
   KESTREL_CHECK(!ROPE || reinterpret_cast<uintptr_t>(q) % 16 == 0,
                 std::string(who) + ": the qkv row must be 16-byte aligned");
-  // Workspace: o [n_heads][n_chunks][head_dim], then (m, l) [n_heads][n_chunks][2].
   float* ws_o = workspace;
   float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx) * head_dim;
+  int* counters = reinterpret_cast<int*>(ws_ml + (size_t)n_heads * n_chunks(max_ctx) * 2);
   switch (head_dim) {
     case 64:
       dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
-                               n_kv_heads, inv_freq, ws_o, ws_ml, stream);
+                               n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, stream);
       break;
     case 128:
       dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
-                                n_kv_heads, inv_freq, ws_o, ws_ml, stream);
+                                n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, stream);
       break;
     default:
       throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
                   " is not compiled (supported: 64, 128)");
   }
-  launch_pdl(attention_combine_kernel, dim3(n_heads), dim3(head_dim), 0, stream,
-             (const float*)ws_o, (const float*)ws_ml, d_pos, sliding_window, n_chunks(max_ctx), out);
 }
 
 }  // namespace
 
+// Workspace: o [n_heads][n_chunks][head_dim], (m, l) [n_heads][n_chunks][2] (fp32), then one
+// int counter per query head (used by the first head of each block's range).
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim) {
-  return (size_t)n_heads * n_chunks(max_ctx) * (head_dim + 2) * sizeof(float);
+  return (size_t)n_heads * n_chunks(max_ctx) * (head_dim + 2) * sizeof(float) +
+         (size_t)n_heads * sizeof(int);
+}
+
+void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int head_dim,
+                               cudaStream_t stream) {
+  const size_t counters = (size_t)n_heads * n_chunks(max_ctx) * (head_dim + 2) * sizeof(float);
+  KESTREL_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<char*>(workspace) + counters, 0,
+                                     (size_t)n_heads * sizeof(int), stream));
 }
 
 void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,

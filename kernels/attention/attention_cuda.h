@@ -1,6 +1,7 @@
 // Single-query (decode) attention over the FP16 KV cache, flash-decoding style: the context is
-// cut into fixed chunks that separate blocks process in parallel, then a second kernel merges
-// the chunks' partial softmaxes. The CPU oracle is attention_ref in attention.h.
+// cut into fixed chunks that separate blocks process in parallel, and the last block of each
+// head range to finish merges the chunks' partial softmaxes. The CPU oracle is attention_ref in
+// attention.h.
 #pragma once
 
 #include <cstddef>
@@ -10,8 +11,13 @@
 
 namespace kestrel::cuda {
 
-// Bytes of fp32 scratch attention_decode_f16 needs for a context of up to max_ctx positions.
+// Bytes of scratch attention_decode_f16 needs for a context of up to max_ctx positions.
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim);
+
+// Zeroes the workspace's counters (its last n_heads ints) on `stream`: once after allocating
+// it, before the first attention call. Every call leaves them zero again.
+void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int head_dim,
+                               cudaStream_t stream);
 
 // q [n_heads, head_dim]; k_cache, v_cache [max_ctx, n_kv_heads, head_dim] (16-byte aligned);
 // out [n_heads, head_dim]. The query at position *d_pos attends over positions
@@ -20,7 +26,8 @@ size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim);
 // h / (n_heads / n_kv_heads); scale 1/sqrt(head_dim).
 // Grids are sized for max_ctx and the position is read on the device, so a captured CUDA graph
 // replays every step unchanged; the caller guarantees 0 <= *d_pos < max_ctx.
-// workspace: attention_workspace_bytes(max_ctx, n_heads, head_dim) bytes, 4-byte aligned.
+// workspace: attention_workspace_bytes(max_ctx, n_heads, head_dim) bytes, 4-byte aligned,
+// reset by attention_workspace_reset before its first use.
 // head_dim 64 or 128; anything else is a kestrel::Error.
 void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,
                           const int* d_pos, int max_ctx, int sliding_window, int n_heads,

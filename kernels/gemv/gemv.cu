@@ -462,41 +462,49 @@ struct F16Op {
 // kernels/activation): fp32 math on fp16 inputs, one rounding to fp16 of the staged value.
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
+// The sum of v over a block of T threads (every thread gets it).
+template <int T>
+__device__ float block_sum(float v) {
+  __shared__ float part[T / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) total += part[w];
+  return total;
+}
+
+__device__ __forceinline__ float sum_squares8(uint4 raw) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h2(word(raw, j)));
+    ss += f.x * f.x + f.y * f.y;
+  }
+  return ss;
+}
+
 // RMSNorm's 1 / rms(x) over the block of T threads (every block stages the whole x anyway).
 template <int T>
 __device__ float input_inv_rms(const KParams& p, bool vec) {
-  __shared__ float part[T / 32];
   float ss = 0.f;
   if (vec) {
-    for (int v = threadIdx.x; v < p.K / 8; v += T) {
-      const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __half22float2(h2(word(raw, j)));
-        ss += f.x * f.x + f.y * f.y;
-      }
-    }
+    for (int v = threadIdx.x; v < p.K / 8; v += T)
+      ss += sum_squares8(__ldcg(reinterpret_cast<const uint4*>(p.x) + v));
   } else {
     for (int k = threadIdx.x; k < p.K; k += T) {
       const float f = __half2float(__ldcg(p.x + k));
       ss += f * f;
     }
   }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < T / 32; ++w) total += part[w];
-  return rsqrtf(total / (float)p.K + p.eps);
+  return rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
 }
 
-// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
-__device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) {
-  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+// The fused input op on 8 values: raw = x, other = the norm weights (RMSNorm) or up (SiLU).
+__device__ __forceinline__ uint4 apply_input8(const KParams& p, uint4 raw, uint4 other,
+                                              float inv_rms) {
   if (!p.norm_w && !p.silu_mul) return raw;
-  const uint4 other = p.norm_w ? __ldg(reinterpret_cast<const uint4*>(p.norm_w + k))
-                               : __ldcg(reinterpret_cast<const uint4*>(p.x + p.K + k));
   uint32_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -506,6 +514,20 @@ __device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) 
     memcpy(&out[j], &r, 4);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The second operand of the fused input op for x values k .. k+7.
+__device__ __forceinline__ uint4 input_other8(const KParams& p, int k) {
+  if (p.norm_w) return __ldg(reinterpret_cast<const uint4*>(p.norm_w + k));
+  if (p.silu_mul) return __ldcg(reinterpret_cast<const uint4*>(p.x + p.K + k));
+  return make_uint4(0, 0, 0, 0);
+}
+
+// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
+__device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) {
+  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+  if (!p.norm_w && !p.silu_mul) return raw;
+  return apply_input8(p, raw, input_other8(p, k), inv_rms);
 }
 
 __device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms) {
@@ -526,8 +548,39 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
   const int nvec = p.nch * V;
   const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
                    ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
-  const float inv_rms = p.norm_w ? input_inv_rms<T>(p, vec) : 1.f;
   auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
+  constexpr int kMaxV = 4;  // x vectors per thread held in registers by the one-pass path
+  if (p.perm == nullptr && vec && p.K / 8 <= T * kMaxV) {
+    // One pass: every load of x (and of the norm weights or up) in flight at once, then the
+    // RMSNorm reduction over the registers. (The loop below reads x twice for RMSNorm, each
+    // pass a round trip to L2, and waits on every vector of a SiLU input in turn.)
+    const int nnat = p.K / 8;
+    uint4 a[kMaxV], b[kMaxV];
+#pragma unroll
+    for (int i = 0; i < kMaxV; ++i) {
+      const int v = threadIdx.x + i * T;
+      if (v < nnat) {
+        a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+        b[i] = input_other8(p, 8 * v);
+      }
+    }
+    float inv_rms = 1.f;
+    if (p.norm_w) {
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxV; ++i)
+        if (threadIdx.x + i * T < nnat) ss += sum_squares8(a[i]);
+      inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxV; ++i) {
+      const int v = threadIdx.x + i * T;
+      if (v < nnat) slot(v) = apply_input8(p, a[i], b[i], inv_rms);
+    }
+    for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const float inv_rms = p.norm_w ? input_inv_rms<T>(p, vec) : 1.f;
   if (p.perm == nullptr) {
     for (int v = threadIdx.x; v < nvec; v += T) {
       const int k = v * 8;
