@@ -454,15 +454,30 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
   EXPECT_LT(worst_cpu, 2e-2) << "prefill vs CPU engine logits, worst row";
   EXPECT_EQ(last, std::vector<float>(all.end() - vocab, all.end()));
 
-  // Greedy decode from both caches: identical tokens, close logits.
+  // Greedy decode from both caches: close logits at every step, and the same greedy token
+  // unless the top two are a near tie (as above); both then continue with the prefilled
+  // engine's token, so that a tie does not end the comparison.
   int a = argmax_of(last.data(), vocab), b = argmax_of(step.data(), vocab);
   ASSERT_EQ(a, b);
+  std::vector<float> la(vocab), lb(vocab);
+  int ties = 0;
   for (int i = 0; i < steps; ++i) {
     const int pos = n_prompt + i;
-    a = chunked.forward_argmax(a, pos);
-    b = stepwise.forward_argmax(b, pos);
-    ASSERT_EQ(a, b) << "decode step " << i;
+    chunked.forward(&a, 1, pos, la.data(), nullptr);
+    stepwise.forward(&a, 1, pos, lb.data(), nullptr);
+    EXPECT_LT(rel_err(la, lb), 2e-2) << "decode step " << i;
+    const int na = argmax_of(la.data(), vocab), nb = argmax_of(lb.data(), vocab);
+    if (na != nb) {
+      ++ties;
+      double ms = 0;
+      for (float v : lb) ms += (double)v * v;
+      const double tol = 2e-2 * std::sqrt(ms / vocab);
+      EXPECT_LT(lb[nb] - lb[na], tol) << "decode step " << i << ": " << na << " vs " << nb;
+      EXPECT_LT(la[na] - la[nb], tol) << "decode step " << i << ": " << na << " vs " << nb;
+    }
+    a = na;
   }
+  EXPECT_LE(ties, 2) << "near ties are rare; many mean the caches differ";
 
   // The NLL head agrees with a log-softmax of the same engine's logits.
   std::vector<int> targets(n_prompt);
