@@ -52,6 +52,7 @@ struct Row {
   int64_t N = 0, K = 0;
   int bits = 16, group = 0;
   bool act = false;
+  std::string fused;  // the op fused into the GEMV as the engine runs it ("" = none)
   GemvLaunch launch;
   double bytes = 0, us = 0;
   double gbps() const { return bytes / us * 1e-3; }
@@ -250,6 +251,33 @@ struct Bench {
     r.bytes = static_cast<double>(ws[0].bytes_moved());
     r.us = time_gptq(ws, r.launch);
     rows.push_back(r);
+    // 4-bit g128 also as the decode step runs it: RMSNorm fused into the staging of x (qkv,
+    // gate_up), SiLU(gate) * up (down, whose x is then [gate | up]), the residual (o).
+    if (bits == 4 && group == 128 && !act) {
+      Row f = r;
+      const std::string name = sh.name;
+      cuda::GemvInput in;
+      const __half* res = nullptr;
+      if (name == "qkv" || name == "gate_up") {
+        f.fused = "rmsnorm";
+        in.norm_w = x.as<__half>() + 32 * 1024;
+        in.eps = 1e-5f;
+        f.bytes += sh.K * 2;
+      } else if (name == "down") {
+        f.fused = "silu*up";
+        in.silu_mul = true;
+        f.bytes += sh.K * 2;
+      } else {
+        f.fused = "residual";
+        res = y.as<__half>();
+        f.bytes += sh.N * 2;
+      }
+      f.us = time_graph(s, static_cast<int>(ws.size()), o, [&](int i) {
+        GemvWeight w = ws[i];
+        cuda::gemv(w, x.as<__half>(), y.as<__half>(), res, s, in);
+      });
+      rows.push_back(f);
+    }
     if (o.sweep && sh.K * sh.N >= 4096 * 11008 && group == 128 && bits >= 3) {
       // The quantized kernel has no k_split (a lane owns whole units of K): grid and PDL.
       const int sms = cuda::current_device_info().sm_count;
@@ -320,8 +348,8 @@ struct Bench {
 
 std::string config_name(const Row& r) {
   if (r.kind != "gptq") return r.kind == "f16" ? "fp16 (gemv_f16)" : "fp16 (cuBLAS)";
-  return fmt::format("{}-bit g{}{}", r.bits, r.group > 0 ? std::to_string(r.group) : "row",
-                     r.act ? " act" : "");
+  return fmt::format("{}-bit g{}{}{}", r.bits, r.group > 0 ? std::to_string(r.group) : "row",
+                     r.act ? " act" : "", r.fused.empty() ? "" : " + " + r.fused);
 }
 
 void print_md(const Bench& b) {
