@@ -1,6 +1,7 @@
 // The Llama decode step on the GPU. Per token: embedding, then per layer
 //   rmsnorm -> fused qkv GEMV -> flash-decoding attention (RoPE and the KV write inside)
-//   -> o GEMV (+ residual) -> rmsnorm -> fused gate|up GEMV -> SiLU*up -> down GEMV (+ residual)
+//   -> o GEMV (+ residual) -> rmsnorm -> fused gate|up GEMV (SiLU*up in its epilogue) -> down GEMV
+//   (+ residual)
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured once as a CUDA graph and replayed per token; the host
 // writes two ints and reads one back.
@@ -81,9 +82,11 @@ double GpuLinear::bytes_moved() const {
 }
 
 void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
-                    cuda::GemvInput in) const {
+                    cuda::GemvInput in, cuda::GemvEpilogue out) const {
   if (quantized)
-    cuda::gemv(q, x, y, residual, s, in);
+    cuda::gemv(q, x, y, residual, s, in, out);
+  else if (out.silu_mul)
+    throw Error("GpuLinear::run: the SiLU epilogue needs a quantized [gate | up] weight");
   else
     cuda::gemv_f16(dense, x, y, N, K, residual, s, {}, in);
 }
@@ -289,11 +292,19 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
     // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x); the norm runs inside
-    // the gate|up GEMV, SiLU * up inside the down GEMV.
-    L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps});  // [gate | up]
-    mark("rms_norm + gemv gate|up", L.gate_up.bytes_moved(), s);
-    L.down.run(s_.gate_up, s_.x, s_.x, s, {nullptr, 0.f, /*silu_mul=*/true});
-    mark("silu*up + gemv down (+res)", L.down.bytes_moved(), s);
+    // the gate|up GEMV, SiLU * up in its epilogue (quantized) or in the down GEMV's staging.
+    if (L.gate_up.can_silu_epilogue()) {
+      // SiLU(gate) * up in the gate|up GEMV's epilogue: down stages plain x [intermediate].
+      L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps}, {/*silu_mul=*/true});
+      mark("rms_norm + gemv gate|up + silu*up", L.gate_up.bytes_moved(), s);
+      L.down.run(s_.gate_up, s_.x, s_.x, s);
+      mark("gemv down (+res)", L.down.bytes_moved(), s);
+    } else {
+      L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps});  // [gate | up]
+      mark("rms_norm + gemv gate|up", L.gate_up.bytes_moved(), s);
+      L.down.run(s_.gate_up, s_.x, s_.x, s, {nullptr, 0.f, /*silu_mul=*/true});
+      mark("silu*up + gemv down (+res)", L.down.bytes_moved(), s);
+    }
   }
   if (head == Head::None) return;
 

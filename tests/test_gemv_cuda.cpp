@@ -457,6 +457,75 @@ TEST(GemvInputOps, RmsNormAndSiluMulFusedIntoStaging) {
       }
 }
 
+// ---- SiLU epilogue ------------------------------------------------------------------------------
+
+// gemv with GemvEpilogue::silu_mul on a fused [gate | up] weight against the plain gemv of the
+// same weight: its row sums are the same (each row is summed alone), so silu(g) * u of the
+// plain output must match to within one fp16 step (the host's expf against the device's).
+// Also against the CPU reference, and the epilogue's argument checks.
+TEST(GemvEpilogue, SiluMulOfFusedGateUp) {
+  REQUIRE_GPU();
+  std::mt19937 rng(52);
+  for (int bits : {3, 4, 8})
+    for (bool act : {false, true})
+      for (auto [I, K] : {std::pair<int64_t, int64_t>{33, 96}, {1056, 4096}, {7, 11008}}) {
+        Format f;
+        f.bits = bits;
+        f.group_size = 128;
+        f.sym = !act;
+        f.act_order = act;
+        f.zero_offset = act ? 0 : 1;
+        Linear gate = random_linear(f, round_up(I, 32), K, rng);
+        Linear up = random_linear(f, round_up(I, 32), K, rng);
+        up.g_idx = gate.g_idx;  // fused parts share the input permutation
+        const std::string what = describe(f, I, K) + " silu epilogue";
+        SCOPED_TRACE(what);
+        Packed pg = pack(gate, I), pu = pack(up, I);
+        GemvWeight w = cuda::gemv_prepare({pg.view, pu.view}, nullptr);
+        const std::vector<uint16_t> x = random_x(K, rng);
+        const std::vector<float> both = run(
+            2 * I, x, {}, false, [&](const __half* dx, __half* dy, const __half*, cudaStream_t st) {
+              cuda::gemv(w, dx, dy, nullptr, st);
+            });
+        const std::vector<float> y = run(
+            I, x, {}, false, [&](const __half* dx, __half* dy, const __half*, cudaStream_t st) {
+              cuda::gemv(w, dx, dy, nullptr, st, {}, cuda::GemvEpilogue{true});
+            });
+        double terms2 = 0;
+        const std::vector<float> g = reference(gate, I, to_float(x), &terms2);
+        const std::vector<float> u = reference(up, I, to_float(x), &terms2);
+        std::vector<float> ref(I);
+        for (int64_t i = 0; i < I; ++i) {
+          const float a = both[i], b = both[I + i];
+          const float want = half_to_float(float_to_half(a / (1.0f + std::exp(-a)) * b));
+          ASSERT_TRUE(std::isfinite(y[i])) << "y[" << i << "]";
+          EXPECT_LE(std::fabs(y[i] - want), std::ldexp(std::fabs(want), -10) + 1e-7f)
+              << "row " << i << ": " << y[i] << " vs silu(" << a << ") * " << b;
+          ref[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        }
+        expect_close(y, ref, terms2, what + " vs reference");
+        cuda::gemv_free(w);
+      }
+  // Odd N (not a [gate | up] pair) and a residual are refused.
+  Format f;
+  f.bits = 4;
+  f.group_size = 128;
+  const Linear L = random_linear(f, 64, 256, rng);
+  Packed P = pack(L, 33);
+  GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+  DeviceBuffer buf(4096);
+  EXPECT_THROW(cuda::gemv(w, buf.as<__half>(), buf.as<__half>() + 512, nullptr, nullptr, {},
+                          cuda::GemvEpilogue{true}),
+               Error);
+  cuda::gemv_free(w);
+  Packed P2 = pack(L, 34);
+  w = cuda::gemv_prepare({P2.view}, nullptr);
+  EXPECT_THROW(cuda::gemv(w, buf.as<__half>(), buf.as<__half>() + 512, buf.as<__half>() + 1024,
+                          nullptr, {}, cuda::GemvEpilogue{true}),
+               Error);
+  cuda::gemv_free(w);
+}
+
 // ---- Fused parts -------------------------------------------------------------------------------
 
 TEST(GemvFused, ThreePartsMatchConcatenatedReferences) {

@@ -125,6 +125,9 @@ struct KParams {
   const __half* norm_w;  // nullptr = no norm
   float eps;
   bool silu_mul;
+  // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
+  // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
+  int silu_pair;
 };
 
 // ---- PTX --------------------------------------------------------------------------------------
@@ -243,17 +246,19 @@ struct QuantOp {
 
   // Loads unit u (iteration i = u / 32, lane = u % 32) of rows row0 .. row0 + nrows - 1; rows
   // past nrows get zero codes and scales (computed, never stored).
-  __device__ static __forceinline__ void load(Frag& f, const KParams& p, int row0, int nrows,
-                                              int i, int lane, uint64_t pol) {
+  // Row r of the step is row0 + r * rstep (rstep = 1, or the gate/up pair distance).
+  __device__ static __forceinline__ void load(Frag& f, const KParams& p, int row0, int rstep,
+                                              int nrows, int i, int lane, uint64_t pol) {
     const int cnt = min(32, p.nch - 32 * i);
     const int64_t si = scale_index(32 * i + lane);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if (r < nrows) {
-        const uint4* base = p.codes + int64_t(row0 + r) * p.row_stride + 32 * i * kLoads + lane;
+        const int row = row0 + r * rstep;
+        const uint4* base = p.codes + int64_t(row) * p.row_stride + 32 * i * kLoads + lane;
 #pragma unroll
         for (int t = 0; t < kLoads; ++t) f.q[r][t] = ld_stream(base + t * cnt, pol);
-        const int64_t idx = int64_t(row0 + r) * p.G + si;
+        const int64_t idx = int64_t(row) * p.G + si;
         if constexpr (kScales == 1) {
           f.s[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.scales) + idx);
         } else if constexpr (kScales == 2) {
@@ -714,22 +719,28 @@ template <int BITS, int GS>
 __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KParams p) {
   using Op = QuantOp<BITS, GS>;
   constexpr int R = kQuantRows;
+  static_assert(R == 2, "the SiLU epilogue takes a gate row and an up row per step");
   extern __shared__ uint4 smem[];
   uint4* x_s = smem;
   __half* x_nat = reinterpret_cast<__half*>(x_s + static_cast<size_t>(Op::kVecs) * p.nch);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t wg = int64_t(blockIdx.x) * kQuantWarps + warp, W = int64_t(gridDim.x) * kQuantWarps;
-  const int rb = static_cast<int>(p.N * wg / W), re = static_cast<int>(p.N * (wg + 1) / W);
+  // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
+  // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
+  const int rstep = p.silu_pair ? p.silu_pair : 1, per_step = p.silu_pair ? 1 : R;
+  const int64_t n_rows = p.silu_pair ? p.silu_pair : p.N;
+  const int rb = static_cast<int>(n_rows * wg / W), re = static_cast<int>(n_rows * (wg + 1) / W);
   const int iters = (p.nch + 31) / 32;  // unit groups per row (p.nch = units here)
-  const int steps = (re - rb + R - 1) / R * iters;
+  const int steps = (re - rb + per_step - 1) / per_step * iters;
   const uint64_t pol = evict_first_policy();
+  auto rows_at = [&](int row0) { return p.silu_pair ? R : min(R, re - row0); };
 
   // The weights do not depend on the previous kernel: load the first step into registers
   // before waiting for it. (A bulk L2 prefetch of the warp's whole run of rows here made every
   // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
   typename Op::Frag f;
-  if (steps > 0 && lane < p.nch) Op::load(f, p, rb, min(R, re - rb), 0, lane, pol);
+  if (steps > 0 && lane < p.nch) Op::load(f, p, rb, rstep, rows_at(rb), 0, lane, pol);
   grid_dependency_wait();
   allow_dependents();
   stage_x<Op::kUnitCodes, kQuantThreads>(p, x_s, x_nat);
@@ -740,10 +751,10 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
   int row0 = rb, i = 0;
   for (int s = 0; s < steps; ++s) {
-    const int nrows = min(R, re - row0);
+    const int nrows = rows_at(row0);
     const int u = 32 * i + lane;
     if (u < p.nch) {
-      if (s > 0) Op::load(f, p, row0, nrows, i, lane, pol);
+      if (s > 0) Op::load(f, p, row0, rstep, nrows, i, lane, pol);
       Op::compute(f, p, x_s + u, p.nch, acc);
     }
     if (++i == iters) {
@@ -752,15 +763,23 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1)
           acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
-      float mine = acc[0];
+      if (p.silu_pair) {
+        // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
+        // then fp32 math, one rounding.
+        if (lane == 0)
+          p.y[row0] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
+                                                 __half2float(__float2half_rn(acc[1]))));
+      } else {
+        float mine = acc[0];
 #pragma unroll
-      for (int r = 1; r < R; ++r)
-        if (lane == r) mine = acc[r];
-      if (lane < nrows) store_row(p, row0 + lane, mine);
+        for (int r = 1; r < R; ++r)
+          if (lane == r) mine = acc[r];
+        if (lane < nrows) store_row(p, row0 + lane, mine);
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r] = 0.f;
       i = 0;
-      row0 += R;
+      row0 += per_step;
     }
   }
 }
@@ -917,10 +936,16 @@ void set_input(KParams& p, const GemvInput& in) {
 }
 
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
-          cudaStream_t s, GemvInput in) {
+          cudaStream_t s, GemvInput in, GemvEpilogue out) {
   if (!w.device) throw Error("gemv: the weight is empty (not prepared, or freed)");
   KParams p{};
   set_input(p, in);
+  if (out.silu_mul) {
+    if (w.N % 2 != 0 || residual)
+      throw Error("gemv: the SiLU epilogue needs an even N ([gate | up]) and no residual, got N=" +
+                  std::to_string(w.N) + (residual ? " with a residual" : ""));
+    p.silu_pair = static_cast<int>(w.N / 2);
+  }
   p.codes = w.codes;
   p.row_stride = int64_t(w.planes) * w.chunks;
   p.scales = w.scales;

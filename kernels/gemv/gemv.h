@@ -88,10 +88,19 @@ struct GemvInput {
   bool silu_mul = false;
 };
 
+// The op after a GEMV, fused into its epilogue (saves the next kernel staging 2N values and
+// computing them in every block):
+//   silu_mul: W holds [gate | up] (N even); y[i] = silu(g_i) * u_i for i < N/2, with g_i and
+//             u_i rounded to fp16 first: exactly what the GEMV writing [gate | up] followed by a
+//             GemvInput::silu_mul staging computes. Quantized weights only, no residual.
+struct GemvEpilogue {
+  bool silu_mul = false;
+};
+
 // y[N] = W x + residual. x [K], residual [N] or nullptr; y may alias residual (not x).
 // Pointers are device pointers; x must be 16-byte aligned when K is a multiple of 8.
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
-          cudaStream_t s, GemvInput in = {});
+          cudaStream_t s, GemvInput in = {}, GemvEpilogue out = {});
 
 // y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
 // 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error.
