@@ -30,6 +30,8 @@
 // one (programmatic dependent launch). Loads are ld.global.nc.L1::no_allocate with an L2
 // evict_first policy: weights are read once per token and must neither evict the KV cache or the
 // activations from L2 nor occupy L1. Lanes sum with warp shuffles at the end of each row pair.
+// With the SiLU epilogue (GemvEpilogue) a step's two rows are gate row g and up row g + N/2, the
+// warps share the N/2 pairs, and lane 0 writes silu(gate) * up.
 //
 // fp16 (gemv_f16, weights as stored): blocks of 8 warps loop over tiles of 4 rows per warp;
 // lane l reads 16-byte chunk c = l + 32i of each row; k_split warps may share a row.
