@@ -12,10 +12,8 @@
 //   weights, and whose perplexity on the calibration text is close to the FP16 model's and
 //   below RTN's.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -35,6 +33,7 @@
 #include "kernels/gptq/gptq_format.h"
 #include "models/llama.h"
 #include "tests/quant_inputs.h"
+#include "tests/test_util.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/pack.h"
@@ -53,26 +52,8 @@ using kestrel::test::random_weights;
 
 namespace {
 
-struct Result {
-  int code;
-  std::string out, err;
-};
-
-Result run(const std::string& cmd) {
-  const fs::path err_file =
-      fs::temp_directory_path() / ("kestrel_quantize_stderr_" + std::to_string(getpid()));
-  Result r;
-  FILE* p = popen((cmd + " 2>" + err_file.string()).c_str(), "r");
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err_file);
-  r.err.assign(std::istreambuf_iterator<char>(in), {});
-  fs::remove(err_file);
-  return r;
-}
+using Result = kestrel::test::CommandResult;
+Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
 int lines(const std::string& s) {
   int n = 0;
