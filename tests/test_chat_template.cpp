@@ -10,7 +10,7 @@
 
 #include "engine/error.h"
 #include "tokenizer/chat_template.h"
-#include "tests/synth_model.h"
+#include "tests/tiny_tokenizer_suite.h"
 
 #include "tests/test_util.h"
 
@@ -155,18 +155,8 @@ TEST(ChatTemplate, DetectsTheShippedTemplates) {
 }
 
 // A tokenizer from kestrel-synth's small SentencePiece model (control pieces <s>, </s>).
-class ChatTokenize : public ::testing::Test {
+class ChatTokenize : public kestrel::test::TinyTokenizerSuite {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new fs::path(kestrel::test::write_tiny_model(
-        {"fp16", "fp16", 16, 0, false, false, "gptq"}, /*seed=*/0, /*n_layers=*/1));
-    tok_ = new Tokenizer(Tokenizer::load(dir_->string()));
-  }
-  static void TearDownTestSuite() {
-    delete tok_;
-    fs::remove_all(*dir_);
-    delete dir_;
-  }
   void write_config(const nlohmann::json& extra) {
     nlohmann::json cfg = nlohmann::json::parse(std::ifstream(*dir_ / "tokenizer_config.json"));
     cfg.erase("chat_template");
@@ -174,11 +164,7 @@ class ChatTokenize : public ::testing::Test {
     for (const auto& [k, v] : extra.items()) cfg[k] = v;
     std::ofstream(*dir_ / "tokenizer_config.json") << cfg.dump(2);
   }
-  static fs::path* dir_;
-  static Tokenizer* tok_;
 };
-fs::path* ChatTokenize::dir_ = nullptr;
-Tokenizer* ChatTokenize::tok_ = nullptr;
 
 TEST_F(ChatTokenize, SpecialTokensBecomeIdsNotText) {
   const Tokenizer& tok = *tok_;

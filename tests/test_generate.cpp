@@ -8,7 +8,7 @@
 
 #include "engine/error.h"
 #include "engine/generate.h"
-#include "tests/synth_model.h"
+#include "tests/tiny_tokenizer_suite.h"
 
 #include "tests/test_util.h"
 
@@ -42,18 +42,8 @@ class ScriptedBackend : public Backend {
   std::vector<int> script_;
 };
 
-class Generate : public ::testing::Test {
+class Generate : public kestrel::test::TinyTokenizerSuite {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new fs::path(kestrel::test::write_tiny_model(
-        {"fp16", "fp16", 16, 0, false, false, "gptq"}, /*seed=*/0, /*n_layers=*/1));
-    tok_ = new Tokenizer(Tokenizer::load(dir_->string()));
-  }
-  static void TearDownTestSuite() {
-    delete tok_;
-    fs::remove_all(*dir_);
-    delete dir_;
-  }
   static GenerateOptions greedy(int n) {
     GenerateOptions o;
     o.max_new_tokens = n;
@@ -65,11 +55,7 @@ class Generate : public ::testing::Test {
     std::snprintf(name, sizeof name, "<0x%02X>", b);
     return tok_->piece_to_id(name);
   }
-  static fs::path* dir_;
-  static Tokenizer* tok_;
 };
-fs::path* Generate::dir_ = nullptr;
-Tokenizer* Generate::tok_ = nullptr;
 
 TEST(StopMatcher, HoldsBackAPossibleStartAndCutsBeforeTheStop) {
   StopMatcher m({"</end>", "STOP"});
