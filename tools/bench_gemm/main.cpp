@@ -30,6 +30,7 @@
 #include "kernels/gemm/gemm.h"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gptq/gptq_format.h"
+#include "tools/llama7b_shapes.h"
 
 namespace kestrel {
 namespace {
@@ -37,12 +38,8 @@ namespace {
 using cuda::DeviceBuffer;
 using cuda::GemvWeight;
 
-struct Shape {
-  const char* name;
-  int64_t N, K;
-};
-const Shape kShapes[] = {
-    {"qkv", 12288, 4096}, {"o", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008}};
+using bench::Shape;
+constexpr const auto& kShapes = bench::kLlama7bShapes;
 
 struct Options {
   int bits = 4, group = 128, reps = 9, gemv_max = 64, max_rows = 2048;

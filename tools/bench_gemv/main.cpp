@@ -25,6 +25,7 @@
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
+#include "tools/llama7b_shapes.h"
 
 namespace kestrel {
 namespace {
@@ -33,14 +34,8 @@ using cuda::DeviceBuffer;
 using cuda::GemvLaunch;
 using cuda::GemvWeight;
 
-struct Shape {
-  const char* name;
-  int64_t N, K;
-};
-
-// Llama-2-7B decode linears: fused q/k/v, o, fused gate/up, down.
-const Shape kShapes[] = {
-    {"qkv", 12288, 4096}, {"o", 4096, 4096}, {"gate_up", 22016, 4096}, {"down", 4096, 11008}};
+using bench::Shape;
+constexpr const auto& kShapes = bench::kLlama7bShapes;
 const Shape kLmHead = {"lm_head", 32000, 4096};
 
 // A grid no GEMV has as many tiles as: gemv clamps it to one block per tile.
