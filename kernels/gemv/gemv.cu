@@ -70,8 +70,9 @@
 //
 // x in shared memory mirrors this: the 8 x values of word j of the unit (4-bit; two uint4 per
 // 2-bit word, half a uint4 per 8-bit word) form uint4 number j of the unit, stored at
-// x_s[j*units + u], so that the 32 lanes of a warp read 512 contiguous bytes (no bank conflicts). With act-order
-// the block first copies x in its natural order to shared memory, then gathers it through perm.
+// x_s[j*units + u], so that the 32 lanes of a warp read 512 contiguous bytes (no bank
+// conflicts). With act-order the block first copies x in its natural order to shared memory,
+// then gathers it through perm.
 //
 // Scales [N][groups] fp16 and, unless every zero point is equal, zeros [N][groups] uint8,
 // at the effective group size (a divisor of the checkpoint's, repeated; 0 = one per row); rows
