@@ -20,6 +20,7 @@
 #include "kernels/embedding/embedding_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/sampling/argmax_cuda.h"
+#include "models/host_gptq.h"
 
 namespace kestrel {
 
@@ -39,29 +40,6 @@ std::vector<uint16_t> as_f16(const TensorInfo& t) {
   return out;
 }
 
-// The GPTQ tensors of one linear, copied to aligned host memory.
-struct HostGptq {
-  std::vector<uint32_t> qweight, qzeros;
-  std::vector<uint16_t> scales;
-  std::vector<int32_t> g_idx;
-  gptq::GptqView view;
-
-  explicit HostGptq(const LinearSpec& l)
-      : qweight(l.qweight->copy_as<uint32_t>()),
-        qzeros(l.qzeros->copy_as<uint32_t>()),
-        scales(l.scales->copy_as<uint16_t>()) {
-    if (l.g_idx) g_idx = l.g_idx->copy_as<int32_t>();
-    view.bits = l.bits;
-    view.group_size = l.group_size;
-    view.K = l.K;
-    view.N = l.N;
-    view.zero_offset = l.zero_offset;
-    view.qweight = qweight.data();
-    view.qzeros = qzeros.data();
-    view.scales = scales.data();
-    view.g_idx = l.g_idx ? g_idx.data() : nullptr;
-  }
-};
 
 // Can these GPTQ linears run as one GEMV over their concatenated outputs?
 bool fusable(const std::vector<const LinearSpec*>& parts) {

@@ -17,6 +17,7 @@
 #include "engine/error.h"
 #include "engine/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
+#include "models/host_gptq.h"
 #include "tools/synth/synth.h"
 
 namespace kestrel {
@@ -71,23 +72,9 @@ Stats stats(const std::vector<float>& v) {
 
 // Dequantizes a GPTQ linear with the reference formula, W [N, K].
 std::vector<float> dequantize(const LinearSpec& l) {
-  const auto qweight = l.qweight->copy_as<uint32_t>();
-  const auto qzeros = l.qzeros->copy_as<uint32_t>();
-  const auto scales = l.scales->copy_as<uint16_t>();
-  std::vector<int32_t> g_idx;
-  if (l.g_idx) g_idx = l.g_idx->copy_as<int32_t>();
-  gptq::GptqView v;
-  v.bits = l.bits;
-  v.group_size = l.group_size;
-  v.K = l.K;
-  v.N = l.N;
-  v.zero_offset = l.zero_offset;
-  v.qweight = qweight.data();
-  v.qzeros = qzeros.data();
-  v.scales = scales.data();
-  v.g_idx = l.g_idx ? g_idx.data() : nullptr;
+  const HostGptq h(l);
   std::vector<float> W(l.N * l.K);
-  gptq::dequantize_ref(v, W.data());
+  gptq::dequantize_ref(h.view, W.data());
   return W;
 }
 
