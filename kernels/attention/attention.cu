@@ -14,12 +14,14 @@
 //
 //     row r:  | t0 : d0-7 | t1 : d8-15 | ... | t(kLanes-1) |     kRows = 128 / kLanes rows at once
 //
-//   1. scores: each thread dots its 8 dims of kUnroll rows (independent 16-byte loads in flight)
-//      with the group's queries (shared memory, pre-scaled by log2(e) / sqrt(head_dim)), then the
-//      kLanes threads of a row sum by xor-shuffles. Scores of the chunk go to shared memory.
+//   0. before waiting on the previous kernel: every K row of the chunk into registers (kChunk /
+//      kRows 16-byte loads in flight per thread) and every V row into shared memory (cp.async).
+//   1. scores: each thread dots its 8 dims of its kChunk / kRows rows with the group's queries
+//      (shared memory, pre-scaled by log2(e) / sqrt(head_dim)), then the kLanes threads of a row
+//      sum by xor-shuffles. Scores of the chunk go to shared memory.
 //   2. per head: m = max score, p = exp2(score - m), l = sum p  (p overwrites the scores).
-//   3. V: the same thread layout accumulates sum p * v for its 8 dims over its rows in fp32
-//      registers, then the kRows row-groups are summed through shared memory.
+//   3. V: the same thread layout accumulates sum p * v for its 8 dims over its rows (from shared
+//      memory) in fp32 registers, then the kRows row-groups are summed through shared memory.
 //   Per (head, chunk) the block writes m, l and the unnormalised output o to the fp32 workspace.
 // The merge (combine_heads), by the last block of each head range to finish (a counter per
 // range in the workspace; that block resets it) when a block serves one or two heads, else by
@@ -41,6 +43,7 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/pdl.cuh"
 #include "kernels/rope/rope_kv.cuh"
 
@@ -51,7 +54,6 @@ constexpr int kChunk = 64;       // positions per block: short, so that a block'
                                  // few and many blocks stream at once (measured: 256 cost 27 us
                                  // per 7B layer at 640 positions, 96 blocks each in 16 serial passes)
 constexpr int kThreads = 128;
-constexpr int kUnroll = 4;       // rows per thread in flight: 4 x 16 B per thread, 8 KB per block
 constexpr int kMaxGroup = 16;    // query heads one block serves (largest GMAX)
 
 int n_chunks(int max_ctx) { return (max_ctx + kChunk - 1) / kChunk; }
@@ -73,14 +75,6 @@ __device__ __forceinline__ void to_float8(const Half8& h, float (&f)[8]) {
 // The first position attended to by a query at n_ctx - 1.
 __device__ __forceinline__ int window_start(int n_ctx, int sliding_window) {
   return sliding_window > 0 ? max(0, n_ctx - sliding_window) : 0;
-}
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
 
 // 8 consecutive dims d0 .. d0+7 (inside one half of the head) of the rotated head x: each pairs
@@ -242,7 +236,7 @@ __global__ void __launch_bounds__(kThreads)
     if (r < n_rows && r != new_row) {
       const size_t e = first_elem + (size_t)r * row_stride;
       kraw[u] = __ldg(reinterpret_cast<const uint4*>(k_cache + e));
-      cp_async16(&v_s[r * kLanes + seg], v_cache + e);
+      cp_async16(smem_u32(&v_s[r * kLanes + seg]), v_cache + e);
     }
   }
   if constexpr (ROPE) {
@@ -256,7 +250,7 @@ __global__ void __launch_bounds__(kThreads)
     if (has_new) {  // written to the caches by the kernel before
       const size_t e = first_elem + (size_t)new_row * row_stride;
       knew_s[seg] = __ldcg(reinterpret_cast<const uint4*>(k_cache + e));
-      cp_async16(&v_s[new_row * kLanes + seg], v_cache + e);
+      cp_async16(smem_u32(&v_s[new_row * kLanes + seg]), v_cache + e);
     }
   }
   if constexpr (ROPE) {

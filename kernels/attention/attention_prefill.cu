@@ -29,6 +29,7 @@
 
 #include "engine/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
 
 namespace kestrel::cuda {
@@ -226,15 +227,6 @@ struct MmaLayout {
   static constexpr size_t bytes = v_off + size_t(kBK) * LD * 2;
 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
-}
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
