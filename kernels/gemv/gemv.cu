@@ -626,6 +626,21 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
   }
 }
 
+// Sums each of a warp's R row partials over its 32 lanes (every lane gets every sum, in acc)
+// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows.
+template <int R>
+__device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+  float mine = acc[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r)
+    if (lane == r) mine = acc[r];
+  return mine;
+}
+
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   if (row >= p.N) return;
   if (p.residual) v += __half2float(__ldcg(p.residual + row));
@@ -690,14 +705,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
       }
     }
 
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
-    float mine = acc[0];
-#pragma unroll
-    for (int r = 1; r < R; ++r)
-      if (lane == r) mine = acc[r];
+    const float mine = warp_sum_rows(acc, lane);
 
     if (ks == 1) {
       if (lane < R) store_row(p, row0 + lane, mine);
@@ -761,23 +769,15 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
       Op::compute(f, p, x_s + u, p.nch, acc);
     }
     if (++i == iters) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1)
-          acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+      const float mine = warp_sum_rows(acc, lane);
       if (p.silu_pair) {
         // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
         // then fp32 math, one rounding.
         if (lane == 0)
           p.y[row0] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
                                                  __half2float(__float2half_rn(acc[1]))));
-      } else {
-        float mine = acc[0];
-#pragma unroll
-        for (int r = 1; r < R; ++r)
-          if (lane == r) mine = acc[r];
-        if (lane < nrows) store_row(p, row0 + lane, mine);
+      } else if (lane < nrows) {
+        store_row(p, row0 + lane, mine);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r] = 0.f;
