@@ -220,11 +220,13 @@ struct Bench {
     copy_gbps = 2.0 * n / median(us) * 1e-3;
   }
 
-  double time_gptq(const std::vector<GemvWeight>& ws, const GemvLaunch& l) {
+  // The copies in rotation at launch l, with an optional fused input op and residual.
+  double time_gptq(const std::vector<GemvWeight>& ws, const GemvLaunch& l,
+                   cuda::GemvInput in = {}, const __half* residual = nullptr) {
     return time_graph(s, static_cast<int>(ws.size()), o, [&](int i) {
       GemvWeight w = ws[i];
       w.launch = l;
-      cuda::gemv(w, x.as<__half>(), y.as<__half>(), nullptr, s);
+      cuda::gemv(w, x.as<__half>(), y.as<__half>(), residual, s, in);
     });
   }
 
@@ -267,10 +269,7 @@ struct Bench {
         res = y.as<__half>();
         f.bytes += sh.N * 2;
       }
-      f.us = time_graph(s, static_cast<int>(ws.size()), o, [&](int i) {
-        GemvWeight w = ws[i];
-        cuda::gemv(w, x.as<__half>(), y.as<__half>(), res, s, in);
-      });
+      f.us = time_gptq(ws, r.launch, in, res);
       rows.push_back(f);
     }
     if (o.sweep && sh.K * sh.N >= 4096 * 11008 && group == 128 && bits >= 3) {
