@@ -23,12 +23,12 @@
 //   3. V: the same thread layout accumulates sum p * v for its 8 dims over its rows (from shared
 //      memory) in fp32 registers, then the kRows row-groups are summed through shared memory.
 //   Per (head, chunk) the block writes m, l and the unnormalised output o to the fp32 workspace.
-// The merge (combine_heads), by the last block of each head range to finish (a counter per
-// range in the workspace; that block resets it) when a block serves one or two heads, else by
-// a second kernel with one block per head, over the live chunks:
+// The merge (merge_heads), by the last block of each head range to finish (a counter per range
+// in the workspace; that block resets it), for all the range's heads at once:
 //   M = max m_s,  out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s.
-// (A second kernel did this first: its launch and its serial loop over chunks cost 2.5 us per
-// 7B layer at 640 positions and 8 us at 4096, more than the split itself.)
+// (A second kernel, one block per head, did this first: its launch cost more than the merge,
+// 2.5 us per 7B layer at 640 positions. A last block that merged its heads one after the other
+// was slower still for a group of 8.)
 //
 // Only positions inside [first, n_ctx) are ever loaded: rows beyond the live context may hold
 // anything (a NaN there would otherwise survive a multiplication by p = 0).
@@ -107,69 +107,112 @@ __device__ __forceinline__ uint4 rotate8(const __half* x, int d0, const float2* 
   return out.raw;
 }
 
-// The merge of chunks c0 .. c1 for query heads h0 .. h0 + nh - 1, by one block of kThreads:
+// The merge of chunks c0 .. c1 for query heads h0 .. h0 + nh - 1 (nh <= GMAX), by one block of
+// kThreads, every head at once:
 //   M = max m_c,  out = sum_c 2^(m_c - M) o_c / sum_c 2^(m_c - M) l_c.
-// Threads split the (dim, chunk) pairs of a head, kThreads / D chunks at a time, and keep 8
-// chunks' loads in flight; red (>= kThreads floats of shared memory) sums the chunk slices.
-// Reads go through L2 (ld.global.cg): other blocks wrote them during this kernel.
-template <int D>
-__device__ void combine_heads(const float* ws_o, const float* ws_ml, int h0, int nh, int c0,
-                              int c1, int n_chunks_all, __half* out, float* red) {
-  constexpr int kSlices = kThreads / D;  // chunk slices per head
-  constexpr int kInFlight = 8;
-  const int d = threadIdx.x % D, slice = threadIdx.x / D;
-  __shared__ float m_s[kThreads / 32];
-  for (int g = 0; g < nh; ++g) {
+// The block's outputs are GMAX * D / 4 float4 vectors (head g, dims 4j .. 4j + 3). A thread
+// owns kVecs of them and one of kSlices slices of the chunks (c0 + slice, + kSlices, ...); it
+// folds kInFlight chunks per round into a running (m, l, o) (online softmax), all their loads
+// issued before the first use. The slices then meet through shared memory (red: >= 6 *
+// kThreads floats). Reads go through L2 (ld.global.cg): other blocks wrote them this kernel.
+template <int D, int GMAX>
+__device__ void merge_heads(const float* ws_o, const float* ws_ml, int h0, int nh, int c0,
+                            int c1, int n_chunks_all, __half* out, float* red) {
+  constexpr int kVectors = GMAX * D / 4;
+  constexpr int kVecs = kVectors > kThreads ? kVectors / kThreads : 1;    // per thread
+  constexpr int kSlices = kVectors < kThreads ? kThreads / kVectors : 1;  // of the chunks
+  constexpr int kInFlight = 8 / kVecs;
+  static_assert(kVecs * kThreads == kVectors * kSlices, "vectors tile the block");
+  const int slice = threadIdx.x / (kThreads / kSlices);
+  float m[kVecs], l[kVecs];
+  float4 o[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+    o[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int v = threadIdx.x % (kThreads / kSlices) + i * kThreads;
+    const int g = v / (D / 4);
+    if (g >= nh) continue;  // only whole heads drop out, so no row's threads diverge
     const int h = h0 + g;
     const float* ml = ws_ml + (size_t)h * n_chunks_all * 2;
-    const float* o = ws_o + (size_t)h * n_chunks_all * D + d;
-    // M over the live chunks, by the whole block.
-    float m = -INFINITY;
-    for (int c = c0 + threadIdx.x; c <= c1; c += kThreads) m = fmaxf(m, __ldcg(ml + 2 * c));
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (threadIdx.x % 32 == 0) m_s[threadIdx.x / 32] = m;
-    __syncthreads();
-    float M = m_s[0];
-#pragma unroll
-    for (int w = 1; w < kThreads / 32; ++w) M = fmaxf(M, m_s[w]);
-    // This thread's slice of the chunks for dim d.
-    float l = 0.0f, acc = 0.0f;
+    const float4* oh = reinterpret_cast<const float4*>(ws_o + (size_t)h * n_chunks_all * D) + v % (D / 4);
     for (int c = c0 + slice; c <= c1; c += kSlices * kInFlight) {
-      float mc[kInFlight], lc[kInFlight], oc[kInFlight];
+      float2 mlc[kInFlight];
+      float4 oc[kInFlight];
 #pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        const int cc = c + i * kSlices;
-        mc[i] = cc <= c1 ? __ldcg(ml + 2 * cc) : -INFINITY;
-        lc[i] = cc <= c1 ? __ldcg(ml + 2 * cc + 1) : 0.0f;
-        oc[i] = cc <= c1 ? __ldcg(o + (size_t)cc * D) : 0.0f;
+      for (int j = 0; j < kInFlight; ++j) {
+        const int cc = c + j * kSlices;
+        mlc[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(ml) + cc) : make_float2(-INFINITY, 0.0f);
+        oc[j] = cc <= c1 ? __ldcg(oh + (size_t)cc * (D / 4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
+      float mn = m[i];  // finite after this round: chunk c is live
 #pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {
-        const float w = exp2f(mc[i] - M);
-        l = fmaf(w, lc[i], l);
-        acc = fmaf(w, oc[i], acc);
+      for (int j = 0; j < kInFlight; ++j) mn = fmaxf(mn, mlc[j].x);
+      const float r = exp2f(m[i] - mn);  // 0 on the first round (m = -inf)
+      float L = l[i] * r;
+      float4 O = make_float4(o[i].x * r, o[i].y * r, o[i].z * r, o[i].w * r);
+#pragma unroll
+      for (int j = 0; j < kInFlight; ++j) {
+        const float w = exp2f(mlc[j].x - mn);  // 0 for the padding past c1
+        L = fmaf(w, mlc[j].y, L);
+        O.x = fmaf(w, oc[j].x, O.x);
+        O.y = fmaf(w, oc[j].y, O.y);
+        O.z = fmaf(w, oc[j].z, O.z);
+        O.w = fmaf(w, oc[j].w, O.w);
       }
+      m[i] = mn;
+      l[i] = L;
+      o[i] = O;
     }
-    red[threadIdx.x] = acc;
-    red[kThreads + threadIdx.x] = l;
+  }
+  if constexpr (kSlices > 1) {
+    // Slice s of vector v at red[(s * kVectors + v) * 6]: m, l, o.
+    float* mine = red + (size_t)threadIdx.x * 6;
+    mine[0] = m[0];
+    mine[1] = l[0];
+    mine[2] = o[0].x;
+    mine[3] = o[0].y;
+    mine[4] = o[0].z;
+    mine[5] = o[0].w;
     __syncthreads();
     if (slice == 0) {
-      float a = acc, L = l;
+      float M = m[0];
+#pragma unroll
+      for (int s = 1; s < kSlices; ++s) M = fmaxf(M, red[(s * kVectors + threadIdx.x) * 6]);
+      const float r0 = exp2f(m[0] - M);
+      float L = l[0] * r0;
+      float4 O = make_float4(o[0].x * r0, o[0].y * r0, o[0].z * r0, o[0].w * r0);
 #pragma unroll
       for (int s = 1; s < kSlices; ++s) {
-        a += red[s * D + d];
-        L += red[kThreads + s * D + d];
+        const float* t = red + (s * kVectors + threadIdx.x) * 6;
+        const float w = exp2f(t[0] - M);  // 0 for a slice with no chunk (m = -inf)
+        L = fmaf(w, t[1], L);
+        O.x = fmaf(w, t[2], O.x);
+        O.y = fmaf(w, t[3], O.y);
+        O.z = fmaf(w, t[4], O.z);
+        O.w = fmaf(w, t[5], O.w);
       }
-      out[(size_t)h * D + d] = __float2half_rn(a / L);
+      l[0] = L;
+      o[0] = O;
     }
-    __syncthreads();
+  }
+  if (slice != 0) return;
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int v = threadIdx.x + i * kThreads;
+    if (v / (D / 4) >= nh) continue;
+    const float inv = 1.0f / l[i];
+    __half2* dst = reinterpret_cast<__half2*>(out + (size_t)h0 * D) + 2 * v;
+    dst[0] = __floats2half2_rn(o[i].x * inv, o[i].y * inv);
+    dst[1] = __floats2half2_rn(o[i].z * inv, o[i].w * inv);
   }
 }
 
-template <int GMAX>
-constexpr bool kMergeInBlock = GMAX <= 2;
-
-template <int D>
+template <int D, int GMAX>
 __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
                                               int* counters, __half* out, float* buf, int h0,
                                               int nh, int n_ctx, int sliding_window,
@@ -394,15 +437,14 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
 
-  // 4. With one or two heads per block, the last block of this head range to finish merges
-  //    the live chunks (a counter per head range; the last one resets it for the next step):
-  //    no second kernel, no second launch. Larger groups leave it to attention_combine_kernel,
-  //    one block per head: merged in series by one block, 8 heads cost more than a launch.
-  if constexpr (kMergeInBlock<GMAX>) merge_if_last<D>(ws_o, ws_ml, counters, out, buf, h0, nh,
-                                                      n_ctx, sliding_window, n_chunks_all);
+  // 4. The last block of this head range to finish merges the live chunks of all its heads
+  //    at once (a counter per head range; the last one resets it for the next step): no
+  //    second kernel, no second launch.
+  merge_if_last<D, GMAX>(ws_o, ws_ml, counters, out, buf, h0, nh, n_ctx, sliding_window,
+                         n_chunks_all);
 }
 
-template <int D>
+template <int D, int GMAX>
 __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
                                               int* counters, __half* out, float* buf, int h0,
                                               int nh, int n_ctx, int sliding_window,
@@ -419,20 +461,7 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  combine_heads<D>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, buf);
-}
-
-// One block per query head: the merge of its live chunks (groups of more than two heads).
-template <int D>
-__global__ void __launch_bounds__(kThreads)
-    attention_combine_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_ml,
-                             const int* __restrict__ d_pos, int sliding_window, int n_chunks_all,
-                             __half* __restrict__ out) {
-  __shared__ float red[2 * kThreads];
-  pdl_wait_then_release();  // the split kernel's partial results
-  const int n_ctx = *d_pos + 1;
-  const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
-  combine_heads<D>(ws_o, ws_ml, blockIdx.x, 1, c0, c1, n_chunks_all, out, red);
+  merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, buf);
 }
 
 template <int D, int GMAX, bool ROPE>
@@ -447,10 +476,6 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
   launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
              v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o,
              ws_ml, counters, out);
-  if constexpr (!kMergeInBlock<GMAX>)
-    launch_pdl(attention_combine_kernel<D>, dim3(n_heads), dim3(kThreads), 0, stream,
-               (const float*)ws_o, (const float*)ws_ml, d_pos, sliding_window, n_chunks(max_ctx),
-               out);
 }
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, 8, 16 (a group of
