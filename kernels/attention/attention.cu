@@ -4,9 +4,9 @@
 // chunk s covers [s * kChunk, (s + 1) * kChunk). Kernel 1 has one block per (KV head, chunk):
 //   grid = (n_kv_heads, ceil(max_ctx / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
 // fixed at capture time for the largest context; a block whose chunk holds no live position
-// (past *d_pos, or before the sliding window) exits at once. A block serves all query heads of
-// its KV group (up to GMAX of them; a larger group takes more blocks in z), so each K and V row
-// is fetched from HBM once per step rather than once per query head. At 4096 positions a
+// (past *d_pos, or before the sliding window) exits at once. A block serves up to GMAX <= 4
+// query heads of its KV group; a larger group takes more blocks in z, which read the same K and
+// V rows (all but the first from L2), so HBM sees each row once per step. At 4096 positions a
 // Llama-2-7B layer gives 32 x 64 = 2048 live blocks: every SM streams.
 //
 // Inside a block (kThreads = 128):
@@ -56,7 +56,10 @@ constexpr int kChunk = 64;       // positions per block: short, so that a block'
                                  // few and many blocks stream at once (measured: 256 cost 27 us
                                  // per 7B layer at 640 positions, 96 blocks each in 16 serial passes)
 constexpr int kThreads = 128;
-constexpr int kMaxGroup = 16;    // query heads one block serves (largest GMAX)
+constexpr int kMaxGroup = 4;     // query heads one block serves (largest GMAX): a larger group
+                                 // takes several blocks per chunk (measured: the 1.1B's group of
+                                 // 8 as two blocks of 4 ran 1464 -> 1533 tok/s; one block's
+                                 // scores and p * v for 8 heads were its longest step)
 
 int n_chunks(int max_ctx) { return (max_ctx + kChunk - 1) / kChunk; }
 
@@ -486,8 +489,8 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
              ws_ml, counters, out);
 }
 
-// The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, 8, 16 (a group of
-// 3 runs as 4 with one head idle, a group of 32 as two blocks of 16).
+// The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4 (a group of 3 runs
+// as 4 with one head idle, a group of 8 as two blocks of 4, a group of 5 as 4 + 1).
 template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
@@ -501,10 +504,6 @@ void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int
     KESTREL_ATTN_CALL(1);
   } else if (group <= 2) {
     KESTREL_ATTN_CALL(2);
-  } else if (group <= 4) {
-    KESTREL_ATTN_CALL(4);
-  } else if (group <= 8) {
-    KESTREL_ATTN_CALL(8);
   } else {
     KESTREL_ATTN_CALL(kMaxGroup);
   }
