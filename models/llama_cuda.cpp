@@ -53,6 +53,30 @@ bool fusable(const std::vector<const LinearSpec*>& parts) {
   return true;
 }
 
+size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
+
+// Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
+// format) or their FP16 rows.
+size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
+  int64_t N = 0;
+  for (const LinearSpec* p : parts) N += p->N;
+  const LinearSpec& a = *parts[0];
+  if (fusable(parts))
+    return align256(cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K, a.g_idx != nullptr));
+  return align256((size_t)N * a.K * sizeof(__half));
+}
+
+// Device bytes of every weight the loader uploads, each piece 256-byte aligned.
+size_t weights_bound(const ModelSpec& spec) {
+  auto tensor = [](const TensorInfo* t) { return t ? align256(t->numel() * sizeof(__half)) : 0; };
+  size_t total = tensor(spec.embed) + tensor(spec.final_norm) +
+                 (spec.lm_head != spec.embed ? tensor(spec.lm_head) : 0);
+  for (const LayerSpec& ls : spec.layers)
+    total += tensor(ls.input_norm) + tensor(ls.post_norm) + linear_bound({&ls.q, &ls.k, &ls.v}) +
+             linear_bound({&ls.o}) + linear_bound({&ls.gate, &ls.up}) + linear_bound({&ls.down});
+  return total;
+}
+
 }  // namespace
 
 double GpuLinear::bytes_moved() const {
@@ -77,7 +101,7 @@ struct GpuLoader {
 
   __half* upload(const TensorInfo& t) {
     const std::vector<uint16_t> h = as_f16(t);
-    auto* d = static_cast<__half*>(m.alloc(h.size() * 2));
+    auto* d = static_cast<__half*>(m.arena_alloc(h.size() * 2));
     KESTREL_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
     m.weight_bytes_ += h.size() * 2;
     advance(t.nbytes);
@@ -107,7 +131,9 @@ struct GpuLoader {
       std::vector<gptq::GptqView> views;
       for (const HostGptq& h : host) views.push_back(h.view);
       out.quantized = true;
-      out.q = cuda::gemv_prepare(views, m.stream_);
+      out.q = cuda::gemv_prepare(views, m.stream_, m.arena_ + m.arena_used_,
+                                 m.arena_size_ - m.arena_used_);
+      m.arena_alloc(out.q.device_bytes);  // what it took
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
       out.bytes = out.q.device_bytes;
     } else {
@@ -125,7 +151,7 @@ struct GpuLoader {
           rows.insert(rows.end(), h.begin(), h.end());
         }
       }
-      out.dense = static_cast<__half*>(m.alloc(rows.size() * 2));
+      out.dense = static_cast<__half*>(m.arena_alloc(rows.size() * 2));
       KESTREL_CUDA_CHECK(cudaMemcpy(out.dense, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
       out.bytes = rows.size() * 2;
     }
@@ -149,6 +175,15 @@ void* LlamaCuda::alloc(size_t bytes) {
   return p;
 }
 
+void* LlamaCuda::arena_alloc(size_t bytes) {
+  const size_t take = align256(bytes);
+  if (arena_used_ + take > arena_size_)  // weights_bound undercounted: a bug, not the user's
+    throw Error(fmt::format("internal: the weights need more than the {} sized for them", mb(arena_size_)));
+  void* p = arena_ + arena_used_;
+  arena_used_ += take;
+  return p;
+}
+
 LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec.config) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
@@ -163,7 +198,9 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));
   }
 
-  // Weights, streamed tensor by tensor.
+  // Weights, streamed tensor by tensor into one allocation.
+  arena_size_ = weights_bound(spec);
+  arena_ = static_cast<char*>(alloc(arena_size_));
   {
     GpuLoader L{*this, Progress("loading", spec.files.total_bytes() / 1048576.0, "MiB", !quiet)};
     w_.embed = L.upload(*spec.embed);

@@ -130,6 +130,11 @@ class LlamaCuda final : public Backend {
   float* host_logits_ = nullptr;  // pinned [vocab]
 
   void* alloc(size_t bytes);
+  // Every weight lives in one allocation sized before loading (cudaMalloc rounds each
+  // allocation up to 2 MiB pages): a bump arena, 256-byte aligned pieces.
+  char* arena_ = nullptr;
+  size_t arena_size_ = 0, arena_used_ = 0;
+  void* arena_alloc(size_t bytes);
   friend struct GpuLoader;
 };
 

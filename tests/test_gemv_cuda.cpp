@@ -748,6 +748,49 @@ TEST(GemvPrepare, RejectsUnsupportedFormats) {
   EXPECT_THROW(cuda::gemv_prepare({}, nullptr), Error);
 }
 
+// A weight placed in the caller's memory (one allocation for a whole model) computes exactly
+// what an owned one does, fits in gemv_device_bytes_bound, and gemv_free leaves the memory
+// alone; memory smaller than the weight is refused.
+TEST(GemvPrepare, PlacesIntoCallerMemoryWithinTheBound) {
+  REQUIRE_GPU();
+  std::mt19937 rng(47);
+  for (const FormatCase& c : all_formats()) {
+    Format f;
+    f.bits = c.bits;
+    f.group_size = c.group_size;
+    f.sym = c.sym;
+    f.act_order = c.act_order;
+    f.zero_offset = c.sym ? 1 : 0;
+    const Linear L = random_linear(f, 96, 352, rng);
+    const std::string what = describe(f, 96, 352);
+    SCOPED_TRACE(what);
+    Packed P = pack(L, 96);
+    GemvWeight owned = cuda::gemv_prepare({P.view}, nullptr);
+    const size_t bound = cuda::gemv_device_bytes_bound(c.bits, c.group_size, 96, 352, c.act_order);
+    EXPECT_GE(bound, owned.device_bytes);
+    DeviceBuffer arena(bound + 256);
+    GemvWeight placed = cuda::gemv_prepare({P.view}, nullptr, arena.as<char>() + 256, bound);
+    EXPECT_FALSE(placed.owns_device);
+    EXPECT_EQ(placed.device, arena.as<char>() + 256);
+    EXPECT_EQ(placed.device_bytes, owned.device_bytes);
+    const std::vector<uint16_t> x = random_x(352, rng);
+    auto gemv_of = [&](const GemvWeight& w) {
+      return run(96, x, {}, false, [&](const __half* dx, __half* dy, const __half*, cudaStream_t st) {
+        cuda::gemv(w, dx, dy, nullptr, st);
+      });
+    };
+    EXPECT_EQ(gemv_of(placed), gemv_of(owned));
+    const size_t short_by_16 = owned.device_bytes - 16;
+    cuda::gemv_free(placed);
+    EXPECT_EQ(placed.device, nullptr);
+    cuda::gemv_free(owned);
+    EXPECT_THROW(cuda::gemv_prepare({P.view}, nullptr, arena.as<char>(), short_by_16),
+                 kestrel::Error);
+    EXPECT_THROW(cuda::gemv_prepare({P.view}, nullptr, arena.as<char>() + 8, bound),
+                 kestrel::Error);  // unaligned
+  }
+}
+
 TEST(GemvPrepare, EmptyWeightIsRejectedByGemv) {
   GemvWeight w;
   EXPECT_THROW(cuda::gemv(w, nullptr, nullptr, nullptr, nullptr), Error);

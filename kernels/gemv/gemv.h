@@ -53,8 +53,9 @@ struct GemvWeight {
   const __half* scales = nullptr;  // [N][groups]
   const uint8_t* zeros = nullptr;  // [N][groups] stored zero points, or nullptr (all equal)
   const int32_t* perm = nullptr;   // [chunks * codes per chunk]: x index of each permuted k
-  void* device = nullptr;          // the allocation holding all of the above
+  void* device = nullptr;          // the device memory holding all of the above
   size_t device_bytes = 0;
+  bool owns_device = true;         // false: placed in the caller's memory (gemv_free keeps it)
 
   size_t smem_bytes = 0;  // dynamic shared memory of one block
   GemvLaunch launch;      // chosen for the device current at prepare time
@@ -71,7 +72,20 @@ struct GemvWeight {
 // qzeros rows hold ceil(N * bits / 32) words (N * bits / 32 whenever that divides).
 GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s);
 
-// Frees the device memory of w and clears it. Safe on an empty or already freed weight.
+// The same, placed in caller-owned device memory [dst, dst + capacity) (16-byte aligned), which
+// must hold the weight (at most gemv_device_bytes_bound); the weight does not own it. Lets a
+// loader put every weight of a model in one allocation: cudaMalloc rounds each allocation up to
+// 2 MiB pages, 1.2 MiB lost per Llama-2-7B linear (150 MiB over the model, measured).
+GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s, void* dst,
+                        size_t capacity);
+
+// An upper bound of GemvWeight::device_bytes for a weight of these parts (N their summed
+// outputs), from the format alone: exact but for the zero points and, with act_order, the
+// permutation, counted as if present. 0 for a format gemv_prepare refuses.
+size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order);
+
+// Frees the device memory of w (unless placed in the caller's) and clears it. Safe on an empty
+// or already freed weight.
 void gemv_free(GemvWeight& w);
 
 // A second, independent device copy of w (benchmarks rotate copies to stay out of L2).

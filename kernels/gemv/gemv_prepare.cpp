@@ -104,6 +104,34 @@ size_t GemvWeight::bytes_moved() const {
 
 namespace gemv_detail {
 
+// The repacked layout's shape (planes, chunks, effective group size, groups) for K inputs at
+// `bits` with the checkpoint's group size gs_in (<= 0 or >= K: one group per row).
+void set_layout_shape(GemvWeight& w, int bits, int64_t K, int gs_in) {
+  const bool per_row = gs_in <= 0 || gs_in >= K;
+  w.planes = chunk_planes(bits);
+  const int C = chunk_codes(bits);
+  const int UC = unit_chunks(bits);
+  w.chunks = ((K + C - 1) / C + UC - 1) / UC * UC;  // whole units
+  const int64_t Kp = w.chunks * C;
+  // Effective group: the largest of 128, 64, 32 that divides the checkpoint's (scales repeat).
+  w.group_size = per_row ? 0 : std::gcd(gs_in, 128);
+  // Padded to a multiple of 8: every row starts 16-byte aligned, so the (up to 8) scales of one
+  // unit always lie in one aligned 16-byte vector, which a kernel fetches with one load.
+  w.groups = ((per_row ? 1 : (Kp + w.group_size - 1) / w.group_size) + 7) / 8 * 8;
+}
+
+// Device bytes of each array of the layout: codes | scales | zeros | perm, each 16-byte aligned.
+struct DeviceSizes {
+  size_t codes, scales, zeros, perm;
+  size_t total() const { return codes + scales + zeros + perm; }
+};
+DeviceSizes device_sizes(const GemvWeight& w, bool zeros, bool perm) {
+  const size_t cells = static_cast<size_t>(w.N) * w.groups;
+  return {static_cast<size_t>(w.N) * w.planes * w.chunks * 16, align16(cells * 2),
+          zeros ? align16(cells) : 0,
+          perm ? static_cast<size_t>(w.chunks) * chunk_codes(w.bits) * 4 : 0};
+}
+
 HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   if (parts.empty()) throw Error("gemv_prepare: no parts given");
   const gptq::GptqView& p0 = parts[0];
@@ -183,16 +211,9 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
   w.N = N;
   w.K = K;
   w.has_perm = !identity;
-  w.planes = chunk_planes(bits);
+  set_layout_shape(w, bits, K, gs_in);
   const int C = chunk_codes(bits);
-  const int UC = unit_chunks(bits);
-  w.chunks = ((K + C - 1) / C + UC - 1) / UC * UC;  // whole units
   const int64_t Kp = w.chunks * C;
-  // Effective group: the largest of 128, 64, 32 that divides the checkpoint's (scales repeat).
-  w.group_size = per_row ? 0 : std::gcd(gs_in, 128);
-  // Padded to a multiple of 8: every row starts 16-byte aligned, so the (up to 8) scales of one
-  // unit always lie in one aligned 16-byte vector, which a kernel fetches with one load.
-  w.groups = ((per_row ? 1 : (Kp + w.group_size - 1) / w.group_size) + 7) / 8 * 8;
   w.zero_offset = p0.zero_offset;
   const int64_t Ge = w.groups;
 
@@ -264,42 +285,64 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
 
 }  // namespace gemv_detail
 
+size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order) {
+  if (chunk_codes(bits) == 0 || bits == 16 || N <= 0 || K <= 0) return 0;  // gemv_prepare refuses it
+  GemvWeight w;
+  w.bits = bits;
+  w.N = N;
+  w.K = K;
+  set_layout_shape(w, bits, K, group_size);
+  return device_sizes(w, /*zeros=*/true, /*perm=*/act_order).total();
+}
+
 GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s) {
+  return gemv_prepare(parts, s, nullptr, 0);
+}
+
+GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s, void* dst,
+                        size_t capacity) {
   HostRepack h = repack(parts);
   GemvWeight w = h.meta;
-  // One allocation: codes | scales | zeros | perm.
-  const size_t codes_b = h.codes.size() * 4;
-  const size_t scales_b = align16(h.scales.size() * 2);
-  const size_t zeros_b = align16(h.zeros.size());
-  const size_t perm_b = h.perm.size() * 4;
-  w.device_bytes = codes_b + scales_b + zeros_b + perm_b;
-  DeviceBuffer buf(w.device_bytes);
-  char* base = buf.as<char>();
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(base, h.codes.data(), codes_b, cudaMemcpyHostToDevice, s));
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(base + codes_b, h.scales.data(), h.scales.size() * 2,
+  // One block of device memory: codes | scales | zeros | perm.
+  const DeviceSizes sz = device_sizes(w, !h.zeros.empty(), !h.perm.empty());
+  w.device_bytes = sz.total();
+  DeviceBuffer buf;
+  char* base = static_cast<char*>(dst);
+  if (dst) {
+    if (reinterpret_cast<uintptr_t>(dst) % 16 != 0 || capacity < w.device_bytes)
+      throw Error("gemv_prepare: the given device memory (" + std::to_string(capacity) +
+                  " bytes) is unaligned or smaller than the weight's " +
+                  std::to_string(w.device_bytes));
+  } else {
+    buf = DeviceBuffer(w.device_bytes);
+    base = buf.as<char>();
+  }
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(base, h.codes.data(), sz.codes, cudaMemcpyHostToDevice, s));
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(base + sz.codes, h.scales.data(), h.scales.size() * 2,
                                      cudaMemcpyHostToDevice, s));
   w.codes = reinterpret_cast<const uint4*>(base);
-  w.scales = reinterpret_cast<const __half*>(base + codes_b);
+  w.scales = reinterpret_cast<const __half*>(base + sz.codes);
   if (!h.zeros.empty()) {
-    KESTREL_CUDA_CHECK(cudaMemcpyAsync(base + codes_b + scales_b, h.zeros.data(), h.zeros.size(),
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(base + sz.codes + sz.scales, h.zeros.data(), h.zeros.size(),
                                        cudaMemcpyHostToDevice, s));
-    w.zeros = reinterpret_cast<const uint8_t*>(base + codes_b + scales_b);
+    w.zeros = reinterpret_cast<const uint8_t*>(base + sz.codes + sz.scales);
   }
   if (!h.perm.empty()) {
-    KESTREL_CUDA_CHECK(cudaMemcpyAsync(base + codes_b + scales_b + zeros_b, h.perm.data(), perm_b,
-                                       cudaMemcpyHostToDevice, s));
-    w.perm = reinterpret_cast<const int32_t*>(base + codes_b + scales_b + zeros_b);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(base + sz.codes + sz.scales + sz.zeros, h.perm.data(),
+                                       sz.perm, cudaMemcpyHostToDevice, s));
+    w.perm = reinterpret_cast<const int32_t*>(base + sz.codes + sz.scales + sz.zeros);
   }
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));  // the host buffers die with this scope
 
   w.smem_bytes = smem_bytes(w.bits, w.chunks, w.has_perm);
   w.launch = plan_quant_launch(w.bits, w.group_size, w.N, w.chunks, w.smem_bytes, GemvLaunch{});
-  w.device = buf.release();
+  w.owns_device = dst == nullptr;
+  w.device = dst ? dst : buf.release();
   return w;
 }
 
 void gemv_free(GemvWeight& w) {
-  if (w.device) cudaFree(w.device);
+  if (w.device && w.owns_device) cudaFree(w.device);
   w = GemvWeight{};
 }
 
@@ -309,6 +352,7 @@ GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s) {
   KESTREL_CUDA_CHECK(
       cudaMemcpyAsync(buf.get(), w.device, w.device_bytes, cudaMemcpyDeviceToDevice, s));
   GemvWeight c = w;
+  c.owns_device = true;
   const char* old_base = static_cast<const char*>(w.device);
   char* nb = buf.as<char>();
   auto rebase = [&](const auto* p) {
