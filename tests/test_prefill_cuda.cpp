@@ -219,6 +219,37 @@ TEST_P(GemmFormats, ManyRowLinearMatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, GemmFormats, ::testing::ValuesIn(kFormats));
 
+// A weight larger than one dequantized slice (cuda::kDequantSliceHalves) runs as several
+// dequantize + GEMM slices writing column slices of y: the last one partial, with act-order's
+// gathered input, asymmetric zero points, 3-bit planes and a residual aliasing y.
+TEST(GemmSlices, WeightLargerThanOneSliceMatchesReference) {
+  REQUIRE_GPU();
+  // N = 8416 = 2 x 4096 + 224 (a multiple of 32, as 3-bit qzeros rows need).
+  for (const Format f : {Format{4, 128, true, true, 0, 8416, 4096}, Format{3, 64, false, true, 1, 8416, 4096}}) {
+    RandomGptq g(f, 13);
+    cuda::GemvWeight w = cuda::gemv_prepare({g.view}, nullptr);
+    ASSERT_EQ(cuda::dequant_slice_rows(w), 4096) << "the case must span three slices";
+    cuda::GemmRunner runner;
+    std::mt19937 rng(6);
+    const int M = 17;
+    const std::vector<uint16_t> xh = random_halves((size_t)M * f.K, 1.0f, rng);
+    const std::vector<uint16_t> rh = random_halves((size_t)M * f.N, 1.0f, rng);
+    const std::vector<float> x = to_floats(xh), res = to_floats(rh);
+    std::vector<float> ref((size_t)M * f.N);
+    gptq::matmul_ref(g.view, x.data(), M, ref.data());
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += res[i];
+    DeviceBuffer dx = upload(xh.data(), xh.size() * 2);
+    DeviceBuffer dy = upload(rh.data(), rh.size() * 2);
+    DeviceBuffer scratch(cuda::quant_gemm_scratch_elems(w, M) * 2);
+    EXPECT_LT(cuda::quant_gemm_scratch_elems(w, M), (size_t)f.N * f.K / 2);
+    cuda::quant_gemm(runner, w, dx.as<__half>(), M, dy.as<__half>(), dy.as<__half>(),
+                     scratch.as<__half>(), nullptr);
+    const std::vector<float> y = to_floats(download<uint16_t>(dy, (size_t)M * f.N));
+    EXPECT_LT(rel_err(y, ref), 2e-3) << describe(f);
+    cuda::gemv_free(w);
+  }
+}
+
 TEST(DenseLinear, ManyRowsMatchReference) {
   REQUIRE_GPU();
   std::mt19937 rng(3);

@@ -56,9 +56,10 @@ class GemmRunner {
   GemmRunner& operator=(const GemmRunner&) = delete;
 
   // y [M, N] = x [M, K] W [N, K]^T + residual [M, N] (nullptr: none; may alias y). FP16 in
-  // and out, FP32 accumulation.
+  // and out, FP32 accumulation. ldy: elements between rows of y and of residual (0 = N; larger
+  // when y is a column slice of a wider matrix).
   void gemm(const __half* x, const __half* W, int64_t M, int64_t N, int64_t K, __half* y,
-            const __half* residual, cudaStream_t s);
+            const __half* residual, cudaStream_t s, int64_t ldy = 0);
   // The same with an FP32 result (the logits of the output head): y [M, N] fp32.
   void gemm_f32(const __half* x, const __half* W, int64_t M, int64_t N, int64_t K, float* y,
                 cudaStream_t s);
@@ -66,16 +67,24 @@ class GemmRunner {
  private:
   struct Plan;
   void run(const void* x, const void* W, int64_t M, int64_t N, int64_t K, void* y,
-           const void* residual, bool f32_out, cudaStream_t s);
+           const void* residual, bool f32_out, cudaStream_t s, int64_t ldy);
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::mutex mu_;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int, int, int, int>, std::shared_ptr<Plan>> plans_;
+  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int, int, int, int>, std::shared_ptr<Plan>>
+      plans_;
 };
 
-// FP16 scratch a quantized linear needs for up to max_rows rows: the dequantized weight and,
-// under act-order, the gathered input. In halves.
+// Output rows of a quantized weight dequantized at once by quant_gemm: the scratch holds at
+// most kDequantSliceHalves of them (a multiple of 128 rows), so a prompt's scratch is not the
+// largest fused weight in fp16 (Llama-2-7B gate|up: 180 MB; GPU memory target: weights + KV
+// cache + 5%), and each slice is its own GEMM into a column slice of y.
+constexpr size_t kDequantSliceHalves = size_t(16) << 20;  // 32 MiB
+int64_t dequant_slice_rows(const GemvWeight& w);
+
+// FP16 scratch a quantized linear needs for up to max_rows rows: one dequantized slice of the
+// weight and, under act-order, the gathered input. In halves.
 size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows);
 
 // y [M, N] = x [M, K] W^T + residual through dequantize + GEMM, whatever M. scratch holds

@@ -5,6 +5,7 @@
 // (ld N). The residual enters as C with beta = 1 (cuBLASLt allows C == D, in place).
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -58,12 +59,14 @@ GemmRunner::~GemmRunner() {
 }
 
 void GemmRunner::run(const void* x, const void* W, int64_t M, int64_t N, int64_t K, void* y,
-                     const void* residual, bool f32_out, cudaStream_t s) {
+                     const void* residual, bool f32_out, cudaStream_t s, int64_t ldy) {
   if (M <= 0 || N <= 0 || K <= 0)
     throw Error("gemm: empty shape M=" + std::to_string(M) + " N=" + std::to_string(N) +
                 " K=" + std::to_string(K));
+  if (ldy == 0) ldy = N;
+  if (ldy < N) throw Error("gemm: ldy=" + std::to_string(ldy) + " is less than N=" + std::to_string(N));
   const void* c_ptr = residual ? residual : y;
-  const auto key = std::make_tuple(M, N, K, (int)f32_out, alignment_of(W), alignment_of(x),
+  const auto key = std::make_tuple(M, N, K, ldy, (int)f32_out, alignment_of(W), alignment_of(x),
                                    std::min(alignment_of(y), alignment_of(c_ptr)));
   std::shared_ptr<Plan> plan;
   {
@@ -80,12 +83,12 @@ void GemmRunner::run(const void* x, const void* W, int64_t M, int64_t N, int64_t
     KESTREL_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
     KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->a, CUDA_R_16F, K, N, K));
     KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->b, CUDA_R_16F, K, M, K));
-    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, out_t, N, M, N));
+    KESTREL_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->c, out_t, N, M, ldy));
 
     cublasLtMatmulPreference_t pref = nullptr;
     KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     const uint64_t ws = workspace_bytes_;
-    const uint32_t al_a = std::get<4>(key), al_b = std::get<5>(key), al_c = std::get<6>(key);
+    const uint32_t al_a = std::get<5>(key), al_b = std::get<6>(key), al_c = std::get<7>(key);
     cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
     cublasStatus_t st =
@@ -117,32 +120,53 @@ void GemmRunner::run(const void* x, const void* W, int64_t M, int64_t N, int64_t
 }
 
 void GemmRunner::gemm(const __half* x, const __half* W, int64_t M, int64_t N, int64_t K, __half* y,
-                      const __half* residual, cudaStream_t s) {
-  run(x, W, M, N, K, y, residual, false, s);
+                      const __half* residual, cudaStream_t s, int64_t ldy) {
+  run(x, W, M, N, K, y, residual, false, s, ldy);
 }
 
 void GemmRunner::gemm_f32(const __half* x, const __half* W, int64_t M, int64_t N, int64_t K,
                           float* y, cudaStream_t s) {
-  run(x, W, M, N, K, y, nullptr, true, s);
+  run(x, W, M, N, K, y, nullptr, true, s, 0);
 }
 
+int64_t dequant_slice_rows(const GemvWeight& w) {
+  const int64_t rows = std::max<int64_t>(128, (int64_t)(kDequantSliceHalves / std::max<int64_t>(w.K, 1)) / 128 * 128);
+  return std::min(rows, w.N);
+}
+
+namespace {
+// The dequantized slice, rounded up to 128 halves so that the gathered input after it stays
+// aligned.
+size_t slice_elems(const GemvWeight& w) {
+  return ((size_t)dequant_slice_rows(w) * w.K + 127) / 128 * 128;
+}
+}  // namespace
+
 size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows) {
-  // The dequantized matrix, rounded up to 128 halves so that the gathered input stays aligned.
-  const size_t wm = ((size_t)w.N * w.K + 127) / 128 * 128;
-  return wm + (w.has_perm ? (size_t)max_rows * w.K : 0);
+  return slice_elems(w) + (w.has_perm ? (size_t)max_rows * w.K : 0);
 }
 
 void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
                 const __half* residual, __half* scratch, cudaStream_t s) {
   __half* Wd = scratch;
-  dequantize_f16(w, Wd, s);
   const __half* xin = x;
   if (w.has_perm) {
-    __half* xg = scratch + ((size_t)w.N * w.K + 127) / 128 * 128;
+    __half* xg = scratch + slice_elems(w);
     gather_columns_f16(x, w.perm, M, w.K, xg, s);
     xin = xg;
   }
-  r.gemm(xin, Wd, M, w.N, w.K, y, residual, s);
+  // Output rows [n0, n0 + n) of W at a time: the slice's codes, scales and zero points are rows
+  // n0.. of the weight's arrays, and its GEMM writes columns n0.. of y (row stride N).
+  const int64_t step = dequant_slice_rows(w);
+  for (int64_t n0 = 0; n0 < w.N; n0 += step) {
+    GemvWeight slice = w;
+    slice.N = std::min(step, w.N - n0);
+    slice.codes = w.codes + n0 * w.planes * w.chunks;
+    slice.scales = w.scales + n0 * w.groups;
+    if (w.zeros) slice.zeros = w.zeros + n0 * w.groups;
+    dequantize_f16(slice, Wd, s);
+    r.gemm(xin, Wd, M, slice.N, w.K, y + n0, residual ? residual + n0 : nullptr, s, w.N);
+  }
 }
 
 void quant_linear_rows(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
