@@ -62,7 +62,8 @@ size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
   for (const LinearSpec* p : parts) N += p->N;
   const LinearSpec& a = *parts[0];
   if (fusable(parts))
-    return align256(cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K, a.g_idx != nullptr));
+    return align256(
+        cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K, a.g_idx != nullptr));
   return align256((size_t)N * a.K * sizeof(__half));
 }
 
@@ -178,7 +179,8 @@ void* LlamaCuda::alloc(size_t bytes) {
 void* LlamaCuda::arena_alloc(size_t bytes) {
   const size_t take = align256(bytes);
   if (arena_used_ + take > arena_size_)  // weights_bound undercounted: a bug, not the user's
-    throw Error(fmt::format("internal: the weights need more than the {} sized for them", mb(arena_size_)));
+    throw Error(fmt::format("internal: the weights need more than the {} sized for them",
+                            mb(arena_size_)));
   void* p = arena_ + arena_used_;
   arena_used_ += take;
   return p;

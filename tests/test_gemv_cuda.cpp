@@ -775,9 +775,10 @@ TEST(GemvPrepare, PlacesIntoCallerMemoryWithinTheBound) {
     EXPECT_EQ(placed.device_bytes, owned.device_bytes);
     const std::vector<uint16_t> x = random_x(352, rng);
     auto gemv_of = [&](const GemvWeight& w) {
-      return run(96, x, {}, false, [&](const __half* dx, __half* dy, const __half*, cudaStream_t st) {
-        cuda::gemv(w, dx, dy, nullptr, st);
-      });
+      return run(96, x, {}, false,
+                 [&](const __half* dx, __half* dy, const __half*, cudaStream_t st) {
+                   cuda::gemv(w, dx, dy, nullptr, st);
+                 });
     };
     EXPECT_EQ(gemv_of(placed), gemv_of(owned));
     const size_t short_by_16 = owned.device_bytes - 16;

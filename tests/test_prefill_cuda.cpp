@@ -225,7 +225,8 @@ INSTANTIATE_TEST_SUITE_P(Formats, GemmFormats, ::testing::ValuesIn(kFormats));
 TEST(GemmSlices, WeightLargerThanOneSliceMatchesReference) {
   REQUIRE_GPU();
   // N = 8416 = 2 x 4096 + 224 (a multiple of 32, as 3-bit qzeros rows need).
-  for (const Format f : {Format{4, 128, true, true, 0, 8416, 4096}, Format{3, 64, false, true, 1, 8416, 4096}}) {
+  for (const Format f :
+       {Format{4, 128, true, true, 0, 8416, 4096}, Format{3, 64, false, true, 1, 8416, 4096}}) {
     RandomGptq g(f, 13);
     cuda::GemvWeight w = cuda::gemv_prepare({g.view}, nullptr);
     ASSERT_EQ(cuda::dequant_slice_rows(w), 4096) << "the case must span three slices";

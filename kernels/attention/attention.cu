@@ -141,17 +141,19 @@ __device__ void merge_heads(const float* ws_o, const float* ws_ml, int h0, int n
   for (int i = 0; i < kVecs; ++i) {
     const int v = threadIdx.x % (kThreads / kSlices) + i * kThreads;
     const int g = v / (D / 4);
-    if (g >= nh) continue;  // only whole heads drop out, so no row's threads diverge
+    if (g >= nh) continue;  // a head past the range (nh < GMAX): nothing to merge
     const int h = h0 + g;
     const float* ml = ws_ml + (size_t)h * n_chunks_all * 2;
-    const float4* oh = reinterpret_cast<const float4*>(ws_o + (size_t)h * n_chunks_all * D) + v % (D / 4);
+    const float4* oh =
+        reinterpret_cast<const float4*>(ws_o + (size_t)h * n_chunks_all * D) + v % (D / 4);
     for (int c = c0 + slice; c <= c1; c += kSlices * kInFlight) {
       float2 mlc[kInFlight];
       float4 oc[kInFlight];
 #pragma unroll
       for (int j = 0; j < kInFlight; ++j) {
         const int cc = c + j * kSlices;
-        mlc[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(ml) + cc) : make_float2(-INFINITY, 0.0f);
+        mlc[j] = cc <= c1 ? __ldcg(reinterpret_cast<const float2*>(ml) + cc)
+                          : make_float2(-INFINITY, 0.0f);
         oc[j] = cc <= c1 ? __ldcg(oh + (size_t)cc * (D / 4)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
       float mn = m[i];  // finite after this round: chunk c is live

@@ -72,8 +72,9 @@ class GemmRunner {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   std::mutex mu_;
-  std::map<std::tuple<int64_t, int64_t, int64_t, int64_t, int, int, int, int>, std::shared_ptr<Plan>>
-      plans_;
+  // (M, N, K, ldy, f32 out, alignments of W, x, y)
+  using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int, int, int, int>;
+  std::map<PlanKey, std::shared_ptr<Plan>> plans_;
 };
 
 // Output rows of a quantized weight dequantized at once by quant_gemm: the scratch holds at

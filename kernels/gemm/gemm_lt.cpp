@@ -64,7 +64,8 @@ void GemmRunner::run(const void* x, const void* W, int64_t M, int64_t N, int64_t
     throw Error("gemm: empty shape M=" + std::to_string(M) + " N=" + std::to_string(N) +
                 " K=" + std::to_string(K));
   if (ldy == 0) ldy = N;
-  if (ldy < N) throw Error("gemm: ldy=" + std::to_string(ldy) + " is less than N=" + std::to_string(N));
+  if (ldy < N)
+    throw Error("gemm: ldy=" + std::to_string(ldy) + " is less than N=" + std::to_string(N));
   const void* c_ptr = residual ? residual : y;
   const auto key = std::make_tuple(M, N, K, ldy, (int)f32_out, alignment_of(W), alignment_of(x),
                                    std::min(alignment_of(y), alignment_of(c_ptr)));
@@ -130,7 +131,8 @@ void GemmRunner::gemm_f32(const __half* x, const __half* W, int64_t M, int64_t N
 }
 
 int64_t dequant_slice_rows(const GemvWeight& w) {
-  const int64_t rows = std::max<int64_t>(128, (int64_t)(kDequantSliceHalves / std::max<int64_t>(w.K, 1)) / 128 * 128);
+  const int64_t per_k = (int64_t)(kDequantSliceHalves / std::max<int64_t>(w.K, 1));
+  const int64_t rows = std::max<int64_t>(128, per_k / 128 * 128);
   return std::min(rows, w.N);
 }
 

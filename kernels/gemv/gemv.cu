@@ -560,9 +560,10 @@ __device__ __forceinline__ bool one_pass_staging(const KParams& p) {
 // The part of the staging that does not depend on the previous kernel, started before the
 // wait on it: on the one-pass path, the RMSNorm weights of each x vector a thread will stage,
 // copied (cp.async) into the very x_s slot that vector goes to. The same thread reads them
-// back after the wait and overwrites the slot, so no barrier is needed. (Loaded after the wait
-// they were a round trip to HBM on the critical path: norm weights are read once per token and
-// leave L2 between steps; measured ~1.5 us of a 7B layer's qkv and gate|up staging each.)
+// back after the wait and overwrites the slot, so no barrier is needed. This takes an HBM round
+// trip off the staging's path (norm weights are read once per token and leave L2 between
+// steps). Measured, it changed nothing yet: the staging after the wait is set by the first
+// step's weight burst, which x's L2 reads queue behind (kernels/gemv/NOTES.md, the timeline).
 template <int C, int T>
 __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
   if (!p.norm_w || !one_pass_staging<T>(p)) return;

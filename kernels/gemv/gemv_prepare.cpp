@@ -286,7 +286,8 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
 }  // namespace gemv_detail
 
 size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order) {
-  if (chunk_codes(bits) == 0 || bits == 16 || N <= 0 || K <= 0) return 0;  // gemv_prepare refuses it
+  // A format gemv_prepare refuses: nothing to place.
+  if (chunk_codes(bits) == 0 || bits == 16 || N <= 0 || K <= 0) return 0;
   GemvWeight w;
   w.bits = bits;
   w.N = N;
