@@ -16,6 +16,7 @@
 #include "engine/model_spec.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"
+#include "tests/compare.h"
 #include "tests/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -25,17 +26,9 @@ namespace {
 
 using Case = kestrel::test::ModelFormat;
 
-class GpuVsCpu : public ::testing::TestWithParam<Case> {};
+using kestrel::test::rel_err;
 
-double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += (a[i] - ref[i]) * (double)(a[i] - ref[i]);
-    den += (double)ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
+class GpuVsCpu : public ::testing::TestWithParam<Case> {};
 
 int argmax_of(const std::vector<float>& v) {
   return (int)(std::max_element(v.begin(), v.end()) - v.begin());

@@ -43,6 +43,7 @@
 #include "kernels/rope/rope_rows_cuda.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"
+#include "tests/compare.h"
 #include "tests/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -57,15 +58,7 @@ using cuda::DeviceBuffer;
     if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem; \
   } while (0)
 
-double rel_err(const std::vector<float>& a, const std::vector<float>& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += (a[i] - (double)ref[i]) * (a[i] - (double)ref[i]);
-    den += (double)ref[i] * ref[i];
-  }
-  return std::sqrt(num / den);
-}
+using kestrel::test::rel_err;
 
 // Random fp16 values (as bits) and their float values.
 std::vector<uint16_t> random_halves(size_t n, float scale, std::mt19937& rng) {

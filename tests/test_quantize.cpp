@@ -32,6 +32,7 @@
 #include "engine/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/llama.h"
+#include "tests/compare.h"
 #include "tests/quant_inputs.h"
 #include "tests/test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -48,6 +49,7 @@ using kestrel::test::check_inverse_factor;
 using kestrel::test::correlated_inputs;
 using kestrel::test::FactorCheck;
 using kestrel::test::hessian_of;
+using kestrel::test::max_rel_diff;
 using kestrel::test::random_weights;
 
 namespace {
@@ -431,16 +433,6 @@ TEST(Pack, ZeroPointZeroNeedsGptqV2) {
 
 // ---------------------------------------------------------------------------------------
 // The batched forward against the per-token one.
-
-double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  double worst = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_TRUE(std::isfinite(a[i]));
-    worst = std::max(worst, (double)std::abs(a[i] - b[i]));
-    scale = std::max(scale, (double)std::abs(b[i]));
-  }
-  return worst / scale;
-}
 
 void expect_batched_equals_per_token(const fs::path& dir) {
   const ModelSpec spec = load_model_spec(dir.string());

@@ -30,6 +30,7 @@
 #include "kernels/common/cuda_utils.h"
 #include "models/llama.h"
 #include "models/llama_cuda_layer.h"
+#include "tests/compare.h"
 #include "tests/quant_inputs.h"
 #include "tests/synth_model.h"
 #include "tools/quantize/gptq.h"
@@ -44,6 +45,7 @@ using test::check_inverse_factor;
 using test::correlated_inputs;
 using test::FactorCheck;
 using test::hessian_of;
+using test::max_rel_diff;
 using test::random_weights;
 
 #define REQUIRE_GPU()                                                                           \
@@ -348,16 +350,6 @@ TEST(RelativeErrorCuda, EqualsTheCpuValue) {
 
 // ---------------------------------------------------------------------------------------
 // The calibration forward: one decoder layer on the GPU (fp16) against the CPU engine (fp32).
-
-double max_rel_diff(const std::vector<float>& a, const std::vector<float>& ref) {
-  double worst = 0, scale = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    EXPECT_TRUE(std::isfinite(a[i]));
-    worst = std::max(worst, (double)std::abs(a[i] - ref[i]));
-    scale = std::max(scale, (double)std::abs(ref[i]));
-  }
-  return worst / scale;
-}
 
 std::vector<float> halves_to_floats(const __half* d, size_t n) {
   const std::vector<uint16_t> h = to_host<uint16_t>(d, n);
