@@ -269,6 +269,9 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 struct FormatCase {
   int bits, group_size;
   bool sym, act_order;
+  Format format(int zero_offset) const {
+    return Format{bits, group_size, sym, act_order, zero_offset};
+  }
 };
 
 class GemvFormats : public ::testing::TestWithParam<FormatCase> {};
@@ -276,13 +279,8 @@ class GemvFormats : public ::testing::TestWithParam<FormatCase> {};
 TEST_P(GemvFormats, MatchesReferenceOnTileBreakingShapes) {
   REQUIRE_GPU();
   const FormatCase c = GetParam();
-  Format f;
-  f.bits = c.bits;
-  f.group_size = c.group_size;
-  f.sym = c.sym;
-  f.act_order = c.act_order;
   // Both zero-point conventions across the sweep (v1 stores z - 1, v2 stores z).
-  f.zero_offset = (c.group_size == 64 || c.group_size == -1) ? 1 : (c.sym ? 1 : 0);
+  const Format f = c.format((c.group_size == 64 || c.group_size == -1) ? 1 : (c.sym ? 1 : 0));
   std::mt19937 rng(1000 * c.bits + 10 * c.group_size + 2 * c.sym + c.act_order + 7);
   // (N, K): N = 1, 7, 33 leave tiles partly empty; K = 96, 160, 352 give 3, 5, 11 groups of 32
   // (odd counts, and K not a multiple of any chunk for 3-bit); 11008 is Llama-2-7B's down_proj.
@@ -619,12 +617,7 @@ std::vector<float> decode_repack(const cuda::gemv_detail::HostRepack& h) {
 TEST(GemvLayout, RepackDecodesToTheCheckpointWeights) {
   std::mt19937 rng(50);
   for (const FormatCase& c : all_formats()) {
-    Format f;
-    f.bits = c.bits;
-    f.group_size = c.group_size;
-    f.sym = c.sym;
-    f.act_order = c.act_order;
-    f.zero_offset = c.sym ? 1 : (c.bits == 8 ? 1 : 0);
+    const Format f = c.format(c.sym ? 1 : (c.bits == 8 ? 1 : 0));
     const int64_t K = 352;
     const Linear L = random_linear(f, 64, K, rng);
     const std::string what = describe(f, 64, K);
@@ -755,12 +748,7 @@ TEST(GemvPrepare, PlacesIntoCallerMemoryWithinTheBound) {
   REQUIRE_GPU();
   std::mt19937 rng(47);
   for (const FormatCase& c : all_formats()) {
-    Format f;
-    f.bits = c.bits;
-    f.group_size = c.group_size;
-    f.sym = c.sym;
-    f.act_order = c.act_order;
-    f.zero_offset = c.sym ? 1 : 0;
+    const Format f = c.format(c.sym ? 1 : 0);
     const Linear L = random_linear(f, 96, 352, rng);
     const std::string what = describe(f, 96, 352);
     SCOPED_TRACE(what);
