@@ -8,6 +8,7 @@
 #include "models/llama_cuda.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <fmt/format.h>
 
@@ -55,6 +56,12 @@ bool fusable(const std::vector<const LinearSpec*>& parts) {
 
 size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
+// The linears of a layer as the engine fuses them, in GpuLayer's order: qkv, o, gate|up, down.
+// (The loader and the bound on its memory must group them alike.)
+std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls) {
+  return {{{&ls.q, &ls.k, &ls.v}, {&ls.o}, {&ls.gate, &ls.up}, {&ls.down}}};
+}
+
 // Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
 // format) or their FP16 rows.
 size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
@@ -72,9 +79,10 @@ size_t weights_bound(const ModelSpec& spec) {
   auto tensor = [](const TensorInfo* t) { return t ? align256(t->numel() * sizeof(__half)) : 0; };
   size_t total = tensor(spec.embed) + tensor(spec.final_norm) +
                  (spec.lm_head != spec.embed ? tensor(spec.lm_head) : 0);
-  for (const LayerSpec& ls : spec.layers)
-    total += tensor(ls.input_norm) + tensor(ls.post_norm) + linear_bound({&ls.q, &ls.k, &ls.v}) +
-             linear_bound({&ls.o}) + linear_bound({&ls.gate, &ls.up}) + linear_bound({&ls.down});
+  for (const LayerSpec& ls : spec.layers) {
+    total += tensor(ls.input_norm) + tensor(ls.post_norm);
+    for (const auto& parts : layer_linears(ls)) total += linear_bound(parts);
+  }
   return total;
 }
 
@@ -212,10 +220,11 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
       GpuLayer g;
       g.input_norm = L.upload(*ls.input_norm);
       g.post_norm = L.upload(*ls.post_norm);
-      g.qkv = L.linear({&ls.q, &ls.k, &ls.v});
-      g.o = L.linear({&ls.o});
-      g.gate_up = L.linear({&ls.gate, &ls.up});
-      g.down = L.linear({&ls.down});
+      const auto lin = layer_linears(ls);
+      g.qkv = L.linear(lin[0]);
+      g.o = L.linear(lin[1]);
+      g.gate_up = L.linear(lin[2]);
+      g.down = L.linear(lin[3]);
       w_.layers.push_back(g);
     }
     L.bar.finish();
