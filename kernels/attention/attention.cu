@@ -463,17 +463,24 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
                                               int nh, int n_ctx, int sliding_window,
                                               int n_chunks_all) {
   __shared__ int is_last;
-  __threadfence();  // this block's m, l and o are visible to whichever block merges
+  // The barrier orders every thread's m, l and o before thread 0's count, whose release makes
+  // them visible at GPU scope to the block that merges; its acquire (in that block) and the
+  // second barrier order the merge's reads after every other block's count (the pattern of a
+  // CUTLASS semaphore). It replaced a __threadfence in every thread before the count and one in
+  // the merging block after it: 7B 571 -> 573, 1.1B 1,534 -> 1,544 tok/s (two machines).
   __syncthreads();
   const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
   if (threadIdx.x == 0) {
-    const int done = atomicAdd(&counters[h0], 1) + 1;
-    is_last = done == c1 - c0 + 1;
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(counters + h0)
+                 : "memory");
+    is_last = before + 1 == c1 - c0 + 1;
     if (is_last) counters[h0] = 0;
   }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
   merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, buf);
 }
 
