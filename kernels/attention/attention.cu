@@ -1,13 +1,14 @@
 // Decode attention (one query position) over the FP16 KV cache, flash-decoding style.
 //
-// Work split. The context is cut into chunks of kChunk positions aligned to absolute positions:
-// chunk s covers [s * kChunk, (s + 1) * kChunk). Kernel 1 has one block per (KV head, chunk):
+// Work split. The context is cut into chunks of kChunk positions aligned to absolute positions
+// (kChunk = chunk_for(head_dim): 32 at 128, 64 at 64): chunk s covers [s * kChunk, (s + 1) *
+// kChunk). The kernel has one block per (KV head, chunk):
 //   grid = (n_kv_heads, ceil(max_ctx / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
 // fixed at capture time for the largest context; a block whose chunk holds no live position
 // (past *d_pos, or before the sliding window) exits at once. A block serves up to GMAX <= 4
 // query heads of its KV group; a larger group takes more blocks in z, which read the same K and
 // V rows (all but the first from L2), so HBM sees each row once per step. At 4096 positions a
-// Llama-2-7B layer gives 32 x 64 = 2048 live blocks: every SM streams.
+// Llama-2-7B layer gives 32 x 128 = 4096 live blocks: every SM streams.
 //
 // Inside a block (kThreads = 128):
 //   K/V row of one head: head_dim halves = kLanes 16-byte pieces, kLanes = head_dim / 8 threads.
@@ -52,16 +53,23 @@
 namespace kestrel::cuda {
 namespace {
 
-constexpr int kChunk = 64;       // positions per block: short, so that a block's serial passes stay
-                                 // few and many blocks stream at once (measured: 256 cost 27 us
-                                 // per 7B layer at 640 positions, 96 blocks each in 16 serial passes)
 constexpr int kThreads = 128;
 constexpr int kMaxGroup = 4;     // query heads one block serves (largest GMAX): a larger group
                                  // takes several blocks per chunk (measured: the 1.1B's group of
                                  // 8 as two blocks of 4 ran 1464 -> 1533 tok/s; one block's
                                  // scores and p * v for 8 heads were its longest step)
 
-int n_chunks(int max_ctx) { return (max_ctx + kChunk - 1) / kChunk; }
+// Positions per block: 4 passes of the block over K rows, so each thread keeps 4 rows in
+// flight (32 positions at head_dim 128, 64 at 64). Short chunks keep a block's serial passes few
+// and let many blocks stream at once. Measured at ~600 positions: a 7B layer (head_dim 128)
+// ran 573 -> 581 tok/s going from 64 to 32, and a 1.1B (head_dim 64, 4 heads per block) ran
+// 1,542 -> 1,524 going from 64 to 32. 256 positions cost 27 us per 7B layer at 640 positions
+// (96 blocks, each in 16 serial passes).
+constexpr int chunk_for(int head_dim) { return head_dim > 0 ? 4 * kThreads * 8 / head_dim : 64; }
+
+int n_chunks(int max_ctx, int head_dim) {
+  return (max_ctx + chunk_for(head_dim) - 1) / chunk_for(head_dim);
+}
 
 union Half8 {
   uint4 raw;
@@ -244,6 +252,7 @@ __global__ void __launch_bounds__(kThreads)
                            float q_scale, const rope_detail::InvFreq inv_freq,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml,
                            int* __restrict__ counters, __half* __restrict__ out) {
+  constexpr int kChunk = chunk_for(D);
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
   constexpr int kPasses = kChunk / kRows;   // passes over the chunk
@@ -469,6 +478,7 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   // CUTLASS semaphore). It replaced a __threadfence in every thread before the count and one in
   // the merging block after it: 7B 571 -> 573, 1.1B 1,534 -> 1,544 tok/s (two machines).
   __syncthreads();
+  constexpr int kChunk = chunk_for(D);
   const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
   if (threadIdx.x == 0) {
     int before;
@@ -490,7 +500,7 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                   int* counters, __half* out, cudaStream_t stream) {
   const int group = n_heads / n_kv_heads;
-  const dim3 grid(n_kv_heads, n_chunks(max_ctx), (group + GMAX - 1) / GMAX);
+  const dim3 grid(n_kv_heads, n_chunks(max_ctx, D), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
   launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
@@ -537,8 +547,9 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
   KESTREL_CHECK(!ROPE || reinterpret_cast<uintptr_t>(q) % 16 == 0,
                 std::string(who) + ": the qkv row must be 16-byte aligned");
   float* ws_o = workspace;
-  float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx) * head_dim;
-  int* counters = reinterpret_cast<int*>(ws_ml + (size_t)n_heads * n_chunks(max_ctx) * 2);
+  float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx, head_dim) * head_dim;
+  int* counters =
+      reinterpret_cast<int*>(ws_ml + (size_t)n_heads * n_chunks(max_ctx, head_dim) * 2);
   switch (head_dim) {
     case 64:
       dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
@@ -559,13 +570,14 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
 // Workspace: o [n_heads][n_chunks][head_dim], (m, l) [n_heads][n_chunks][2] (fp32), then one
 // int counter per query head (used by the first head of each block's range).
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim) {
-  return (size_t)n_heads * n_chunks(max_ctx) * (head_dim + 2) * sizeof(float) +
+  return (size_t)n_heads * n_chunks(max_ctx, head_dim) * (head_dim + 2) * sizeof(float) +
          (size_t)n_heads * sizeof(int);
 }
 
 void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int head_dim,
                                cudaStream_t stream) {
-  const size_t counters = (size_t)n_heads * n_chunks(max_ctx) * (head_dim + 2) * sizeof(float);
+  const size_t counters =
+      (size_t)n_heads * n_chunks(max_ctx, head_dim) * (head_dim + 2) * sizeof(float);
   KESTREL_CUDA_CHECK(cudaMemsetAsync(reinterpret_cast<char*>(workspace) + counters, 0,
                                      (size_t)n_heads * sizeof(int), stream));
 }
