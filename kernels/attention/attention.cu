@@ -64,7 +64,8 @@ constexpr int kMaxGroup = 4;     // query heads one block serves (largest GMAX):
 // and let many blocks stream at once. Measured at ~600 positions: a 7B layer (head_dim 128)
 // ran 573 -> 581 tok/s going from 64 to 32, and a 1.1B (head_dim 64, 4 heads per block) ran
 // 1,542 -> 1,524 going from 64 to 32. 256 positions cost 27 us per 7B layer at 640 positions
-// (96 blocks, each in 16 serial passes).
+// (96 blocks, each in 16 serial passes). Not measured at long contexts, where 32 positions give
+// the merge twice the partials to read (128 per head at 4096).
 constexpr int chunk_for(int head_dim) { return head_dim > 0 ? 4 * kThreads * 8 / head_dim : 64; }
 
 int n_chunks(int max_ctx, int head_dim) {
