@@ -308,8 +308,8 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     // the qkv GEMV as it stages x.
     L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
     mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
-    // RoPE of q and the new k, the KV-cache write and the attention: one split kernel (and
-    // its combine), which rotates as it reads qkv.
+    // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
+    // rotates as it reads qkv and merges the chunks in the last block of each head range.
     cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window,
                                     c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
                                     c.rope_linear_factor, s_.att_workspace, s_.att, s);
