@@ -8,16 +8,12 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/half8.cuh"
 
 namespace kestrel::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-union Half8 {
-  uint4 raw;
-  __half2 h2[4];
-};
 
 __device__ __forceinline__ float silu_times(float g, float u) {
   // For very negative g, expf(-g) is inf and g / inf is -0: the limit, as silu_mul_ref.

@@ -47,6 +47,7 @@
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/cp_async.cuh"
+#include "kernels/common/half8.cuh"
 #include "kernels/common/pdl.cuh"
 #include "kernels/rope/rope_kv.cuh"
 
@@ -71,11 +72,6 @@ constexpr int chunk_for(int head_dim) { return head_dim > 0 ? 4 * kThreads * 8 /
 int n_chunks(int max_ctx, int head_dim) {
   return (max_ctx + chunk_for(head_dim) - 1) / chunk_for(head_dim);
 }
-
-union Half8 {
-  uint4 raw;
-  __half2 h2[4];
-};
 
 __device__ __forceinline__ void to_float8(const Half8& h, float (&f)[8]) {
 #pragma unroll

@@ -13,6 +13,7 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/half8.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -30,12 +31,6 @@ __device__ float block_sum(float v, float* scratch) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-
-// Eight consecutive halves, moved as one 16-byte load or store.
-union Half8 {
-  uint4 raw;
-  __half2 h2[4];
-};
 
 // Element access for the two layouts: kVec reads 8 halves per index (n % 8 == 0, 16-byte aligned
 // pointers), otherwise 1.

@@ -11,6 +11,7 @@
 
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/half8.cuh"
 #include "kernels/common/pdl.cuh"
 
 namespace kestrel::cuda {
@@ -18,11 +19,6 @@ namespace {
 
 constexpr int kArgmaxThreads = 1024;
 constexpr int kConvertThreads = 256;
-
-union Half8 {
-  uint4 raw;
-  __half2 h2[4];
-};
 
 // a := the better of a and b: larger value, smaller index on equal values.
 __device__ __forceinline__ void take_better(float& av, int& ai, float bv, int bi) {
