@@ -95,6 +95,7 @@ class LlamaCuda final : public Backend {
  private:
   // Chunked prefill (llama_cuda_prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
   struct PrefillState;
+  int prefill_rows(int max_rows) const;  // tokens per chunk, up to max_rows
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;
   };

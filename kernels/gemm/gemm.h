@@ -46,6 +46,9 @@ void dequantize_f16(const GemvWeight& w, __half* out, cudaStream_t s);
 void gather_columns_f16(const __half* x, const int32_t* perm, int64_t M, int64_t K, __half* out,
                         cudaStream_t s);
 
+// cuBLASLt's workspace (32 MiB lets it pick any Hopper algorithm).
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
 // cuBLASLt with a workspace and a cache of the chosen algorithm per shape and alignment.
 // Not thread-safe per instance beyond the internal cache lock; one per engine.
 class GemmRunner {

@@ -16,8 +16,6 @@ namespace kestrel::cuda {
 
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
-
 // The largest power of two (up to 256) dividing the address: cuBLASLt picks algorithms by it.
 int alignment_of(const void* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -44,12 +42,12 @@ GemmRunner::GemmRunner() {
   cublasLtHandle_t h = nullptr;
   KESTREL_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
-  const cudaError_t err = cudaMalloc(&workspace_, kWorkspaceBytes);
+  const cudaError_t err = cudaMalloc(&workspace_, kGemmWorkspaceBytes);
   if (err != cudaSuccess) {
     cublasLtDestroy(h);
     throw_cuda_error(err, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
   }
-  workspace_bytes_ = kWorkspaceBytes;
+  workspace_bytes_ = kGemmWorkspaceBytes;
 }
 
 GemmRunner::~GemmRunner() {

@@ -580,8 +580,13 @@ __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
 // a block of T threads after stage_x_early<C, T>. x and residual are read with ld.global.cg:
 // written by the previous kernel, which with programmatic dependent launch may still have been
 // running when this one started.
+//
+// x_raw (one-pass path only): when not null, x in its natural order in shared memory, landing
+// from a bulk copy that completes on `bar`; the values are read from there instead of L2.
 template <int C, int T>
-__device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat) {
+__device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat,
+                                        const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
+                                        uint64_t* bar = nullptr) {
   constexpr int V = C / 8;
   const int nvec = p.nch * V;
   const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
@@ -598,11 +603,21 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
     for (int i = 0; i < kMaxV; ++i) {
       const int v = threadIdx.x + i * T;
       if (v < nnat) {
-        a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+        if (!x_raw) a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
         if (!p.norm_w) b[i] = input_other8(p, 8 * v);
       }
     }
-    if (p.norm_w) {
+    if (x_raw) {
+      mbar_wait(bar, 0);
+#pragma unroll
+      for (int i = 0; i < kMaxV; ++i) {
+        const int v = threadIdx.x + i * T;
+        if (v < nnat) {
+          a[i] = x_raw[v];
+          if (p.norm_w) b[i] = n_raw[v];
+        }
+      }
+    } else if (p.norm_w) {
       cp_async_wait_all();
 #pragma unroll
       for (int i = 0; i < kMaxV; ++i) {
@@ -683,6 +698,10 @@ __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   if (row >= p.N) return;
   if (p.residual) v += __half2float(__ldcg(p.residual + row));
   p.y[row] = __float2half_rn(v);
+}
+// The same with the residual already loaded (r).
+__device__ __forceinline__ void store_row_plus(const KParams& p, int row, float v, float r) {
+  if (row < p.N) p.y[row] = __float2half_rn(v + r);
 }
 
 // ---- The kernel --------------------------------------------------------------------------------
@@ -771,8 +790,11 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
   constexpr int R = kQuantRows;
   static_assert(R == 2, "the SiLU epilogue takes a gate row and an up row per step");
   extern __shared__ uint4 smem[];
+  const size_t codes = static_cast<size_t>(Op::kVecs) * 8 * p.nch;  // padded K
   uint4* x_s = smem;
-  __half* x_nat = reinterpret_cast<__half*>(x_s + static_cast<size_t>(Op::kVecs) * p.nch);
+  __half* x_nat = reinterpret_cast<__half*>(x_s + codes / 8);
+  __half* n_raw = x_nat + codes;  // the RMSNorm weights (bulk path)
+  uint64_t* bar = reinterpret_cast<uint64_t*>(n_raw + codes);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t wg = int64_t(blockIdx.x) * kQuantWarps + warp, W = int64_t(gridDim.x) * kQuantWarps;
@@ -791,10 +813,32 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
   // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
   typename Op::Frag f;
   if (steps > 0 && lane < p.nch) Op::load(f, p, rb, rstep, rows_at(rb), 0, lane, pol);
-  stage_x_early<Op::kUnitCodes, kQuantThreads>(p, x_s);
+  // x comes from the previous kernel: one bulk copy into x_nat after the wait (and the RMSNorm
+  // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
+  // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
+  // stage (kernels/gemv/NOTES.md, the timeline); the bulk copies take another path.
+  const bool bulk = has_bulk_copy() && one_pass_staging<kQuantThreads>(p);
+  if (bulk) {
+    if (threadIdx.x == 0) {
+      mbar_init(bar, 1);
+      fence_mbar_init();
+      if (p.norm_w) bulk_copy_g2s_no_arrive(n_raw, p.norm_w, static_cast<uint32_t>(p.K) * 2, bar);
+    }
+    __syncthreads();
+  } else {
+    stage_x_early<Op::kUnitCodes, kQuantThreads>(p, x_s);
+  }
   grid_dependency_wait();
+  if (bulk && threadIdx.x == 0) bulk_copy_g2s(x_nat, p.x, static_cast<uint32_t>(p.K) * 2, bar);
   allow_dependents();
-  stage_x<Op::kUnitCodes, kQuantThreads>(p, x_s, x_nat);
+  // The residual of the warp's rows (written by the kernels before), loaded now so that the
+  // store at the end of the run is not one more round trip: lane l holds row rb + l.
+  const bool res_early = p.residual != nullptr && re - rb <= 32;
+  float res = 0.f;
+  if (res_early && lane < re - rb) res = __half2float(__ldcg(p.residual + rb + lane));
+  stage_x<Op::kUnitCodes, kQuantThreads>(p, x_s, x_nat,
+                                          bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
+                                          reinterpret_cast<const uint4*>(n_raw), bar);
   __syncthreads();
 
   float acc[R];
@@ -816,6 +860,9 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
         if (lane == 0)
           p.y[row0] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
                                                  __half2float(__float2half_rn(acc[1]))));
+      } else if (res_early) {
+        const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
+        if (lane < nrows) store_row_plus(p, row0 + lane, mine, r);
       } else if (lane < nrows) {
         store_row(p, row0 + lane, mine);
       }
@@ -860,23 +907,28 @@ Kernel quant_kernel(int bits, int gs) {
 }
 
 // Raises a kernel's dynamic shared-memory limit when a block needs more than the default 48 KB,
-// once per (device, kernel).
+// once per (device, kernel): to the device's opt-in limit less the kernel's static shared
+// memory (asking for the whole opt-in limit is an invalid value when the kernel has any).
 void ensure_smem(Kernel k, size_t bytes) {
   if (bytes <= 48 * 1024) return;
   static std::mutex mu;
   static std::map<std::pair<int, const void*>, size_t> raised;
   const DeviceInfo& d = current_device_info();
-  if (bytes > d.smem_per_block_optin)
-    throw Error("gemv: a block needs " + std::to_string(bytes) + " bytes of shared memory for x, " +
-                "device " + std::to_string(d.id) + " allows " +
-                std::to_string(d.smem_per_block_optin) + " (K too large)");
   std::lock_guard<std::mutex> lock(mu);
   size_t& cur = raised[{d.id, reinterpret_cast<const void*>(k)}];
-  if (cur < bytes) {
-    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(d.smem_per_block_optin)));
-    cur = d.smem_per_block_optin;
-  }
+  if (cur >= bytes) return;
+  cudaFuncAttributes attr{};
+  KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
+  const size_t limit = d.smem_per_block_optin > attr.sharedSizeBytes
+                           ? d.smem_per_block_optin - attr.sharedSizeBytes
+                           : 0;
+  if (bytes > limit)
+    throw Error("gemv: a block needs " + std::to_string(bytes) + " bytes of shared memory for x, " +
+                "device " + std::to_string(d.id) + " allows " + std::to_string(limit) +
+                " (K too large)");
+  KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(limit)));
+  cur = limit;
 }
 
 // Resident blocks per SM of a kernel at a shared-memory size (cached: queried per call it would
@@ -958,8 +1010,13 @@ void launch(Kernel k, const KParams& p, int grid, int threads, bool pdl, size_t 
 }  // namespace
 
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
+  // x_s; x in its natural order (the act-order gather's source, or where the bulk copy of x
+  // lands); the RMSNorm weights and the mbarrier of the bulk copies. The bulk path is taken
+  // only without act-order and for K <= kQuantThreads * kMaxV * 8 (one_pass_staging), so
+  // that codes <= 16384 here (K rounds up to a unit, which divides 16384).
   const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
-  return codes * 2 + (has_perm ? codes * 2 : 0);
+  const bool bulk = !has_perm && codes <= size_t(kQuantThreads) * kMaxV * 8;
+  return codes * 2 + (has_perm || bulk ? codes * 2 : 0) + (bulk ? codes * 2 + 16 : 0);
 }
 
 GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t, size_t smem,

@@ -66,8 +66,8 @@ struct HostRepack {
 // Validates and repacks (the host half of gemv_prepare; throws kestrel::Error likewise).
 HostRepack repack(const std::vector<gptq::GptqView>& parts);
 
-// Dynamic shared memory of one block: x in the kernel's layout, the cross-warp reduction
-// buffer and, with act-order, x in its natural order for the gather.
+// Dynamic shared memory of one quantized block: x in the kernel's layout, x in its natural
+// order (the act-order gather's source, or where the bulk copy of x lands) and an mbarrier.
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm);
 
 // Chooses the grid for a quantized GEMV on the current device (fills the zero fields of
