@@ -329,6 +329,26 @@ TEST(GemvShapes, FourBitGroup128AllShapes) {
   }
 }
 
+// Rows long enough that a block's x needs more than the default 48 KB of shared memory (the
+// kernel raises its limit), on both sides of the longest row x is staged in one pass by a bulk
+// copy (K = 16384), with and without act-order (K = 13824 is Llama-2-13B's down_proj).
+TEST(GemvShapes, LongRowsNeedMoreSharedMemory) {
+  REQUIRE_GPU();
+  std::mt19937 rng(44);
+  for (bool act : {false, true}) {
+    Format f;
+    f.bits = 4;
+    f.group_size = 128;
+    f.sym = true;
+    f.act_order = act;
+    f.zero_offset = 1;
+    for (int64_t K : {13824, 16384, 16512}) {
+      const Linear L = random_linear(f, 64, K, rng);
+      for (int64_t n : {33, 64}) check_quant(L, n, rng);
+    }
+  }
+}
+
 // Group sizes that are multiples of 32 but not 32/64/128 are served by repeating scales.
 TEST(GemvShapes, OtherGroupSizes) {
   REQUIRE_GPU();
@@ -407,7 +427,7 @@ TEST(GemvInputOps, RmsNormAndSiluMulFusedIntoStaging) {
   std::mt19937 rng(51);
   for (bool act : {false, true})
     for (bool silu : {false, true})
-      for (int64_t K : {96, 4096}) {
+      for (int64_t K : {96, 4096, 11008}) {  // 11008: over 48 KB of shared memory
         Format f;
         f.bits = 4;
         f.group_size = 32;
