@@ -336,12 +336,7 @@ TEST(GemvShapes, LongRowsNeedMoreSharedMemory) {
   REQUIRE_GPU();
   std::mt19937 rng(44);
   for (bool act : {false, true}) {
-    Format f;
-    f.bits = 4;
-    f.group_size = 128;
-    f.sym = true;
-    f.act_order = act;
-    f.zero_offset = 1;
+    const Format f{/*bits=*/4, /*group_size=*/128, /*sym=*/true, act, /*zero_offset=*/1};
     for (int64_t K : {13824, 16384, 16512}) {
       const Linear L = random_linear(f, 64, K, rng);
       for (int64_t n : {33, 64}) check_quant(L, n, rng);

@@ -44,36 +44,40 @@ __device__ __forceinline__ constexpr bool has_bulk_copy() {
 //   thread 0: mbar_init(bar, 1); fence_mbar_init();   then a barrier, then
 //   thread 0: bulk_copy_g2s(dst, src, bytes, bar);     every reader: mbar_wait(bar, 0)
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
-  KESTREL_BULK(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrivals)
-               : "memory"));
+  KESTREL_BULK(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)),
+                            "r"(arrivals)
+                            : "memory"));
 }
 // Makes an initialised mbarrier visible to the bulk-copy unit (a thread barrier must follow).
 __device__ __forceinline__ void fence_mbar_init() {
   KESTREL_BULK(asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"));
 }
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
-                                              uint64_t* bar) {
-  KESTREL_BULK(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory"));
+// The copy alone: its bytes count against the mbarrier's expected transaction count.
+__device__ __forceinline__ void bulk_copy_issue(void* dst, const void* src, uint32_t bytes,
+                                                uint64_t* bar) {
   KESTREL_BULK(asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_u32(dst)),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(dst)),
       "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory"));
+}
+// Arrives on the mbarrier expecting `bytes`, then copies them.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar) {
+  KESTREL_BULK(asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                                smem_u32(bar)),
+                            "r"(bytes)
+                            : "memory"));
+  bulk_copy_issue(dst, src, bytes, bar);
 }
 // The same without arriving: the phase also waits for these bytes (a copy issued before the
 // one whose bulk_copy_g2s arrives).
 __device__ __forceinline__ void bulk_copy_g2s_no_arrive(void* dst, const void* src,
                                                         uint32_t bytes, uint64_t* bar) {
   KESTREL_BULK(asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory"));
-  KESTREL_BULK(asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory"));
+                            "r"(bytes)
+                            : "memory"));
+  bulk_copy_issue(dst, src, bytes, bar);
 }
 // Waits until the mbarrier's phase `parity` has completed (the bulk copy landed).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
