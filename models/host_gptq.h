@@ -10,6 +10,17 @@
 
 namespace kestrel {
 
+// A view with l's format fields and no tensors.
+inline gptq::GptqView format_view(const LinearSpec& l) {
+  gptq::GptqView v;
+  v.bits = l.bits;
+  v.group_size = l.group_size;
+  v.K = l.K;
+  v.N = l.N;
+  v.zero_offset = l.zero_offset;
+  return v;
+}
+
 struct HostGptq {
   std::vector<uint32_t> qweight, qzeros;
   std::vector<uint16_t> scales;
@@ -21,11 +32,7 @@ struct HostGptq {
         qzeros(l.qzeros->copy_as<uint32_t>()),
         scales(l.scales->copy_as<uint16_t>()) {
     if (l.g_idx) g_idx = l.g_idx->copy_as<int32_t>();
-    view.bits = l.bits;
-    view.group_size = l.group_size;
-    view.K = l.K;
-    view.N = l.N;
-    view.zero_offset = l.zero_offset;
+    view = format_view(l);
     view.qweight = qweight.data();
     view.qzeros = qzeros.data();
     view.scales = scales.data();

@@ -56,6 +56,22 @@ bool fusable(const std::vector<const LinearSpec*>& parts) {
 
 size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
+// Whether gemv_prepare keeps zero points for these fusable parts: not when all are equal, as in
+// every symmetric checkpoint (1.6% of a 4-bit g128 weight's bytes, which the weights'
+// allocation would otherwise hold unused). Reads the parts' qzeros only.
+bool keeps_zero_points(const std::vector<const LinearSpec*>& parts) {
+  std::vector<std::vector<uint32_t>> qzeros;
+  qzeros.reserve(parts.size());
+  std::vector<gptq::GptqView> views;
+  for (const LinearSpec* p : parts) {
+    if (!p->qzeros) return true;
+    qzeros.push_back(p->qzeros->copy_as<uint32_t>());
+    views.push_back(format_view(*p));
+    views.back().qzeros = qzeros.back().data();
+  }
+  return !cuda::gemv_zero_points_uniform(views);
+}
+
 // The linears of a layer as the engine fuses them, in GpuLayer's order: qkv, o, gate|up, down.
 // (The loader and the bound on its memory must group them alike.)
 std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls) {
@@ -63,14 +79,14 @@ std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls)
 }
 
 // Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
-// format) or their FP16 rows.
+// format and whether it keeps zero points) or their FP16 rows.
 size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
   int64_t N = 0;
   for (const LinearSpec* p : parts) N += p->N;
   const LinearSpec& a = *parts[0];
   if (fusable(parts))
-    return align256(
-        cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K, a.g_idx != nullptr));
+    return align256(cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K,
+                                                  a.g_idx != nullptr, keeps_zero_points(parts)));
   return align256((size_t)N * a.K * sizeof(__half));
 }
 

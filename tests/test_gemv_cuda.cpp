@@ -680,6 +680,30 @@ void expect_error_mentions(const std::vector<gptq::GptqView>& views, const std::
   }
 }
 
+// The loader sizes the weights' allocation before repacking, asking whether zero points will
+// be kept: the answer must be repack's, for every format and for fused parts, and one differing
+// zero point anywhere must keep them all.
+TEST(GemvPrepare, ZeroPointsUniformIsRepacksDecision) {
+  std::mt19937 rng(53);
+  for (const FormatCase& c : all_formats()) {
+    const Format f = c.format(c.sym ? 1 : 0);
+    SCOPED_TRACE(describe(f, 96, 352));
+    PartsFixture fx = two_parts(f, 352, rng);
+    const bool uniform = cuda::gemv_zero_points_uniform(fx.views());
+    EXPECT_EQ(uniform, c.sym) << "random asymmetric zero points are not all equal";
+    EXPECT_EQ(cuda::gemv_detail::repack(fx.views()).zeros.empty(), uniform);
+    if (!c.sym) continue;
+    // One zero point of the second part's last group changed: no longer uniform.
+    Packed& P = fx.Ps[1];
+    const int64_t zwords = (P.view.N * c.bits + 31) / 32;
+    uint32_t& word = P.qzeros[(P.view.groups() - 1) * zwords + zwords - 1];
+    word ^= 1u << (32 - c.bits);  // the low bit of its last zero point (32 codes: whole words)
+    P.view.qzeros = P.qzeros.data();
+    EXPECT_FALSE(cuda::gemv_zero_points_uniform(fx.views()));
+    EXPECT_FALSE(cuda::gemv_detail::repack(fx.views()).zeros.empty());
+  }
+}
+
 TEST(GemvPrepare, RejectsMismatchedParts) {
   std::mt19937 rng(47);
   Format f;
@@ -771,6 +795,14 @@ TEST(GemvPrepare, PlacesIntoCallerMemoryWithinTheBound) {
     GemvWeight owned = cuda::gemv_prepare({P.view}, nullptr);
     const size_t bound = cuda::gemv_device_bytes_bound(c.bits, c.group_size, 96, 352, c.act_order);
     EXPECT_GE(bound, owned.device_bytes);
+    // Told whether zero points are kept, the bound is exact unless it counts a permutation
+    // that is not there (act-order with one group per row).
+    const size_t exact = cuda::gemv_device_bytes_bound(
+        c.bits, c.group_size, 96, 352, c.act_order, !cuda::gemv_zero_points_uniform({P.view}));
+    if (c.act_order && c.group_size < 0)
+      EXPECT_GE(exact, owned.device_bytes);
+    else
+      EXPECT_EQ(exact, owned.device_bytes);
     DeviceBuffer arena(bound + 256);
     GemvWeight placed = cuda::gemv_prepare({P.view}, nullptr, arena.as<char>() + 256, bound);
     EXPECT_FALSE(placed.owns_device);

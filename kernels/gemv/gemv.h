@@ -79,10 +79,19 @@ GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s
 GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s, void* dst,
                         size_t capacity);
 
+// Whether every zero point of these parts (each group inside K, each output) is the same, as
+// symmetric GPTQ writes them: gemv_prepare then stores none and the kernel takes the one value
+// as a constant. Reads the views' format fields and qzeros only; false for a view without
+// qzeros or of bits other than 2, 3, 4, 8.
+bool gemv_zero_points_uniform(const std::vector<gptq::GptqView>& parts);
+
 // An upper bound of GemvWeight::device_bytes for a weight of these parts (N their summed
-// outputs), from the format alone: exact but for the zero points and, with act_order, the
-// permutation, counted as if present. 0 for a format gemv_prepare refuses.
-size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order);
+// outputs), from the format: exact but for the permutation under act_order, counted as if
+// present (K * 4 bytes), and the zero points, counted unless zero_points is false (pass
+// !gemv_zero_points_uniform(parts): a 4-bit g128 weight's zero points are 1.6% of its bytes).
+// 0 for a format gemv_prepare refuses.
+size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order,
+                               bool zero_points = true);
 
 // Frees the device memory of w (unless placed in the caller's) and clears it. Safe on an empty
 // or already freed weight.

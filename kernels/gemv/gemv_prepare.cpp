@@ -245,10 +245,9 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
     }
   }
   // When every zero point is equal (symmetric quantization) the kernel takes it as a constant.
-  bool uniform = true;
-  for (int64_t n = 0; n < N && uniform; ++n)
-    for (int64_t e = 0; e < Ge && uniform; ++e)
-      if (per_row ? e == 0 : e * w.group_size < K) uniform = zeros[n * Ge + e] == zeros[0];
+  // (The effective groups inside K cover each checkpoint group inside K, so this is the same
+  // test on the checkpoint's zero points, which the loader runs before placing the weight.)
+  const bool uniform = gemv_zero_points_uniform(parts);
   w.zero_const = zeros[0] + w.zero_offset;
 
   // Codes: unpack 32 codes at a time per column (b words of the packed stream), permute, pack.
@@ -285,7 +284,32 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts) {
 
 }  // namespace gemv_detail
 
-size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order) {
+bool gemv_zero_points_uniform(const std::vector<gptq::GptqView>& parts) {
+  if (parts.empty()) return false;
+  const int bits = parts[0].bits;
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return false;
+  const int64_t groups = parts[0].groups();  // 1 per row (group_size <= 0 or >= K)
+  bool seen = false;
+  uint32_t first = 0;
+  for (const gptq::GptqView& v : parts) {
+    if (!v.qzeros || v.bits != bits || v.N <= 0 || v.groups() != groups) return false;
+    const int64_t zwords = (v.N * bits + 31) / 32;
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t n = 0; n < v.N; ++n) {
+        const uint32_t z = gptq::read_code(v.qzeros + g * zwords, 1, n, bits);
+        if (!seen) {
+          first = z;
+          seen = true;
+        } else if (z != first) {
+          return false;
+        }
+      }
+  }
+  return true;
+}
+
+size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order,
+                               bool zero_points) {
   // A format gemv_prepare refuses: nothing to place.
   if (chunk_codes(bits) == 0 || bits == 16 || N <= 0 || K <= 0) return 0;
   GemvWeight w;
@@ -293,7 +317,7 @@ size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, b
   w.N = N;
   w.K = K;
   set_layout_shape(w, bits, K, group_size);
-  return device_sizes(w, /*zeros=*/true, /*perm=*/act_order).total();
+  return device_sizes(w, zero_points, /*perm=*/act_order).total();
 }
 
 GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s) {
