@@ -68,6 +68,11 @@ struct GpuRunState {
   __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
 };
 
+// Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)
+// fit in what is left of 5% over `base` (weights + KV cache) once `taken` is counted (the decode
+// path, the prefill's fixed scratch), but never fewer than 512 and never more than max_rows.
+int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows);
+
 class LlamaCuda final : public Backend {
  public:
   // Uploads the weights (streamed tensor by tensor, with a progress bar unless quiet) and

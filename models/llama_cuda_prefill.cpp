@@ -90,30 +90,33 @@ size_t dequant_scratch_elems(const std::vector<GpuLayer>& layers, int rows) {
 
 }  // namespace
 
+int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows) {
+  const size_t target = base / 20;
+  const size_t room = target > taken ? target - taken : 0;
+  const int64_t fit = (int64_t)(room / std::max<size_t>(row_bytes, 1)) / 64 * 64;
+  return (int)std::min<int64_t>(max_rows, std::max<int64_t>(fit, 512));
+}
+
 // Tokens per prefill chunk, within the GPU memory target (weights + KV cache + 5%) where that
-// costs the prompt little. The decode path took its part at load (device memory in use then,
-// beyond the weights and the cache); the prefill's scratch gets the rest of the 5%: cuBLASLt's
-// workspace and one dequantized weight slice (fixed, up to 32 MiB each), and the chunk's
-// activations, as the longest chunk that fits, in multiples of 64 tokens. Chunks are never cut
-// below 512 tokens (one 512-token prompt in one pass): each chunk dequantizes every weight
-// again, and a model too small for its fixed scratch to fit in 5% (Llama 1.1B: 64 MiB against
-// 38 MB) would lose most of its prompt speed. Measured on the H200, 4-bit 1.1B: the whole
-// scratch cut to fit (256-token chunks, a 5 MiB slice, a 2 MiB workspace) ran pp512 at 28-36
-// thousand tokens/s against 122 thousand.
+// costs the prompt little (prefill_chunk_rows). The decode path took its part at load (device
+// memory in use then, beyond the weights and the cache); the prefill's scratch gets the rest of
+// the 5%: cuBLASLt's workspace and one dequantized weight slice (fixed, up to 32 MiB each), and
+// the chunk's activations. Chunks are never cut below 512 tokens (one 512-token prompt in one
+// pass): each chunk dequantizes every weight again, and a model too small for its fixed
+// scratch to fit in 5% (Llama 1.1B: 64 MiB against 38 MB) would lose most of its prompt speed.
+// Measured on the H200, 4-bit 1.1B: the whole scratch cut to fit (256-token chunks, a 5 MiB
+// slice, a 2 MiB workspace) ran pp512 at 28-36 thousand tokens/s against 122 thousand.
 int LlamaCuda::prefill_rows(int max_rows) const {
   const size_t base = weight_bytes_ + cache_bytes_;
   const size_t decode = after_load_bytes_ > base ? after_load_bytes_ - base : 0;
-  const size_t target = base / 20;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
   // modules of its kernels and of the prefill's): without it a 7B at 1600 positions measured
   // +5.1% after its 1536-token prompt.
   const size_t runtime = size_t(16) << 20;
-  const size_t fixed = decode + runtime + cuda::kGemmWorkspaceBytes +
+  const size_t taken = decode + runtime + cuda::kGemmWorkspaceBytes +
                        dequant_scratch_elems(w_.layers, max_rows) * sizeof(__half) +
                        (size_t)cfg_.vocab * sizeof(float);
-  const size_t room = target > fixed ? target - fixed : 0;
-  const int64_t fit = (int64_t)(room / prefill_row_bytes(cfg_)) / 64 * 64;
-  return (int)std::min<int64_t>(max_rows, std::max<int64_t>(fit, 512));
+  return prefill_chunk_rows(base, taken, prefill_row_bytes(cfg_), max_rows);
 }
 
 namespace {

@@ -536,5 +536,36 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}),
     [](const auto& info) { return info.param.name; });
 
+// The chunk length the prefill takes within the memory target (no GPU needed).
+TEST(PrefillChunk, LongestMultipleOf64WithinFivePercent) {
+  constexpr size_t MB = 1000000;
+  // Llama-2-7B at 640 positions: 4.2 GB of weights and cache, 140 MB taken, 115 KB a token:
+  // 70 MB of room holds 608 tokens, so 576.
+  EXPECT_EQ(prefill_chunk_rows(4200 * MB, 140 * MB, 115000, 640), 576);
+  // Room for more than asked: what was asked.
+  EXPECT_EQ(prefill_chunk_rows(4200 * MB, 10 * MB, 115000, 640), 640);
+  // No room at all (a small model's fixed scratch alone passes 5%): 512, or fewer if asked.
+  EXPECT_EQ(prefill_chunk_rows(770 * MB, 100 * MB, 51000, 2048), 512);
+  EXPECT_EQ(prefill_chunk_rows(770 * MB, 100 * MB, 51000, 7), 7);
+
+  std::mt19937 rng(5);
+  for (int i = 0; i < 2000; ++i) {
+    const size_t base = std::uniform_int_distribution<size_t>(100 * MB, 200000 * MB)(rng);
+    const size_t taken = std::uniform_int_distribution<size_t>(0, base / 10)(rng);
+    const size_t row = std::uniform_int_distribution<size_t>(1000, 1000000)(rng);
+    const int max_rows = std::uniform_int_distribution<int>(1, 8192)(rng);
+    const int r = prefill_chunk_rows(base, taken, row, max_rows);
+    SCOPED_TRACE(::testing::Message() << "base " << base << " taken " << taken << " row " << row
+                                      << " max " << max_rows << " -> " << r);
+    ASSERT_LE(r, max_rows);
+    ASSERT_GE(r, std::min(512, max_rows));
+    if (r > 512 && r < max_rows) {  // set by the room: a multiple of 64 that fits, and the longest
+      EXPECT_EQ(r % 64, 0);
+      EXPECT_LE(taken + (size_t)r * row, base / 20);
+      EXPECT_GT(taken + (size_t)(r + 64) * row, base / 20);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kestrel
