@@ -240,6 +240,20 @@ TEST(GemmSlices, WeightLargerThanOneSliceMatchesReference) {
                      scratch.as<__half>(), nullptr);
     const std::vector<float> y = to_floats(download<uint16_t>(dy, (size_t)M * f.N));
     EXPECT_LT(rel_err(y, ref), 2e-3) << describe(f);
+
+    // A runner with smaller slices (1 MiB: 128 rows, 66 slices) and no cuBLASLt workspace
+    // computes the same thing: each output column's dot product is the same GEMM's.
+    cuda::GemmMemory small;
+    small.slice_halves = size_t(1) << 19;
+    small.workspace_bytes = 0;
+    cuda::GemmRunner small_runner(small);
+    ASSERT_EQ(cuda::dequant_slice_rows(w, small.slice_halves), 128);
+    DeviceBuffer small_scratch(cuda::quant_gemm_scratch_elems(w, M, small.slice_halves) * 2);
+    DeviceBuffer dy2 = upload(rh.data(), rh.size() * 2);
+    cuda::quant_gemm(small_runner, w, dx.as<__half>(), M, dy2.as<__half>(), dy2.as<__half>(),
+                     small_scratch.as<__half>(), nullptr);
+    const std::vector<float> y2 = to_floats(download<uint16_t>(dy2, (size_t)M * f.N));
+    EXPECT_LT(rel_err(y2, ref), 2e-3) << describe(f) << ", 1 MiB slices, no workspace";
     cuda::gemv_free(w);
   }
 }

@@ -48,12 +48,22 @@ void gather_columns_f16(const __half* x, const int32_t* perm, int64_t M, int64_t
 
 // cuBLASLt's workspace (32 MiB lets it pick any Hopper algorithm).
 constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+// Rows of a quantized weight dequantized at once: at most this many halves (32 MiB).
+constexpr size_t kDequantSliceHalves = size_t(16) << 20;
+
+// The device memory of a GemmRunner: cuBLASLt's workspace, and the size of the dequantized
+// weight slice quant_gemm works in (its scratch: quant_gemm_scratch_elems).
+struct GemmMemory {
+  size_t workspace_bytes = kGemmWorkspaceBytes;
+  size_t slice_halves = kDequantSliceHalves;
+};
 
 // cuBLASLt with a workspace and a cache of the chosen algorithm per shape and alignment.
 // Not thread-safe per instance beyond the internal cache lock; one per engine.
 class GemmRunner {
  public:
-  GemmRunner();
+  explicit GemmRunner(GemmMemory mem = {});
+  const GemmMemory& memory() const { return mem_; }
   ~GemmRunner();
   GemmRunner(const GemmRunner&) = delete;
   GemmRunner& operator=(const GemmRunner&) = delete;
@@ -73,7 +83,7 @@ class GemmRunner {
            const void* residual, bool f32_out, cudaStream_t s, int64_t ldy);
   void* handle_ = nullptr;  // cublasLtHandle_t
   void* workspace_ = nullptr;
-  size_t workspace_bytes_ = 0;
+  GemmMemory mem_;
   std::mutex mu_;
   // (M, N, K, ldy, f32 out, alignments of W, x, y)
   using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int, int, int, int>;
@@ -81,18 +91,19 @@ class GemmRunner {
 };
 
 // Output rows of a quantized weight dequantized at once by quant_gemm: the scratch holds at
-// most kDequantSliceHalves of them (a multiple of 128 rows), so a prompt's scratch is not the
-// largest fused weight in fp16 (Llama-2-7B gate|up: 180 MB; GPU memory target: weights + KV
+// most slice_halves of them (a multiple of 128 rows, at least 128), so a prompt's scratch is not
+// the largest fused weight in fp16 (Llama-2-7B gate|up: 180 MB; GPU memory target: weights + KV
 // cache + 5%), and each slice is its own GEMM into a column slice of y.
-constexpr size_t kDequantSliceHalves = size_t(16) << 20;  // 32 MiB
-int64_t dequant_slice_rows(const GemvWeight& w);
+int64_t dequant_slice_rows(const GemvWeight& w, size_t slice_halves = kDequantSliceHalves);
 
 // FP16 scratch a quantized linear needs for up to max_rows rows: one dequantized slice of the
 // weight and, under act-order, the gathered input. In halves.
-size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows);
+size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows,
+                                size_t slice_halves = kDequantSliceHalves);
 
-// y [M, N] = x [M, K] W^T + residual through dequantize + GEMM, whatever M. scratch holds
-// quant_gemm_scratch_elems(w, M) halves (16-byte aligned).
+// y [M, N] = x [M, K] W^T + residual through dequantize + GEMM, whatever M, in slices of
+// r.memory().slice_halves. scratch holds quant_gemm_scratch_elems(w, M, that) halves (16-byte
+// aligned).
 void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
                 const __half* residual, __half* scratch, cudaStream_t s);
 

@@ -38,16 +38,17 @@ struct GemmRunner::Plan {
   }
 };
 
-GemmRunner::GemmRunner() {
+GemmRunner::GemmRunner(GemmMemory mem) : mem_(mem) {
   cublasLtHandle_t h = nullptr;
   KESTREL_CUBLAS_CHECK(cublasLtCreate(&h));
   handle_ = h;
-  const cudaError_t err = cudaMalloc(&workspace_, kGemmWorkspaceBytes);
-  if (err != cudaSuccess) {
-    cublasLtDestroy(h);
-    throw_cuda_error(err, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
+  if (mem_.workspace_bytes > 0) {
+    const cudaError_t err = cudaMalloc(&workspace_, mem_.workspace_bytes);
+    if (err != cudaSuccess) {
+      cublasLtDestroy(h);
+      throw_cuda_error(err, "cudaMalloc(cuBLASLt workspace)", __FILE__, __LINE__);
+    }
   }
-  workspace_bytes_ = kGemmWorkspaceBytes;
 }
 
 GemmRunner::~GemmRunner() {
@@ -86,7 +87,7 @@ void GemmRunner::run(const void* x, const void* W, int64_t M, int64_t N, int64_t
 
     cublasLtMatmulPreference_t pref = nullptr;
     KESTREL_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-    const uint64_t ws = workspace_bytes_;
+    const uint64_t ws = mem_.workspace_bytes;
     const uint32_t al_a = std::get<5>(key), al_b = std::get<6>(key), al_c = std::get<7>(key);
     cublasLtMatmulHeuristicResult_t result{};
     int returned = 0;
@@ -115,7 +116,7 @@ void GemmRunner::run(const void* x, const void* W, int64_t M, int64_t N, int64_t
   const float alpha = 1.0f, beta = residual ? 1.0f : 0.0f;
   KESTREL_CUBLAS_CHECK(cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), plan->op, &alpha, W,
                                       plan->a, x, plan->b, &beta, c_ptr, plan->c, y, plan->c,
-                                      &plan->algo, workspace_, workspace_bytes_, s));
+                                      &plan->algo, workspace_, mem_.workspace_bytes, s));
 }
 
 void GemmRunner::gemm(const __half* x, const __half* W, int64_t M, int64_t N, int64_t K, __half* y,
@@ -128,8 +129,8 @@ void GemmRunner::gemm_f32(const __half* x, const __half* W, int64_t M, int64_t N
   run(x, W, M, N, K, y, nullptr, true, s, 0);
 }
 
-int64_t dequant_slice_rows(const GemvWeight& w) {
-  const int64_t per_k = (int64_t)(kDequantSliceHalves / std::max<int64_t>(w.K, 1));
+int64_t dequant_slice_rows(const GemvWeight& w, size_t slice_halves) {
+  const int64_t per_k = (int64_t)(slice_halves / std::max<int64_t>(w.K, 1));
   const int64_t rows = std::max<int64_t>(128, per_k / 128 * 128);
   return std::min(rows, w.N);
 }
@@ -137,13 +138,13 @@ int64_t dequant_slice_rows(const GemvWeight& w) {
 namespace {
 // The dequantized slice, rounded up to 128 halves so that the gathered input after it stays
 // aligned.
-size_t slice_elems(const GemvWeight& w) {
-  return ((size_t)dequant_slice_rows(w) * w.K + 127) / 128 * 128;
+size_t slice_elems(const GemvWeight& w, size_t slice_halves) {
+  return ((size_t)dequant_slice_rows(w, slice_halves) * w.K + 127) / 128 * 128;
 }
 }  // namespace
 
-size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows) {
-  return slice_elems(w) + (w.has_perm ? (size_t)max_rows * w.K : 0);
+size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows, size_t slice_halves) {
+  return slice_elems(w, slice_halves) + (w.has_perm ? (size_t)max_rows * w.K : 0);
 }
 
 void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
@@ -151,13 +152,13 @@ void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, 
   __half* Wd = scratch;
   const __half* xin = x;
   if (w.has_perm) {
-    __half* xg = scratch + slice_elems(w);
+    __half* xg = scratch + slice_elems(w, r.memory().slice_halves);
     gather_columns_f16(x, w.perm, M, w.K, xg, s);
     xin = xg;
   }
   // Output rows [n0, n0 + n) of W at a time: the slice's codes, scales and zero points are rows
   // n0.. of the weight's arrays, and its GEMM writes columns n0.. of y (row stride N).
-  const int64_t step = dequant_slice_rows(w);
+  const int64_t step = dequant_slice_rows(w, r.memory().slice_halves);
   for (int64_t n0 = 0; n0 < w.N; n0 += step) {
     GemvWeight slice = w;
     slice.N = std::min(step, w.N - n0);

@@ -1,9 +1,12 @@
-// kestrel-bench-gemm: the prefill linears on the Llama-2-7B shapes at 1 .. 2048 tokens.
+// kestrel-bench-gemm: the prefill linears on the Llama-2-7B (or, --shape 1b, Llama 1.1B) shapes
+// at 1 .. 2048 tokens.
 // Per shape and token count M, in one run:
 //   gemv     M batch-1 GEMVs over the packed codes (the decode kernel; up to --gemv-max rows)
 //   quant    the quantized GEMM path: dequantize to FP16 scratch + cuBLASLt (+ gather, act-order)
 //   f16      cuBLASLt alone on the already dequantized FP16 weight (the ceiling of quant)
 //   deq      the dequantization alone
+// With --slice-mib / --workspace-mib lists, a memory sweep: one layer's quantized path per
+// dequantized slice size and cuBLASLt workspace, the prefill scratch each costs, at each M;
 // then the causal prefill attention of one 7B layer (32 heads of 128) for a chunk of M tokens
 // from position 0, both kernels, and a device-to-device copy for the bandwidth ceiling. quant / f16 is the fraction of the
 // plain FP16 GEMM the quantized path reaches; the crossover is the smallest M at which quant
@@ -39,11 +42,15 @@ using cuda::DeviceBuffer;
 using cuda::GemvWeight;
 
 using bench::Shape;
-constexpr const auto& kShapes = bench::kLlama7bShapes;
 
 struct Options {
   int bits = 4, group = 128, reps = 9, gemv_max = 64, max_rows = 2048;
   bool act_order = false;
+  std::string shape = "7b";
+  // The memory sweep: the quantized path of one layer with each dequantized slice size and
+  // cuBLASLt workspace (MiB), at each token count; run when either list is not just 32.
+  std::vector<int> slice_mib{32}, workspace_mib{32};
+  std::vector<int> sweep_rows{128, 256, 512, 1024, 2048};
 };
 
 // A random GPTQ linear: any word of random bits is a valid stream of codes.
@@ -111,8 +118,23 @@ int run(const Options& o) {
   }
   fmt::print("weights: {}-bit, group {}{}\n", o.bits, o.group, o.act_order ? ", act-order" : "");
 
+  const std::vector<Shape> kShapes =
+      o.shape == "1b" ? std::vector<Shape>(std::begin(bench::kLlama1bShapes),
+                                           std::end(bench::kLlama1bShapes))
+                      : std::vector<Shape>(std::begin(bench::kLlama7bShapes),
+                                           std::end(bench::kLlama7bShapes));
+  fmt::print("shapes: {} ({})\n", o.shape == "1b" ? "Llama 1.1B" : "Llama-2-7B",
+             [&] {
+               std::string t;
+               for (const Shape& s : kShapes) t += fmt::format("{}{} {}x{}", t.empty() ? "" : ", ", s.name, s.N, s.K);
+               return t;
+             }());
   std::mt19937 rng(1);
-  const int64_t maxK = 11008, maxN = 22016;
+  int64_t maxK = 0, maxN = 0;
+  for (const Shape& s : kShapes) {
+    maxK = std::max(maxK, s.K);
+    maxN = std::max(maxN, s.N);
+  }
   std::vector<uint16_t> xh((size_t)o.max_rows * maxK);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (auto& v : xh) v = float_to_half(nd(rng));
@@ -196,6 +218,38 @@ int run(const Options& o) {
                have_g ? fmt::format("{:.3f}", g) : std::string("-"), q, f, 100.0 * f / q);
   }
 
+  // The memory sweep (prefill scratch against prompt speed): one layer's four quantized
+  // linears per (slice, workspace, M), each runner with its own scratch.
+  const bool sweep = o.slice_mib != std::vector<int>{32} || o.workspace_mib != std::vector<int>{32};
+  if (sweep) {
+    std::vector<GemvWeight> ws;
+    for (const Shape& s : kShapes) ws.push_back(random_weight(s, o, rng));
+    fmt::print("\n{:>9} {:>9} {:>6} | {:>14} {:>12} | {:>12}\n", "slice MiB", "wksp MiB", "M",
+               "layer quant ms", "tokens/s x1", "scratch MiB");
+    for (int sm : o.slice_mib)
+      for (int wm : o.workspace_mib) {
+        cuda::GemmMemory mem;
+        mem.slice_halves = (size_t)sm << 19;  // MiB in halves
+        mem.workspace_bytes = (size_t)wm << 20;
+        cuda::GemmRunner r(mem);
+        size_t scratch_elems = 0;
+        for (const GemvWeight& w : ws)
+          scratch_elems = std::max(scratch_elems, cuda::quant_gemm_scratch_elems(w, o.max_rows, mem.slice_halves));
+        DeviceBuffer scratch(scratch_elems * 2);
+        for (int M : o.sweep_rows) {
+          if (M > o.max_rows) continue;
+          const double ms = time_ms(o.reps, [&] {
+            for (const GemvWeight& w : ws)
+              cuda::quant_gemm(r, w, x.as<__half>(), M, y.as<__half>(), nullptr, scratch.as<__half>(), nullptr);
+          });
+          fmt::print("{:>9} {:>9} {:>6} | {:>14.3f} {:>12.0f} | {:>12.1f}\n", sm, wm, M, ms,
+                     M / ms * 1e3, scratch_elems * 2.0 / 1048576.0);
+        }
+      }
+    fmt::print("(tokens/s x1: M over one layer's time; a model of L layers runs at about 1/L of it)\n");
+    for (GemvWeight& w : ws) cuda::gemv_free(w);
+  }
+
   // Causal attention of one Llama-2-7B layer over a chunk at position 0.
   fmt::print("\n{:>6} {:>6} | {:>9} {:>8} | {:>13}\n", "M", "kernel", "attn ms", "TFLOP/s", "x 32 layers ms");
   const int H = 32, D = 128, q_dim = H * D;
@@ -234,6 +288,13 @@ int main(int argc, char** argv) {
   app.add_option("--reps", o.reps, "timed repetitions per cell (median)")->check(CLI::PositiveNumber);
   app.add_option("--gemv-max", o.gemv_max, "largest M timed as M GEMVs")->check(CLI::NonNegativeNumber);
   app.add_option("--max-rows", o.max_rows, "largest M (powers of two from 1)")->check(CLI::Range(1, 8192));
+  app.add_option("--shape", o.shape, "7b (Llama-2-7B linears) or 1b (Llama 1.1B)")
+      ->check(CLI::IsMember({"7b", "1b"}));
+  app.add_option("--slice-mib", o.slice_mib, "memory sweep: dequantized slice sizes, MiB")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--workspace-mib", o.workspace_mib, "memory sweep: cuBLASLt workspaces, MiB")
+      ->check(CLI::Range(0, 1024));
+  app.add_option("--sweep-rows", o.sweep_rows, "memory sweep: token counts")->check(CLI::Range(1, 8192));
   CLI11_PARSE(app, argc, argv);
   try {
     return kestrel::run(o);
