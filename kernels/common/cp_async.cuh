@@ -20,7 +20,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;" ::: "memory");
 }
 
-
 // Whether this device code has the bulk copies (sm_90 on); below it the helpers are empty and
 // callers take their plain-load path.
 __device__ __forceinline__ constexpr bool has_bulk_copy() {

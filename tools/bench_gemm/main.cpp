@@ -118,20 +118,18 @@ int run(const Options& o) {
   }
   fmt::print("weights: {}-bit, group {}{}\n", o.bits, o.group, o.act_order ? ", act-order" : "");
 
-  const std::vector<Shape> kShapes =
+  const std::vector<Shape> shapes =
       o.shape == "1b" ? std::vector<Shape>(std::begin(bench::kLlama1bShapes),
                                            std::end(bench::kLlama1bShapes))
                       : std::vector<Shape>(std::begin(bench::kLlama7bShapes),
                                            std::end(bench::kLlama7bShapes));
-  fmt::print("shapes: {} ({})\n", o.shape == "1b" ? "Llama 1.1B" : "Llama-2-7B",
-             [&] {
-               std::string t;
-               for (const Shape& s : kShapes) t += fmt::format("{}{} {}x{}", t.empty() ? "" : ", ", s.name, s.N, s.K);
-               return t;
-             }());
+  std::string listed;
+  for (const Shape& s : shapes)
+    listed += fmt::format("{}{} {}x{}", listed.empty() ? "" : ", ", s.name, s.N, s.K);
+  fmt::print("shapes: {} ({})\n", o.shape == "1b" ? "Llama 1.1B" : "Llama-2-7B", listed);
   std::mt19937 rng(1);
   int64_t maxK = 0, maxN = 0;
-  for (const Shape& s : kShapes) {
+  for (const Shape& s : shapes) {
     maxK = std::max(maxK, s.K);
     maxN = std::max(maxN, s.N);
   }
@@ -148,11 +146,11 @@ int run(const Options& o) {
   struct Cell {
     double gemv = -1, quant = 0, f16 = 0;
   };
-  std::vector<std::vector<Cell>> table(std::size(kShapes), std::vector<Cell>(rows.size()));
-  std::vector<double> deq_ms(std::size(kShapes));
+  std::vector<std::vector<Cell>> table(std::size(shapes), std::vector<Cell>(rows.size()));
+  std::vector<double> deq_ms(std::size(shapes));
 
-  for (size_t si = 0; si < std::size(kShapes); ++si) {
-    const Shape& s = kShapes[si];
+  for (size_t si = 0; si < std::size(shapes); ++si) {
+    const Shape& s = shapes[si];
     GemvWeight w = random_weight(s, o, rng);
     // Copies for the GEMV rotation: > 4 x L2 of codes in total.
     const int copies = (int)std::max<size_t>(2, 4 * dev.l2_bytes / w.device_bytes + 1);
@@ -186,8 +184,8 @@ int run(const Options& o) {
 
   fmt::print("\n{:>8} {:>6} | {:>9} {:>9} {:>9} | {:>8} {:>8} | {:>7}\n", "shape", "M", "gemv ms",
              "quant ms", "f16 ms", "quant TF", "f16 TF", "q/f16");
-  for (size_t si = 0; si < std::size(kShapes); ++si) {
-    const Shape& s = kShapes[si];
+  for (size_t si = 0; si < std::size(shapes); ++si) {
+    const Shape& s = shapes[si];
     fmt::print("{:>8} dequantize alone: {:.3f} ms ({:.2f} TB/s of codes + fp16 out)\n", s.name,
                deq_ms[si], (s.N * s.K * (o.bits / 8.0 + 2.0)) / deq_ms[si] * 1e-9);
     int crossover = -1;
@@ -208,7 +206,7 @@ int run(const Options& o) {
   for (size_t ri = 0; ri < rows.size(); ++ri) {
     double g = 0, q = 0, f = 0;
     bool have_g = true;
-    for (size_t si = 0; si < std::size(kShapes); ++si) {
+    for (size_t si = 0; si < std::size(shapes); ++si) {
       have_g = have_g && table[si][ri].gemv >= 0;
       g += table[si][ri].gemv;
       q += table[si][ri].quant;
@@ -223,7 +221,7 @@ int run(const Options& o) {
   const bool sweep = o.slice_mib != std::vector<int>{32} || o.workspace_mib != std::vector<int>{32};
   if (sweep) {
     std::vector<GemvWeight> ws;
-    for (const Shape& s : kShapes) ws.push_back(random_weight(s, o, rng));
+    for (const Shape& s : shapes) ws.push_back(random_weight(s, o, rng));
     fmt::print("\n{:>9} {:>9} {:>6} | {:>14} {:>12} | {:>12}\n", "slice MiB", "wksp MiB", "M",
                "layer quant ms", "tokens/s x1", "scratch MiB");
     for (int sm : o.slice_mib)
@@ -234,13 +232,15 @@ int run(const Options& o) {
         cuda::GemmRunner r(mem);
         size_t scratch_elems = 0;
         for (const GemvWeight& w : ws)
-          scratch_elems = std::max(scratch_elems, cuda::quant_gemm_scratch_elems(w, o.max_rows, mem.slice_halves));
+          scratch_elems = std::max(
+              scratch_elems, cuda::quant_gemm_scratch_elems(w, o.max_rows, mem.slice_halves));
         DeviceBuffer scratch(scratch_elems * 2);
         for (int M : o.sweep_rows) {
           if (M > o.max_rows) continue;
           const double ms = time_ms(o.reps, [&] {
             for (const GemvWeight& w : ws)
-              cuda::quant_gemm(r, w, x.as<__half>(), M, y.as<__half>(), nullptr, scratch.as<__half>(), nullptr);
+              cuda::quant_gemm(r, w, x.as<__half>(), M, y.as<__half>(), nullptr,
+                               scratch.as<__half>(), nullptr);
           });
           fmt::print("{:>9} {:>9} {:>6} | {:>14.3f} {:>12.0f} | {:>12.1f}\n", sm, wm, M, ms,
                      M / ms * 1e3, scratch_elems * 2.0 / 1048576.0);
