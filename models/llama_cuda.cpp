@@ -41,7 +41,6 @@ std::vector<uint16_t> as_f16(const TensorInfo& t) {
   return out;
 }
 
-
 // Can these GPTQ linears run as one GEMV over their concatenated outputs?
 bool fusable(const std::vector<const LinearSpec*>& parts) {
   const LinearSpec& a = *parts[0];

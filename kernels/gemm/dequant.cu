@@ -2,9 +2,10 @@
 // FP16 matrix [N, K] for the tensor-core GEMM, and the column gather of act-order inputs.
 //
 // One thread per 8 consecutive codes of a row: it reads the 16-byte chunk plane(s) holding them
-// (the 4 to 16 threads that share a chunk hit L1; the chunks of a warp fill whole sectors) and writes one 16-byte vector of 8 halves, so
-// a warp's stores cover 512 contiguous bytes. Bytes per 4-bit weight: 0.5 read + 2 written
-// (+ scales); the 7B gate|up matrix (90 M weights) is ~230 MB of traffic, ~55 us at 4.2 TB/s.
+// (the 4 to 16 threads that share a chunk hit L1; the chunks of a warp fill whole sectors) and
+// writes one 16-byte vector of 8 halves, so a warp's stores cover 512 contiguous bytes. Bytes
+// per 4-bit weight: 0.5 read + 2 written (+ scales); the 7B gate|up matrix (90 M weights) is
+// ~230 MB of traffic, ~55 us at 4.2 TB/s.
 //
 // Value: w = (q - z) * s rounded once to fp16, with no int/float conversions (they issue at a
 // quarter of the ALU rate and bounded a first version at 1.3 TB/s): two codes are ORed into the

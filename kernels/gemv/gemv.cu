@@ -548,13 +548,16 @@ __device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms)
 
 constexpr int kMaxV = 4;  // x vectors per thread held in registers by the one-pass staging
 
+// The most 8-value vectors of x a block of T threads stages in one pass: kMaxV per thread.
+constexpr int one_pass_max_vecs(int T) { return T * kMaxV; }
+
 // Whether stage_x takes its one-pass path: natural order, 16-byte vectors, at most kMaxV of
 // them per thread.
 template <int T>
 __device__ __forceinline__ bool one_pass_staging(const KParams& p) {
   return p.perm == nullptr && (p.K % 8 == 0) &&
          ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
-         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) && p.K / 8 <= T * kMaxV;
+         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
 }
 
 // The part of the staging that does not depend on the previous kernel, started before the
@@ -562,8 +565,9 @@ __device__ __forceinline__ bool one_pass_staging(const KParams& p) {
 // copied (cp.async) into the very x_s slot that vector goes to. The same thread reads them
 // back after the wait and overwrites the slot, so no barrier is needed. This takes an HBM round
 // trip off the staging's path (norm weights are read once per token and leave L2 between
-// steps). Measured, it changed nothing yet: the staging after the wait is set by the first
-// step's weight burst, which x's L2 reads queue behind (kernels/gemv/NOTES.md, the timeline).
+// steps), but the copies still queue behind the first step's weight loads in the SM's load
+// path; the quantized kernel on sm_90 brings the norm weights and x by bulk copy instead
+// (7B decode +3%, kernels/gemv/NOTES.md), and uses this only below sm_90.
 template <int C, int T>
 __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
   if (!p.norm_w || !one_pass_staging<T>(p)) return;
@@ -596,7 +600,7 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
     // One pass: every load of x (and of up) in flight at once, then the RMSNorm reduction over
     // the registers. (The loop below reads x twice for RMSNorm, each pass a round trip to L2,
     // and waits on every vector of a SiLU input in turn.) The norm weights are already in the
-    // slots (stage_x_early).
+    // slots (stage_x_early), or land in n_raw with x_raw (bulk copies).
     const int nnat = p.K / 8;
     uint4 a[kMaxV], b[kMaxV];
 #pragma unroll
@@ -780,7 +784,6 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
     }
   }
 }
-
 
 // The quantized kernel: one block of kQuantThreads per SM; warp w of the grid owns the rows
 // [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time, unit by unit (module comment).
@@ -1012,10 +1015,10 @@ void launch(Kernel k, const KParams& p, int grid, int threads, bool pdl, size_t 
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
   // x_s; x in its natural order (the act-order gather's source, or where the bulk copy of x
   // lands); the RMSNorm weights and the mbarrier of the bulk copies. The bulk path is taken
-  // only without act-order and for K <= kQuantThreads * kMaxV * 8 (one_pass_staging), so
-  // that codes <= 16384 here (K rounds up to a unit, which divides 16384).
+  // only without act-order and for K <= 8 * one_pass_max_vecs (one_pass_staging), so that
+  // codes <= 16384 here (K rounds up to a unit, which divides 16384).
   const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
-  const bool bulk = !has_perm && codes <= size_t(kQuantThreads) * kMaxV * 8;
+  const bool bulk = !has_perm && codes <= 8 * size_t(one_pass_max_vecs(kQuantThreads));
   return codes * 2 + (has_perm || bulk ? codes * 2 : 0) + (bulk ? codes * 2 + 16 : 0);
 }
 
@@ -1090,9 +1093,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   p.nch = static_cast<int>(nch);
   p.G = 0;
   p.k_split = l.k_split;
-  p.tiles = static_cast<int>(tiles_for(N, F16Op::kRows, l.k_split));
-  if (p.k_split != 1 && p.k_split != 2 && p.k_split != 4 && p.k_split != 8)
-    throw Error("gemv: k_split must be 1, 2, 4 or 8, got " + std::to_string(p.k_split));
+  p.tiles = static_cast<int>(tiles_for(N, F16Op::kRows, l.k_split));  // k_split: plan_f16 checked
   launch(k, p, std::min(l.grid, p.tiles), kThreads, l.pdl, smem, s);
 }
 
