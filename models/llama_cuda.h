@@ -72,6 +72,9 @@ struct GpuRunState {
 // fit in what is left of 5% over `base` (weights + KV cache) once `taken` is counted (the decode
 // path, the prefill's fixed scratch), but never fewer than 512 and never more than max_rows.
 int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows);
+// cuBLASLt's workspace for the prefill: what is left of the same 5% once `taken` is counted (the
+// chunk's activations too), at most `most`, in whole MiB; 0 when nothing is left.
+size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most);
 
 class LlamaCuda final : public Backend {
  public:
@@ -100,7 +103,11 @@ class LlamaCuda final : public Backend {
  private:
   // Chunked prefill (llama_cuda_prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
   struct PrefillState;
-  int prefill_rows(int max_rows) const;  // tokens per chunk, up to max_rows
+  struct PrefillPlan {
+    int rows = 0;                // tokens per chunk, up to max_rows
+    size_t workspace_bytes = 0;  // cuBLASLt's workspace
+  };
+  PrefillPlan prefill_plan(int max_rows) const;
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;
   };

@@ -22,6 +22,8 @@
 namespace kestrel {
 
 // Activations of one layer step for up to `rows` tokens, all fp16 on the device.
+// xb, att and act may be one buffer (of the largest of their widths), and qkv and gate_up
+// another: layer_forward_rows is done with each before it writes the next.
 struct LayerRowsScratch {
   __half* xb = nullptr;       // [rows, hidden] normalised block input
   __half* qkv = nullptr;      // [rows, q_dim + 2 * kv_dim]

@@ -26,8 +26,11 @@
 
 namespace kestrel {
 
-// Activations of one chunk, the dequantization scratch and the cuBLASLt state.
+// Activations of one chunk, the dequantization scratch and the cuBLASLt state. The layer's
+// buffers share memory where their lives do not overlap (LayerRowsScratch): xb, att and act are
+// one buffer, qkv and gate_up another.
 struct LlamaCuda::PrefillState {
+  explicit PrefillState(cuda::GemmMemory mem) : gemm(mem) {}
   int rows = 0;                    // chunk capacity in tokens
   cuda::GemmRunner gemm;
   std::vector<void*> buffers;
@@ -37,9 +40,9 @@ struct LlamaCuda::PrefillState {
   __half* x = nullptr;             // [rows, hidden] residual stream
   __half* xb = nullptr;            // [rows, hidden] normalised block input
   __half* qkv = nullptr;           // [rows, q_dim + 2 * kv_dim]
-  __half* att = nullptr;           // [rows, q_dim]
-  __half* gate_up = nullptr;       // [rows, 2 * intermediate]
-  __half* act = nullptr;           // [rows, intermediate]
+  __half* att = nullptr;           // [rows, q_dim] (= xb)
+  __half* gate_up = nullptr;       // [rows, 2 * intermediate] (= qkv)
+  __half* act = nullptr;           // [rows, intermediate] (= xb)
   __half* scratch = nullptr;       // dequantized weight (+ gathered input under act-order)
   float* logits = nullptr;         // [rows, vocab] or [1, vocab] until all rows are wanted
   int logits_rows = 0;
@@ -72,10 +75,17 @@ void LlamaCuda::set_prefill_chunk(int tokens) {
 
 namespace {
 
+// Columns of the two shared activation buffers (PrefillState): qkv | gate_up, and xb | att | act.
+size_t qkv_gate_up_cols(const ModelConfig& c) {
+  return std::max<size_t>(c.q_dim() + 2 * c.kv_dim(), 2 * (size_t)c.intermediate);
+}
+size_t xb_att_act_cols(const ModelConfig& c) {
+  return std::max({(size_t)c.hidden, (size_t)c.q_dim(), (size_t)c.intermediate});
+}
+
 // Bytes of the prefill's activations per token of a chunk (PrefillState's buffers).
 size_t prefill_row_bytes(const ModelConfig& c) {
-  const size_t halves = 2 * (size_t)c.hidden + (c.q_dim() + 2 * c.kv_dim()) + c.q_dim() +
-                        3 * (size_t)c.intermediate;
+  const size_t halves = c.hidden + qkv_gate_up_cols(c) + xb_att_act_cols(c);
   return halves * sizeof(__half) + 3 * sizeof(int);
 }
 
@@ -97,26 +107,39 @@ int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows
   return (int)std::min<int64_t>(max_rows, std::max<int64_t>(fit, 512));
 }
 
-// Tokens per prefill chunk, within the GPU memory target (weights + KV cache + 5%) where that
-// costs the prompt little (prefill_chunk_rows). The decode path took its part at load (device
-// memory in use then, beyond the weights and the cache); the prefill's scratch gets the rest of
-// the 5%: cuBLASLt's workspace and one dequantized weight slice (fixed, up to 32 MiB each), and
-// the chunk's activations. Chunks are never cut below 512 tokens (one 512-token prompt in one
-// pass): each chunk dequantizes every weight again, and a model too small for its fixed
-// scratch to fit in 5% (Llama 1.1B: 64 MiB against 38 MB) would lose most of its prompt speed.
-// Measured on the H200, 4-bit 1.1B: the whole scratch cut to fit (256-token chunks, a 5 MiB
-// slice, a 2 MiB workspace) ran pp512 at 28-36 thousand tokens/s against 122 thousand.
-int LlamaCuda::prefill_rows(int max_rows) const {
+size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
+  const size_t target = base / 20;
+  const size_t room = target > taken ? target - taken : 0;
+  return std::min(most, room) >> 20 << 20;
+}
+
+// The prefill's scratch within the GPU memory target (weights + KV cache + 5%) where that costs
+// the prompt little. The decode path took its part at load (device memory in use then, beyond
+// the weights and the cache); the prefill gets the rest of the 5%, in this order: one
+// dequantized weight slice (fixed, 32 MiB), the chunk's activations (prefill_chunk_rows), then
+// cuBLASLt's workspace, up to 32 MiB, from what is left (prefill_workspace_bytes; on the 1.1B's
+// linears no workspace at all measured as fast, kestrel-bench-gemm --shape 1b). Chunks are
+// never cut below 512 tokens (one 512-token prompt in one pass), and the slice never below 32
+// MiB: each chunk dequantizes every weight again, and smaller slices leave SMs idle in their
+// GEMMs (1.1B, 512 tokens: a layer's linears 0.138 ms with 32 MiB slices, 0.155 with 16, 0.215
+// with 8). A model too small for that to fit in 5% (the 1.1B: 0.74 GB, 37 MB) goes over it
+// rather than lose most of its prompt speed: measured on the H200, its whole scratch cut to fit
+// (256-token chunks, a 5 MiB slice, a 2 MiB workspace) ran pp512 at 28-36 thousand tokens/s
+// against 122 thousand.
+LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(int max_rows) const {
   const size_t base = weight_bytes_ + cache_bytes_;
   const size_t decode = after_load_bytes_ > base ? after_load_bytes_ - base : 0;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
   // modules of its kernels and of the prefill's): without it a 7B at 1600 positions measured
   // +5.1% after its 1536-token prompt.
   const size_t runtime = size_t(16) << 20;
-  const size_t taken = decode + runtime + cuda::kGemmWorkspaceBytes +
-                       dequant_scratch_elems(w_.layers, max_rows) * sizeof(__half) +
+  const size_t taken = decode + runtime + dequant_scratch_elems(w_.layers, max_rows) * sizeof(__half) +
                        (size_t)cfg_.vocab * sizeof(float);
-  return prefill_chunk_rows(base, taken, prefill_row_bytes(cfg_), max_rows);
+  PrefillPlan plan;
+  plan.rows = prefill_chunk_rows(base, taken, prefill_row_bytes(cfg_), max_rows);
+  plan.workspace_bytes = prefill_workspace_bytes(
+      base, taken + (size_t)plan.rows * prefill_row_bytes(cfg_), cuda::kGemmWorkspaceBytes);
+  return plan;
 }
 
 namespace {
@@ -169,7 +192,6 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
     KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab,
                   fmt::format("token id {} at prompt index {} is outside the vocabulary ({})",
                               tokens[i], i, c.vocab));
-  const int qkv_n = c.q_dim() + 2 * c.kv_dim();
   const size_t vocab = c.vocab;
   const bool want_rows = all_logits || nll;
 
@@ -179,20 +201,20 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
     int rows = std::min(prefill_chunk_, ctx_);
     for (;;) {
       try {
-        rows = prefill_rows(rows);
+        const PrefillPlan plan = prefill_plan(rows);
+        rows = plan.rows;
         const size_t scratch = dequant_scratch_elems(w_.layers, rows);
-        auto st = std::unique_ptr<PrefillState, PrefillDeleter>(new PrefillState);
+        cuda::GemmMemory mem;
+        mem.workspace_bytes = plan.workspace_bytes;
+        auto st = std::unique_ptr<PrefillState, PrefillDeleter>(new PrefillState(mem));
         st->rows = rows;
         auto halves = [&](size_t k) { return static_cast<__half*>(st->take(k * sizeof(__half))); };
         st->tokens = static_cast<int*>(st->take(rows * sizeof(int)));
         st->targets = static_cast<int*>(st->take(rows * sizeof(int)));
         st->nll = static_cast<float*>(st->take(rows * sizeof(float)));
         st->x = halves((size_t)rows * c.hidden);
-        st->xb = halves((size_t)rows * c.hidden);
-        st->qkv = halves((size_t)rows * qkv_n);
-        st->att = halves((size_t)rows * c.q_dim());
-        st->gate_up = halves((size_t)rows * 2 * c.intermediate);
-        st->act = halves((size_t)rows * c.intermediate);
+        st->xb = st->att = st->act = halves((size_t)rows * xb_att_act_cols(c));
+        st->qkv = st->gate_up = halves((size_t)rows * qkv_gate_up_cols(c));
         st->scratch = halves(scratch);
         st->logits = static_cast<float*>(st->take(vocab * sizeof(float)));
         st->logits_rows = 1;

@@ -581,5 +581,30 @@ TEST(PrefillChunk, LongestMultipleOf64WithinFivePercent) {
   }
 }
 
+// The workspace gets what is left of the 5%, in whole MiB, at most what was asked.
+TEST(PrefillChunk, WorkspaceFromWhatIsLeft) {
+  constexpr size_t MB = 1000000, MiB = size_t(1) << 20;
+  // 7B at 640 positions: 210 MB of room, 120 MB taken: 90 MB left, 32 MiB asked.
+  EXPECT_EQ(prefill_workspace_bytes(4200 * MB, 120 * MB, 32 * MiB), 32 * MiB);
+  // 10.5 MB left: 10 MiB.
+  EXPECT_EQ(prefill_workspace_bytes(4200 * MB, 199500000, 32 * MiB), 10 * MiB);
+  // Nothing left, or already over: none.
+  EXPECT_EQ(prefill_workspace_bytes(770 * MB, 90 * MB, 32 * MiB), 0u);
+  EXPECT_EQ(prefill_workspace_bytes(770 * MB, 770 * MB / 20, 32 * MiB), 0u);
+  std::mt19937 rng(7);
+  for (int i = 0; i < 2000; ++i) {
+    const size_t base = std::uniform_int_distribution<size_t>(100 * MB, 200000 * MB)(rng);
+    const size_t taken = std::uniform_int_distribution<size_t>(0, base / 10)(rng);
+    const size_t most = std::uniform_int_distribution<size_t>(0, 64 * MiB)(rng);
+    const size_t w = prefill_workspace_bytes(base, taken, most);
+    SCOPED_TRACE(::testing::Message() << "base " << base << " taken " << taken << " most " << most);
+    ASSERT_EQ(w % MiB, 0u);
+    ASSERT_LE(w, most);
+    ASSERT_LE(taken + w, std::max(taken, base / 20));
+    // The largest such: one more MiB would pass the target or the cap.
+    EXPECT_TRUE(w + MiB > most || taken + w + MiB > base / 20);
+  }
+}
+
 }  // namespace
 }  // namespace kestrel
