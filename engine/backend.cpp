@@ -5,6 +5,28 @@
 
 namespace kestrel {
 
+namespace {
+
+// One forward_argmax per next(): nothing runs ahead.
+class StepwiseGreedyRun final : public GreedyRun {
+ public:
+  StepwiseGreedyRun(Backend& b, int token, int pos) : b_(b), token_(token), pos_(pos) {}
+  int next(bool) override {
+    token_ = b_.forward_argmax(token_, pos_++);
+    return token_;
+  }
+
+ private:
+  Backend& b_;
+  int token_, pos_;
+};
+
+}  // namespace
+
+std::unique_ptr<GreedyRun> Backend::greedy_run(int token, int pos) {
+  return std::make_unique<StepwiseGreedyRun>(*this, token, pos);
+}
+
 void Backend::forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) {
   const size_t vocab = config().vocab;
   std::vector<float> last(vocab), all((size_t)n * vocab);

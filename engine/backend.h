@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,18 @@ struct OpTime {
   int launches = 0;
   double us = 0;      // summed over the launches
   double bytes = 0;   // bytes the op must move through device memory (0 = not counted)
+};
+
+// Greedy decoding as a run of steps: the first step takes the token and position the run was
+// started with, each later step the token the step before picked, one position on. next()
+// returns the token of the oldest step not yet handed out. With `ahead` the backend may queue
+// the step that token feeds before handing it over, so that a GPU works on token i + 1 while the
+// host handles token i; that step writes its K/V at the next position, which the caller's next
+// token would write anyway. Destroying the run waits for whatever it still has queued.
+class GreedyRun {
+ public:
+  virtual ~GreedyRun() = default;
+  virtual int next(bool ahead) = 0;
 };
 
 class Backend {
@@ -45,6 +58,10 @@ class Backend {
       if (logits[i] > logits[best]) best = i;
     return best;
   }
+
+  // Greedy decoding from `token` at `pos` (GreedyRun). The default runs forward_argmax step by
+  // step; a GPU backend chains the steps on the device.
+  virtual std::unique_ptr<GreedyRun> greedy_run(int token, int pos);
 
   // Runs tokens[0..n) at positions pos.. (as forward) and writes
   // nll[i] = -log p(targets[i] | tokens[0..i]) for targets[i] >= 0, and 0 otherwise. The

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 
 #include "engine/error.h"
 
@@ -107,6 +108,7 @@ GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>&
     return id;
   };
   int pos = pos0 + n_run;
+  std::unique_ptr<GreedyRun> greedy;  // argmax_only: the device may run a step ahead
   for (int i = 0; i < opt.max_new_tokens; ++i) {
     if (opt.cancelled && opt.cancelled()) {
       r.finish_reason = "cancelled";
@@ -116,7 +118,8 @@ GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>&
     if (i == 0) {
       id = choose();
     } else if (argmax_only) {
-      id = model.forward_argmax(r.ids.back(), pos - 1);
+      if (!greedy) greedy = model.greedy_run(r.ids.back(), pos - 1);
+      id = greedy->next(i + 1 < opt.max_new_tokens);
       ++r.n_eval;
     } else {
       model.forward(&r.ids.back(), 1, pos - 1, logits.data());

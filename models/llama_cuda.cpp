@@ -4,7 +4,9 @@
 //   (+ residual)
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured once as a CUDA graph and replayed per token; the host
-// writes two ints and reads one back.
+// writes two ints and reads one back. Greedy runs (ChainedRun) chain the steps on the device:
+// the argmax writes the next step's token and position itself, so the next step is queued
+// before the host has read the token.
 #include "models/llama_cuda.h"
 
 #include <algorithm>
@@ -279,7 +281,10 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   s_.att_workspace =
       static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx_, c.n_heads, c.head_dim)));
   cuda::attention_workspace_reset(s_.att_workspace, ctx_, c.n_heads, c.head_dim, stream_);
-  KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 4 * sizeof(int)));
+  KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 5 * sizeof(int)));
+  KESTREL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0));
+  for (cudaEvent_t& e : chain_done_)
+    KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
 
   capture_graphs();
@@ -297,6 +302,8 @@ LlamaCuda::~LlamaCuda() {
   prefill_.reset();
   for (cudaGraphExec_t g : graphs_)
     if (g) cudaGraphExecDestroy(g);
+  for (cudaEvent_t e : chain_done_)
+    if (e) cudaEventDestroy(e);
   for (void* p : allocations_) cudaFree(p);
   if (host_io_) cudaFreeHost(host_io_);
   if (host_logits_) cudaFreeHost(host_logits_);
@@ -310,7 +317,9 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
   const double h2 = sizeof(__half);
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
+  const bool chained = head == Head::Chain0 || head == Head::Chain1;
+  if (!chained)
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
 
   cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
   mark("embedding", 2 * c.hidden * h2, s);
@@ -356,6 +365,11 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
     mark("argmax", c.vocab * h2, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_io_ + 2, s_.next, sizeof(int), cudaMemcpyDeviceToHost, s));
+  } else if (chained) {
+    // s_.token and s_.pos are adjacent: the argmax feeds the next step and tells the host.
+    cuda::argmax_f16(s_.logits, c.vocab, s_.next, s, s_.token,
+                     host_io_dev_ + (head == Head::Chain0 ? 3 : 4));
+    mark("argmax", c.vocab * h2, s);
   } else {
     cuda::half_to_float(s_.logits, s_.logits_f32, c.vocab, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_logits_, s_.logits_f32, c.vocab * sizeof(float),
@@ -426,7 +440,7 @@ std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
 }
 
 void LlamaCuda::capture_graphs() {
-  for (Head h : {Head::None, Head::Argmax, Head::Logits}) {
+  for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1}) {
     cudaGraph_t graph = nullptr;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
@@ -472,6 +486,51 @@ void LlamaCuda::forward(const int* tokens, int n, int pos, float* logits, float*
 int LlamaCuda::forward_argmax(int token, int pos) {
   step(token, pos, Head::Argmax);
   return host_io_[2];
+}
+
+// Step k of the run goes through the chained graph of slot k % 2 and its event. At most two
+// steps are queued (the one being handed out and the one after it), so a slot's graph is
+// relaunched, and its host slot rewritten, only after the host has read it.
+class LlamaCuda::ChainedRun final : public GreedyRun {
+ public:
+  ChainedRun(LlamaCuda& m, int token, int pos) : m_(m), pos0_(pos) {
+    KESTREL_CHECK(token >= 0 && token < m.cfg_.vocab,
+                  fmt::format("token id {} is outside the vocabulary ({})", token, m.cfg_.vocab));
+    m.host_io_[0] = token;
+    m.host_io_[1] = pos;
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.token, m.host_io_, 2 * sizeof(int),
+                                       cudaMemcpyHostToDevice, m.stream_));
+    queue();
+  }
+  ~ChainedRun() override { cudaStreamSynchronize(m_.stream_); }
+
+  int next(bool ahead) override {
+    if (handed_ == queued_) queue();
+    if (ahead && queued_ == handed_ + 1 && pos0_ + queued_ < m_.ctx_) queue();
+    const int slot = handed_ % 2;
+    KESTREL_CUDA_CHECK(cudaEventSynchronize(m_.chain_done_[slot]));
+    ++handed_;
+    return m_.host_io_[3 + slot];
+  }
+
+ private:
+  void queue() {
+    const int pos = pos0_ + queued_;
+    KESTREL_CHECK(pos < m_.ctx_, fmt::format("position {} is past the context of {}", pos, m_.ctx_));
+    const int slot = queued_ % 2;
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graphs_[(int)(slot ? Head::Chain1 : Head::Chain0)], m_.stream_));
+    KESTREL_CUDA_CHECK(cudaEventRecord(m_.chain_done_[slot], m_.stream_));
+    ++queued_;
+  }
+
+  LlamaCuda& m_;
+  const int pos0_;
+  int queued_ = 0, handed_ = 0;  // steps launched, tokens returned
+};
+
+std::unique_ptr<GreedyRun> LlamaCuda::greedy_run(int token, int pos) {
+  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+  return std::make_unique<ChainedRun>(*this, token, pos);
 }
 
 }  // namespace kestrel

@@ -89,6 +89,9 @@ class LlamaCuda final : public Backend {
   std::string device_name() const override { return device_name_; }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
+  // Steps chained on the device: each step's argmax feeds the next step's token and position,
+  // so step i + 1 is queued before token i reaches the host (GreedyRun).
+  std::unique_ptr<GreedyRun> greedy_run(int token, int pos) override;
   std::vector<OpTime> profile_step(int token, int pos) override;
   size_t weight_bytes() const override { return weight_bytes_; }
   size_t cache_bytes() const override { return cache_bytes_; }
@@ -116,8 +119,13 @@ class LlamaCuda final : public Backend {
   std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
   int prefill_chunk_ = 2048;
 
-  enum class Head { None, Argmax, Logits };
-  // Enqueues one decode step (the token and position are read from device memory).
+  // What a step ends with: nothing (a prompt token whose logits are not wanted), the argmax
+  // read back by the host, the logits read back, or (Chain0/1) the argmax written to the
+  // step's own {token, pos} (the next step's input, pos + 1) and to host slot 0 or 1.
+  enum class Head { None, Argmax, Logits, Chain0, Chain1 };
+  static constexpr int kHeads = 5;
+  // Enqueues one decode step (the token and position are read from device memory; all heads
+  // but the chained ones first copy them from host_io_).
   void record_step(cudaStream_t s, Head head);
   void capture_graphs();
   // Runs one step through the graph for `head`; returns when the result is on the host.
@@ -138,8 +146,11 @@ class LlamaCuda final : public Backend {
   GpuRunState s_;
   std::vector<void*> allocations_;
   cudaStream_t stream_ = nullptr;
-  cudaGraphExec_t graphs_[3] = {nullptr, nullptr, nullptr};
-  int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next
+  cudaGraphExec_t graphs_[kHeads] = {};
+  int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next, [3..4] chain slots
+  int* host_io_dev_ = nullptr;    // host_io_ as the device addresses it
+  cudaEvent_t chain_done_[2] = {nullptr, nullptr};  // the chained step of each slot is done
+  class ChainedRun;
   float* host_logits_ = nullptr;  // pinned [vocab]
 
   void* alloc(size_t bytes);

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <memory>
 
 #include "engine/error.h"
 #include "engine/generate.h"
@@ -147,6 +148,44 @@ TEST_F(Generate, EndIdsAndCancellation) {
     EXPECT_EQ(r.finish_reason, "cancelled");
     EXPECT_EQ(r.ids.size(), 3u);
   }
+}
+
+// A backend whose greedy runs record what generate asks of them: the run's start and, per
+// token, whether generate let it run a step ahead.
+class RecordingBackend : public ScriptedBackend {
+ public:
+  using ScriptedBackend::ScriptedBackend;
+  struct Run : GreedyRun {
+    Run(RecordingBackend& b, int token, int pos) : b(b), token(token), pos(pos) {}
+    int next(bool ahead) override {
+      b.aheads.push_back(ahead);
+      token = b.forward_argmax(token, pos++);
+      return token;
+    }
+    RecordingBackend& b;
+    int token, pos;
+  };
+  std::unique_ptr<GreedyRun> greedy_run(int token, int pos) override {
+    starts.push_back({token, pos});
+    return std::make_unique<Run>(*this, token, pos);
+  }
+  std::vector<std::pair<int, int>> starts;
+  std::vector<bool> aheads;
+};
+
+TEST_F(Generate, GreedyDecodingRunsAheadOnlyWhileAnotherTokenMayBeWanted) {
+  const std::vector<int> words = tok_->encode("a b c d e f g h", false);
+  ASSERT_GE(words.size(), 5u);
+  const std::vector<int> prompt = tok_->encode("x");
+  RecordingBackend b(tok_->vocab_size(), words);
+  const GenerateResult r = generate(b, *tok_, prompt, greedy(5));
+  ASSERT_EQ(r.ids.size(), 5u);
+  // The first token comes from the prompt's logits; one run then picks the other four, starting
+  // from the first at the position after the prompt.
+  ASSERT_EQ(b.starts.size(), 1u);
+  EXPECT_EQ(b.starts[0], std::make_pair(r.ids[0], (int)prompt.size()));
+  EXPECT_EQ(b.aheads, (std::vector<bool>{true, true, true, false}));
+  for (size_t i = 0; i < r.ids.size(); ++i) EXPECT_EQ(r.ids[i], words[i]) << i;
 }
 
 TEST_F(Generate, LogprobsOfTheScriptedDistribution) {

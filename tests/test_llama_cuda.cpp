@@ -11,8 +11,11 @@
 
 #include <cmath>
 #include <filesystem>
+#include <memory>
+#include <string>
 
 #include "engine/device.h"
+#include "engine/error.h"
 #include "engine/model_spec.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"
@@ -68,6 +71,41 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
   for (int i = 1; i < steps; ++i)
     greedy.push_back(gpu.forward_argmax(greedy.back(), (int)greedy.size() - 1));
   for (int i = 0; i < steps; ++i) EXPECT_EQ(greedy[n_prompt + i], tokens[n_prompt + i]) << "step " << i;
+
+  // The same through the steps chained on the device (GreedyRun), again over the same
+  // positions. `ahead` is false every fifth token, so the run also restarts from an empty queue.
+  std::vector<int> chained(greedy.begin(), greedy.begin() + n_prompt + 1);
+  {
+    std::unique_ptr<GreedyRun> run = gpu.greedy_run(chained.back(), (int)chained.size() - 1);
+    for (int i = 1; i < steps; ++i) chained.push_back(run->next(i % 5 != 0));
+  }
+  for (int i = 0; i < steps; ++i) EXPECT_EQ(chained[n_prompt + i], tokens[n_prompt + i]) << "chained step " << i;
+  fs::remove_all(dir);
+}
+
+// A chained run never queues a step past the context: asked to run ahead at the last position
+// it does not, and asked for a token past the context it says so.
+TEST(GpuGreedyRun, StopsAtTheContext) {
+  if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
+  const fs::path dir = kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 5);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int ctx = 16;
+  LlamaCuda gpu(spec, ctx, /*quiet=*/true);
+  std::vector<int> ref = {3};
+  for (int pos = 0; pos < ctx; ++pos) ref.push_back(gpu.forward_argmax(ref.back(), pos));
+  {
+    std::unique_ptr<GreedyRun> run = gpu.greedy_run(ref[10], 10);
+    for (int pos = 10; pos < ctx; ++pos) EXPECT_EQ(run->next(true), ref[pos + 1]) << "position " << pos;
+    try {
+      run->next(true);
+      ADD_FAILURE() << "a token past the context was handed out";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("past the context of 16"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(gpu.greedy_run(ref[0], ctx), Error);
+  // The model is still usable after the refused step.
+  EXPECT_EQ(gpu.forward_argmax(ref[4], 4), ref[5]);
   fs::remove_all(dir);
 }
 

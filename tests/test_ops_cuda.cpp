@@ -595,6 +595,28 @@ TEST(ArgmaxCuda, MaxAtTheEnds) {
   }
 }
 
+// Chained decoding: the argmax also becomes the next step's {token, pos + 1} and reaches a
+// pinned host slot.
+TEST(ArgmaxCuda, FeedsTheNextStepAndTheHost) {
+  REQUIRE_CUDA();
+  for (const int n : {32000, 32001}) {
+    const auto logits = random_half(n, -5.0f, 5.0f, 101 + n);
+    Dev<uint16_t> d(logits);
+    Dev<int> tok(1);
+    Dev<int> feed(std::vector<int>{-1, 41});
+    int* host = nullptr;
+    ASSERT_EQ(cudaMallocHost(&host, sizeof(int)), cudaSuccess);
+    *host = -1;
+    cuda::argmax_f16(d.half(), n, tok.get(), nullptr, feed.get(), host);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const int want = first_argmax(logits);
+    EXPECT_EQ(tok.download()[0], want) << "n " << n;
+    EXPECT_EQ(feed.download(), (std::vector<int>{want, 42})) << "n " << n;
+    EXPECT_EQ(*host, want) << "n " << n;
+    cudaFreeHost(host);
+  }
+}
+
 TEST(HalfToFloatCuda, ConvertsExactly) {
   REQUIRE_CUDA();
   for (const int n : {1, 1000, 32001}) {

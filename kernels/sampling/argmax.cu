@@ -30,7 +30,8 @@ __device__ __forceinline__ void take_better(float& av, int& ai, float bv, int bi
 
 template <bool kVec>
 __global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const __half* __restrict__ x, int n, int* __restrict__ out) {
+    argmax_kernel(const __half* __restrict__ x, int n, int* __restrict__ out, int* feed,
+                  int* host_out) {
   pdl_wait_then_release();  // the logits come from the lm_head GEMV
   // INT_MAX marks "nothing beat -inf" (every value -inf or NaN); it loses all index ties.
   float best = -INFINITY;
@@ -70,7 +71,15 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     for (int o = 16; o > 0; o >>= 1)
       take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
                   __shfl_xor_sync(0xffffffffu, idx, o));
-    if (lane == 0) *out = idx == INT_MAX ? 0 : idx;
+    if (lane == 0) {
+      const int token = idx == INT_MAX ? 0 : idx;
+      *out = token;
+      if (feed) {  // the next step's input: this token, one position on
+        feed[0] = token;
+        feed[1] += 1;
+      }
+      if (host_out) *host_out = token;  // pinned host memory, seen once the step is done
+    }
   }
 }
 
@@ -82,12 +91,15 @@ __global__ void half_to_float_kernel(const __half* __restrict__ in, float* __res
 
 }  // namespace
 
-void argmax_f16(const __half* logits, int n, int* d_out_token, cudaStream_t stream) {
+void argmax_f16(const __half* logits, int n, int* d_out_token, cudaStream_t stream, int* feed,
+                int* host_out) {
   KESTREL_CHECK(n > 0, "argmax_f16: n must be positive, got " + std::to_string(n));
   if (n % 8 == 0 && reinterpret_cast<uintptr_t>(logits) % 16 == 0) {
-    launch_pdl(argmax_kernel<true>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n, d_out_token);
+    launch_pdl(argmax_kernel<true>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n, d_out_token,
+               feed, host_out);
   } else {
-    launch_pdl(argmax_kernel<false>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n, d_out_token);
+    launch_pdl(argmax_kernel<false>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n,
+               d_out_token, feed, host_out);
   }
 }
 
