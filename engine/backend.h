@@ -25,7 +25,8 @@ struct OpTime {
 // returns the token of the oldest step not yet handed out. With `ahead` the backend may queue
 // the step that token feeds before handing it over, so that a GPU works on token i + 1 while the
 // host handles token i; that step writes its K/V at the next position, which the caller's next
-// token would write anyway. Destroying the run waits for whatever it still has queued.
+// token would write anyway. Destroying the run waits for whatever it still has queued; while a
+// run is alive its backend is used through it only.
 class GreedyRun {
  public:
   virtual ~GreedyRun() = default;

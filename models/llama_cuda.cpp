@@ -518,7 +518,8 @@ class LlamaCuda::ChainedRun final : public GreedyRun {
     const int pos = pos0_ + queued_;
     KESTREL_CHECK(pos < m_.ctx_, fmt::format("position {} is past the context of {}", pos, m_.ctx_));
     const int slot = queued_ % 2;
-    KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graphs_[(int)(slot ? Head::Chain1 : Head::Chain0)], m_.stream_));
+    const Head head = slot ? Head::Chain1 : Head::Chain0;
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graphs_[(int)head], m_.stream_));
     KESTREL_CUDA_CHECK(cudaEventRecord(m_.chain_done_[slot], m_.stream_));
     ++queued_;
   }

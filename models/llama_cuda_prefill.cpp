@@ -38,8 +38,8 @@ struct LlamaCuda::PrefillState {
   int* targets = nullptr;          // [rows]
   float* nll = nullptr;            // [rows]
   __half* x = nullptr;             // [rows, hidden] residual stream
-  __half* xb = nullptr;            // [rows, hidden] normalised block input
-  __half* qkv = nullptr;           // [rows, q_dim + 2 * kv_dim]
+  __half* xb = nullptr;            // [rows, hidden] normalised block input (xb_att_act_cols)
+  __half* qkv = nullptr;           // [rows, q_dim + 2 * kv_dim] (qkv_gate_up_cols)
   __half* att = nullptr;           // [rows, q_dim] (= xb)
   __half* gate_up = nullptr;       // [rows, 2 * intermediate] (= qkv)
   __half* act = nullptr;           // [rows, intermediate] (= xb)
@@ -133,7 +133,8 @@ LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(int max_rows) const {
   // modules of its kernels and of the prefill's): without it a 7B at 1600 positions measured
   // +5.1% after its 1536-token prompt.
   const size_t runtime = size_t(16) << 20;
-  const size_t taken = decode + runtime + dequant_scratch_elems(w_.layers, max_rows) * sizeof(__half) +
+  const size_t taken = decode + runtime +
+                       dequant_scratch_elems(w_.layers, max_rows) * sizeof(__half) +
                        (size_t)cfg_.vocab * sizeof(float);
   PrefillPlan plan;
   plan.rows = prefill_chunk_rows(base, taken, prefill_row_bytes(cfg_), max_rows);

@@ -79,7 +79,8 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
     std::unique_ptr<GreedyRun> run = gpu.greedy_run(chained.back(), (int)chained.size() - 1);
     for (int i = 1; i < steps; ++i) chained.push_back(run->next(i % 5 != 0));
   }
-  for (int i = 0; i < steps; ++i) EXPECT_EQ(chained[n_prompt + i], tokens[n_prompt + i]) << "chained step " << i;
+  for (int i = 0; i < steps; ++i)
+    EXPECT_EQ(chained[n_prompt + i], tokens[n_prompt + i]) << "chained step " << i;
   fs::remove_all(dir);
 }
 
@@ -87,7 +88,8 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
 // it does not, and asked for a token past the context it says so.
 TEST(GpuGreedyRun, StopsAtTheContext) {
   if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
-  const fs::path dir = kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 5);
+  const fs::path dir =
+      kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 5);
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 16;
   LlamaCuda gpu(spec, ctx, /*quiet=*/true);
@@ -95,7 +97,8 @@ TEST(GpuGreedyRun, StopsAtTheContext) {
   for (int pos = 0; pos < ctx; ++pos) ref.push_back(gpu.forward_argmax(ref.back(), pos));
   {
     std::unique_ptr<GreedyRun> run = gpu.greedy_run(ref[10], 10);
-    for (int pos = 10; pos < ctx; ++pos) EXPECT_EQ(run->next(true), ref[pos + 1]) << "position " << pos;
+    for (int pos = 10; pos < ctx; ++pos)
+      EXPECT_EQ(run->next(true), ref[pos + 1]) << "position " << pos;
     try {
       run->next(true);
       ADD_FAILURE() << "a token past the context was handed out";
