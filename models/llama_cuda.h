@@ -128,6 +128,7 @@ class LlamaCuda final : public Backend {
   // but the chained ones first copy them from host_io_).
   void record_step(cudaStream_t s, Head head);
   void capture_graphs();
+  void warm_up();  // one short prefill at load (cuBLASLt's first use)
   // Runs one step through the graph for `head`; returns when the result is on the host.
   void step(int token, int pos, Head head);
 
