@@ -298,13 +298,20 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
 // (its handle, the modules of its kernels) otherwise lands on the first prompt, 170-230 ms of
 // a 12-token one on the H200 (`kestrel generate`, 1.1B). Its K/V at positions 0.. is written
 // again by the first real prompt; its memory is the prefill's scratch, which that prompt takes
-// anyway (after_load_bytes_, the decode path's share, is measured before).
+// anyway (after_load_bytes_, the decode path's share, is measured before). Where the scratch
+// does not fit, loading still succeeds, as before: the first prompt reports it.
 void LlamaCuda::warm_up() {
   const int n = std::min(cuda::kGemmMinRows, ctx_);
   if (n < 2) return;
   const std::vector<int> tokens(n, 0);
   std::vector<float> logits(cfg_.vocab);
-  forward(tokens.data(), n, 0, logits.data(), nullptr);
+  try {
+    forward(tokens.data(), n, 0, logits.data(), nullptr);
+  } catch (const DeviceError&) {
+    prefill_.reset();
+    // Out of memory leaves the device usable; anything sticky fails here and is reported.
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
 }
 
 size_t LlamaCuda::device_bytes_in_use() const {
