@@ -415,10 +415,8 @@ void LlamaCuda::mark(const char* op, double bytes, cudaStream_t s) {
 }
 
 std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
-  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+  set_step_input(token, pos);
   StepProfile prof;
-  host_io_[0] = token;
-  host_io_[1] = pos;
   profile_pos_ = pos;
   KESTREL_CUDA_CHECK(cudaEventCreate(&prof.start));
   // Captured as a graph with an event node after every op, so that the step runs as in
@@ -479,12 +477,20 @@ void LlamaCuda::capture_graphs() {
   }
 }
 
-void LlamaCuda::step(int token, int pos, Head head) {
+void LlamaCuda::check_position(int pos) const {
+  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+}
+
+void LlamaCuda::set_step_input(int token, int pos) {
   KESTREL_CHECK(token >= 0 && token < cfg_.vocab,
                 fmt::format("token id {} is outside the vocabulary ({})", token, cfg_.vocab));
-  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+  check_position(pos);
   host_io_[0] = token;
   host_io_[1] = pos;
+}
+
+void LlamaCuda::step(int token, int pos, Head head) {
+  set_step_input(token, pos);
   KESTREL_CUDA_CHECK(cudaGraphLaunch(graphs_[(int)head], stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -516,10 +522,7 @@ int LlamaCuda::forward_argmax(int token, int pos) {
 class LlamaCuda::ChainedRun final : public GreedyRun {
  public:
   ChainedRun(LlamaCuda& m, int token, int pos) : m_(m), pos0_(pos) {
-    KESTREL_CHECK(token >= 0 && token < m.cfg_.vocab,
-                  fmt::format("token id {} is outside the vocabulary ({})", token, m.cfg_.vocab));
-    m.host_io_[0] = token;
-    m.host_io_[1] = pos;
+    m.set_step_input(token, pos);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.token, m.host_io_, 2 * sizeof(int),
                                        cudaMemcpyHostToDevice, m.stream_));
     queue();
@@ -537,8 +540,7 @@ class LlamaCuda::ChainedRun final : public GreedyRun {
 
  private:
   void queue() {
-    const int pos = pos0_ + queued_;
-    KESTREL_CHECK(pos < m_.ctx_, fmt::format("position {} is past the context of {}", pos, m_.ctx_));
+    m_.check_position(pos0_ + queued_);
     const int slot = queued_ % 2;
     const Head head = slot ? Head::Chain1 : Head::Chain0;
     KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graphs_[(int)head], m_.stream_));
@@ -552,7 +554,6 @@ class LlamaCuda::ChainedRun final : public GreedyRun {
 };
 
 std::unique_ptr<GreedyRun> LlamaCuda::greedy_run(int token, int pos) {
-  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
   return std::make_unique<ChainedRun>(*this, token, pos);
 }
 

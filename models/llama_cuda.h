@@ -131,6 +131,9 @@ class LlamaCuda final : public Backend {
   void warm_up();  // one short prefill at load (cuBLASLt's first use)
   // Runs one step through the graph for `head`; returns when the result is on the host.
   void step(int token, int pos, Head head);
+  // A step's token and position, checked, into host_io_ (which the graphs copy from).
+  void set_step_input(int token, int pos);
+  void check_position(int pos) const;  // throws Error past the context
 
   // Events recorded after each op while profiling (nullptr otherwise: graphs carry none).
   struct StepProfile;
