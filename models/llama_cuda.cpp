@@ -579,7 +579,8 @@ std::unique_ptr<DecodeRun> LlamaCuda::greedy_run(int token, int pos) {
 }
 
 std::unique_ptr<DecodeRun> LlamaCuda::sampled_run(int token, int pos, const TopKSampling& s) {
-  const bool ok = s.top_k >= 1 && s.top_k <= kDeviceTopKMax && s.top_k <= cfg_.vocab &&
+  const bool ok = cfg_.vocab <= kDeviceSampleStagedMax && s.top_k >= 1 &&
+                  s.top_k <= kDeviceTopKMax && s.top_k <= cfg_.vocab &&
                   s.temperature > 0.0f && std::isfinite(s.temperature) && s.top_p > 0.0f &&
                   s.min_p >= 0.0f && s.min_p <= 1.0f;
   if (!ok) return nullptr;  // the host samples what the device's sampler does not cover

@@ -30,7 +30,7 @@ constexpr int kPerLane = kDeviceTopKMax / 32;
 // Vocabularies up to this many logits are staged in shared memory as keys (160 KB; with the
 // block's 37 KB of fixed arrays within the 227 KB a block may take); larger ones are read from
 // L2 at each of the three passes.
-constexpr int kStageMax = 81920;
+constexpr int kStageMax = kDeviceSampleStagedMax;
 
 // An order-preserving 16-bit key of an fp16 value: larger value, larger key; -0 as +0; NaN
 // below everything (key 0, which -inf's 0x03FF stays above), never a candidate.
@@ -89,15 +89,14 @@ __device__ __forceinline__ uint16_t bits_of(uint32_t key) {
 }
 
 // hist[b] = the number of keys whose bin (see below) is b, b < 256, summed over per-warp
-// histograms `sub` (zero on entry, left zero): lanes that meet the same bin in one load are
-// counted together (__match_any_sync), so a warp adds to each of its bins once per load and no
-// atomics contend (logits crowd into a few high bytes). Pass 1 (hi < 0): bin = the key's high
+// histograms `sub` (zero on entry, left zero): shared-memory atomics contend only within a warp
+// (logits crowd into a few high bytes). Pass 1 (hi < 0): bin = the key's high
 // byte, of every key but NaN's. Pass 2: bin = the low byte of the keys whose high byte is hi.
 // Ends with a block barrier.
 template <bool kStaged>
 __device__ __forceinline__ void histogram(const Keys<kStaged>& key_at, int n, int hi,
                                           uint32_t (*sub)[256], uint32_t* hist) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warp = threadIdx.x >> 5;
   const int rounds = (n + kThreads - 1) / kThreads;
 #pragma unroll 4
   for (int r = 0; r < rounds; ++r) {
@@ -111,9 +110,7 @@ __device__ __forceinline__ void histogram(const Keys<kStaged>& key_at, int n, in
         bin = key & 0xFFu;
       }
     }
-    const uint32_t peers = __match_any_sync(0xFFFFFFFFu, bin);
-    if (bin < 256 && lane == __ffs(peers) - 1) sub[warp][bin] += __popc(peers);
-    __syncwarp();  // this round's adds before the next round's reads by other lanes
+    if (bin < 256) atomicAdd(&sub[warp][bin], 1u);
   }
   __syncthreads();
   if (threadIdx.x < 256) {
