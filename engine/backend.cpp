@@ -8,9 +8,9 @@ namespace kestrel {
 namespace {
 
 // One forward_argmax per next(): nothing runs ahead.
-class StepwiseGreedyRun final : public GreedyRun {
+class StepwiseDecodeRun final : public DecodeRun {
  public:
-  StepwiseGreedyRun(Backend& b, int token, int pos) : b_(b), token_(token), pos_(pos) {}
+  StepwiseDecodeRun(Backend& b, int token, int pos) : b_(b), token_(token), pos_(pos) {}
   int next(bool) override {
     token_ = b_.forward_argmax(token_, pos_++);
     return token_;
@@ -23,8 +23,8 @@ class StepwiseGreedyRun final : public GreedyRun {
 
 }  // namespace
 
-std::unique_ptr<GreedyRun> Backend::greedy_run(int token, int pos) {
-  return std::make_unique<StepwiseGreedyRun>(*this, token, pos);
+std::unique_ptr<DecodeRun> Backend::greedy_run(int token, int pos) {
+  return std::make_unique<StepwiseDecodeRun>(*this, token, pos);
 }
 
 void Backend::forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) {

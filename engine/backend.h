@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/config.h"
+#include "kernels/sampling/sample.h"
 
 namespace kestrel {
 
@@ -20,16 +21,17 @@ struct OpTime {
   double bytes = 0;   // bytes the op must move through device memory (0 = not counted)
 };
 
-// Greedy decoding as a run of steps: the first step takes the token and position the run was
-// started with, each later step the token the step before picked, one position on. next()
+// Decoding as a run of steps, each picking its token on the backend's device (greedy, or drawn
+// by the device's sampler): the first step takes the token and position the run was started
+// with, each later step the token the step before picked, one position on. next()
 // returns the token of the oldest step not yet handed out. With `ahead` the backend may queue
 // the step that token feeds before handing it over, so that a GPU works on token i + 1 while the
 // host handles token i; that step writes its K/V at the next position, which the caller's next
 // token would write anyway. Destroying the run waits for whatever it still has queued; while a
 // run is alive its backend is used through it only.
-class GreedyRun {
+class DecodeRun {
  public:
-  virtual ~GreedyRun() = default;
+  virtual ~DecodeRun() = default;
   virtual int next(bool ahead) = 0;
 };
 
@@ -60,9 +62,17 @@ class Backend {
     return best;
   }
 
-  // Greedy decoding from `token` at `pos` (GreedyRun). The default runs forward_argmax step by
+  // Greedy decoding from `token` at `pos` (DecodeRun). The default runs forward_argmax step by
   // step; a GPU backend chains the steps on the device.
-  virtual std::unique_ptr<GreedyRun> greedy_run(int token, int pos);
+  virtual std::unique_ptr<DecodeRun> greedy_run(int token, int pos);
+  // Sampled decoding from `token` at `pos`, each token drawn on the device by top-k sampling
+  // (kernels/sampling/sample.h: top-k, then top-p, min-p and the temperature, as the host
+  // Sampler's top-k path; no penalties) with the device's random numbers seeded by `s.seed`.
+  // nullptr where the backend cannot (the default): the caller samples on the host.
+  virtual std::unique_ptr<DecodeRun> sampled_run(int /*token*/, int /*pos*/,
+                                                 const TopKSampling& /*s*/) {
+    return nullptr;
+  }
 
   // Runs tokens[0..n) at positions pos.. (as forward) and writes
   // nll[i] = -log p(targets[i] | tokens[0..i]) for targets[i] >= 0, and 0 otherwise. The

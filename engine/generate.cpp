@@ -92,12 +92,23 @@ GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>&
   const auto t1 = clock::now();
   r.prompt_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 
-  // Greedy decoding without penalties needs only the argmax: the backend may pick it on its
-  // device and hand back one id per token instead of the logits.
+  // Without penalties and logprobs the token can be picked on the backend's device, which then
+  // hands back one id per token instead of the logits: greedy decoding (the argmax), and
+  // top-k sampling with k up to kDeviceTopKMax (sampled_run; where the backend cannot, the host
+  // samples). Each device draw is a function of the seed and its index (philox_uniform), so a
+  // seed still fixes the output; the first token, from the prompt's logits, is the host's.
   const SamplingParams& sp = opt.sampling;
-  const bool argmax_only = sp.temperature <= 0.0f && sp.repeat_penalty == 1.0f &&
-                           sp.frequency_penalty == 0.0f && sp.presence_penalty == 0.0f &&
-                           opt.logprobs <= 0;
+  const bool no_penalties = sp.repeat_penalty == 1.0f && sp.frequency_penalty == 0.0f &&
+                            sp.presence_penalty == 0.0f && opt.logprobs <= 0;
+  const bool argmax_only = no_penalties && sp.temperature <= 0.0f;
+  bool on_device = argmax_only || (no_penalties && sp.top_k > 0 && sp.top_k < vocab &&
+                                   sp.top_k <= kDeviceTopKMax);
+  TopKSampling device_sampling;
+  device_sampling.top_k = sp.top_k;
+  device_sampling.top_p = sp.top_p;
+  device_sampling.min_p = sp.min_p;
+  device_sampling.temperature = sp.temperature;
+  device_sampling.seed = sp.seed;
   auto choose = [&] {
     const auto ts = clock::now();
     if (opt.logprobs > 0) raw.assign(logits.begin(), logits.end());
@@ -108,18 +119,22 @@ GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>&
     return id;
   };
   int pos = pos0 + n_run;
-  std::unique_ptr<GreedyRun> greedy;  // argmax_only: the device may run a step ahead
+  std::unique_ptr<DecodeRun> run;  // on_device: the device may run a step ahead
   for (int i = 0; i < opt.max_new_tokens; ++i) {
     if (opt.cancelled && opt.cancelled()) {
       r.finish_reason = "cancelled";
       break;
     }
+    if (i > 0 && on_device && !run) {
+      run = argmax_only ? model.greedy_run(r.ids.back(), pos - 1)
+                        : model.sampled_run(r.ids.back(), pos - 1, device_sampling);
+      on_device = run != nullptr;
+    }
     int id;
     if (i == 0) {
       id = choose();
-    } else if (argmax_only) {
-      if (!greedy) greedy = model.greedy_run(r.ids.back(), pos - 1);
-      id = greedy->next(i + 1 < opt.max_new_tokens);
+    } else if (on_device) {
+      id = run->next(i + 1 < opt.max_new_tokens);
       ++r.n_eval;
     } else {
       model.forward(&r.ids.back(), 1, pos - 1, logits.data());

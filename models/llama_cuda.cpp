@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <fmt/format.h>
 
@@ -24,6 +25,7 @@
 #include "kernels/gemm/gemm.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/sampling/argmax_cuda.h"
+#include "kernels/sampling/sample_cuda.h"
 #include "models/host_gptq.h"
 
 namespace kestrel {
@@ -282,6 +284,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   s_.att_workspace =
       static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx_, c.n_heads, c.head_dim)));
   cuda::attention_workspace_reset(s_.att_workspace, ctx_, c.n_heads, c.head_dim, stream_);
+  s_.sampling = static_cast<TopKSampling*>(alloc(sizeof(TopKSampling)));
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 5 * sizeof(int)));
   KESTREL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0));
   for (cudaEvent_t& e : chain_done_)
@@ -339,7 +342,8 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
   const double h2 = sizeof(__half);
-  const bool chained = head == Head::Chain0 || head == Head::Chain1;
+  const bool sampled = head == Head::Sample0 || head == Head::Sample1;
+  const bool chained = head == Head::Chain0 || head == Head::Chain1 || sampled;
   if (!chained)
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
 
@@ -388,10 +392,15 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     mark("argmax", c.vocab * h2, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_io_ + 2, s_.next, sizeof(int), cudaMemcpyDeviceToHost, s));
   } else if (chained) {
-    // s_.token and s_.pos are adjacent: the argmax feeds the next step and tells the host.
-    cuda::argmax_f16(s_.logits, c.vocab, s_.next, s, s_.token,
-                     host_io_dev_ + (head == Head::Chain0 ? 3 : 4));
-    mark("argmax", c.vocab * h2, s);
+    // s_.token and s_.pos are adjacent: the token feeds the next step and tells the host.
+    int* slot = host_io_dev_ + (head == Head::Chain0 || head == Head::Sample0 ? 3 : 4);
+    if (sampled) {
+      cuda::sample_top_k_f16(s_.logits, c.vocab, s_.sampling, s_.next, s, s_.token, slot);
+      mark("top-k sampling", c.vocab * h2, s);
+    } else {
+      cuda::argmax_f16(s_.logits, c.vocab, s_.next, s, s_.token, slot);
+      mark("argmax", c.vocab * h2, s);
+    }
   } else {
     cuda::half_to_float(s_.logits, s_.logits_f32, c.vocab, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_logits_, s_.logits_f32, c.vocab * sizeof(float),
@@ -460,7 +469,8 @@ std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
 }
 
 void LlamaCuda::capture_graphs() {
-  for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1}) {
+  for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1, Head::Sample0,
+                 Head::Sample1}) {
     cudaGraph_t graph = nullptr;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
@@ -518,13 +528,21 @@ int LlamaCuda::forward_argmax(int token, int pos) {
 
 // Step k of the run goes through the chained graph of slot k % 2 and its event. At most two
 // steps are queued (the one being handed out and the one after it), so a slot's graph is
-// relaunched, and its host slot rewritten, only after the host has read it.
-class LlamaCuda::ChainedRun final : public GreedyRun {
+// relaunched, and its host slot rewritten, only after the host has read it. A sampled run's
+// parameters go to the device first; its draws then count up there, step by step.
+class LlamaCuda::ChainedRun final : public DecodeRun {
  public:
-  ChainedRun(LlamaCuda& m, int token, int pos) : m_(m), pos0_(pos) {
+  ChainedRun(LlamaCuda& m, int token, int pos, const TopKSampling* sampling)
+      : m_(m), pos0_(pos), sampled_(sampling != nullptr) {
     m.set_step_input(token, pos);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.token, m.host_io_, 2 * sizeof(int),
                                        cudaMemcpyHostToDevice, m.stream_));
+    if (sampling) {
+      sampling_ = *sampling;
+      sampling_.draws = 0;
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.sampling, &sampling_, sizeof(sampling_),
+                                         cudaMemcpyHostToDevice, m.stream_));
+    }
     queue();
   }
   ~ChainedRun() override { cudaStreamSynchronize(m_.stream_); }
@@ -542,7 +560,8 @@ class LlamaCuda::ChainedRun final : public GreedyRun {
   void queue() {
     m_.check_position(pos0_ + queued_);
     const int slot = queued_ % 2;
-    const Head head = slot ? Head::Chain1 : Head::Chain0;
+    const Head head = sampled_ ? (slot ? Head::Sample1 : Head::Sample0)
+                               : (slot ? Head::Chain1 : Head::Chain0);
     KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graphs_[(int)head], m_.stream_));
     KESTREL_CUDA_CHECK(cudaEventRecord(m_.chain_done_[slot], m_.stream_));
     ++queued_;
@@ -550,11 +569,22 @@ class LlamaCuda::ChainedRun final : public GreedyRun {
 
   LlamaCuda& m_;
   const int pos0_;
+  const bool sampled_;
+  TopKSampling sampling_;  // the source of the copy to the device, alive until it is done
   int queued_ = 0, handed_ = 0;  // steps launched, tokens returned
 };
 
-std::unique_ptr<GreedyRun> LlamaCuda::greedy_run(int token, int pos) {
-  return std::make_unique<ChainedRun>(*this, token, pos);
+std::unique_ptr<DecodeRun> LlamaCuda::greedy_run(int token, int pos) {
+  return std::make_unique<ChainedRun>(*this, token, pos, nullptr);
+}
+
+std::unique_ptr<DecodeRun> LlamaCuda::sampled_run(int token, int pos, const TopKSampling& s) {
+  const bool ok = cfg_.vocab <= kDeviceSampleStagedMax && s.top_k >= 1 &&
+                  s.top_k <= kDeviceTopKMax && s.top_k <= cfg_.vocab &&
+                  s.temperature > 0.0f && std::isfinite(s.temperature) && s.top_p > 0.0f &&
+                  s.min_p >= 0.0f && s.min_p <= 1.0f;
+  if (!ok) return nullptr;  // the host samples what the device's sampler does not cover
+  return std::make_unique<ChainedRun>(*this, token, pos, &s);
 }
 
 }  // namespace kestrel

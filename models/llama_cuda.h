@@ -66,6 +66,7 @@ struct GpuRunState {
   float* att_workspace = nullptr;
   __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
   __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
+  TopKSampling* sampling = nullptr;  // [1] the sampled run's parameters and draw count
 };
 
 // Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)
@@ -90,8 +91,10 @@ class LlamaCuda final : public Backend {
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
   // Steps chained on the device: each step's argmax feeds the next step's token and position,
-  // so step i + 1 is queued before token i reaches the host (GreedyRun).
-  std::unique_ptr<GreedyRun> greedy_run(int token, int pos) override;
+  // so step i + 1 is queued before token i reaches the host (DecodeRun).
+  std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override;
+  // The same with each token drawn on the device (kernels/sampling/sample_cuda.h).
+  std::unique_ptr<DecodeRun> sampled_run(int token, int pos, const TopKSampling& s) override;
   std::vector<OpTime> profile_step(int token, int pos) override;
   size_t weight_bytes() const override { return weight_bytes_; }
   size_t cache_bytes() const override { return cache_bytes_; }
@@ -120,10 +123,11 @@ class LlamaCuda final : public Backend {
   int prefill_chunk_ = 2048;
 
   // What a step ends with: nothing (a prompt token whose logits are not wanted), the argmax
-  // read back by the host, the logits read back, or (Chain0/1) the argmax written to the
-  // step's own {token, pos} (the next step's input, pos + 1) and to host slot 0 or 1.
-  enum class Head { None, Argmax, Logits, Chain0, Chain1 };
-  static constexpr int kHeads = 5;
+  // read back by the host, the logits read back, or (Chain0/1) the argmax, (Sample0/1) a token
+  // drawn on the device, written to the step's own {token, pos} (the next step's input, pos +
+  // 1) and to host slot 0 or 1.
+  enum class Head { None, Argmax, Logits, Chain0, Chain1, Sample0, Sample1 };
+  static constexpr int kHeads = 7;
   // Enqueues one decode step (the token and position are read from device memory; all heads
   // but the chained ones first copy them from host_io_).
   void record_step(cudaStream_t s, Head head);

@@ -155,7 +155,7 @@ TEST_F(Generate, EndIdsAndCancellation) {
 class RecordingBackend : public ScriptedBackend {
  public:
   using ScriptedBackend::ScriptedBackend;
-  struct Run : GreedyRun {
+  struct Run : DecodeRun {
     Run(RecordingBackend& b, int token, int pos) : b(b), token(token), pos(pos) {}
     int next(bool ahead) override {
       b.aheads.push_back(ahead);
@@ -165,7 +165,7 @@ class RecordingBackend : public ScriptedBackend {
     RecordingBackend& b;
     int token, pos;
   };
-  std::unique_ptr<GreedyRun> greedy_run(int token, int pos) override {
+  std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override {
     starts.push_back({token, pos});
     return std::make_unique<Run>(*this, token, pos);
   }
@@ -186,6 +186,66 @@ TEST_F(Generate, GreedyDecodingRunsAheadOnlyWhileAnotherTokenMayBeWanted) {
   EXPECT_EQ(b.starts[0], std::make_pair(r.ids[0], (int)prompt.size()));
   EXPECT_EQ(b.aheads, (std::vector<bool>{true, true, true, false}));
   for (size_t i = 0; i < r.ids.size(); ++i) EXPECT_EQ(r.ids[i], words[i]) << i;
+}
+
+// A backend that samples on its "device": its sampled runs record the parameters they were
+// started with and hand out the script.
+class SamplingBackend : public RecordingBackend {
+ public:
+  using RecordingBackend::RecordingBackend;
+  std::unique_ptr<DecodeRun> sampled_run(int token, int pos, const TopKSampling& s) override {
+    sampled.push_back(s);
+    return greedy_run(token, pos);
+  }
+  std::vector<TopKSampling> sampled;
+};
+
+TEST_F(Generate, SamplesOnTheDeviceWhenItsSamplerCoversTheParameters) {
+  const std::vector<int> words = tok_->encode("a b c d e f g h", false);
+  const std::vector<int> prompt = tok_->encode("x");
+  GenerateOptions o;
+  o.max_new_tokens = 4;
+  o.sampling.temperature = 0.7f;
+  o.sampling.top_k = 40;
+  o.sampling.top_p = 0.9f;
+  o.sampling.min_p = 0.05f;
+  o.sampling.seed = 1234;
+  {
+    SamplingBackend b(tok_->vocab_size(), words);
+    const GenerateResult r = generate(b, *tok_, prompt, o);
+    ASSERT_EQ(r.ids.size(), 4u);
+    ASSERT_EQ(b.sampled.size(), 1u);
+    const TopKSampling& s = b.sampled[0];
+    EXPECT_EQ(s.top_k, 40);
+    EXPECT_EQ(s.top_p, 0.9f);
+    EXPECT_EQ(s.min_p, 0.05f);
+    EXPECT_EQ(s.temperature, 0.7f);
+    EXPECT_EQ(s.seed, 1234u);
+    // The first token is the host's, from the prompt's logits; the run starts from it.
+    EXPECT_EQ(r.n_sampled, 1);
+    EXPECT_EQ(b.starts[0], std::make_pair(r.ids[0], (int)prompt.size()));
+    for (size_t i = 1; i < r.ids.size(); ++i) EXPECT_EQ(r.ids[i], words[i]) << i;
+  }
+  // What the device's sampler does not cover is sampled on the host: penalties, logprobs, no
+  // top-k, a top-k past kDeviceTopKMax.
+  for (int variant = 0; variant < 5; ++variant) {
+    GenerateOptions v = o;
+    if (variant == 0) v.sampling.repeat_penalty = 1.1f;
+    if (variant == 1) v.sampling.presence_penalty = 0.5f;
+    if (variant == 2) v.logprobs = 1;
+    if (variant == 3) v.sampling.top_k = 0;
+    if (variant == 4) v.sampling.top_k = kDeviceTopKMax + 1;
+    SamplingBackend b(tok_->vocab_size(), words);
+    const GenerateResult r = generate(b, *tok_, prompt, v);
+    EXPECT_EQ(r.ids.size(), 4u) << "variant " << variant;
+    EXPECT_TRUE(b.sampled.empty()) << "variant " << variant;
+    EXPECT_EQ(r.n_sampled, 4) << "variant " << variant;
+  }
+  // A backend without a device sampler (sampled_run gives nullptr): the host samples.
+  ScriptedBackend plain(tok_->vocab_size(), words);
+  const GenerateResult r = generate(plain, *tok_, prompt, o);
+  EXPECT_EQ(r.ids.size(), 4u);
+  EXPECT_EQ(r.n_sampled, 4);
 }
 
 TEST_F(Generate, LogprobsOfTheScriptedDistribution) {

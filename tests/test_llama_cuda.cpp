@@ -9,16 +9,19 @@
 // kestrel-synth separates the top logit from the second by far more than that error.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <memory>
 #include <string>
 
 #include "engine/device.h"
+#include "engine/dtype.h"
 #include "engine/error.h"
 #include "engine/model_spec.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"
+#include "kernels/sampling/sample.h"
 #include "tests/compare.h"
 #include "tests/synth_model.h"
 
@@ -72,11 +75,11 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
     greedy.push_back(gpu.forward_argmax(greedy.back(), (int)greedy.size() - 1));
   for (int i = 0; i < steps; ++i) EXPECT_EQ(greedy[n_prompt + i], tokens[n_prompt + i]) << "step " << i;
 
-  // The same through the steps chained on the device (GreedyRun), again over the same
+  // The same through the steps chained on the device (DecodeRun), again over the same
   // positions. `ahead` is false every fifth token, so the run also restarts from an empty queue.
   std::vector<int> chained(greedy.begin(), greedy.begin() + n_prompt + 1);
   {
-    std::unique_ptr<GreedyRun> run = gpu.greedy_run(chained.back(), (int)chained.size() - 1);
+    std::unique_ptr<DecodeRun> run = gpu.greedy_run(chained.back(), (int)chained.size() - 1);
     for (int i = 1; i < steps; ++i) chained.push_back(run->next(i % 5 != 0));
   }
   for (int i = 0; i < steps; ++i)
@@ -86,7 +89,7 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
 
 // A chained run never queues a step past the context: asked to run ahead at the last position
 // it does not, and asked for a token past the context it says so.
-TEST(GpuGreedyRun, StopsAtTheContext) {
+TEST(GpuDecodeRun, StopsAtTheContext) {
   if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
   const fs::path dir =
       kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 5);
@@ -96,7 +99,7 @@ TEST(GpuGreedyRun, StopsAtTheContext) {
   std::vector<int> ref = {3};
   for (int pos = 0; pos < ctx; ++pos) ref.push_back(gpu.forward_argmax(ref.back(), pos));
   {
-    std::unique_ptr<GreedyRun> run = gpu.greedy_run(ref[10], 10);
+    std::unique_ptr<DecodeRun> run = gpu.greedy_run(ref[10], 10);
     for (int pos = 10; pos < ctx; ++pos)
       EXPECT_EQ(run->next(true), ref[pos + 1]) << "position " << pos;
     try {
@@ -109,6 +112,54 @@ TEST(GpuGreedyRun, StopsAtTheContext) {
   EXPECT_THROW(gpu.greedy_run(ref[0], ctx), Error);
   // The model is still usable after the refused step.
   EXPECT_EQ(gpu.forward_argmax(ref[4], 4), ref[5]);
+  fs::remove_all(dir);
+}
+
+// A sampled run draws each token on the device from that step's logits: replaying the tokens
+// through forward() (the same kernels, so the same logits) and drawing with the CPU oracle and
+// the same random numbers gives the same tokens (a neighbour only where u falls within 1e-6 of
+// a boundary of the cumulative distribution). One seed gives one sequence; another seed
+// another.
+TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
+  if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
+  const fs::path dir =
+      kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 6);
+  const ModelSpec spec = load_model_spec(dir.string());
+  LlamaCuda gpu(spec, 48, /*quiet=*/true);
+  const int vocab = gpu.config().vocab;
+  TopKSampling s;
+  s.top_k = 12, s.top_p = 0.9f, s.min_p = 0.02f, s.temperature = 1.3f, s.seed = 42;
+  auto draw = [&](uint64_t seed) {
+    TopKSampling t = s;
+    t.seed = seed;
+    std::unique_ptr<DecodeRun> run = gpu.sampled_run(3, 0, t);
+    EXPECT_NE(run, nullptr);
+    std::vector<int> out;
+    for (int i = 0; i < 40; ++i) out.push_back(run->next(i % 5 != 4));
+    return out;
+  };
+  const std::vector<int> a = draw(42), b = draw(42), c = draw(43);
+  EXPECT_EQ(a, b) << "one seed, one sequence";
+  EXPECT_NE(a, c) << "another seed, another sequence";
+  std::vector<float> logits(vocab);
+  std::vector<uint16_t> h(vocab);
+  int prev = 3;
+  for (int i = 0; i < (int)a.size(); ++i) {
+    gpu.forward(&prev, 1, i, logits.data(), nullptr);
+    for (int v = 0; v < vocab; ++v) h[v] = float_to_half(logits[v]);
+    const std::vector<TopKCandidate> cand = top_k_candidates_ref(h.data(), vocab, s);
+    const double u = philox_uniform(42, i);
+    auto it = std::find_if(cand.begin(), cand.end(), [&](const TopKCandidate& t) { return t.id == a[i]; });
+    ASSERT_NE(it, cand.end()) << "step " << i << ": token " << a[i] << " is not a candidate";
+    EXPECT_TRUE((it->cdf_lo <= u && u < it->cdf_hi) || std::fabs(u - it->cdf_lo) < 1e-6 ||
+                std::fabs(u - it->cdf_hi) < 1e-6)
+        << "step " << i << ": u " << u << " drew " << a[i];
+    prev = a[i];
+  }
+  // What the device's sampler does not cover is left to the host.
+  TopKSampling wide = s;
+  wide.top_k = kDeviceTopKMax + 1;
+  EXPECT_EQ(gpu.sampled_run(3, 0, wide), nullptr);
   fs::remove_all(dir);
 }
 

@@ -33,6 +33,8 @@
 #include "kernels/embedding/embedding_cuda.h"
 #include "kernels/norm/norm.h"
 #include "kernels/norm/norm_cuda.h"
+#include "kernels/sampling/sample.h"
+#include "kernels/sampling/sample_cuda.h"
 #include "kernels/rope/rope.h"
 #include "kernels/rope/rope_cuda.h"
 #include "kernels/sampling/argmax_cuda.h"
@@ -615,6 +617,89 @@ TEST(ArgmaxCuda, FeedsTheNextStepAndTheHost) {
     EXPECT_EQ(*host, want) << "n " << n;
     cudaFreeHost(host);
   }
+}
+
+// The device's top-k draw against its CPU oracle (kernels/sampling/sample.h): for each draw
+// i, the token whose interval of the oracle's cumulative distribution holds philox_uniform(seed,
+// i) (a neighbour when u lies within 1e-6 of the boundary: the kernel's sums run in another
+// order). Over vocabularies that break the block's loops, logits with many ties (the lowest
+// ids win), NaN and -inf, fewer valid logits than k, and every cut-off.
+TEST(SampleTopKCuda, DrawsWhatTheReferenceDraws) {
+  REQUIRE_CUDA();
+  struct Case {
+    int n;
+    int shape;  // 0 random, 1 coarse steps (ties), 2 all equal, 3 NaN and -inf, 4 seven valid
+    TopKSampling s;
+  };
+  auto sp = [](int k, float p, float m, float t) {
+    TopKSampling s;
+    s.top_k = k, s.top_p = p, s.min_p = m, s.temperature = t, s.seed = 1234 + k;
+    return s;
+  };
+  const std::vector<Case> cases = {
+      {32000, 0, sp(40, 0.95f, 0.05f, 0.8f)}, {32001, 0, sp(40, 0.95f, 0.05f, 0.8f)},
+      {128256, 0, sp(256, 1.0f, 0.0f, 1.5f)}, {1000, 0, sp(1, 1.0f, 0.0f, 1.0f)},
+      {32000, 1, sp(50, 0.9f, 0.0f, 1.0f)},   {32000, 1, sp(5, 0.5f, 0.0f, 1.0f)},
+      {5000, 2, sp(10, 1.0f, 0.0f, 1.0f)},    {4097, 3, sp(40, 0.95f, 0.05f, 0.8f)},
+      {7, 0, sp(40, 1.0f, 0.0f, 2.0f)},       {3000, 4, sp(40, 0.8f, 0.0f, 1.0f)},
+  };
+  const int kDraws = 48;
+  for (const Case& c : cases) {
+    std::vector<uint16_t> x = random_half(c.n, -8.0f, 8.0f, 300 + c.n + c.shape);
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float v = half_to_float(x[i]);
+      if (c.shape == 1) x[i] = float_to_half(std::round(v * 2.0f) / 2.0f);
+      if (c.shape == 2) x[i] = float_to_half(1.5f);
+      if (c.shape == 3 && i % 7 == 3) x[i] = 0x7E00;            // NaN
+      if (c.shape == 3 && i % 7 == 5) x[i] = 0xFC00;            // -inf
+      if (c.shape == 4 && i % 400 != 9) x[i] = 0xFE00;          // NaN but every 400th
+    }
+    const std::string what = "n " + std::to_string(c.n) + " shape " + std::to_string(c.shape) +
+                             " top_k " + std::to_string(c.s.top_k);
+    SCOPED_TRACE(what);
+    const std::vector<TopKCandidate> cand = top_k_candidates_ref(x.data(), c.n, c.s);
+    ASSERT_FALSE(cand.empty());
+    if (c.shape == 2) {
+      for (size_t i = 0; i < cand.size(); ++i) ASSERT_EQ(cand[i].id, (int)i) << "ties: lowest ids";
+    }
+    Dev<uint16_t> d(x);
+    Dev<int> tok(1);
+    Dev<TopKSampling> params(std::vector<TopKSampling>{c.s});
+    for (int i = 0; i < kDraws; ++i) {
+      cuda::sample_top_k_f16(d.half(), c.n, params.get(), tok.get(), nullptr);
+      const int got = tok.download()[0];
+      const double u = philox_uniform(c.s.seed, i);
+      auto it = std::find_if(cand.begin(), cand.end(), [&](const TopKCandidate& t) { return t.id == got; });
+      ASSERT_NE(it, cand.end()) << "draw " << i << ": token " << got << " is not a candidate";
+      EXPECT_TRUE((it->cdf_lo <= u && u < it->cdf_hi) || std::fabs(u - it->cdf_lo) < 1e-6 ||
+                  std::fabs(u - it->cdf_hi) < 1e-6)
+          << "draw " << i << ": u " << u << " drew " << got << " holding [" << it->cdf_lo << ", "
+          << it->cdf_hi << ")";
+    }
+    EXPECT_EQ(params.download()[0].draws, (uint64_t)kDraws) << "one draw counted per call";
+  }
+}
+
+TEST(SampleTopKCuda, FeedsTheNextStepAndTheHost) {
+  REQUIRE_CUDA();
+  const auto logits = random_half(32000, -5.0f, 5.0f, 7);
+  TopKSampling s;
+  s.top_k = 40, s.top_p = 0.95f, s.min_p = 0.05f, s.temperature = 0.8f, s.seed = 99, s.draws = 5;
+  Dev<uint16_t> d(logits);
+  Dev<int> tok(1);
+  Dev<int> feed(std::vector<int>{-1, 41});
+  Dev<TopKSampling> params(std::vector<TopKSampling>{s});
+  int* host = nullptr;
+  ASSERT_EQ(cudaMallocHost(&host, sizeof(int)), cudaSuccess);
+  *host = -1;
+  cuda::sample_top_k_f16(d.half(), 32000, params.get(), tok.get(), nullptr, feed.get(), host);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const int want = sample_top_k_ref(logits.data(), 32000, s, philox_uniform(99, 5));
+  EXPECT_EQ(tok.download()[0], want);
+  EXPECT_EQ(feed.download(), (std::vector<int>{want, 42}));
+  EXPECT_EQ(*host, want);
+  EXPECT_EQ(params.download()[0].draws, 6u);
+  cudaFreeHost(host);
 }
 
 TEST(HalfToFloatCuda, ConvertsExactly) {

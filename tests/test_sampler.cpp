@@ -12,7 +12,9 @@
 #include <set>
 #include <vector>
 
+#include "engine/dtype.h"
 #include "engine/sampler.h"
+#include "kernels/sampling/sample.h"
 
 using kestrel::Sampler;
 using kestrel::SamplingParams;
@@ -451,3 +453,100 @@ TEST(Sampler, LogprobsAreTheLogSoftmax) {
 }
 
 }  // namespace
+
+// ---- The device's top-k sampling (kernels/sampling/sample.h) ---------------------------------
+
+// Random123's published known-answer vectors for Philox4x32-10.
+TEST(DeviceSampling, PhiloxKnownAnswers) {
+  struct Kat {
+    uint32_t ctr[4], key[2], out[4];
+  };
+  const Kat kats[] = {
+      {{0, 0, 0, 0}, {0, 0}, {0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u}},
+      {{0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu},
+       {0xffffffffu, 0xffffffffu},
+       {0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu}},
+      {{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u},
+       {0xa4093822u, 0x299f31d0u},
+       {0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}},
+  };
+  for (const Kat& k : kats) {
+    uint32_t out[4];
+    kestrel::philox4x32_10(k.ctr, k.key, out);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(out[i], k.out[i]) << "word " << i;
+  }
+}
+
+// Uniform on [0, 1): the mean and the deciles of many draws, and different seeds differ.
+TEST(DeviceSampling, UniformDraws) {
+  const int n = 200000;
+  std::vector<int> decile(10, 0);
+  double sum = 0;
+  for (int i = 0; i < n; ++i) {
+    const double u = kestrel::philox_uniform(7, i);
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    sum += u;
+    ++decile[(int)(u * 10)];
+  }
+  EXPECT_NEAR(sum / n, 0.5, 0.005);
+  for (int d : decile) EXPECT_NEAR(d, n / 10, n / 100);
+  int same = 0;
+  for (int i = 0; i < 100; ++i) same += kestrel::philox_uniform(7, i) == kestrel::philox_uniform(8, i);
+  EXPECT_EQ(same, 0);
+}
+
+// The device's rule is the host Sampler's top-k path: over fp16 logits of every shape and the
+// top-k configurations, the oracle of the device kernel keeps the same tokens with the same
+// probabilities as Sampler::distribution (fp32 exp there against a fast polynomial here: 1e-4).
+TEST(DeviceSampling, RuleIsTheSamplersTopKPath) {
+  std::vector<SamplingParams> configs;
+  for (const SamplingParams& p : kConfigs)
+    if (p.top_k > 0) configs.push_back(p);
+  configs.push_back(params(1, 1.0f, 0.0f, 0.8f));
+  configs.push_back(params(256, 0.95f, 0.05f, 0.8f));
+  configs.push_back(params(7, 0.5f, 0.2f, 1.7f));
+  int compared = 0;
+  for (int shape = 0; shape < 5; ++shape)
+    for (int n : {300, 32000}) {
+      std::vector<float> logits = shaped_logits(shape, n, 77 * shape + n);
+      std::vector<uint16_t> h(n);
+      for (int i = 0; i < n; ++i) {
+        h[i] = kestrel::float_to_half(logits[i]);
+        logits[i] = kestrel::half_to_float(h[i]);
+      }
+      for (const SamplingParams& p : configs) {
+        kestrel::TopKSampling t;
+        t.top_k = p.top_k;
+        t.top_p = p.top_p;
+        t.min_p = p.min_p;
+        t.temperature = p.temperature;
+        const std::vector<kestrel::TopKCandidate> c = kestrel::top_k_candidates_ref(h.data(), n, t);
+        Sampler s(p);
+        const std::vector<double> want = s.distribution(logits.data(), n);
+        std::vector<double> got(n, 0.0);
+        double cdf = 0;
+        for (const kestrel::TopKCandidate& x : c) {
+          got[x.id] = x.p;
+          EXPECT_NEAR(x.cdf_lo, cdf, 1e-12);
+          cdf = x.cdf_hi;
+        }
+        EXPECT_EQ(cdf, 1.0);
+        for (int i = 0; i < n; ++i) {
+          ASSERT_EQ(got[i] > 0, want[i] > 0)
+              << "shape " << shape << " n " << n << " top_k " << p.top_k << " token " << i;
+          ASSERT_NEAR(got[i], want[i], 1e-4 * want[i] + 1e-9) << "token " << i;
+        }
+        // The draw picks the candidate whose interval holds u.
+        for (double u : {0.0, 0.3, 0.999999}) {
+          const int id = kestrel::sample_top_k_ref(h.data(), n, t, u);
+          auto it = std::find_if(c.begin(), c.end(), [&](auto& x) { return x.id == id; });
+          ASSERT_NE(it, c.end());
+          EXPECT_LE(it->cdf_lo, u);
+          EXPECT_LT(u, it->cdf_hi);
+        }
+        ++compared;
+      }
+    }
+  EXPECT_EQ(compared, 5 * 2 * (int)configs.size());
+}

@@ -107,8 +107,8 @@ int run_bench(BenchArgs a) {
     if (a.n_gen > 0) {
       t0 = clock::now();
       // As `kestrel generate` decodes greedily: each token is read back by the host, and the
-      // device may already run the step it feeds (GreedyRun).
-      std::unique_ptr<GreedyRun> run = b.greedy_run(next, a.n_prompt);
+      // device may already run the step it feeds (DecodeRun).
+      std::unique_ptr<DecodeRun> run = b.greedy_run(next, a.n_prompt);
       for (int i = 0; i < a.n_gen; ++i) next = run->next(i + 1 < a.n_gen);
       run.reset();
       const double s = std::chrono::duration<double>(clock::now() - t0).count();
