@@ -98,19 +98,22 @@ size_t dequant_scratch_elems(const std::vector<GpuLayer>& layers, int rows) {
   return e;
 }
 
+// What is left of the memory target's 5% over `base` (weights + KV cache) once `taken` is.
+size_t room_in_target(size_t base, size_t taken) {
+  const size_t target = base / 20;
+  return target > taken ? target - taken : 0;
+}
+
 }  // namespace
 
 int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows) {
-  const size_t target = base / 20;
-  const size_t room = target > taken ? target - taken : 0;
+  const size_t room = room_in_target(base, taken);
   const int64_t fit = (int64_t)(room / std::max<size_t>(row_bytes, 1)) / 64 * 64;
   return (int)std::min<int64_t>(max_rows, std::max<int64_t>(fit, 512));
 }
 
 size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
-  const size_t target = base / 20;
-  const size_t room = target > taken ? target - taken : 0;
-  return std::min(most, room) >> 20 << 20;
+  return std::min(most, room_in_target(base, taken)) >> 20 << 20;
 }
 
 // The prefill's scratch within the GPU memory target (weights + KV cache + 5%) where that costs
