@@ -285,6 +285,8 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
       static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx_, c.n_heads, c.head_dim)));
   cuda::attention_workspace_reset(s_.att_workspace, ctx_, c.n_heads, c.head_dim, stream_);
   s_.sampling = static_cast<TopKSampling*>(alloc(sizeof(TopKSampling)));
+  s_.sample_workspace = alloc(cuda::sample_top_k_workspace_bytes());
+  cuda::sample_top_k_workspace_reset(s_.sample_workspace, stream_);
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 5 * sizeof(int)));
   KESTREL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0));
   for (cudaEvent_t& e : chain_done_)
@@ -395,7 +397,8 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     // s_.token and s_.pos are adjacent: the token feeds the next step and tells the host.
     int* slot = host_io_dev_ + (head == Head::Chain0 || head == Head::Sample0 ? 3 : 4);
     if (sampled) {
-      cuda::sample_top_k_f16(s_.logits, c.vocab, s_.sampling, s_.next, s, s_.token, slot);
+      cuda::sample_top_k_f16(s_.logits, c.vocab, s_.sampling, s_.sample_workspace, s_.next, s,
+                             s_.token, slot);
       mark("top-k sampling", c.vocab * h2, s);
     } else {
       cuda::argmax_f16(s_.logits, c.vocab, s_.next, s, s_.token, slot);
@@ -579,7 +582,7 @@ std::unique_ptr<DecodeRun> LlamaCuda::greedy_run(int token, int pos) {
 }
 
 std::unique_ptr<DecodeRun> LlamaCuda::sampled_run(int token, int pos, const TopKSampling& s) {
-  const bool ok = cfg_.vocab <= kDeviceSampleStagedMax && s.top_k >= 1 &&
+  const bool ok = cfg_.vocab <= kDeviceSampleMax && s.top_k >= 1 &&
                   s.top_k <= kDeviceTopKMax && s.top_k <= cfg_.vocab &&
                   s.temperature > 0.0f && std::isfinite(s.temperature) && s.top_p > 0.0f &&
                   s.min_p >= 0.0f && s.min_p <= 1.0f;

@@ -67,6 +67,7 @@ struct GpuRunState {
   __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
   __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
   TopKSampling* sampling = nullptr;  // [1] the sampled run's parameters and draw count
+  void* sample_workspace = nullptr;  // the sampler's candidates, per block
 };
 
 // Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)

@@ -622,8 +622,9 @@ TEST(ArgmaxCuda, FeedsTheNextStepAndTheHost) {
 // The device's top-k draw against its CPU oracle (kernels/sampling/sample.h): for each draw
 // i, the token whose interval of the oracle's cumulative distribution holds philox_uniform(seed,
 // i) (a neighbour when u lies within 1e-6 of the boundary: the kernel's sums run in another
-// order). Over vocabularies that break the block's loops, logits with many ties (the lowest
-// ids win), NaN and -inf, fewer valid logits than k, and every cut-off.
+// order). Over vocabularies that break the blocks' chunks and loops, logits with many ties
+// (the lowest ids win, across chunks too), NaN and -inf, fewer valid logits than k, and every
+// cut-off. One workspace serves every call, as in the engine: each call must leave it reset.
 TEST(SampleTopKCuda, DrawsWhatTheReferenceDraws) {
   REQUIRE_CUDA();
   struct Case {
@@ -642,8 +643,15 @@ TEST(SampleTopKCuda, DrawsWhatTheReferenceDraws) {
       {32000, 1, sp(50, 0.9f, 0.0f, 1.0f)},   {32000, 1, sp(5, 0.5f, 0.0f, 1.0f)},
       {5000, 2, sp(10, 1.0f, 0.0f, 1.0f)},    {4097, 3, sp(40, 0.95f, 0.05f, 0.8f)},
       {7, 0, sp(40, 1.0f, 0.0f, 2.0f)},       {3000, 4, sp(40, 0.8f, 0.0f, 1.0f)},
+      // Chunks of 2,048: one block exactly, a second of one logit, 64 blocks of longer chunks
+      // (131,073: 2,056 each, the last short), the largest vocabulary, ties across chunks.
+      {2048, 0, sp(40, 0.95f, 0.05f, 0.8f)},  {2049, 1, sp(256, 1.0f, 0.0f, 1.0f)},
+      {131073, 3, sp(40, 0.95f, 0.0f, 0.7f)}, {kDeviceSampleMax, 0, sp(40, 0.95f, 0.05f, 0.8f)},
+      {kDeviceSampleMax, 1, sp(256, 1.0f, 0.0f, 1.0f)}, {100000, 2, sp(256, 1.0f, 0.0f, 1.0f)},
   };
   const int kDraws = 48;
+  Dev<uint8_t> ws(cuda::sample_top_k_workspace_bytes());  // one for every call, as the engine's
+  cuda::sample_top_k_workspace_reset(ws.get(), nullptr);
   for (const Case& c : cases) {
     std::vector<uint16_t> x = random_half(c.n, -8.0f, 8.0f, 300 + c.n + c.shape);
     for (size_t i = 0; i < x.size(); ++i) {
@@ -666,7 +674,7 @@ TEST(SampleTopKCuda, DrawsWhatTheReferenceDraws) {
     Dev<int> tok(1);
     Dev<TopKSampling> params(std::vector<TopKSampling>{c.s});
     for (int i = 0; i < kDraws; ++i) {
-      cuda::sample_top_k_f16(d.half(), c.n, params.get(), tok.get(), nullptr);
+      cuda::sample_top_k_f16(d.half(), c.n, params.get(), ws.get(), tok.get(), nullptr);
       const int got = tok.download()[0];
       const double u = philox_uniform(c.s.seed, i);
       auto it = std::find_if(cand.begin(), cand.end(), [&](const TopKCandidate& t) { return t.id == got; });
@@ -689,10 +697,13 @@ TEST(SampleTopKCuda, FeedsTheNextStepAndTheHost) {
   Dev<int> tok(1);
   Dev<int> feed(std::vector<int>{-1, 41});
   Dev<TopKSampling> params(std::vector<TopKSampling>{s});
+  Dev<uint8_t> ws(cuda::sample_top_k_workspace_bytes());
+  cuda::sample_top_k_workspace_reset(ws.get(), nullptr);
   int* host = nullptr;
   ASSERT_EQ(cudaMallocHost(&host, sizeof(int)), cudaSuccess);
   *host = -1;
-  cuda::sample_top_k_f16(d.half(), 32000, params.get(), tok.get(), nullptr, feed.get(), host);
+  cuda::sample_top_k_f16(d.half(), 32000, params.get(), ws.get(), tok.get(), nullptr, feed.get(),
+                         host);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const int want = sample_top_k_ref(logits.data(), 32000, s, philox_uniform(99, 5));
   EXPECT_EQ(tok.download()[0], want);
@@ -700,6 +711,17 @@ TEST(SampleTopKCuda, FeedsTheNextStepAndTheHost) {
   EXPECT_EQ(*host, want);
   EXPECT_EQ(params.download()[0].draws, 6u);
   cudaFreeHost(host);
+}
+
+TEST(SampleTopKCuda, RefusesVocabulariesPastItsLargest) {
+  REQUIRE_CUDA();
+  Dev<uint16_t> d(kDeviceSampleMax + 1);
+  Dev<int> tok(1);
+  Dev<TopKSampling> params(std::vector<TopKSampling>{TopKSampling{}});
+  Dev<uint8_t> ws(cuda::sample_top_k_workspace_bytes());
+  EXPECT_THROW(cuda::sample_top_k_f16(d.half(), kDeviceSampleMax + 1, params.get(), ws.get(),
+                                      tok.get(), nullptr),
+               Error);
 }
 
 TEST(HalfToFloatCuda, ConvertsExactly) {

@@ -25,10 +25,9 @@ namespace kestrel {
 
 // The most candidates the device keeps (top_k above this runs on the host).
 constexpr int kDeviceTopKMax = 256;
-// The largest vocabulary the device kernel stages in shared memory (160 KB of keys). Larger
-// ones it reads from L2 at each pass (measured on the H200: 156 us at 128,256 logits, against
-// 3.8 us for the argmax), so the engine samples those on the host.
-constexpr int kDeviceSampleStagedMax = 81920;
+// The largest vocabulary the device samples (64 blocks of at most 4,096 logits; the largest
+// vocabularies in use, 256,000, fit).
+constexpr int kDeviceSampleMax = 262144;
 
 // Read by the device from device memory at every draw; `draws` advances by one per draw.
 struct TopKSampling {
