@@ -222,7 +222,17 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   if (c.head_dim != 64 && c.head_dim != 128)
     throw Error(fmt::format("{}: head_dim {} is not supported by the CUDA engine (64 or 128); use --device cpu",
                             spec.dir, c.head_dim));
-  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  // The first call that needs device memory: where even that fails, say so as any shortage.
+  const cudaError_t stream_err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+  if (stream_err == cudaErrorMemoryAllocation) {
+    size_t f = 0, t = 0;
+    const bool known = cudaMemGetInfo(&f, &t) == cudaSuccess && t > 0;
+    cudaGetLastError();
+    throw DeviceError(fmt::format("out of GPU memory: {}too little to start (the weights alone need {})",
+                                  known ? mb(f) + " free of " + mb(t) + ", " : "",
+                                  mb(weights_bound(spec))));
+  }
+  KESTREL_CUDA_CHECK(stream_err);
   {
     size_t total = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_at_start_, &total));
@@ -259,8 +269,9 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   const size_t fits = free_b > reserve ? (free_b - reserve) / per_pos : 0;
   if ((size_t)ctx_ > fits) {
     if (fits < 16)
-      throw DeviceError(fmt::format("out of GPU memory: the weights use {}, {} is left, too little for a KV cache",
-                                    mb(weight_bytes_), mb(free_b)));
+      throw DeviceError(fmt::format("out of GPU memory: the weights use {}, {} is left, too little "
+                                    "for the {} of scratch kept free and a KV cache",
+                                    mb(weight_bytes_), mb(free_b), mb(reserve)));
     if (!quiet)
       fmt::print(stderr, "note: GPU memory is short: context reduced from {} to {} tokens\n", ctx_, fits);
     ctx_ = (int)fits;
