@@ -136,6 +136,7 @@ GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>&
     } else if (on_device) {
       id = run->next(i + 1 < opt.max_new_tokens);
       ++r.n_eval;
+      ++r.n_device;
     } else {
       model.forward(&r.ids.back(), 1, pos - 1, logits.data());
       ++r.n_eval;

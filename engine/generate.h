@@ -30,7 +30,8 @@ struct GenerateResult {
   std::string finish_reason;   // "length", "eos", "stop" or "cancelled"
   int n_cached = 0;            // leading prompt ids whose K/V were already in the cache
   int n_eval = 0;              // generated ids run through the model (all but the last)
-  int n_sampled = 0;           // ids chosen on the host (greedy may pick on the device)
+  int n_sampled = 0;           // ids chosen on the host
+  int n_device = 0;            // ids chosen on the device (argmax or top-k), within gen_ms
   double prompt_ms = 0;        // time to run the prompt and produce the first logits
   double gen_ms = 0;           // time of the generated tokens after the first
   double sample_ms = 0;        // of which choosing tokens (sampler, logprobs)

@@ -180,6 +180,7 @@ TEST_F(Generate, GreedyDecodingRunsAheadOnlyWhileAnotherTokenMayBeWanted) {
   RecordingBackend b(tok_->vocab_size(), words);
   const GenerateResult r = generate(b, *tok_, prompt, greedy(5));
   ASSERT_EQ(r.ids.size(), 5u);
+  EXPECT_EQ(r.n_device, 4);
   // The first token comes from the prompt's logits; one run then picks the other four, starting
   // from the first at the position after the prompt.
   ASSERT_EQ(b.starts.size(), 1u);
@@ -223,6 +224,7 @@ TEST_F(Generate, SamplesOnTheDeviceWhenItsSamplerCoversTheParameters) {
     EXPECT_EQ(s.seed, 1234u);
     // The first token is the host's, from the prompt's logits; the run starts from it.
     EXPECT_EQ(r.n_sampled, 1);
+    EXPECT_EQ(r.n_device, 3);
     EXPECT_EQ(b.starts[0], std::make_pair(r.ids[0], (int)prompt.size()));
     for (size_t i = 1; i < r.ids.size(); ++i) EXPECT_EQ(r.ids[i], words[i]) << i;
   }
@@ -240,6 +242,7 @@ TEST_F(Generate, SamplesOnTheDeviceWhenItsSamplerCoversTheParameters) {
     EXPECT_EQ(r.ids.size(), 4u) << "variant " << variant;
     EXPECT_TRUE(b.sampled.empty()) << "variant " << variant;
     EXPECT_EQ(r.n_sampled, 4) << "variant " << variant;
+    EXPECT_EQ(r.n_device, 0) << "variant " << variant;
   }
   // A backend without a device sampler (sampled_run gives nullptr): the host samples.
   ScriptedBackend plain(tok_->vocab_size(), words);

@@ -119,6 +119,7 @@ void add_result(Perf& p, const GenerateResult& r) {
   p.eval_runs += r.n_eval;
   p.sample_ms += r.sample_ms;
   p.sampled += r.n_sampled;
+  p.device_chosen += r.n_device;
   p.generated += (int64_t)r.ids.size();
 }
 
@@ -137,6 +138,9 @@ void print_perf(const Perf& p, const std::string& device) {
                    p.eval_runs, rate(p.eval_ms, p.eval_runs));
   s += fmt::format("perf:    sampling time = {:10.2f} ms / {:5} runs   {}\n", p.sample_ms,
                    p.sampled, rate(p.sample_ms, p.sampled));
+  if (p.device_chosen > 0)
+    s += fmt::format("perf:  chosen on the GPU = {:5} tokens (argmax or top-k sampling, timed in eval)\n",
+                     p.device_chosen);
   s += fmt::format("perf:       total time = {:10.2f} ms / {:5} tokens\n", total,
                    p.prompt_tokens + p.generated);
   std::cerr << s << std::flush;
