@@ -7,6 +7,7 @@
 // relative on the logits are expected; 2e-2 leaves margin while still catching any wrong
 // index, group or zero, which produce errors of order 1. Greedy tokens must match exactly:
 // kestrel-synth separates the top logit from the second by far more than that error.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/device.h"
 #include "engine/dtype.h"
@@ -160,6 +162,66 @@ TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
   TopKSampling wide = s;
   wide.top_k = kDeviceTopKMax + 1;
   EXPECT_EQ(gpu.sampled_run(3, 0, wide), nullptr);
+  fs::remove_all(dir);
+}
+
+// Short GPU memory, made by this process holding all but `leave` bytes of what is free: the
+// load refuses with one line (no crash) when the 256 MiB kept for scratch and a KV cache do not
+// fit, and shortens the context when only the cache is short; then the model still decodes.
+TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
+  if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
+  const fs::path dir =
+      kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 7);
+  const ModelSpec spec = load_model_spec(dir.string());
+  {
+    LlamaCuda probe(spec, 16, /*quiet=*/true);  // the CUDA context and modules exist from here
+  }
+  const size_t per_pos = 2ull * spec.config.n_layers * spec.config.kv_dim() * 2;
+  struct Hold {
+    std::vector<void*> blocks;
+    explicit Hold(size_t leave) {
+      size_t free_b = 0, total = 0;
+      cudaMemGetInfo(&free_b, &total);
+      while (free_b > leave + (64ull << 20)) {  // 64 MiB blocks, then 2 MiB ones
+        void* p = nullptr;
+        if (cudaMalloc(&p, 64ull << 20) != cudaSuccess) break;
+        blocks.push_back(p);
+        cudaMemGetInfo(&free_b, &total);
+      }
+      while (free_b > leave + (2ull << 20)) {
+        void* p = nullptr;
+        if (cudaMalloc(&p, 2ull << 20) != cudaSuccess) break;
+        blocks.push_back(p);
+        cudaMemGetInfo(&free_b, &total);
+      }
+      cudaGetLastError();
+    }
+    ~Hold() {
+      for (void* p : blocks) cudaFree(p);
+    }
+  };
+  {
+    Hold hold(64ull << 20);  // less than the scratch kept free
+    try {
+      LlamaCuda gpu(spec, 2048, /*quiet=*/true);
+      ADD_FAILURE() << "loaded with 64 MiB free";
+    } catch (const DeviceError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("out of GPU memory"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << "one line: " << what;
+    }
+  }
+  {
+    // The weights (about their files' size), the scratch kept free and a few thousand positions.
+    Hold hold(spec.files.total_bytes() * 5 / 4 + (256ull << 20) + 1024 * per_pos + (16ull << 20));
+    LlamaCuda gpu(spec, 1 << 20, /*quiet=*/true);  // asks for far more than fits
+    EXPECT_GT(gpu.context_length(), 16);
+    EXPECT_LT(gpu.context_length(), 1 << 20);
+    std::vector<float> logits(spec.config.vocab);
+    const int tok = 3;
+    gpu.forward(&tok, 1, 0, logits.data(), nullptr);
+    for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+  }
   fs::remove_all(dir);
 }
 
