@@ -13,6 +13,7 @@
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/half8.cuh"
 #include "kernels/common/pdl.cuh"
+#include "kernels/sampling/hand_out.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -71,15 +72,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     for (int o = 16; o > 0; o >>= 1)
       take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
                   __shfl_xor_sync(0xffffffffu, idx, o));
-    if (lane == 0) {
-      const int token = idx == INT_MAX ? 0 : idx;
-      *out = token;
-      if (feed) {  // the next step's input: this token, one position on
-        feed[0] = token;
-        feed[1] += 1;
-      }
-      if (host_out) *host_out = token;  // pinned host memory, seen once the step is done
-    }
+    if (lane == 0) hand_out_token(idx == INT_MAX ? 0 : idx, out, feed, host_out);
   }
 }
 

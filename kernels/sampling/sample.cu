@@ -28,6 +28,7 @@
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
+#include "kernels/sampling/hand_out.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -338,13 +339,8 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const int token = k > 0 ? draw(cand_l, cand_id, k, sorted_l, sorted_id, sp) : 0;
   if (tid == 0) {
-    *out = token;
     params->draws = sp.draws + 1;
-    if (feed) {  // the next step's input: this token, one position on
-      feed[0] = token;
-      feed[1] += 1;
-    }
-    if (host_out) *host_out = token;  // pinned host memory, seen once the step is done
+    hand_out_token(token, out, feed, host_out);
   }
 }
 
