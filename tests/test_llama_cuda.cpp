@@ -25,6 +25,7 @@
 #include "models/llama_cuda.h"
 #include "kernels/sampling/sample.h"
 #include "tests/compare.h"
+#include "tests/sample_check.h"
 #include "tests/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -33,6 +34,8 @@ using namespace kestrel;
 namespace {
 
 using Case = kestrel::test::ModelFormat;
+// The format the decode-run and memory tests load: 4-bit, group 128, symmetric.
+const Case kQ4G128{"q4_g128", "gptq", 4, 128, false, false, "gptq"};
 
 using kestrel::test::rel_err;
 
@@ -93,8 +96,7 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
 // it does not, and asked for a token past the context it says so.
 TEST(GpuDecodeRun, StopsAtTheContext) {
   if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
-  const fs::path dir =
-      kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 5);
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 5);
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 16;
   LlamaCuda gpu(spec, ctx, /*quiet=*/true);
@@ -124,8 +126,7 @@ TEST(GpuDecodeRun, StopsAtTheContext) {
 // another.
 TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
   if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
-  const fs::path dir =
-      kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 6);
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 6);
   const ModelSpec spec = load_model_spec(dir.string());
   LlamaCuda gpu(spec, 48, /*quiet=*/true);
   const int vocab = gpu.config().vocab;
@@ -150,12 +151,7 @@ TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
     gpu.forward(&prev, 1, i, logits.data(), nullptr);
     for (int v = 0; v < vocab; ++v) h[v] = float_to_half(logits[v]);
     const std::vector<TopKCandidate> cand = top_k_candidates_ref(h.data(), vocab, s);
-    const double u = philox_uniform(42, i);
-    auto it = std::find_if(cand.begin(), cand.end(), [&](const TopKCandidate& t) { return t.id == a[i]; });
-    ASSERT_NE(it, cand.end()) << "step " << i << ": token " << a[i] << " is not a candidate";
-    EXPECT_TRUE((it->cdf_lo <= u && u < it->cdf_hi) || std::fabs(u - it->cdf_lo) < 1e-6 ||
-                std::fabs(u - it->cdf_hi) < 1e-6)
-        << "step " << i << ": u " << u << " drew " << a[i];
+    ASSERT_TRUE(test::drawn_by(cand, a[i], philox_uniform(42, i))) << "step " << i;
     prev = a[i];
   }
   // What the device's sampler does not cover is left to the host.
@@ -170,8 +166,7 @@ TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
 // fit, and shortens the context when only the cache is short; then the model still decodes.
 TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
   if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
-  const fs::path dir =
-      kestrel::test::write_tiny_model(Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"}, 7);
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 7);
   const ModelSpec spec = load_model_spec(dir.string());
   {
     LlamaCuda probe(spec, 16, /*quiet=*/true);  // the CUDA context and modules exist from here
@@ -182,18 +177,13 @@ TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
     explicit Hold(size_t leave) {
       size_t free_b = 0, total = 0;
       cudaMemGetInfo(&free_b, &total);
-      while (free_b > leave + (64ull << 20)) {  // 64 MiB blocks, then 2 MiB ones
-        void* p = nullptr;
-        if (cudaMalloc(&p, 64ull << 20) != cudaSuccess) break;
-        blocks.push_back(p);
-        cudaMemGetInfo(&free_b, &total);
-      }
-      while (free_b > leave + (2ull << 20)) {
-        void* p = nullptr;
-        if (cudaMalloc(&p, 2ull << 20) != cudaSuccess) break;
-        blocks.push_back(p);
-        cudaMemGetInfo(&free_b, &total);
-      }
+      for (const size_t block : {64ull << 20, 2ull << 20})  // 64 MiB blocks, then 2 MiB ones
+        while (free_b > leave + block) {
+          void* p = nullptr;
+          if (cudaMalloc(&p, block) != cudaSuccess) break;
+          blocks.push_back(p);
+          cudaMemGetInfo(&free_b, &total);
+        }
       cudaGetLastError();
     }
     ~Hold() {

@@ -35,6 +35,7 @@
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/sampling/sample.h"
 #include "kernels/sampling/sample_cuda.h"
+#include "tests/sample_check.h"
 #include "kernels/rope/rope.h"
 #include "kernels/rope/rope_cuda.h"
 #include "kernels/sampling/argmax_cuda.h"
@@ -676,13 +677,7 @@ TEST(SampleTopKCuda, DrawsWhatTheReferenceDraws) {
     for (int i = 0; i < kDraws; ++i) {
       cuda::sample_top_k_f16(d.half(), c.n, params.get(), ws.get(), tok.get(), nullptr);
       const int got = tok.download()[0];
-      const double u = philox_uniform(c.s.seed, i);
-      auto it = std::find_if(cand.begin(), cand.end(), [&](const TopKCandidate& t) { return t.id == got; });
-      ASSERT_NE(it, cand.end()) << "draw " << i << ": token " << got << " is not a candidate";
-      EXPECT_TRUE((it->cdf_lo <= u && u < it->cdf_hi) || std::fabs(u - it->cdf_lo) < 1e-6 ||
-                  std::fabs(u - it->cdf_hi) < 1e-6)
-          << "draw " << i << ": u " << u << " drew " << got << " holding [" << it->cdf_lo << ", "
-          << it->cdf_hi << ")";
+      ASSERT_TRUE(test::drawn_by(cand, got, philox_uniform(c.s.seed, i))) << "draw " << i;
     }
     EXPECT_EQ(params.download()[0].draws, (uint64_t)kDraws) << "one draw counted per call";
   }
