@@ -139,7 +139,7 @@ void print_perf(const Perf& p, const std::string& device) {
   s += fmt::format("perf:    sampling time = {:10.2f} ms / {:5} runs   {}\n", p.sample_ms,
                    p.sampled, rate(p.sample_ms, p.sampled));
   if (p.device_chosen > 0)
-    s += fmt::format("perf:  chosen on the GPU = {:5} tokens (argmax or top-k sampling, timed in eval)\n",
+    s += fmt::format("perf: chosen by the model = {:5} tokens (its argmax or top-k sampler, timed in eval)\n",
                      p.device_chosen);
   s += fmt::format("perf:       total time = {:10.2f} ms / {:5} tokens\n", total,
                    p.prompt_tokens + p.generated);

@@ -71,7 +71,7 @@ struct Perf {
   int64_t eval_runs = 0;      // generated tokens run through the model one at a time
   double sample_ms = 0;
   int64_t sampled = 0;
-  int64_t device_chosen = 0;  // tokens chosen on the GPU (timed within eval)
+  int64_t device_chosen = 0;  // tokens the backend chose itself (timed within eval)
   int64_t generated = 0;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
 };
