@@ -125,6 +125,12 @@ struct GemvEpilogue {
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
           cudaStream_t s, GemvInput in = {}, GemvEpilogue out = {});
 
+// Whether 4-bit GEMVs run the kernels compiled for their format and fused ops (the default; see
+// gemv.cu) or the one kernel that tests them at run time (what every other bit width runs).
+// Both compute the same values; the switch is for tests and A/B runs. KESTREL_GEMV_GENERIC=1
+// in the environment sets it off at start.
+void gemv_use_specialized(bool on);
+
 // y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
 // 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error.
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
