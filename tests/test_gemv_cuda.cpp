@@ -379,6 +379,14 @@ TEST(GemvShapes, LaunchShapesAgree) {
       check_quant(L, 1043, rng, false, false, cuda::GemvLaunch{0, grid, true});
     }
   }
+  // Symmetric 4-bit at K and N >= 4096: the specialized kernel in blocks of 8 warps (two per
+  // SM), under a chosen grid, a grid of fewer blocks than SMs and one of more than resident.
+  Format f;
+  const Linear L = random_linear(f, 4128, 4096, rng);
+  for (int grid : {0, 3, 300}) {
+    SCOPED_TRACE("sym 4-bit, grid=" + std::to_string(grid));
+    check_quant(L, 4100, rng, true, false, cuda::GemvLaunch{0, grid, true});
+  }
 }
 
 // ---- Residual epilogue ------------------------------------------------------------------------
@@ -545,7 +553,8 @@ TEST(GemvEpilogue, SiluMulOfFusedGateUp) {
 // the kernel that tests its inputs at run time, on the same weight and inputs: the same
 // arithmetic, so the same bits, for each combination a decode step uses (none, RMSNorm,
 // residual separate and aliased, RMSNorm with the SiLU epilogue), every group size, with and
-// without act-order; and both against the CPU reference. Asymmetric weights take the run-time
+// without act-order, in blocks of 16 warps and (g128, the large shape) of 8; and both against
+// the CPU reference. Asymmetric weights take the run-time
 // kernel either way (checked to agree too).
 TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
   REQUIRE_GPU();
@@ -554,9 +563,11 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
   for (int gs : {32, 64, 128, -1})
     for (bool act : {false, true})
       for (bool sym : {true, false})
-        for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}})
+        // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps); the others 16.
+        for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096}})
           for (Ops ops : {kNone, kNorm, kResidual, kAliased, kNormSilu}) {
             if (!sym && (gs != 128 || ops != kNone)) continue;
+            if (n == 4098 && gs != 128) continue;
             Format f;
             f.group_size = gs;
             f.act_order = act;

@@ -548,10 +548,12 @@ __device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms)
   return __float2half_rn(a);
 }
 
-constexpr int kMaxV = 4;  // x vectors per thread held in registers by the one-pass staging
+// x vectors per thread held in registers by the one-pass staging: 4 in a block of 512 threads,
+// 8 in one of 256, so that either stages K <= 16384 in one pass.
+constexpr int max_v(int T) { return T >= 512 ? 4 : 8; }
 
-// The most 8-value vectors of x a block of T threads stages in one pass: kMaxV per thread.
-constexpr int one_pass_max_vecs(int T) { return T * kMaxV; }
+// The most 8-value vectors of x a block of T threads stages in one pass: max_v per thread.
+constexpr int one_pass_max_vecs(int T) { return T * max_v(T); }
 
 // Whether stage_x takes its one-pass path: natural order, 16-byte vectors, at most kMaxV of
 // them per thread.
@@ -574,6 +576,7 @@ template <int C, int T>
 __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
   if (!p.norm_w || !one_pass_staging<T>(p)) return;
   constexpr int V = C / 8;
+  constexpr int kMaxV = max_v(T);
 #pragma unroll
   for (int i = 0; i < kMaxV; ++i) {
     const int v = threadIdx.x + i * T;
@@ -594,6 +597,7 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
                                         const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
                                         uint64_t* bar = nullptr) {
   constexpr int V = C / 8;
+  constexpr int kMaxV = max_v(T);
   const int nvec = p.nch * V;
   const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
                    ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
@@ -828,11 +832,14 @@ int spec_of(const KParams& p) {
   }
 }
 
-// The quantized kernel: one block of kQuantThreads per SM; warp w of the grid owns the rows
-// [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time, unit by unit (module comment).
-template <int BITS, int GS, int kSpec>
-__global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KParams p_in) {
+// The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
+// warp w of the grid owns the rows [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time,
+// unit by unit (module comment).
+template <int BITS, int GS, int kSpec, int kW = kQuantWarps>
+__global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(const KParams p_in) {
+  static_assert(kQuantWarps % kW == 0, "whole blocks per SM");
   const KParams p = specialize<kSpec>(p_in);
+  constexpr int kT = 32 * kW;
   using Op = QuantOp<BITS, GS>;
   constexpr int R = kQuantRows;
   static_assert(R == 2, "the SiLU epilogue takes a gate row and an up row per step");
@@ -844,7 +851,7 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
   uint64_t* bar = reinterpret_cast<uint64_t*>(n_raw + codes);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t wg = int64_t(blockIdx.x) * kQuantWarps + warp, W = int64_t(gridDim.x) * kQuantWarps;
+  const int64_t wg = int64_t(blockIdx.x) * kW + warp, W = int64_t(gridDim.x) * kW;
   // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
   // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
   const int rstep = p.silu_pair ? p.silu_pair : 1, per_step = p.silu_pair ? 1 : R;
@@ -864,7 +871,9 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
   // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
   // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
   // stage (kernels/gemv/NOTES.md, the timeline); the bulk copies take another path.
-  const bool bulk = has_bulk_copy() && one_pass_staging<kQuantThreads>(p);
+  // (smem_bytes sized x_nat and n_raw for kQuantThreads' one-pass staging.)
+  const bool bulk = has_bulk_copy() && one_pass_staging<kQuantThreads>(p) &&
+                    (kT == kQuantThreads || one_pass_staging<kT>(p));
   if (bulk) {
     if (threadIdx.x == 0) {
       mbar_init(bar, 1);
@@ -873,7 +882,7 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
     }
     __syncthreads();
   } else {
-    stage_x_early<Op::kUnitCodes, kQuantThreads>(p, x_s);
+    stage_x_early<Op::kUnitCodes, kT>(p, x_s);
   }
   grid_dependency_wait();
   if (bulk && threadIdx.x == 0) bulk_copy_g2s(x_nat, p.x, static_cast<uint32_t>(p.K) * 2, bar);
@@ -883,7 +892,7 @@ __global__ void __launch_bounds__(kQuantThreads, 1) gemv_quant_kernel(const KPar
   const bool res_early = p.residual != nullptr && re - rb <= 32;
   float res = 0.f;
   if (res_early && lane < re - rb) res = __half2float(__ldcg(p.residual + rb + lane));
-  stage_x<Op::kUnitCodes, kQuantThreads>(p, x_s, x_nat,
+  stage_x<Op::kUnitCodes, kT>(p, x_s, x_nat,
                                           bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
                                           reinterpret_cast<const uint4*>(n_raw), bar);
   __syncthreads();
@@ -937,33 +946,61 @@ Kernel quant_kernel_for_group(int gs) {
   }
 }
 
+// Warps per block of a specialized kernel: two blocks of 8 per SM where the weight is large
+// (K and N >= 4096 at 4 bits: every lane of a warp has a unit of each row, and the grid has
+// about two rows per warp), one block of 16 otherwise. With two blocks, the next kernel's block
+// starts (and issues its first weight loads) on an SM as soon as half of it is done. Measured
+// on the H200, kestrel bench -p 512 -n 128 -r 3, tokens/s: the 7B, whose four GEMVs all qualify,
+// 623 -> 635 (o and down alone on 8 warps: 629; qkv or gate|up alone: 621); the 1.1B (K = 2048
+// on three of its four) lost 1-4% with any of its GEMVs on 8 warps, 1,665 -> 1,600 with all.
+// KESTREL_GEMV_BLOCK_WARPS=16 or 8 in the environment forces one size, for A/B runs.
+int spec_block_warps(int64_t N, int units) {
+  static const int forced = [] {
+    const char* e = std::getenv("KESTREL_GEMV_BLOCK_WARPS");
+    const int w = e ? std::atoi(e) : 0;
+    return w == 8 || w == 16 ? w : 0;
+  }();
+  if (forced) return forced;
+  return units >= 32 && N >= 4096 ? 8 : kQuantWarps;
+}
+
+struct QuantKernel {
+  Kernel k;
+  int warps;
+};
+
 // The symmetric 4-bit kernel of group size GS for a call's flags (spec_of, not kDynamic).
 template <int GS, int OPS>
-Kernel spec_kernel_for_perm(bool perm) {
-  return perm ? gemv_quant_kernel<4, GS, OPS | kPerm> : gemv_quant_kernel<4, GS, OPS>;
+QuantKernel spec_kernel_for_perm(bool perm, int warps) {
+  if (warps == 8)
+    return {perm ? gemv_quant_kernel<4, GS, OPS | kPerm, 8> : gemv_quant_kernel<4, GS, OPS, 8>, 8};
+  return {perm ? gemv_quant_kernel<4, GS, OPS | kPerm> : gemv_quant_kernel<4, GS, OPS>,
+          kQuantWarps};
 }
 
 template <int GS>
-Kernel spec_kernel_for_group(int spec) {
+QuantKernel spec_kernel_for_group(int spec, int warps) {
   const bool perm = spec & kPerm;
   switch (spec & ~kPerm) {
-    case 0: return spec_kernel_for_perm<GS, 0>(perm);
-    case kNorm: return spec_kernel_for_perm<GS, kNorm>(perm);
-    case kResidual: return spec_kernel_for_perm<GS, kResidual>(perm);
-    case kNorm | kSiluPair: return spec_kernel_for_perm<GS, kNorm | kSiluPair>(perm);
-    default: return nullptr;
+    case 0: return spec_kernel_for_perm<GS, 0>(perm, warps);
+    case kNorm: return spec_kernel_for_perm<GS, kNorm>(perm, warps);
+    case kResidual: return spec_kernel_for_perm<GS, kResidual>(perm, warps);
+    case kNorm | kSiluPair: return spec_kernel_for_perm<GS, kNorm | kSiluPair>(perm, warps);
+    default: return {nullptr, 0};
   }
 }
 
-// The specialized kernel for a call's flags, or nullptr (then the kDynamic one serves).
-Kernel spec_kernel(int bits, int gs, int spec) {
-  if (bits != 4 || spec == kDynamic) return nullptr;
+// The specialized kernel for a call's flags and its block size, or {nullptr, 0} (then the
+// kDynamic one serves).
+QuantKernel spec_kernel(int bits, int gs, int spec, int64_t N, int units) {
+  if (bits != 4 || spec == kDynamic) return {nullptr, 0};
+  const int warps = spec_block_warps(N, units);
   switch (gs) {
-    case 0: return spec_kernel_for_group<0>(spec);
-    case 32: return spec_kernel_for_group<32>(spec);
-    case 64: return spec_kernel_for_group<64>(spec);
-    case 128: return spec_kernel_for_group<128>(spec);
-    default: return nullptr;
+    case 0: return spec_kernel_for_group<0>(spec, warps);
+    case 32: return spec_kernel_for_group<32>(spec, warps);
+    case 64: return spec_kernel_for_group<64>(spec, warps);
+    case 128: return spec_kernel_for_group<128>(spec, warps);
+    default: return {nullptr, 0};
   }
 }
 
@@ -1067,14 +1104,14 @@ GemvLaunch plan_f16(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size
 // Quantized: the resident blocks (one per SM), fewer when N gives each warp less than
 // kQuantRows rows; every warp then takes an equal run of rows, so the grid only sets how many
 // warps share N. k_split does not apply (a lane owns whole units of K).
-GemvLaunch plan_quant(Kernel k, int64_t N, size_t smem, GemvLaunch hint) {
+GemvLaunch plan_quant(Kernel k, int warps, int64_t N, size_t smem, GemvLaunch hint) {
   const DeviceInfo& d = current_device_info();
   GemvLaunch out = hint;
   out.k_split = 1;
-  const int64_t resident = int64_t(blocks_per_sm(k, kQuantThreads, smem)) * d.sm_count;
-  const int64_t useful = (N + int64_t(kQuantRows) * kQuantWarps - 1) / (int64_t(kQuantRows) * kQuantWarps);
+  const int64_t resident = int64_t(blocks_per_sm(k, 32 * warps, smem)) * d.sm_count;
+  const int64_t useful = (N + int64_t(kQuantRows) * warps - 1) / (int64_t(kQuantRows) * warps);
   const int64_t cap = out.grid > 0 ? out.grid : std::min(resident, useful);
-  out.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, INT32_MAX / kQuantWarps)));
+  out.grid = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(cap, INT32_MAX / warps)));
   return out;
 }
 
@@ -1106,9 +1143,11 @@ size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
   return codes * 2 + (has_perm || bulk ? codes * 2 : 0) + (bulk ? codes * 2 + 16 : 0);
 }
 
-GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t, size_t smem,
-                             GemvLaunch hint) {
-  return plan_quant(quant_kernel(bits, group_size), N, smem, hint);
+GemvLaunch plan_quant_launch(int bits, int group_size, GemvLaunch hint) {
+  quant_kernel(bits, group_size);  // throws for a format no kernel is compiled for
+  GemvLaunch out = hint;
+  out.k_split = 1;
+  return out;
 }
 
 }  // namespace gemv_detail
@@ -1147,11 +1186,12 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.G = static_cast<int>(w.groups);
   p.zero_const = w.zero_const;
   p.zero_offset = w.zero_offset;
-  const Kernel spec = use_specialized() ? spec_kernel(w.bits, w.group_size, spec_of(p)) : nullptr;
-  const Kernel k = spec ? spec : quant_kernel(w.bits, w.group_size);
-  GemvLaunch l = w.launch;
-  if (l.grid <= 0) l = plan_quant(k, w.N, w.smem_bytes, l);
-  launch(k, p, l.grid, kQuantThreads, l.pdl, w.smem_bytes, s);
+  QuantKernel qk{nullptr, 0};
+  if (use_specialized()) qk = spec_kernel(w.bits, w.group_size, spec_of(p), w.N, p.nch);
+  if (!qk.k) qk = {quant_kernel(w.bits, w.group_size), kQuantWarps};
+  // The grid per call (w.launch.grid 0): it depends on the block size of the kernel taken.
+  const GemvLaunch l = plan_quant(qk.k, qk.warps, w.N, w.smem_bytes, w.launch);
+  launch(qk.k, p, l.grid, 32 * qk.warps, l.pdl, w.smem_bytes, s);
 }
 
 void gemv_use_specialized(bool on) { use_specialized() = on; }

@@ -70,9 +70,9 @@ HostRepack repack(const std::vector<gptq::GptqView>& parts);
 // order (the act-order gather's source, or where the bulk copy of x lands) and an mbarrier.
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm);
 
-// Chooses the grid for a quantized GEMV on the current device (fills the zero fields of
-// `hint`). Throws kestrel::Error for an unsupported (bits, group size).
-GemvLaunch plan_quant_launch(int bits, int group_size, int64_t N, int64_t chunks,
-                             size_t smem, GemvLaunch hint);
+// The launch a quantized weight keeps: `hint` with k_split 1; a zero grid stays zero, and each
+// gemv call then chooses it, for the block size of the kernel that call takes (gemv.cu,
+// spec_block_warps). Throws kestrel::Error for an unsupported (bits, group size).
+GemvLaunch plan_quant_launch(int bits, int group_size, GemvLaunch hint);
 
 }  // namespace kestrel::cuda::gemv_detail

@@ -360,7 +360,7 @@ GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));  // the host buffers die with this scope
 
   w.smem_bytes = smem_bytes(w.bits, w.chunks, w.has_perm);
-  w.launch = plan_quant_launch(w.bits, w.group_size, w.N, w.chunks, w.smem_bytes, GemvLaunch{});
+  w.launch = plan_quant_launch(w.bits, w.group_size, GemvLaunch{});
   w.owns_device = dst == nullptr;
   w.device = dst ? dst : buf.release();
   return w;

@@ -359,7 +359,9 @@ void print_md(const Bench& b) {
     fmt::print("| {} | {}x{} | {} | {} | {:.2f} | {:.2f} | {:.0f} | {:.1f}% | {} |\n", r.shape, r.N,
                r.K, config_name(r),
                r.kind == "cublas" ? std::string("-")
-                                  : fmt::format("{}/{}", r.launch.k_split, r.launch.grid),
+                                  : r.launch.grid == 0
+                                        ? fmt::format("{}/auto", r.launch.k_split)
+                                        : fmt::format("{}/{}", r.launch.k_split, r.launch.grid),
                r.bytes / 1e6, r.us, r.gbps(), 100.0 * r.gbps() / b.copy_gbps,
                cb ? fmt::format("{:.0f}", cb->gbps()) : std::string("-"));
   }
