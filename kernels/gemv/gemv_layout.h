@@ -42,7 +42,8 @@ inline int64_t chunk_index(int bits, int64_t chunks, int64_t c, int p) {
 constexpr int kF16Rows = 4;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// The quantized kernel: rows a warp streams at once, threads per block (one block per SM).
+// The quantized kernel: rows a warp streams at once, threads per SM (one block of kQuantThreads,
+// or two of half as many: gemv.cu, spec_block_warps).
 constexpr int kQuantRows = 2;
 constexpr int kQuantThreads = 512;
 constexpr int kQuantWarps = kQuantThreads / 32;
