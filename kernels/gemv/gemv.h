@@ -21,8 +21,10 @@
 
 namespace kestrel::cuda {
 
-// How a GEMV is spread over the GPU. gemv_prepare chooses it for the current device; a
-// benchmark may override it. Zero fields mean "choose".
+// How a GEMV is spread over the GPU; a benchmark or a test may override it. Zero fields mean
+// "choose": gemv_prepare sets k_split, and each quantized gemv call chooses its grid (at most
+// the resident blocks of the kernel the call takes, whose block size depends on the fused ops
+// and the shape).
 struct GemvLaunch {
   int k_split = 0;  // fp16 kernel: warps of a block that share each row, each summing a slice
                     // of K: 1, 2, 4, 8 (the quantized kernel gives each lane whole units of K)
@@ -58,7 +60,7 @@ struct GemvWeight {
   bool owns_device = true;         // false: placed in the caller's memory (gemv_free keeps it)
 
   size_t smem_bytes = 0;  // dynamic shared memory of one block
-  GemvLaunch launch;      // chosen for the device current at prepare time
+  GemvLaunch launch;      // k_split set at prepare; grid 0 (chosen per call) unless overridden
 
   // Bytes one gemv call must move through device memory: weights (codes, scales, zeros),
   // perm, x and y. The denominator of achieved-bandwidth figures.
