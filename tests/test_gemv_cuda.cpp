@@ -344,6 +344,19 @@ TEST(GemvShapes, LongRowsNeedMoreSharedMemory) {
   }
 }
 
+// Rows long enough that two blocks of 8 warps do not fit on an SM: with act-order at K = 30720
+// a block holds x twice (120 KB), so a shape that would take blocks of 8 warps (K, N >= 4096)
+// falls back to one block of 16 (gemv.cu); without act-order the same K stages in one layout.
+TEST(GemvShapes, LongRowsAtLargeNKeepWholeBlocks) {
+  REQUIRE_GPU();
+  std::mt19937 rng(45);
+  for (bool act : {true, false}) {
+    const Format f{/*bits=*/4, /*group_size=*/128, /*sym=*/true, act, /*zero_offset=*/1};
+    const Linear L = random_linear(f, 4096, 30720, rng);
+    check_quant(L, 4096, rng);
+  }
+}
+
 // Group sizes that are multiples of 32 but not 32/64/128 are served by repeating scales.
 TEST(GemvShapes, OtherGroupSizes) {
   REQUIRE_GPU();

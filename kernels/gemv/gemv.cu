@@ -991,11 +991,10 @@ QuantKernel spec_kernel_for_group(int spec, int warps) {
   }
 }
 
-// The specialized kernel for a call's flags and its block size, or {nullptr, 0} (then the
-// kDynamic one serves).
-QuantKernel spec_kernel(int bits, int gs, int spec, int64_t N, int units) {
+// The specialized kernel for a call's flags in blocks of `warps` (8 or 16), or {nullptr, 0}
+// (then the kDynamic one serves).
+QuantKernel spec_kernel(int bits, int gs, int spec, int warps) {
   if (bits != 4 || spec == kDynamic) return {nullptr, 0};
-  const int warps = spec_block_warps(N, units);
   switch (gs) {
     case 0: return spec_kernel_for_group<0>(spec, warps);
     case 32: return spec_kernel_for_group<32>(spec, warps);
@@ -1188,7 +1187,14 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.zero_const = w.zero_const;
   p.zero_offset = w.zero_offset;
   QuantKernel qk{nullptr, 0};
-  if (use_specialized()) qk = spec_kernel(w.bits, w.group_size, spec_of(p), w.N, p.nch);
+  if (use_specialized()) {
+    const int spec = spec_of(p);
+    qk = spec_kernel(w.bits, w.group_size, spec, spec_block_warps(w.N, p.nch));
+    // Blocks of 8 warps only where two fit on an SM (x's shared memory grows with K).
+    if (qk.k && qk.warps < kQuantWarps &&
+        blocks_per_sm(qk.k, 32 * qk.warps, w.smem_bytes) * qk.warps < kQuantWarps)
+      qk = spec_kernel(w.bits, w.group_size, spec, kQuantWarps);
+  }
   if (!qk.k) qk = {quant_kernel(w.bits, w.group_size), kQuantWarps};
   // The grid per call (w.launch.grid 0): it depends on the block size of the kernel taken.
   const GemvLaunch l = plan_quant(qk.k, qk.warps, w.N, w.smem_bytes, w.launch);
