@@ -556,7 +556,7 @@ constexpr int max_v(int T) { return T >= 512 ? 4 : 8; }
 // The most 8-value vectors of x a block of T threads stages in one pass: max_v per thread.
 constexpr int one_pass_max_vecs(int T) { return T * max_v(T); }
 
-// Whether stage_x takes its one-pass path: natural order, 16-byte vectors, at most kMaxV of
+// Whether stage_x takes its one-pass path: natural order, 16-byte vectors, at most max_v(T) of
 // them per thread.
 template <int T>
 __device__ __forceinline__ bool one_pass_staging(const KParams& p) {
@@ -1101,7 +1101,7 @@ GemvLaunch plan_f16(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size
   return out;
 }
 
-// Quantized: the resident blocks (one per SM), fewer when N gives each warp less than
+// Quantized: the resident blocks (one or two per SM), fewer when N gives each warp less than
 // kQuantRows rows; every warp then takes an equal run of rows, so the grid only sets how many
 // warps share N. k_split does not apply (a lane owns whole units of K).
 GemvLaunch plan_quant(Kernel k, int warps, int64_t N, size_t smem, GemvLaunch hint) {
