@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +28,18 @@ int lines(const std::string& s) {
   int n = 0;
   for (char c : s) n += c == '\n';
   return n + (!s.empty() && s.back() != '\n');
+}
+
+// "2.57 MiB" and "3.66 M", as kestrel bench's table prints a model's size and parameters.
+std::string fmt_mib(uint64_t bytes) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f MiB", bytes / 1048576.0);
+  return b;
+}
+std::string fmt_millions(int64_t n) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.2f M", n / 1e6);
+  return b;
 }
 
 const std::string kKestrel = KESTREL_BIN;
@@ -140,6 +153,99 @@ TEST_F(Cli, CudaWithoutGpuSaysSoWithVersions) {
   const Result r = run(kKestrel + " generate --device cuda -m " + dir_->string() + " -p hi");
   expect_one_line_error(r, "--device cpu");
   EXPECT_NE(r.err.find("runtime"), std::string::npos) << r.err;
+}
+
+// A bad command line: one line naming the option and the value, exit code 2 (a usage error),
+// nothing on stdout; --help and --version still print as usual and exit 0.
+TEST_F(Cli, BadCommandLinesGetOneLine) {
+  const std::string m = " -m " + dir_->string();
+  struct Case {
+    std::string args, what;
+  } cases[] = {
+      {" generate --device cpu" + m + " -p hi -n 0", "--n-predict: must be at least 1, got 0"},
+      {" generate --device cpu" + m + " -p hi -n many", "--n-predict: not a number: 'many'"},
+      {" generate --device cpu" + m + " -p hi --temp -0.5", "--temp: must be at least 0, got -0.5"},
+      {" generate --device cpu" + m + " -p hi --repeat-penalty 0", "--repeat-penalty: must be above 0"},
+      {" bench --device cpu" + m + " -r 0", "--repetitions: must be at least 1, got 0"},
+      {" bench --device cpu" + m + " -n -3", "--n-gen: must be at least 0, got -3"},
+      {" perplexity --device cpu" + m + " -f x.txt --chunks -1", "--chunks: must be at least 0"},
+      {" generate --device cpu" + m + " -p hi --no-such-flag", "--no-such-flag"},
+      {" generate -p hi", "--model"},
+      {"", "subcommand"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.args);
+    const Result r = run(kKestrel + c.args);
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_EQ(lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(c.what), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.rfind("kestrel: ", 0), 0u) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  const Result help = run(kKestrel + " bench --help");
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("--repetitions"), std::string::npos) << help.out;
+  const Result version = run(kKestrel + " --version");
+  EXPECT_EQ(version.code, 0);
+  EXPECT_NE(version.out.find("kestrel"), std::string::npos) << version.out;
+}
+
+// kestrel bench on the CPU engine, in its three formats: the repetitions' samples, their mean
+// and standard deviation, the model's size and parameter count; the CSV quotes the device
+// name, which holds a comma. Nothing to measure (-p 0 -n 0) is an error.
+TEST_F(Cli, BenchReportsEveryFormat) {
+  const std::string args = " bench --device cpu -m " + dir_->string() + " -p 16 -n 8 -r 3";
+  const Result json = run(kKestrel + args + " -o json");
+  ASSERT_EQ(json.code, 0) << json.err;
+  const nlohmann::json j = nlohmann::json::parse(json.out);
+  EXPECT_EQ(j["n_prompt"], 16);
+  EXPECT_EQ(j["n_gen"], 8);
+  EXPECT_EQ(j["reps"], 3);
+  EXPECT_EQ(j["backend"], "CPU");
+  // The size is the tensors' bytes: the file less its 8-byte length and JSON header.
+  const auto size = j["size_bytes"].get<uint64_t>();
+  uint64_t header = 0;
+  std::ifstream(*dir_ / "model.safetensors", std::ios::binary)
+      .read(reinterpret_cast<char*>(&header), sizeof header);
+  EXPECT_EQ(size, fs::file_size(*dir_ / "model.safetensors") - 8 - header);
+  const auto params = j["params"].get<int64_t>();
+  EXPECT_GT(params, 0);
+  for (const char* key : {"prompt_tokens_per_s", "gen_tokens_per_s"}) {
+    SCOPED_TRACE(key);
+    const std::vector<double> v = j[key]["samples"].get<std::vector<double>>();
+    ASSERT_EQ(v.size(), 3u);
+    double mean = 0;
+    for (double x : v) {
+      EXPECT_GT(x, 0.0);
+      mean += x / 3;
+    }
+    double var = 0;
+    for (double x : v) var += (x - mean) * (x - mean) / 2;
+    EXPECT_NEAR(j[key]["mean"].get<double>(), mean, 1e-9 * mean);
+    EXPECT_NEAR(j[key]["sd"].get<double>(), std::sqrt(var), 1e-9 * mean);
+  }
+
+  const Result md = run(kKestrel + args);
+  ASSERT_EQ(md.code, 0) << md.err;
+  EXPECT_EQ(lines(md.out), 4) << md.out;  // header, rule, pp16, tg8
+  EXPECT_NE(md.out.find(" pp16 | "), std::string::npos) << md.out;
+  EXPECT_NE(md.out.find(" tg8 | "), std::string::npos) << md.out;
+  // Under a GiB and a billion: MiB and M, as llama-bench prints them.
+  EXPECT_NE(md.out.find(fmt_mib(size)), std::string::npos) << md.out;
+  EXPECT_NE(md.out.find(fmt_millions(params)), std::string::npos) << md.out;
+
+  const Result csv = run(kKestrel + args + " -o csv");
+  ASSERT_EQ(csv.code, 0) << csv.err;
+  ASSERT_EQ(lines(csv.out), 3) << csv.out;
+  EXPECT_EQ(csv.out.substr(0, csv.out.find('\n')),
+            "model,type,size_bytes,params,backend,device,test,tokens_per_s_mean,tokens_per_s_sd");
+  const std::string row = csv.out.substr(csv.out.find('\n') + 1);
+  EXPECT_NE(row.find("," + std::to_string(size) + "," + std::to_string(params) + ",CPU,\"CPU ("),
+            std::string::npos)
+      << row;
+
+  expect_one_line_error(run(kKestrel + " bench --device cpu -m " + dir_->string() + " -p 0 -n 0"),
+                        "nothing to measure");
 }
 
 TEST_F(Cli, SynthRejectsBadBits) {

@@ -79,7 +79,18 @@ void print_profile(const std::vector<OpTime>& ops) {
                            "", "");
 }
 
+// Model size and parameter count as llama-bench prints them: MiB and M below a GiB and a
+// billion.
+std::string size_text(uint64_t bytes) {
+  return bytes < (1ull << 30) ? fmt::format("{:.2f} MiB", bytes / 1048576.0)
+                              : fmt::format("{:.2f} GiB", bytes / 1073741824.0);
+}
+std::string params_text(int64_t n) {
+  return n < 1000000000 ? fmt::format("{:.2f} M", n / 1e6) : fmt::format("{:.2f} B", n / 1e9);
+}
+
 int run_bench(BenchArgs a) {
+  if (a.n_prompt == 0 && a.n_gen == 0) throw Error("nothing to measure: -p and -n are both 0");
   if (a.model.context == 0) a.model.context = a.n_prompt + a.n_gen;
   LoadedModel m = load_model(a.model, a.output != "md");
   Backend& b = *m.backend;
@@ -117,16 +128,16 @@ int run_bench(BenchArgs a) {
   }
 
   const ModelConfig& c = b.config();
-  const double size_gib = m.spec->files.total_bytes() / 1073741824.0;
-  const double params_b = count_params(*m.spec) / 1e9;
+  const uint64_t size_bytes = m.spec->files.total_bytes();
+  const int64_t params = count_params(*m.spec);
   const Stat p = stats(pp), g = stats(tg);
   const std::string backend = m.device == "cuda" ? "CUDA" : "CPU";
   if (a.output == "json") {
     nlohmann::json j;
     j["model"] = a.model.dir;
     j["type"] = describe(c);
-    j["size_bytes"] = m.spec->files.total_bytes();
-    j["params"] = count_params(*m.spec);
+    j["size_bytes"] = size_bytes;
+    j["params"] = params;
     j["backend"] = backend;
     j["device"] = b.device_name();
     j["n_prompt"] = a.n_prompt;
@@ -140,22 +151,30 @@ int run_bench(BenchArgs a) {
     j["gpu_bytes_in_use"] = b.device_bytes_in_use();
     std::cout << j.dump(2) << "\n";
   } else if (a.output == "csv") {
-    std::cout << "model,type,size_gib,params_b,backend,device,test,tokens_per_s_mean,tokens_per_s_sd\n";
+    std::cout << "model,type,size_bytes,params,backend,device,test,tokens_per_s_mean,tokens_per_s_sd\n";
+    // Fields with a comma or a quote are quoted (the device name "CPU (reference, fp32)").
+    auto field = [](const std::string& v) {
+      if (v.find_first_of(",\"\n") == std::string::npos) return v;
+      std::string q = "\"";
+      for (char ch : v) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+      return q + "\"";
+    };
     auto row = [&](const std::string& test, Stat s) {
-      std::cout << fmt::format("{},{},{:.2f},{:.2f},{},{},{},{:.2f},{:.2f}\n", a.model.dir, describe(c),
-                               size_gib, params_b, backend, b.device_name(), test, s.mean, s.sd);
+      std::cout << fmt::format("{},{},{},{},{},{},{},{:.2f},{:.2f}\n", field(a.model.dir),
+                               field(describe(c)), size_bytes, params, backend,
+                               field(b.device_name()), test, s.mean, s.sd);
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
   } else {
-    std::cout << fmt::format("| {:<28} | {:>9} | {:>7} | {:<20} | {:>7} | {:>18} |\n", "model", "size",
+    std::cout << fmt::format("| {:<28} | {:>10} | {:>9} | {:<21} | {:>7} | {:>18} |\n", "model", "size",
                              "params", "device", "test", "t/s");
-    std::cout << fmt::format("| {:-<28} | {:->9} | {:->7} | {:-<20} | {:->7} | {:->18} |\n", "", "", "", "",
+    std::cout << fmt::format("| {:-<28} | {:->10} | {:->9} | {:-<21} | {:->7} | {:->18} |\n", "", "", "", "",
                              "", "");
     auto row = [&](const std::string& test, Stat s) {
-      std::cout << fmt::format("| {:<28} | {:>5.2f} GiB | {:>5.2f} B | {:<20} | {:>7} | {:>9.2f} ± {:>6.2f} |\n",
-                               describe(c), size_gib, params_b, b.device_name(), test,
-                               s.mean, s.sd);
+      std::cout << fmt::format("| {:<28} | {:>10} | {:>9} | {:<21} | {:>7} | {:>9.2f} ± {:>6.2f} |\n",
+                               describe(c), size_text(size_bytes), params_text(params),
+                               b.device_name(), test, s.mean, s.sd);
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
@@ -183,9 +202,9 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* cmd = app.add_subcommand("bench", "measure prompt and generation tokens/s");
   add_model_options(cmd, a->model);
-  cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens (0 = skip)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("-n,--n-gen", a->n_gen, "generated tokens (0 = skip)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")->check(CLI::PositiveNumber);
+  cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens (0 = skip)")->check(at_least(0));
+  cmd->add_option("-n,--n-gen", a->n_gen, "generated tokens (0 = skip)")->check(at_least(0));
+  cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")->check(at_least(1));
   cmd->add_option("-o,--output", a->output, "md, json or csv")->check(CLI::IsMember({"md", "json", "csv"}));
   cmd->add_option("--seed", a->seed, "seed of the random prompt tokens");
   cmd->add_flag("--profile", a->profile,

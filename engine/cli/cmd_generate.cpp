@@ -363,7 +363,7 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
       ->excludes(p)
       ->excludes(f);
   cmd->add_option("-o,--output", a->output, "with --batch-file: write the results to a file");
-  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(CLI::PositiveNumber);
+  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(at_least(1));
   add_sampling_options(cmd, a->sampling);
   cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
   cmd->add_option("--template", a->chat_template,

@@ -77,7 +77,7 @@ void register_perplexity(CLI::App& app, std::function<int()>& action) {
   cmd->get_option("--ctx-size")->description("window length in tokens (0 = 2048)");
   cmd->add_option("-f,--file", a->file, "text file (tokenized once, BOS at the start)")->required();
   cmd->add_option("--chunks", a->chunks, "score only the first N windows (0 = all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   cmd->add_flag("--json", a->json, "print one JSON object instead of a line");
   cmd->callback([a, &action] { action = [a] { return run_perplexity(*a); }; });
 }

@@ -1,9 +1,11 @@
 #include "engine/cli/common.h"
 
 #include <chrono>
+#include <cstdlib>
 #include <fmt/format.h>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -18,12 +20,39 @@ namespace kestrel::cli {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+// A CLI11 check that the value is a number and ok(value); otherwise "<what>, got <value>".
+CLI::Validator number_check(std::function<bool(double)> ok, const std::string& what,
+                            const std::string& desc) {
+  return CLI::Validator(
+      [ok, what](std::string& in) -> std::string {
+        char* end = nullptr;
+        const double v = std::strtod(in.c_str(), &end);
+        if (in.empty() || end != in.c_str() + in.size()) return "not a number: '" + in + "'";
+        return ok(v) ? std::string() : fmt::format("{}, got {}", what, in);
+      },
+      desc);
+}
+
+}  // namespace
+
+CLI::Validator at_least(double lo) {
+  return number_check([lo](double v) { return v >= lo; }, fmt::format("must be at least {}", lo),
+                      fmt::format("NUMBER >= {}", lo));
+}
+
+CLI::Validator above(double lo) {
+  return number_check([lo](double v) { return v > lo; }, fmt::format("must be above {}", lo),
+                      fmt::format("NUMBER > {}", lo));
+}
+
 void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("-m,--model", o.dir, "model directory (Hugging Face layout)")->required();
   cmd->add_option("--device", o.device, "cpu, cuda or auto (cuda when a GPU is usable)")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("-c,--ctx-size", o.context, "context length in tokens (0 = the model's)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
 }
 
 void note(bool quiet, const std::string& msg) {
@@ -83,12 +112,12 @@ LoadedModel load_model(const ModelOptions& o, bool quiet) {
 }
 
 void add_sampling_options(CLI::App* cmd, SamplingOptions& s) {
-  cmd->add_option("--temp", s.temperature, "temperature (0 = greedy)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--top-k", s.top_k, "top-k sampling (0 = off)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--temp", s.temperature, "temperature (0 = greedy)")->check(at_least(0));
+  cmd->add_option("--top-k", s.top_k, "top-k sampling (0 = off)")->check(at_least(0));
   cmd->add_option("--top-p", s.top_p, "top-p sampling (1 = off)")->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--min-p", s.min_p, "min-p sampling (0 = off)")->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1 = off)")
-      ->check(CLI::PositiveNumber);
+      ->check(above(0));
   cmd->add_option("--repeat-last-n", s.repeat_last_n, "window of the penalties (-1 = all)")
       ->check(CLI::Range(-1, 1 << 30));
   cmd->add_option("--frequency-penalty", s.frequency_penalty, "frequency penalty");

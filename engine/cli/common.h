@@ -16,6 +16,12 @@
 
 namespace kestrel::cli {
 
+// Number checks for CLI11 options, with one plain message ("--repetitions: must be at least
+// 1, got 0"); CLI11's PositiveNumber and NonNegativeNumber print their range up to DBL_MAX in
+// full.
+CLI::Validator at_least(double lo);
+CLI::Validator above(double lo);
+
 struct ModelOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda

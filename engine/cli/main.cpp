@@ -17,7 +17,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version as CLI11 prints them; a bad command line in one line, exit 2.
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    std::cerr << "kestrel: " << e.what() << " (kestrel --help)\n";
+    return 2;
   }
   try {
     return action ? action() : 1;
