@@ -17,10 +17,11 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    // --help and --version as CLI11 prints them; a bad command line in one line, exit 2.
+    // --help and --version as CLI11 prints them; a bad command line in one line, exit 1 (as
+    // kestrel-synth and kestrel-quantize do).
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
-    std::cerr << "kestrel: " << e.what() << " (kestrel --help)\n";
-    return 2;
+    std::cerr << "kestrel: " << e.what() << "\n";
+    return 1;
   }
   try {
     return action ? action() : 1;
