@@ -166,6 +166,8 @@ TEST_F(Cli, BadCommandLinesGetOneLine) {
       {" generate --device cpu" + m + " -p hi -n many", "--n-predict: not a number: 'many'"},
       {" generate --device cpu" + m + " -p hi --temp -0.5", "--temp: must be at least 0, got -0.5"},
       {" generate --device cpu" + m + " -p hi --repeat-penalty 0", "--repeat-penalty: must be above 0"},
+      {" generate --device cpu" + m + " -p hi --top-p 2", "--top-p: must be between 0 and 1, got 2"},
+      {" generate --device cpu" + m + " -p hi --json --logprobs 101", "--logprobs: must be between 0 and 100"},
       {" bench --device cpu" + m + " -r 0", "--repetitions: must be at least 1, got 0"},
       {" bench --device cpu" + m + " -n -3", "--n-gen: must be at least 0, got -3"},
       {" perplexity --device cpu" + m + " -f x.txt --chunks -1", "--chunks: must be at least 0"},

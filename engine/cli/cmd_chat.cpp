@@ -285,7 +285,7 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
                   "chatml, vicuna, raw");
   cmd->add_option("--system", a->system, "system prompt");
   cmd->add_option("-n,--n-predict", a->n_predict, "most tokens per reply (-1 = up to the context)")
-      ->check(CLI::Range(-1, 1 << 30));
+      ->check(between(-1, 1 << 30));
   add_sampling_options(cmd, a->sampling);
   cmd->add_flag("-q,--quiet", a->quiet, "no notes, statistics or performance block on stderr");
   cmd->callback([a, &action] {

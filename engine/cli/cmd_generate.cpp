@@ -371,7 +371,7 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--system", a->system, "system prompt for --chat");
   cmd->add_option("--logprobs", a->logprobs,
                   "with --json or --batch-file: top-N log-probabilities of each generated token")
-      ->check(CLI::Range(0, 100));
+      ->check(between(0, 100));
   cmd->add_flag("--json", a->json, "print one JSON object instead of streaming text");
   cmd->add_flag("-q,--quiet", a->quiet, "no notes, progress or statistics on stderr");
   cmd->callback([a, &action] {

@@ -47,6 +47,12 @@ CLI::Validator above(double lo) {
                       fmt::format("NUMBER > {}", lo));
 }
 
+CLI::Validator between(double lo, double hi) {
+  return number_check([lo, hi](double v) { return v >= lo && v <= hi; },
+                      fmt::format("must be between {} and {}", lo, hi),
+                      fmt::format("NUMBER in [{}, {}]", lo, hi));
+}
+
 void add_model_options(CLI::App* cmd, ModelOptions& o) {
   cmd->add_option("-m,--model", o.dir, "model directory (Hugging Face layout)")->required();
   cmd->add_option("--device", o.device, "cpu, cuda or auto (cuda when a GPU is usable)")
@@ -114,12 +120,12 @@ LoadedModel load_model(const ModelOptions& o, bool quiet) {
 void add_sampling_options(CLI::App* cmd, SamplingOptions& s) {
   cmd->add_option("--temp", s.temperature, "temperature (0 = greedy)")->check(at_least(0));
   cmd->add_option("--top-k", s.top_k, "top-k sampling (0 = off)")->check(at_least(0));
-  cmd->add_option("--top-p", s.top_p, "top-p sampling (1 = off)")->check(CLI::Range(0.0, 1.0));
-  cmd->add_option("--min-p", s.min_p, "min-p sampling (0 = off)")->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--top-p", s.top_p, "top-p sampling (1 = off)")->check(between(0, 1));
+  cmd->add_option("--min-p", s.min_p, "min-p sampling (0 = off)")->check(between(0, 1));
   cmd->add_option("--repeat-penalty", s.repeat_penalty, "repetition penalty (1 = off)")
       ->check(above(0));
   cmd->add_option("--repeat-last-n", s.repeat_last_n, "window of the penalties (-1 = all)")
-      ->check(CLI::Range(-1, 1 << 30));
+      ->check(between(-1, 1 << 30));
   cmd->add_option("--frequency-penalty", s.frequency_penalty, "frequency penalty");
   cmd->add_option("--presence-penalty", s.presence_penalty, "presence penalty");
   cmd->add_option("--seed", s.seed, "random seed (default: random, printed)");

@@ -18,9 +18,10 @@ namespace kestrel::cli {
 
 // Number checks for CLI11 options, with one plain message ("--repetitions: must be at least
 // 1, got 0"); CLI11's PositiveNumber and NonNegativeNumber print their range up to DBL_MAX in
-// full.
+// full, and Range its bounds with six decimals.
 CLI::Validator at_least(double lo);
 CLI::Validator above(double lo);
+CLI::Validator between(double lo, double hi);  // lo <= value <= hi
 
 struct ModelOptions {
   std::string dir;
