@@ -350,11 +350,12 @@ TEST(GemvShapes, LongRowsNeedMoreSharedMemory) {
 TEST(GemvShapes, LongRowsAtLargeNKeepWholeBlocks) {
   REQUIRE_GPU();
   std::mt19937 rng(45);
-  for (bool act : {true, false}) {
-    const Format f{/*bits=*/4, /*group_size=*/128, /*sym=*/true, act, /*zero_offset=*/1};
-    const Linear L = random_linear(f, 4096, 30720, rng);
-    check_quant(L, 4096, rng);
-  }
+  for (int bits : {4, 8, 3})
+    for (bool act : {true, false}) {
+      const Format f{bits, /*group_size=*/128, /*sym=*/true, act, /*zero_offset=*/1};
+      const Linear L = random_linear(f, 4096, 30720, rng);
+      check_quant(L, 4096, rng);
+    }
 }
 
 // Group sizes that are multiples of 32 but not 32/64/128 are served by repeating scales.
@@ -573,62 +574,67 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
   REQUIRE_GPU();
   std::mt19937 rng(61);
   enum Ops { kNone, kNorm, kResidual, kAliased, kNormSilu };
-  for (int gs : {32, 64, 128, -1})
-    for (bool act : {false, true})
-      for (bool sym : {true, false})
-        // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps); the others 16.
-        for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096}})
-          for (Ops ops : {kNone, kNorm, kResidual, kAliased, kNormSilu}) {
-            if (!sym && (gs != 128 || ops != kNone)) continue;
-            if (n == 4098 && gs != 128) continue;
-            Format f;
-            f.group_size = gs;
-            f.act_order = act;
-            f.sym = sym;
-            f.zero_offset = sym ? 1 : 0;
-            const Linear L = random_linear(f, round_up(n, 32), K, rng);
-            const std::string what = describe(f, n, K) + " ops " + std::to_string(ops);
-            SCOPED_TRACE(what);
-            Packed P = pack(L, n);
-            GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
-            const std::vector<uint16_t> x = random_x(K, rng);
-            const std::vector<uint16_t> norm_w = random_x(K, rng);
-            DeviceBuffer dnw = upload(norm_w);
-            const bool norm = ops == kNorm || ops == kNormSilu, silu = ops == kNormSilu;
-            const bool res = ops == kResidual || ops == kAliased;
-            const std::vector<uint16_t> r = res ? random_x(n, rng) : std::vector<uint16_t>{};
-            cuda::GemvInput in;
-            if (norm) in = {dnw.as<__half>(), 1e-5f, false};
-            const int64_t out_n = silu ? n / 2 : n;
-            auto y_with = [&](bool specialized) {
-              cuda::gemv_use_specialized(specialized);
-              std::vector<float> y = run(
-                  out_n, x, r, ops == kAliased,
-                  [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
-                    cuda::gemv(w, dx, dy, dr, st, in, cuda::GemvEpilogue{silu});
-                  });
-              cuda::gemv_use_specialized(true);
-              return y;
-            };
-            const std::vector<float> ys = y_with(true), yg = y_with(false);
-            for (int64_t i = 0; i < out_n; ++i)
-              ASSERT_EQ(std::memcmp(&ys[i], &yg[i], sizeof(float)), 0)
-                  << "row " << i << ": specialized " << ys[i] << ", run-time " << yg[i];
-            // And both right: the reference of the staged input, residual added, SiLU taken.
-            double terms2 = 0;
-            std::vector<float> ref =
-                reference(L, n, norm ? fused_input(x, K, norm_w, 1e-5f, false) : to_float(x),
-                          &terms2);
-            if (res)
-              for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);
-            if (silu) {
+  // Every bit width with specialized kernels (3, 4, 8); 2-bit and asymmetric weights run the
+  // run-time kernel either way, checked here once each.
+  for (int bits : {4, 3, 8, 2})
+    for (int gs : {32, 64, 128, -1})
+      for (bool act : {false, true})
+        for (bool sym : {true, false})
+          // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps); the others 16.
+          for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096}})
+            for (Ops ops : {kNone, kNorm, kResidual, kAliased, kNormSilu}) {
+              if (!sym && (gs != 128 || ops != kNone)) continue;
+              if (n == 4098 && gs != 128) continue;
+              if (bits == 2 && (gs != 128 || act || ops != kNone)) continue;
+              Format f;
+              f.bits = bits;
+              f.group_size = gs;
+              f.act_order = act;
+              f.sym = sym;
+              f.zero_offset = sym ? 1 : 0;
+              const Linear L = random_linear(f, round_up(n, 32), K, rng);
+              const std::string what = describe(f, n, K) + " ops " + std::to_string(ops);
+              SCOPED_TRACE(what);
+              Packed P = pack(L, n);
+              GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+              const std::vector<uint16_t> x = random_x(K, rng);
+              const std::vector<uint16_t> norm_w = random_x(K, rng);
+              DeviceBuffer dnw = upload(norm_w);
+              const bool norm = ops == kNorm || ops == kNormSilu, silu = ops == kNormSilu;
+              const bool res = ops == kResidual || ops == kAliased;
+              const std::vector<uint16_t> r = res ? random_x(n, rng) : std::vector<uint16_t>{};
+              cuda::GemvInput in;
+              if (norm) in = {dnw.as<__half>(), 1e-5f, false};
+              const int64_t out_n = silu ? n / 2 : n;
+              auto y_with = [&](bool specialized) {
+                cuda::gemv_use_specialized(specialized);
+                std::vector<float> y = run(
+                    out_n, x, r, ops == kAliased,
+                    [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+                      cuda::gemv(w, dx, dy, dr, st, in, cuda::GemvEpilogue{silu});
+                    });
+                cuda::gemv_use_specialized(true);
+                return y;
+              };
+              const std::vector<float> ys = y_with(true), yg = y_with(false);
               for (int64_t i = 0; i < out_n; ++i)
-                ref[i] = ref[i] / (1.0f + std::exp(-ref[i])) * ref[out_n + i];
-              ref.resize(out_n);
+                ASSERT_EQ(std::memcmp(&ys[i], &yg[i], sizeof(float)), 0)
+                    << "row " << i << ": specialized " << ys[i] << ", run-time " << yg[i];
+              // And both right: the reference of the staged input, residual added, SiLU taken.
+              double terms2 = 0;
+              std::vector<float> ref =
+                  reference(L, n, norm ? fused_input(x, K, norm_w, 1e-5f, false) : to_float(x),
+                            &terms2);
+              if (res)
+                for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);
+              if (silu) {
+                for (int64_t i = 0; i < out_n; ++i)
+                  ref[i] = ref[i] / (1.0f + std::exp(-ref[i])) * ref[out_n + i];
+                ref.resize(out_n);
+              }
+              expect_close(ys, ref, terms2, what);
+              cuda::gemv_free(w);
             }
-            expect_close(ys, ref, terms2, what);
-            cuda::gemv_free(w);
-          }
 }
 
 // ---- Fused parts -------------------------------------------------------------------------------

@@ -1,0 +1,884 @@
+// The batch-1 GEMV kernels' device code (gemv.cu describes the design), shared by the
+// translation units that compile its kernels: gemv.cu (the run-time quantized kernel, the fp16
+// GEMV, the dispatch) and gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the kernels specialized
+// per bit width: 64 each, compiled in parallel). Device code: include from .cu files only.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "kernels/common/cp_async.cuh"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemv/gemv.h"
+#include "kernels/gemv/gemv_layout.h"
+
+namespace kestrel::cuda::gemv_detail {
+
+struct KParams {
+  const uint4* codes;      // row n starts at codes + n * row_stride
+  int64_t row_stride;      // uint4 per row: planes * nch
+  const __half* scales;    // [N][G]
+  const uint8_t* zeros;    // [N][G] or nullptr
+  const int32_t* perm;     // [nch * C] or nullptr
+  const __half* x;
+  __half* y;
+  const __half* residual;  // may alias y
+  int N, K, nch, G;
+  int zero_const, zero_offset;
+  int k_split, tiles;
+  // The op before the GEMV, fused into the staging of x (GemvInput): RMSNorm with these
+  // weights, or SiLU(gate) * up over an x that holds [gate | up].
+  const __half* norm_w;  // nullptr = no norm
+  float eps;
+  bool silu_mul;
+  // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
+  // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
+  int silu_pair;
+};
+
+using Kernel = void (*)(KParams);
+
+struct QuantKernel {
+  Kernel k;
+  int warps;
+};
+
+// What a call fixes at compile time. The quantized kernel tests its optional inputs (zero
+// points, act-order permutation, RMSNorm weights, residual, SiLU epilogue) at run time; in the
+// inner loop and the staging those tests cost registers (4-bit g128: 123, against 84-94 with
+// them folded away; 8-bit: 104 against 79-95) and time. The symmetric 3-, 4- and 8-bit kernels
+// are therefore also compiled once per combination a decode step uses: act-order or not, times
+// the fused ops of its four GEMVs (qkv: RMSNorm; o and down: residual; gate|up: RMSNorm and the
+// SiLU epilogue; and none, as the benchmarks and other callers run it). kDynamic keeps every
+// test at run time: 2-bit weights, asymmetric weights (their zero points take the registers
+// back: 109-128 compiled in) and any other combination (the SiLU-times-up input op). Measured on
+// the H200 (kestrel bench -p 512 -n 128 -r 3 on kestrel-synth --shape 7b, g128; the run-time
+// kernel -> specialized, tokens/s): 4-bit 600 -> 622 (the 1.1B 1,580 -> 1,663), then with the
+// 8-warp blocks 8-bit 435 -> 451 and 3-bit 603 -> 648.
+enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8 };
+constexpr int kDynamic = -1;
+
+// The specialized kernel of one bit width for a call's flags (spec_of, not kDynamic) in blocks
+// of `warps` (8 or 16), or {nullptr, 0}: one per gemv_spec*.cu.
+QuantKernel spec_kernel_3bit(int gs, int spec, int warps);
+QuantKernel spec_kernel_4bit(int gs, int spec, int warps);
+QuantKernel spec_kernel_8bit(int gs, int spec, int warps);
+
+namespace {
+
+// ---- PTX --------------------------------------------------------------------------------------
+
+// L2 policy for streamed weights: first to leave L2 (they are read once per token and must not
+// evict the KV cache or the activations). Made once per thread, passed to every load.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+// Streaming weight load: not kept in L1, evict-first in L2.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "l"(pol));
+  return r;
+}
+
+// Pull [p, p + bytes) into L2 without waiting (the copy engine does it; no registers held).
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Programmatic dependent launch: wait until the previous kernel's writes are visible (a no-op
+// when launched without the attribute), and let the next kernel start its prologue.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// (a & b) | c in one instruction: the mask-and-magic step of the dequantization.
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+// (a & m) | (b & ~m): bit select, one lop3.
+__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
+  return r;
+}
+
+__device__ __forceinline__ __half2 h2(uint32_t u) {
+  __half2 h;
+  static_assert(sizeof(h) == sizeof(u));
+  memcpy(&h, &u, sizeof(u));
+  return h;
+}
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+__device__ __forceinline__ float hsum(__half2 v) { return __low2float(v) + __high2float(v); }
+
+// q - z for a pair of codes that lop3 put at mantissa bit p under magic M = 2^(10-p):
+// t - (M + z), with M + z as bits: magic | z << p (z << p stays inside the mantissa).
+__device__ __forceinline__ __half2 minus_zero(uint32_t t, uint32_t mz) {
+  return __hsub2(h2(t), h2(mz));
+}
+
+// ---- One 4-bit (or 3-bit nibble) word: 8 codes against 8 x values -------------------------
+
+// Integer dot: returns acc + sum (q - z) * x.
+template <uint32_t kMask>
+__device__ __forceinline__ __half2 nibble_word_int(uint32_t w, uint4 xv, uint32_t mz0,
+                                                   uint32_t mz4, __half2 acc) {
+  constexpr uint32_t lo = kMask * 0x00010001u, hi = kMask * 0x00100010u;
+  const uint32_t w8 = w >> 8;
+  acc = __hfma2(minus_zero(and_or(w, lo, 0x64006400u), mz0), h2(xv.x), acc);
+  acc = __hfma2(minus_zero(and_or(w, hi, 0x54005400u), mz4), h2(xv.y), acc);
+  acc = __hfma2(minus_zero(and_or(w8, lo, 0x64006400u), mz0), h2(xv.z), acc);
+  acc = __hfma2(minus_zero(and_or(w8, hi, 0x54005400u), mz4), h2(xv.w), acc);
+  return acc;
+}
+
+// ---- Formats ------------------------------------------------------------------------------------
+
+// The quantized formats: what one unit of a row holds, how its scales are fetched, and its dot
+// product with x. BITS: 2, 3, 4, 8. GS: effective group size, 32/64/128, or 0 for one per row.
+template <int BITS, int GS>
+struct QuantOp {
+  static constexpr int kCodes = chunk_codes(BITS);        // codes per chunk
+  static constexpr int kChunks = unit_chunks(BITS);       // chunks per unit
+  static constexpr int kLoads = unit_loads(BITS);         // 16-byte loads per unit and row
+  static constexpr int kUnitCodes = kCodes * kChunks;     // 256, 128, 128, 64 for 2, 3, 4, 8
+  static constexpr int kVecs = kUnitCodes / 8;            // x uint4 per unit
+  // Scales a unit meets: several when groups are smaller than the unit, else one (a group of
+  // 128 spans two 8-bit units).
+  static constexpr int kScales = (GS == 0 || GS >= kUnitCodes) ? 1 : kUnitCodes / GS;
+  static_assert(GS == 0 || GS % 32 == 0, "groups are whole 32-code pieces");
+  static_assert(kScales == 1 || kScales == 2 || kScales == 4 || kScales == 8, "scale vector");
+  static constexpr int R = kQuantRows;
+
+  struct Frag {
+    uint4 q[R][kLoads];
+    uint32_t s[R][(kScales + 1) / 2];  // fp16 scale bits, two per word
+    uint32_t z[R][(kScales + 3) / 4];  // stored zero points, four per word (asymmetric only)
+  };
+
+  // Scale slot of the group holding code `off` of the unit (compile-time in every caller).
+  static constexpr int group_in_unit(int off) { return kScales == 1 ? 0 : off / GS; }
+  __device__ static __forceinline__ int64_t scale_index(int u) {
+    return GS == 0 ? 0 : GS >= kUnitCodes ? int64_t(u) * kUnitCodes / GS : int64_t(u) * kScales;
+  }
+
+  // Loads unit u (iteration i = u / 32, lane = u % 32) of rows row0 .. row0 + nrows - 1; rows
+  // past nrows get zero codes and scales (computed, never stored).
+  // Row r of the step is row0 + r * rstep (rstep = 1, or the gate/up pair distance).
+  __device__ static __forceinline__ void load(Frag& f, const KParams& p, int row0, int rstep,
+                                              int nrows, int i, int lane, uint64_t pol) {
+    const int cnt = min(32, p.nch - 32 * i);
+    const int64_t si = scale_index(32 * i + lane);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r < nrows) {
+        const int row = row0 + r * rstep;
+        const uint4* base = p.codes + int64_t(row) * p.row_stride + 32 * i * kLoads + lane;
+#pragma unroll
+        for (int t = 0; t < kLoads; ++t) f.q[r][t] = ld_stream(base + t * cnt, pol);
+        const int64_t idx = int64_t(row) * p.G + si;
+        if constexpr (kScales == 1) {
+          f.s[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.scales) + idx);
+        } else if constexpr (kScales == 2) {
+          f.s[r][0] = __ldg(reinterpret_cast<const uint32_t*>(p.scales + idx));
+        } else if constexpr (kScales == 4) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(p.scales + idx));
+          f.s[r][0] = v.x, f.s[r][1] = v.y;
+        } else {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.scales + idx));
+          f.s[r][0] = v.x, f.s[r][1] = v.y, f.s[r][2] = v.z, f.s[r][3] = v.w;
+        }
+        if (p.zeros) {
+          if constexpr (kScales == 1) {
+            f.z[r][0] = __ldg(p.zeros + idx);
+          } else if constexpr (kScales == 2) {
+            f.z[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.zeros + idx));
+          } else if constexpr (kScales == 4) {
+            f.z[r][0] = __ldg(reinterpret_cast<const uint32_t*>(p.zeros + idx));
+          } else {
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p.zeros + idx));
+            f.z[r][0] = v.x, f.z[r][1] = v.y;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < kLoads; ++t) f.q[r][t] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int g = 0; g < (kScales + 1) / 2; ++g) f.s[r][g] = 0;
+#pragma unroll
+        for (int g = 0; g < (kScales + 3) / 4; ++g) f.z[r][g] = 0;
+      }
+    }
+  }
+
+  __device__ static __forceinline__ uint32_t scale_bits(const Frag& f, int r, int g) {
+    return (f.s[r][g / 2] >> (16 * (g % 2))) & 0xFFFFu;
+  }
+  __device__ static __forceinline__ float scale(const Frag& f, int r, int g) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(scale_bits(f, r, g))));
+  }
+  __device__ static __forceinline__ uint32_t zero(const Frag& f, const KParams& p, int r, int g) {
+    return p.zeros ? ((f.z[r][g / 4] >> (8 * (g % 4))) & 0xFFu) + uint32_t(p.zero_offset)
+                   : uint32_t(p.zero_const);
+  }
+
+  // acc[r] += dot(unit of row r, x). xs = &x_s[u]: the unit's x uint4 v at xs[v * stride].
+  __device__ static __forceinline__ void compute(const Frag& f, const KParams& p, const uint4* xs,
+                                                 int stride, float (&acc)[R]) {
+    if constexpr (BITS == 4) {
+      // Chunk j = codes 32j .. 32j+31 of the unit; word w of it meets x uint4 4j + w.
+      uint32_t mz0[R][kScales], mz4[R][kScales];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int g = 0; g < kScales; ++g) {
+          const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
+          mz0[r][g] = 0x64006400u | z2;
+          mz4[r][g] = 0x54005400u | (z2 << 4);
+        }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int g = group_in_unit(32 * j);
+        __half2 h[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) h[r] = __float2half2_rn(0.f);
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const uint4 xv = xs[(4 * j + w) * stride];
+#pragma unroll
+          for (int r = 0; r < R; ++r)
+            h[r] = nibble_word_int<15>(word(f.q[r][j], w), xv, mz0[r][g], mz4[r][g], h[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(scale(f, r, g), hsum(h[r]), acc[r]);
+      }
+    } else if constexpr (BITS == 8) {
+      // Chunk j = codes 16j .. 16j+15; words (2v, 2v+1) meet x uint4 2j + v. w = (q - z) * s
+      // in fp16, summed over the unit in half2.
+      __half2 h[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) h[r] = __float2half2_rn(0.f);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int g = group_in_unit(16 * j);
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const uint4 xv = xs[(2 * j + v) * stride];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t mz = 0x64006400u | (zero(f, p, r, g) * 0x00010001u);
+            const __half2 s = h2(scale_bits(f, r, g) * 0x00010001u);
+            const uint32_t w0 = word(f.q[r][j], 2 * v), w1 = word(f.q[r][j], 2 * v + 1);
+            // prmt: bytes (0,1) / (2,3) of the word each under a 0x64 byte = 1024 + q.
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4140u), mz), s),
+                           h2(xv.x), h[r]);
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4342u), mz), s),
+                           h2(xv.y), h[r]);
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4140u), mz), s),
+                           h2(xv.z), h[r]);
+            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4342u), mz), s),
+                           h2(xv.w), h[r]);
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] += hsum(h[r]);
+    } else if constexpr (BITS == 2) {
+      // Chunk j = codes 64j .. 64j+63 = pieces 2j, 2j+1; piece pc of the chunk is words 2pc,
+      // 2pc+1 against x uint4 8j + 4pc .. +3.
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int pc = 0; pc < 2; ++pc) {
+          const int g = group_in_unit(64 * j + 32 * pc);
+          uint4 xv[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xv[i] = xs[(8 * j + 4 * pc + i) * stride];
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
+            const uint32_t mz[4] = {0x64006400u | z2, 0x5C005C00u | (z2 << 2),
+                                    0x54005400u | (z2 << 4), 0x4C004C00u | (z2 << 6)};
+            constexpr uint32_t magic[4] = {0x64006400u, 0x5C005C00u, 0x54005400u, 0x4C004C00u};
+            __half2 h = __float2half2_rn(0.f);
+#pragma unroll
+            for (int wi = 0; wi < 2; ++wi) {
+              const uint32_t w = word(f.q[r][j], 2 * pc + wi), w8 = w >> 8;
+              const uint4 xa = xv[2 * wi], xb = xv[2 * wi + 1];
+#pragma unroll
+              for (int sl = 0; sl < 4; ++sl) {
+                const uint32_t m = 0x00030003u << (2 * sl);
+                h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), h2(word(xa, sl)), h);
+                h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), h2(word(xb, sl)), h);
+              }
+            }
+            acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
+          }
+        }
+    } else {  // BITS == 3: one chunk of 3 planes; piece pc = word pc of planes a, b, c
+#pragma unroll
+      for (int pc = 0; pc < 4; ++pc) {
+        const int g = group_in_unit(32 * pc);
+        uint4 xv[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * pc + i) * stride];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
+          const uint32_t mz0 = 0x64006400u | z2, mz4 = 0x54005400u | (z2 << 4);
+          const uint32_t a = word(f.q[r][0], pc), b = word(f.q[r][1], pc), c = word(f.q[r][2], pc);
+          const uint32_t d = select_bits(a >> 3, select_bits(b >> 2, c >> 1, 0x22222222u),
+                                         0x11111111u);
+          __half2 h = __float2half2_rn(0.f);
+          h = nibble_word_int<7>(a, xv[0], mz0, mz4, h);
+          h = nibble_word_int<7>(b, xv[1], mz0, mz4, h);
+          h = nibble_word_int<7>(c, xv[2], mz0, mz4, h);
+          h = nibble_word_int<7>(d, xv[3], mz0, mz4, h);
+          acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
+        }
+      }
+    }
+  }
+};
+
+// fp16 weights: the row as stored, 8 values per chunk, fp32 products and sums.
+struct F16Op {
+  static constexpr int kCodes = 8;
+  static constexpr int kRows = kF16Rows;
+  static constexpr int kUnroll = 4;  // 16 loads in flight: a chunk is only 8 weights
+  static constexpr int kVecs = 1;
+
+  struct Frag {
+    uint4 q[kRows];
+  };
+
+  __device__ static __forceinline__ void load(Frag& f, const KParams&,
+                                              const uint4* const (&rowp)[kRows],
+                                              const int64_t (&)[kRows], int c, uint64_t pol) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) f.q[r] = ld_stream(rowp[r] + c, pol);
+  }
+
+  __device__ static __forceinline__ void compute(const Frag& f, const uint4* xs, int,
+                                                 float (&acc)[kRows]) {
+    const uint4 xv = xs[0];
+    float2 x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = __half22float2(h2(word(xv, j)));
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float a = acc[r];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 w = __half22float2(h2(word(f.q[r], j)));
+        a = fmaf(w.x, x[j].x, a);
+        a = fmaf(w.y, x[j].y, a);
+      }
+      acc[r] = a;
+    }
+  }
+};
+
+// ---- Staging x --------------------------------------------------------------------------------
+
+// The fused input ops compute exactly what the stand-alone kernels do (kernels/norm,
+// kernels/activation): fp32 math on fp16 inputs, one rounding to fp16 of the staged value.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// The sum of v over a block of T threads (every thread gets it).
+template <int T>
+__device__ float block_sum(float v) {
+  __shared__ float part[T / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) total += part[w];
+  return total;
+}
+
+__device__ __forceinline__ float sum_squares8(uint4 raw) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h2(word(raw, j)));
+    ss += f.x * f.x + f.y * f.y;
+  }
+  return ss;
+}
+
+// RMSNorm's 1 / rms(x) over the block of T threads (every block stages the whole x anyway).
+template <int T>
+__device__ float input_inv_rms(const KParams& p, bool vec) {
+  float ss = 0.f;
+  if (vec) {
+    for (int v = threadIdx.x; v < p.K / 8; v += T)
+      ss += sum_squares8(__ldcg(reinterpret_cast<const uint4*>(p.x) + v));
+  } else {
+    for (int k = threadIdx.x; k < p.K; k += T) {
+      const float f = __half2float(__ldcg(p.x + k));
+      ss += f * f;
+    }
+  }
+  return rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
+}
+
+// The fused input op on 8 values: raw = x, other = the norm weights (RMSNorm) or up (SiLU).
+__device__ __forceinline__ uint4 apply_input8(const KParams& p, uint4 raw, uint4 other,
+                                              float inv_rms) {
+  if (!p.norm_w && !p.silu_mul) return raw;
+  uint32_t out[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 a = __half22float2(h2(word(raw, j))), b = __half22float2(h2(word(other, j)));
+    const __half2 r = p.norm_w ? __floats2half2_rn(a.x * inv_rms * b.x, a.y * inv_rms * b.y)
+                               : __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y));
+    memcpy(&out[j], &r, 4);
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// The second operand of the fused input op for x values k .. k+7.
+__device__ __forceinline__ uint4 input_other8(const KParams& p, int k) {
+  if (p.norm_w) return __ldg(reinterpret_cast<const uint4*>(p.norm_w + k));
+  if (p.silu_mul) return __ldcg(reinterpret_cast<const uint4*>(p.x + p.K + k));
+  return make_uint4(0, 0, 0, 0);
+}
+
+// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
+__device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) {
+  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+  if (!p.norm_w && !p.silu_mul) return raw;
+  return apply_input8(p, raw, input_other8(p, k), inv_rms);
+}
+
+__device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms) {
+  const float a = __half2float(__ldcg(p.x + k));
+  if (p.norm_w) return __float2half_rn(a * inv_rms * __half2float(__ldg(p.norm_w + k)));
+  if (p.silu_mul) return __float2half_rn(silu_times(a, __half2float(__ldcg(p.x + p.K + k))));
+  return __float2half_rn(a);
+}
+
+// x vectors per thread held in registers by the one-pass staging: 4 in a block of 512 threads,
+// 8 in one of 256, so that either stages K <= 16384 in one pass.
+constexpr int max_v(int T) { return T >= 512 ? 4 : 8; }
+
+// The most 8-value vectors of x a block of T threads stages in one pass: max_v per thread.
+constexpr int one_pass_max_vecs(int T) { return T * max_v(T); }
+
+// Whether stage_x takes its one-pass path: natural order, 16-byte vectors, at most max_v(T) of
+// them per thread.
+template <int T>
+__device__ __forceinline__ bool one_pass_staging(const KParams& p) {
+  return p.perm == nullptr && (p.K % 8 == 0) &&
+         ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
+         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
+}
+
+// The part of the staging that does not depend on the previous kernel, started before the
+// wait on it: on the one-pass path, the RMSNorm weights of each x vector a thread will stage,
+// copied (cp.async) into the very x_s slot that vector goes to. The same thread reads them
+// back after the wait and overwrites the slot, so no barrier is needed. This takes an HBM round
+// trip off the staging's path (norm weights are read once per token and leave L2 between
+// steps), but the copies still queue behind the first step's weight loads in the SM's load
+// path; the quantized kernel on sm_90 brings the norm weights and x by bulk copy instead
+// (7B decode +3%, kernels/gemv/NOTES.md), and uses this only below sm_90.
+template <int C, int T>
+__device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
+  if (!p.norm_w || !one_pass_staging<T>(p)) return;
+  constexpr int V = C / 8;
+  constexpr int kMaxV = max_v(T);
+#pragma unroll
+  for (int i = 0; i < kMaxV; ++i) {
+    const int v = threadIdx.x + i * T;
+    if (v < p.K / 8) cp_async16(smem_u32(&x_s[(v % V) * p.nch + v / V]), p.norm_w + 8 * v);
+  }
+}
+
+// x_s[j * n + c] = x values k = c*C + 8j .. +7 of the permuted K axis (zero past K), for
+// n = p.nch pieces of C codes (chunks of the fp16 kernel, units of the quantized one), staged by
+// a block of T threads after stage_x_early<C, T>. x and residual are read with ld.global.cg:
+// written by the previous kernel, which with programmatic dependent launch may still have been
+// running when this one started.
+//
+// x_raw (one-pass path only): when not null, x in its natural order in shared memory, landing
+// from a bulk copy that completes on `bar`; the values are read from there instead of L2.
+template <int C, int T>
+__device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat,
+                                        const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
+                                        uint64_t* bar = nullptr) {
+  constexpr int V = C / 8;
+  constexpr int kMaxV = max_v(T);
+  const int nvec = p.nch * V;
+  const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
+                   ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
+  auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
+  if (one_pass_staging<T>(p)) {
+    // One pass: every load of x (and of up) in flight at once, then the RMSNorm reduction over
+    // the registers. (The loop below reads x twice for RMSNorm, each pass a round trip to L2,
+    // and waits on every vector of a SiLU input in turn.) The norm weights are already in the
+    // slots (stage_x_early), or land in n_raw with x_raw (bulk copies).
+    const int nnat = p.K / 8;
+    uint4 a[kMaxV], b[kMaxV];
+#pragma unroll
+    for (int i = 0; i < kMaxV; ++i) {
+      const int v = threadIdx.x + i * T;
+      if (v < nnat) {
+        if (!x_raw) a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+        if (!p.norm_w) b[i] = input_other8(p, 8 * v);
+      }
+    }
+    if (x_raw) {
+      mbar_wait(bar, 0);
+#pragma unroll
+      for (int i = 0; i < kMaxV; ++i) {
+        const int v = threadIdx.x + i * T;
+        if (v < nnat) {
+          a[i] = x_raw[v];
+          if (p.norm_w) b[i] = n_raw[v];
+        }
+      }
+    } else if (p.norm_w) {
+      cp_async_wait_all();
+#pragma unroll
+      for (int i = 0; i < kMaxV; ++i) {
+        const int v = threadIdx.x + i * T;
+        if (v < nnat) b[i] = slot(v);
+      }
+    }
+    float inv_rms = 1.f;
+    if (p.norm_w) {
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < kMaxV; ++i)
+        if (threadIdx.x + i * T < nnat) ss += sum_squares8(a[i]);
+      inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
+    }
+#pragma unroll
+    for (int i = 0; i < kMaxV; ++i) {
+      const int v = threadIdx.x + i * T;
+      if (v < nnat) slot(v) = apply_input8(p, a[i], b[i], inv_rms);
+    }
+    for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  const float inv_rms = p.norm_w ? input_inv_rms<T>(p, vec) : 1.f;
+  if (p.perm == nullptr) {
+    for (int v = threadIdx.x; v < nvec; v += T) {
+      const int k = v * 8;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (vec) {
+        if (k < p.K) val = input8(p, k, inv_rms);
+      } else {
+        __half e[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? input1(p, k + i, inv_rms) : __half(0.f);
+        memcpy(&val, e, sizeof(val));
+      }
+      slot(v) = val;
+    }
+  } else {
+    if (vec) {
+      for (int v = threadIdx.x; v < p.K / 8; v += T)
+        reinterpret_cast<uint4*>(x_nat)[v] = input8(p, v * 8, inv_rms);
+    } else {
+      for (int k = threadIdx.x; k < p.K; k += T) x_nat[k] = input1(p, k, inv_rms);
+    }
+    __syncthreads();
+    for (int v = threadIdx.x; v < nvec; v += T) {
+      const int k = v * 8;
+      const int4 i0 = __ldg(reinterpret_cast<const int4*>(p.perm + k));
+      const int4 i1 = __ldg(reinterpret_cast<const int4*>(p.perm + k + 4));
+      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+      __half e[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? x_nat[idx[i]] : __half(0.f);
+      uint4 val;
+      memcpy(&val, e, sizeof(val));
+      slot(v) = val;
+    }
+  }
+}
+
+// Sums each of a warp's R row partials over its 32 lanes (every lane gets every sum, in acc)
+// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows.
+template <int R>
+__device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+  float mine = acc[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r)
+    if (lane == r) mine = acc[r];
+  return mine;
+}
+
+__device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
+  if (row >= p.N) return;
+  if (p.residual) v += __half2float(__ldcg(p.residual + row));
+  p.y[row] = __float2half_rn(v);
+}
+// The same with the residual already loaded (r).
+__device__ __forceinline__ void store_row_plus(const KParams& p, int row, float v, float r) {
+  if (row < p.N) p.y[row] = __float2half_rn(v + r);
+}
+
+// ---- The kernel --------------------------------------------------------------------------------
+
+template <class Op>
+__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(const KParams p) {
+  constexpr int R = Op::kRows, U = Op::kUnroll, C = Op::kCodes;
+  extern __shared__ uint4 smem[];
+  uint4* x_s = smem;
+  float* red = reinterpret_cast<float*>(x_s + static_cast<size_t>(Op::kVecs) * p.nch);
+  __half* x_nat = reinterpret_cast<__half*>(red + kWarps * 4);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int ks = p.k_split;
+  const int kw = warp % ks, rg = warp / ks;
+  const int rows_per_tile = R * (kWarps / ks);
+
+  // The weights do not depend on the previous kernel: start this block's first tile towards L2
+  // before waiting for it.
+  if (blockIdx.x < p.tiles && threadIdx.x < rows_per_tile) {
+    const int row = min(int(blockIdx.x) * rows_per_tile + int(threadIdx.x), p.N - 1);
+    prefetch_l2(p.codes + static_cast<int64_t>(row) * p.row_stride,
+                static_cast<uint32_t>(p.row_stride * 16));
+  }
+  stage_x_early<C, kThreads>(p, x_s);
+  grid_dependency_wait();
+  allow_dependents();
+  stage_x<C, kThreads>(p, x_s, x_nat);
+  __syncthreads();
+
+  const uint64_t pol = evict_first_policy();
+  const int step = 32 * ks;
+  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+    const int row0 = tile * rows_per_tile + rg * R;
+    const uint4* rowp[R];
+    int64_t srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = min(row0 + r, p.N - 1);  // rows past N repeat the last one, unwritten
+      rowp[r] = p.codes + static_cast<int64_t>(row) * p.row_stride;
+      srow[r] = static_cast<int64_t>(row) * p.G;
+    }
+
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+
+    for (int c = kw * 32 + lane; c < p.nch; c += U * step) {
+      typename Op::Frag f[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cu = c + u * step;
+        if (u == 0 || cu < p.nch) Op::load(f[u], p, rowp, srow, cu, pol);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int cu = c + u * step;
+        if (u == 0 || cu < p.nch) Op::compute(f[u], x_s + cu, p.nch, acc);
+      }
+    }
+
+    const float mine = warp_sum_rows(acc, lane);
+
+    if (ks == 1) {
+      if (lane < R) store_row(p, row0 + lane, mine);
+    } else {
+      if (lane < R) red[warp * R + lane] = mine;
+      __syncthreads();
+      if (int(threadIdx.x) < rows_per_tile) {
+        const int t = threadIdx.x, g = t / R, r = t % R;
+        float v = 0.f;
+        for (int k = 0; k < ks; ++k) v += red[(g * ks + k) * R + r];
+        store_row(p, tile * rows_per_tile + t, v);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// p with the optional inputs that kSpec rules out set to none (so that the compiler drops
+// their code), and those it requires assumed present.
+template <int kSpec>
+__device__ __forceinline__ KParams specialize(const KParams& in) {
+  KParams p = in;
+  if constexpr (kSpec != kDynamic) {
+    p.zeros = nullptr;
+    p.silu_mul = false;
+    if constexpr (kSpec & kPerm) __builtin_assume(p.perm != nullptr); else p.perm = nullptr;
+    if constexpr (kSpec & kNorm) __builtin_assume(p.norm_w != nullptr); else p.norm_w = nullptr;
+    if constexpr (kSpec & kResidual) __builtin_assume(p.residual != nullptr);
+    else p.residual = nullptr;
+    if constexpr (kSpec & kSiluPair) __builtin_assume(p.silu_pair != 0); else p.silu_pair = 0;
+  }
+  return p;
+}
+
+// The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
+// warp w of the grid owns the rows [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time,
+// unit by unit (module comment).
+template <int BITS, int GS, int kSpec, int kW = kQuantWarps>
+__global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(const KParams p_in) {
+  static_assert(kQuantWarps % kW == 0, "whole blocks per SM");
+  const KParams p = specialize<kSpec>(p_in);
+  constexpr int kT = 32 * kW;
+  using Op = QuantOp<BITS, GS>;
+  constexpr int R = kQuantRows;
+  static_assert(R == 2, "the SiLU epilogue takes a gate row and an up row per step");
+  extern __shared__ uint4 smem[];
+  const size_t codes = static_cast<size_t>(Op::kVecs) * 8 * p.nch;  // padded K
+  uint4* x_s = smem;
+  __half* x_nat = reinterpret_cast<__half*>(x_s + codes / 8);
+  __half* n_raw = x_nat + codes;  // the RMSNorm weights (bulk path)
+  uint64_t* bar = reinterpret_cast<uint64_t*>(n_raw + codes);
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t wg = int64_t(blockIdx.x) * kW + warp, W = int64_t(gridDim.x) * kW;
+  // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
+  // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
+  const int rstep = p.silu_pair ? p.silu_pair : 1, per_step = p.silu_pair ? 1 : R;
+  const int64_t n_rows = p.silu_pair ? p.silu_pair : p.N;
+  const int rb = static_cast<int>(n_rows * wg / W), re = static_cast<int>(n_rows * (wg + 1) / W);
+  const int iters = (p.nch + 31) / 32;  // unit groups per row (p.nch = units here)
+  const int steps = (re - rb + per_step - 1) / per_step * iters;
+  const uint64_t pol = evict_first_policy();
+  auto rows_at = [&](int row0) { return p.silu_pair ? R : min(R, re - row0); };
+
+  // The weights do not depend on the previous kernel: load the first step into registers
+  // before waiting for it. (A bulk L2 prefetch of the warp's whole run of rows here made every
+  // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
+  typename Op::Frag f;
+  if (steps > 0 && lane < p.nch) Op::load(f, p, rb, rstep, rows_at(rb), 0, lane, pol);
+  // x comes from the previous kernel: one bulk copy into x_nat after the wait (and the RMSNorm
+  // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
+  // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
+  // stage (kernels/gemv/NOTES.md, the timeline); the bulk copies take another path.
+  // (smem_bytes sized x_nat and n_raw for kQuantThreads' one-pass staging.)
+  const bool bulk = has_bulk_copy() && one_pass_staging<kQuantThreads>(p) &&
+                    (kT == kQuantThreads || one_pass_staging<kT>(p));
+  if (bulk) {
+    if (threadIdx.x == 0) {
+      mbar_init(bar, 1);
+      fence_mbar_init();
+      if (p.norm_w) bulk_copy_g2s_no_arrive(n_raw, p.norm_w, static_cast<uint32_t>(p.K) * 2, bar);
+    }
+    __syncthreads();
+  } else {
+    stage_x_early<Op::kUnitCodes, kT>(p, x_s);
+  }
+  grid_dependency_wait();
+  if (bulk && threadIdx.x == 0) bulk_copy_g2s(x_nat, p.x, static_cast<uint32_t>(p.K) * 2, bar);
+  allow_dependents();
+  // The residual of the warp's rows (written by the kernels before), loaded now so that the
+  // store at the end of the run is not one more round trip: lane l holds row rb + l.
+  const bool res_early = p.residual != nullptr && re - rb <= 32;
+  float res = 0.f;
+  if (res_early && lane < re - rb) res = __half2float(__ldcg(p.residual + rb + lane));
+  stage_x<Op::kUnitCodes, kT>(p, x_s, x_nat,
+                                          bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
+                                          reinterpret_cast<const uint4*>(n_raw), bar);
+  __syncthreads();
+
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  int row0 = rb, i = 0;
+  for (int s = 0; s < steps; ++s) {
+    const int nrows = rows_at(row0);
+    const int u = 32 * i + lane;
+    if (u < p.nch) {
+      if (s > 0) Op::load(f, p, row0, rstep, nrows, i, lane, pol);
+      Op::compute(f, p, x_s + u, p.nch, acc);
+    }
+    if (++i == iters) {
+      const float mine = warp_sum_rows(acc, lane);
+      if (p.silu_pair) {
+        // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
+        // then fp32 math, one rounding.
+        if (lane == 0)
+          p.y[row0] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
+                                                 __half2float(__float2half_rn(acc[1]))));
+      } else if (res_early) {
+        const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
+        if (lane < nrows) store_row_plus(p, row0 + lane, mine, r);
+      } else if (lane < nrows) {
+        store_row(p, row0 + lane, mine);
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] = 0.f;
+      i = 0;
+      row0 += per_step;
+    }
+  }
+}
+
+// ---- The specialized kernels of bit width B, by group size, flags and block size -------------
+
+// The symmetric B-bit kernel of group size GS for a call's flags (spec_of, not kDynamic).
+template <int B, int GS, int OPS>
+QuantKernel spec_kernel_for_perm(bool perm, int warps) {
+  if (warps == 8)
+    return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, 8> : gemv_quant_kernel<B, GS, OPS, 8>, 8};
+  return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm> : gemv_quant_kernel<B, GS, OPS>,
+          kQuantWarps};
+}
+
+template <int B, int GS>
+QuantKernel spec_kernel_for_group(int spec, int warps) {
+  const bool perm = spec & kPerm;
+  switch (spec & ~kPerm) {
+    case 0: return spec_kernel_for_perm<B, GS, 0>(perm, warps);
+    case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps);
+    case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps);
+    case kNorm | kSiluPair: return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps);
+    default: return {nullptr, 0};
+  }
+}
+
+template <int B>
+QuantKernel spec_kernel_for_bits(int gs, int spec, int warps) {
+  switch (gs) {
+    case 0: return spec_kernel_for_group<B, 0>(spec, warps);
+    case 32: return spec_kernel_for_group<B, 32>(spec, warps);
+    case 64: return spec_kernel_for_group<B, 64>(spec, warps);
+    case 128: return spec_kernel_for_group<B, 128>(spec, warps);
+    default: return {nullptr, 0};
+  }
+}
+
+}  // namespace
+}  // namespace kestrel::cuda::gemv_detail
