@@ -617,9 +617,23 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
                 return y;
               };
               const std::vector<float> ys = y_with(true), yg = y_with(false);
-              for (int64_t i = 0; i < out_n; ++i)
-                ASSERT_EQ(std::memcmp(&ys[i], &yg[i], sizeof(float)), 0)
-                    << "row " << i << ": specialized " << ys[i] << ", run-time " << yg[i];
+              // The same bits, except where the specialized kernel runs blocks of 8 warps
+              // (4098 rows) with the RMSNorm: its block of 256 threads sums x's squares in
+              // another order than the run-time kernel's 512, so 1 / rms may differ in its last
+              // bit and a staged x by an fp16 ulp. There, 4 ulps of the output (the SiLU
+              // epilogue rounds the gate and up sums before multiplying them).
+              const bool same_order = !(norm && n == 4098);
+              for (int64_t i = 0; i < out_n; ++i) {
+                if (same_order) {
+                  ASSERT_EQ(std::memcmp(&ys[i], &yg[i], sizeof(float)), 0)
+                      << "row " << i << ": specialized " << ys[i] << ", run-time " << yg[i];
+                } else {
+                  const float big = std::max(std::fabs(ys[i]), std::fabs(yg[i]));
+                  const float ulp = std::ldexp(1.0f, std::max(std::ilogb(big), -14) - 10);
+                  ASSERT_LE(std::fabs(ys[i] - yg[i]), 4 * ulp)
+                      << "row " << i << ": specialized " << ys[i] << ", run-time " << yg[i];
+                }
+              }
               // And both right: the reference of the staged input, residual added, SiLU taken.
               double terms2 = 0;
               std::vector<float> ref =

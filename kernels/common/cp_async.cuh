@@ -78,6 +78,27 @@ __device__ __forceinline__ void bulk_copy_g2s_no_arrive(void* dst, const void* s
                             : "memory"));
   bulk_copy_issue(dst, src, bytes, bar);
 }
+// L2 policy for what a decode step reads once (the GEMVs' weights, the KV cache): first to
+// leave L2, so that it does not evict the activations and small tensors the next kernels read
+// again. sm_80 on, as the cache hints below. Made once per thread, passed to every load.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+// cp_async16 and a 16-byte read-only load with an L2 policy.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst),
+               "l"(src), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ uint4 ldg16(const void* p, uint64_t policy) {
+  uint4 r;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(policy));
+  return r;
+}
 // Waits until the mbarrier's phase `parity` has completed (the bulk copy landed).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   KESTREL_BULK(asm volatile(

@@ -78,14 +78,6 @@ namespace {
 
 // ---- PTX --------------------------------------------------------------------------------------
 
-// L2 policy for streamed weights: first to leave L2 (they are read once per token and must not
-// evict the KV cache or the activations). Made once per thread, passed to every load.
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-
 // Streaming weight load: not kept in L1, evict-first in L2.
 __device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
   uint4 r;
