@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fmt/format.h>
 
@@ -259,6 +260,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
     }
     L.bar.finish();
   }
+  permute_down_inputs();
 
   // KV cache: as long as asked (or the model's maximum), shortened to what fits.
   ctx_ = context > 0 ? context : c.max_pos;
@@ -351,6 +353,33 @@ LlamaCuda::~LlamaCuda() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+// Act-order down weights gather their x through the permutation in every block (K = 11008 on
+// a 7B: 44 KB of indices per block); the gate|up GEMV before writes x in that order instead
+// (GpuLayer::down_x_index). KESTREL_PERMUTED_X=0 keeps the gather, for A/B runs.
+void LlamaCuda::permute_down_inputs() {
+  static const bool off = [] {
+    const char* e = std::getenv("KESTREL_PERMUTED_X");
+    return e && std::string(e) == "0";
+  }();
+  auto wants = [&](const GpuLayer& g) {
+    return !off && g.gate_up.can_silu_epilogue() && g.down.quantized && g.down.q.has_perm;
+  };
+  size_t n = 0;
+  for (const GpuLayer& g : w_.layers)
+    if (wants(g)) n += (size_t)g.down.K;
+  if (n == 0) return;
+  auto* d = static_cast<int32_t*>(alloc(n * sizeof(int32_t)));
+  for (GpuLayer& g : w_.layers) {
+    if (!wants(g)) continue;
+    const std::vector<int32_t> idx = cuda::gemv_input_index(g.down.q, stream_);
+    KESTREL_CUDA_CHECK(cudaMemcpy(d, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    g.down_x_index = d;
+    g.down_x_permuted = g.down;
+    g.down_x_permuted.q = cuda::gemv_input_permuted(g.down.q);
+    d += idx.size();
+  }
+}
+
 void LlamaCuda::record_step(cudaStream_t s, Head head) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
@@ -384,10 +413,13 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     // the gate|up GEMV, SiLU * up in its epilogue (quantized) or in the down GEMV's staging.
     if (L.gate_up.can_silu_epilogue()) {
       // SiLU(gate) * up in the gate|up GEMV's epilogue: down stages plain x [intermediate].
-      L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps}, {/*silu_mul=*/true});
+      // Under act-order, stored in down's permutation (GpuLayer::down_x_index).
+      L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps},
+                    {/*silu_mul=*/true, L.down_x_index});
       mark("rms_norm + gemv gate|up + silu*up", L.gate_up.bytes_moved(), s);
-      L.down.run(s_.gate_up, s_.x, s_.x, s);
-      mark("gemv down (+res)", L.down.bytes_moved(), s);
+      const GpuLinear& down = L.down_x_index ? L.down_x_permuted : L.down;
+      down.run(s_.gate_up, s_.x, s_.x, s);
+      mark("gemv down (+res)", down.bytes_moved(), s);
     } else {
       L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps});  // [gate | up]
       mark("rms_norm + gemv gate|up", L.gate_up.bytes_moved(), s);

@@ -42,6 +42,11 @@ struct GpuLayer {
   GpuLinear o;                   // [hidden, q_dim]
   GpuLinear gate_up;             // [2 * intermediate, hidden]
   GpuLinear down;                // [hidden, intermediate]
+  // Act-order down weights (quantized gate|up): the decode step's gate|up GEMV stores SiLU *
+  // up at down_x_index (cuda::gemv_input_index), so that down_x_permuted (down's memory, no
+  // permutation) stages its x without a gather. nullptr otherwise.
+  const int32_t* down_x_index = nullptr;  // [intermediate]
+  GpuLinear down_x_permuted;
 };
 
 struct GpuWeights {
@@ -129,6 +134,8 @@ class LlamaCuda final : public Backend {
   // 1) and to host slot 0 or 1.
   enum class Head { None, Argmax, Logits, Chain0, Chain1, Sample0, Sample1 };
   static constexpr int kHeads = 7;
+  // Sets GpuLayer::down_x_index and down_x_permuted for act-order down weights (at load).
+  void permute_down_inputs();
   // Enqueues one decode step (the token and position are read from device memory; all heads
   // but the chained ones first copy them from host_io_).
   void record_step(cudaStream_t s, Head head);

@@ -19,6 +19,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/dtype.h"
@@ -570,6 +571,81 @@ TEST(GemvEpilogue, SiluMulOfFusedGateUp) {
 // without act-order, in blocks of 16 warps and (g128, the large shape) of 8; and both against
 // the CPU reference. Asymmetric weights take the run-time
 // kernel either way (checked to agree too).
+// The gate|up GEMV storing SiLU * up in the down weight's act-order permutation
+// (GemvEpilogue::out_index = gemv_input_index(down)), and down's gemv_input_permuted view
+// staging it as is: the same bits as the down GEMV gathering the natural x.
+TEST(GemvEpilogue, IndexedStoreFeedsThePermutedInput) {
+  REQUIRE_GPU();
+  std::mt19937 rng(57);
+  for (int bits : {4, 3, 8})
+    for (bool act : {true, false})
+      // (intermediate, hidden, down rows): 11008 x 4100 takes blocks of 8 warps without the
+      // permutation, 16 with it (its x twice in shared memory).
+      for (auto [I, H, Nd] : {std::tuple<int64_t, int64_t, int64_t>{1056, 256, 70},
+                              {11008, 256, 4100}}) {
+        Format f;
+        f.bits = bits;
+        f.group_size = 128;
+        f.act_order = act;
+        Format fg = f;
+        fg.act_order = false;
+        const Linear gate = random_linear(fg, round_up(I, 32), H, rng);
+        const Linear up = random_linear(fg, round_up(I, 32), H, rng);
+        const Linear down = random_linear(f, round_up(Nd, 32), I, rng);
+        const std::string what = describe(f, Nd, I) + " down after an indexed gate|up";
+        SCOPED_TRACE(what);
+        Packed pg = pack(gate, I), pu = pack(up, I), pd = pack(down, Nd);
+        GemvWeight gu = cuda::gemv_prepare({pg.view, pu.view}, nullptr);
+        GemvWeight d = cuda::gemv_prepare({pd.view}, nullptr);
+        ASSERT_EQ(d.has_perm, act);
+        const GemvWeight dv = cuda::gemv_input_permuted(d);
+        ASSERT_EQ(dv.perm, nullptr);
+        const std::vector<int32_t> idx = cuda::gemv_input_index(d, nullptr);
+        ASSERT_EQ((int64_t)idx.size(), I);
+        std::vector<int32_t> seen(idx);
+        std::sort(seen.begin(), seen.end());
+        for (int64_t i = 0; i < I; ++i) ASSERT_EQ(seen[i], i) << "not a permutation";
+
+        const std::vector<uint16_t> x = random_x(H, rng);
+        DeviceBuffer dx = upload(x), didx = upload(idx);
+        DeviceBuffer h(I * 2), hp(I * 2), y(Nd * 2), yp(Nd * 2);
+        cudaStream_t st = nullptr;
+        KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+        cuda::gemv(gu, dx.as<__half>(), h.as<__half>(), nullptr, st, {}, {true});
+        cuda::gemv(d, h.as<__half>(), y.as<__half>(), nullptr, st);
+        cuda::gemv(gu, dx.as<__half>(), hp.as<__half>(), nullptr, st, {},
+                   {true, didx.as<int32_t>()});
+        cuda::gemv(dv, hp.as<__half>(), yp.as<__half>(), nullptr, st);
+        KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+        KESTREL_CUDA_CHECK(cudaStreamDestroy(st));
+        std::vector<uint16_t> hh(I), hph(I), yh(Nd), yph(Nd);
+        KESTREL_CUDA_CHECK(cudaMemcpy(hh.data(), h.get(), I * 2, cudaMemcpyDeviceToHost));
+        KESTREL_CUDA_CHECK(cudaMemcpy(hph.data(), hp.get(), I * 2, cudaMemcpyDeviceToHost));
+        KESTREL_CUDA_CHECK(cudaMemcpy(yh.data(), y.get(), Nd * 2, cudaMemcpyDeviceToHost));
+        KESTREL_CUDA_CHECK(cudaMemcpy(yph.data(), yp.get(), Nd * 2, cudaMemcpyDeviceToHost));
+        for (int64_t i = 0; i < I; ++i)
+          ASSERT_EQ(hph[idx[i]], hh[i]) << "h[" << i << "] stored at " << idx[i];
+        for (int64_t n = 0; n < Nd; ++n)
+          ASSERT_EQ(yph[n], yh[n]) << "row " << n << ": " << half_to_float(yph[n]) << " vs "
+                                   << half_to_float(yh[n]);
+        // And right: down's reference on the natural h.
+        double terms2 = 0;
+        expect_close(to_float(yph), reference(down, Nd, to_float(hh), &terms2), terms2, what);
+        cuda::gemv_free(gu);
+        cuda::gemv_free(d);
+      }
+  // An output index without the SiLU epilogue is refused.
+  Format f;
+  const Linear L = random_linear(f, 64, 256, rng);
+  Packed P = pack(L, 64);
+  GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+  DeviceBuffer buf(4096);
+  EXPECT_THROW(cuda::gemv(w, buf.as<__half>(), buf.as<__half>() + 512, nullptr, nullptr, {},
+                          cuda::GemvEpilogue{false, buf.as<int32_t>() + 512}),
+               Error);
+  cuda::gemv_free(w);
+}
+
 TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
   REQUIRE_GPU();
   std::mt19937 rng(61);

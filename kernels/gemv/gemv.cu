@@ -338,6 +338,9 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
       throw Error("gemv: the SiLU epilogue needs an even N ([gate | up]) and no residual, got N=" +
                   std::to_string(w.N) + (residual ? " with a residual" : ""));
     p.silu_pair = static_cast<int>(w.N / 2);
+    p.y_index = out.out_index;
+  } else if (out.out_index) {
+    throw Error("gemv: GemvEpilogue::out_index needs the SiLU epilogue");
   }
   p.codes = w.codes;
   p.row_stride = int64_t(w.planes) * w.chunks;

@@ -99,6 +99,16 @@ size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, b
 // or already freed weight.
 void gemv_free(GemvWeight& w);
 
+// Act-order weights stage x gathered through their permutation (x'[k] = x[perm[k]]): each
+// block reads the K-entry permutation and gathers x from shared memory, which cost the 7B's
+// down GEMV (K = 11008) 15 points of the copy bandwidth on the H200 (4-bit g128: 50.7% against
+// 66.0% without act-order). Where the GEMV before writes x itself, it can write x' instead:
+//   gemv_input_index(w, s): where each x[i] goes, idx[perm[k]] = k for k < K (host vector of K;
+//                           copies w's permutation back, synchronising s); identity without
+//                           act-order.
+//   gemv_input_permuted(w): w taking x' (no permutation), sharing w's memory (not owned).
+std::vector<int32_t> gemv_input_index(const GemvWeight& w, cudaStream_t s);
+GemvWeight gemv_input_permuted(const GemvWeight& w);
 // A second, independent device copy of w (benchmarks rotate copies to stay out of L2).
 GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
 
@@ -118,8 +128,12 @@ struct GemvInput {
 //   silu_mul: W holds [gate | up] (N even); y[i] = silu(g_i) * u_i for i < N/2, with g_i and
 //             u_i rounded to fp16 first: exactly what the GEMV writing [gate | up] followed by a
 //             GemvInput::silu_mul staging computes. Quantized weights only, no residual.
+//   out_index (with silu_mul): output i is stored at y[out_index[i]], not y[i]. Given the
+//             next GEMV's gemv_input_index, y is that GEMV's x already in its act-order
+//             permutation, for its gemv_input_permuted view to stage without a gather.
 struct GemvEpilogue {
   bool silu_mul = false;
+  const int32_t* out_index = nullptr;  // device, [N / 2]
 };
 
 // y[N] = W x + residual. x [K], residual [N] or nullptr; y may alias residual (not x).

@@ -44,6 +44,9 @@ struct KParams {
   // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
   // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
   int silu_pair;
+  // With it, where output i is stored: y[y_index[i]] (the next GEMV's act-order permutation,
+  // inverted, so that it stages its x without a gather); nullptr = y[i].
+  const int32_t* y_index;
 };
 
 using Kernel = void (*)(KParams);
@@ -735,7 +738,12 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
     if constexpr (kSpec & kNorm) __builtin_assume(p.norm_w != nullptr); else p.norm_w = nullptr;
     if constexpr (kSpec & kResidual) __builtin_assume(p.residual != nullptr);
     else p.residual = nullptr;
-    if constexpr (kSpec & kSiluPair) __builtin_assume(p.silu_pair != 0); else p.silu_pair = 0;
+    if constexpr (kSpec & kSiluPair) {
+      __builtin_assume(p.silu_pair != 0);
+    } else {
+      p.silu_pair = 0;
+      p.y_index = nullptr;
+    }
   }
   return p;
 }
@@ -775,6 +783,11 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
   // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
   typename Op::Frag f;
   if (steps > 0 && lane < p.nch) Op::load(f, p, rb, rstep, rows_at(rb), 0, lane, pol);
+  // Where the SiLU epilogue stores the warp's rows (GemvEpilogue::out_index, static like the
+  // weights): lane l holds row rb + l's, so that no store waits on a load.
+  const bool y_index_early = p.y_index != nullptr && re - rb <= 32;
+  int y_index = 0;
+  if (y_index_early && lane < re - rb) y_index = __ldg(p.y_index + rb + lane);
   // x comes from the previous kernel: one bulk copy into x_nat after the wait (and the RMSNorm
   // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
   // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
@@ -821,9 +834,13 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
       if (p.silu_pair) {
         // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
         // then fp32 math, one rounding.
+        int dst = row0;
+        if (p.y_index)
+          dst = y_index_early ? __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb) & 31)
+                              : __ldg(p.y_index + row0);
         if (lane == 0)
-          p.y[row0] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
-                                                 __half2float(__float2half_rn(acc[1]))));
+          p.y[dst] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
+                                                __half2float(__float2half_rn(acc[1]))));
       } else if (res_early) {
         const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
         if (lane < nrows) store_row_plus(p, row0 + lane, mine, r);

@@ -393,4 +393,29 @@ GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s) {
   return c;
 }
 
+std::vector<int32_t> gemv_input_index(const GemvWeight& w, cudaStream_t s) {
+  if (!w.device) throw Error("gemv_input_index: the weight is empty");
+  std::vector<int32_t> idx(static_cast<size_t>(w.K));
+  if (!w.perm) {
+    std::iota(idx.begin(), idx.end(), 0);
+    return idx;
+  }
+  std::vector<int32_t> perm(static_cast<size_t>(w.K));
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(perm.data(), w.perm, perm.size() * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, s));
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
+  for (int64_t k = 0; k < w.K; ++k) idx[static_cast<size_t>(perm[static_cast<size_t>(k)])] = static_cast<int32_t>(k);
+  return idx;
+}
+
+GemvWeight gemv_input_permuted(const GemvWeight& w) {
+  if (!w.device) throw Error("gemv_input_permuted: the weight is empty");
+  GemvWeight v = w;
+  v.owns_device = false;
+  v.has_perm = false;
+  v.perm = nullptr;
+  v.smem_bytes = smem_bytes(v.bits, v.chunks, /*has_perm=*/false);
+  return v;
+}
+
 }  // namespace kestrel::cuda
