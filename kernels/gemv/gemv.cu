@@ -1,5 +1,7 @@
 // Batch-1 GEMV kernels: fused GPTQ dequantize + dot product, and plain fp16, streaming the
-// weights once at the memory-bandwidth limit.
+// weights once at the memory-bandwidth limit. This file: the design, the run-time quantized
+// kernel, the fp16 kernel and the dispatch; the device code is in gemv_kernel.cuh, and the
+// kernels specialized per bit width compile in gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu.
 //
 // ---------------------------------------------------------------------------------------------
 // What a GEMV must move. y[N] = W[N,K] x[K]: every weight byte once, x and y once. Llama-2-7B
@@ -14,8 +16,8 @@
 // the wait on the previous kernel, staging x), a quarter of a 25 MB GEMV.
 //
 // ---------------------------------------------------------------------------------------------
-// Work decomposition, quantized. 16 warps per SM, as one block or (symmetric 4-bit, K and N >=
-// 4096: spec_block_warps) two blocks of 8; each block stages x into shared memory once.
+// Work decomposition, quantized. 16 warps per SM, as one block or (symmetric 3/4/8-bit, K and N
+// >= 4096: spec_block_warps) two blocks of 8; each block stages x into shared memory once.
 // Warp w of the W in the grid owns the rows [N*w/W, N*(w+1)/W) (equal runs, so no warp has a
 // whole extra tile to finish) and streams them R = 2 at a time. Along K a row is cut into units
 // (256, 128, 128, 64 codes at 2, 3, 4, 8 bits; four 16-byte loads, or three 3-bit planes), and

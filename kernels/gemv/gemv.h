@@ -141,10 +141,11 @@ struct GemvEpilogue {
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
           cudaStream_t s, GemvInput in = {}, GemvEpilogue out = {});
 
-// Whether 4-bit GEMVs run the kernels compiled for their format and fused ops (the default; see
-// gemv.cu) or the one kernel that tests them at run time (what every other bit width runs).
-// Both compute the same values; the switch is for tests and A/B runs. KESTREL_GEMV_GENERIC=1
-// in the environment sets it off at start.
+// Whether symmetric 3-, 4- and 8-bit GEMVs run the kernels compiled for their format and fused
+// ops (the default; see gemv_kernel.cuh) or the one kernel that tests them at run time (what
+// 2-bit and asymmetric weights run). Both compute the same values, but for the fused RMSNorm
+// where the specialized kernel runs blocks of 8 warps (its sum of squares in another order);
+// the switch is for tests and A/B runs. KESTREL_GEMV_GENERIC=1 in the environment sets it off.
 void gemv_use_specialized(bool on);
 
 // y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
