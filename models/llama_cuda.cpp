@@ -372,7 +372,8 @@ void LlamaCuda::permute_down_inputs() {
   for (GpuLayer& g : w_.layers) {
     if (!wants(g)) continue;
     const std::vector<int32_t> idx = cuda::gemv_input_index(g.down.q, stream_);
-    KESTREL_CUDA_CHECK(cudaMemcpy(d, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    KESTREL_CUDA_CHECK(
+        cudaMemcpy(d, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
     g.down_x_index = d;
     g.down_x_permuted = g.down;
     g.down_x_permuted.q = cuda::gemv_input_permuted(g.down.q);

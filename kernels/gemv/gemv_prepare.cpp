@@ -404,7 +404,8 @@ std::vector<int32_t> gemv_input_index(const GemvWeight& w, cudaStream_t s) {
   KESTREL_CUDA_CHECK(cudaMemcpyAsync(perm.data(), w.perm, perm.size() * sizeof(int32_t),
                                      cudaMemcpyDeviceToHost, s));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
-  for (int64_t k = 0; k < w.K; ++k) idx[static_cast<size_t>(perm[static_cast<size_t>(k)])] = static_cast<int32_t>(k);
+  for (size_t k = 0; k < perm.size(); ++k)
+    idx[static_cast<size_t>(perm[k])] = static_cast<int32_t>(k);
   return idx;
 }
 
