@@ -59,6 +59,12 @@ bool fusable(const std::vector<const LinearSpec*>& parts) {
   return true;
 }
 
+bool all_dense(const std::vector<const LinearSpec*>& parts) {
+  for (const LinearSpec* p : parts)
+    if (p->quantized) return false;
+  return true;
+}
+
 size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
 // Whether gemv_prepare keeps zero points for these fusable parts: not when all are equal, as in
@@ -84,7 +90,7 @@ std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls)
 }
 
 // Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
-// format and whether it keeps zero points) or their FP16 rows.
+// format and whether it keeps zero points), their FP16 rows, or each part on its own.
 size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
   int64_t N = 0;
   for (const LinearSpec* p : parts) N += p->N;
@@ -92,7 +98,10 @@ size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
   if (fusable(parts))
     return align256(cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K,
                                                   a.g_idx != nullptr, keeps_zero_points(parts)));
-  return align256((size_t)N * a.K * sizeof(__half));
+  if (all_dense(parts)) return align256((size_t)N * a.K * sizeof(__half));
+  size_t total = 0;
+  for (const LinearSpec* p : parts) total += linear_bound({p});
+  return total;
 }
 
 // Device bytes of every weight the loader uploads, each piece 256-byte aligned.
@@ -109,13 +118,31 @@ size_t weights_bound(const ModelSpec& spec) {
 
 }  // namespace
 
+std::vector<const GpuLinear*> GpuLinear::leaves() const {
+  if (parts.empty()) return {this};
+  std::vector<const GpuLinear*> out;
+  for (const GpuLinear& p : parts) out.push_back(&p);
+  return out;
+}
+
 double GpuLinear::bytes_moved() const {
+  double b = 0;
+  for (const GpuLinear& p : parts) b += p.bytes_moved();
+  if (!parts.empty()) return b;
   return quantized ? (double)q.bytes_moved() : (double)N * K * sizeof(__half) + (K + 2.0 * N) * sizeof(__half);
 }
 
 void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
                     cuda::GemvInput in, cuda::GemvEpilogue out) const {
-  if (quantized)
+  if (!parts.empty()) {
+    if (out.silu_mul)
+      throw Error("GpuLinear::run: the SiLU epilogue needs one fused [gate | up] weight");
+    int64_t n0 = 0;  // each part into its columns; the input op (RMSNorm) runs in each
+    for (const GpuLinear& p : parts) {
+      p.run(x, y + n0, residual ? residual + n0 : nullptr, s, in, out);
+      n0 += p.N;
+    }
+  } else if (quantized)
     cuda::gemv(q, x, y, residual, s, in, out);
   else if (out.silu_mul)
     throw Error("GpuLinear::run: the SiLU epilogue needs a quantized [gate | up] weight");
@@ -140,8 +167,20 @@ struct GpuLoader {
 
   void advance(size_t bytes) { bar.update(done += bytes / 1048576.0); }
 
-  // Several linears with the same input, fused along N where their formats agree.
+  // Several linears with the same input, fused along N where their formats agree (GPTQ) or
+  // all are FP16; otherwise each on its own (GpuLinear::parts), so that GPTQ weights stay
+  // quantized and keep their own act-order permutations.
   GpuLinear linear(const std::vector<const LinearSpec*>& parts) {
+    if (!fusable(parts) && !all_dense(parts)) {
+      GpuLinear out;
+      out.K = parts[0]->K;
+      for (const LinearSpec* p : parts) {
+        out.parts.push_back(linear({p}));
+        out.N += p->N;
+        out.bytes += out.parts.back().bytes;
+      }
+      return out;
+    }
     GpuLinear out;
     out.K = parts[0]->K;
     for (const LinearSpec* p : parts) {
@@ -167,19 +206,12 @@ struct GpuLoader {
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
       out.bytes = out.q.device_bytes;
     } else {
-      // Dense FP16 rows, concatenated; GPTQ parts that cannot be fused are dequantized.
+      // Dense FP16 rows, concatenated.
       std::vector<uint16_t> rows;
       rows.reserve((size_t)out.N * out.K);
       for (const LinearSpec* p : parts) {
-        if (p->quantized) {
-          const HostGptq h(*p);
-          std::vector<float> W((size_t)p->N * p->K);
-          gptq::dequantize_ref(h.view, W.data());
-          for (float v : W) rows.push_back(float_to_half(v));
-        } else {
-          const std::vector<uint16_t> h = as_f16(*p->weight);
-          rows.insert(rows.end(), h.begin(), h.end());
-        }
+        const std::vector<uint16_t> h = as_f16(*p->weight);
+        rows.insert(rows.end(), h.begin(), h.end());
       }
       out.dense = static_cast<__half*>(m.arena_alloc(rows.size() * 2));
       KESTREL_CUDA_CHECK(cudaMemcpy(out.dense, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
@@ -348,8 +380,11 @@ LlamaCuda::~LlamaCuda() {
   if (host_io_) cudaFreeHost(host_io_);
   if (host_logits_) cudaFreeHost(host_logits_);
   for (GpuLayer& l : w_.layers)
-    for (GpuLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
+    for (GpuLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
       if (lin->quantized) cuda::gemv_free(lin->q);
+      for (GpuLinear& p : lin->parts)
+        if (p.quantized) cuda::gemv_free(p.q);
+    }
   if (stream_) cudaStreamDestroy(stream_);
 }
 

@@ -22,6 +22,10 @@ struct GpuLinear {
   bool quantized = false;
   cuda::GemvWeight q;         // quantized
   __half* dense = nullptr;    // [N, K] FP16, dense
+  // Linears of one input that could not be fused (GPTQ formats or act-order permutations that
+  // differ): each keeps its own format and runs into its columns of y, one after the other.
+  // Neither q nor dense is set then.
+  std::vector<GpuLinear> parts;
   size_t bytes = 0;
 
   // Bytes one run moves through device memory (weights, x, y).
@@ -33,6 +37,8 @@ struct GpuLinear {
            cuda::GemvInput in = {}, cuda::GemvEpilogue out = {}) const;
   // Whether run can apply SiLU(gate) * up in its epilogue (a quantized fused [gate | up]).
   bool can_silu_epilogue() const { return quantized; }
+  // The single linears that make it up: itself, or its parts.
+  std::vector<const GpuLinear*> leaves() const;
 };
 
 struct GpuLayer {

@@ -94,7 +94,8 @@ size_t dequant_scratch_elems(const std::vector<GpuLayer>& layers, int rows) {
   size_t e = 0;
   for (const GpuLayer& l : layers)
     for (const GpuLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down})
-      if (lin->quantized) e = std::max(e, cuda::quant_gemm_scratch_elems(lin->q, rows));
+      for (const GpuLinear* leaf : lin->leaves())
+        if (leaf->quantized) e = std::max(e, cuda::quant_gemm_scratch_elems(leaf->q, rows));
   return e;
 }
 
@@ -150,10 +151,16 @@ namespace {
 
 void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T, __half* y,
                 const __half* residual, __half* scratch, cudaStream_t s) {
-  if (L.quantized)
-    cuda::quant_linear_rows(g, L.q, x, T, y, residual, scratch, s);
-  else
-    cuda::dense_linear_rows(g, L.dense, L.N, L.K, x, T, y, residual, s);
+  int64_t n0 = 0;  // unfused parts: each into its columns of y [T, L.N]
+  for (const GpuLinear* p : L.leaves()) {
+    __half* yp = y + n0;
+    const __half* rp = residual ? residual + n0 : nullptr;
+    if (p->quantized)
+      cuda::quant_linear_rows(g, p->q, x, T, yp, rp, scratch, s, L.N);
+    else
+      cuda::dense_linear_rows(g, p->dense, p->N, p->K, x, T, yp, rp, s, L.N);
+    n0 += p->N;
+  }
 }
 
 }  // namespace

@@ -18,6 +18,7 @@ struct ModelFormat {
   bool act_order, asym;
   std::string format;  // gptq | gptq_v2
   int heads = 4, kv_heads = 2;
+  bool g_idx_per_linear = false;  // act-order: q, k, v (and gate, up) each their own order
 };
 
 // Writes the `tiny` shape in format f (n_layers 0 = the shape's) under this process's scratch
@@ -34,6 +35,7 @@ inline std::filesystem::path write_tiny_model(const ModelFormat& f, uint64_t see
   o.group_size = f.group_size;
   o.act_order = f.act_order;
   o.asym = f.asym;
+  o.g_idx_per_linear = f.g_idx_per_linear;
   o.format = f.format;
   o.n_heads = f.heads;
   o.n_kv_heads = f.kv_heads;

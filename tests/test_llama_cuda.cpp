@@ -55,6 +55,9 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
   LlamaCpu cpu(spec, ctx);
   LlamaCuda gpu(spec, ctx, /*quiet=*/true);
   const int vocab = spec.config.vocab;
+  // GPTQ weights stay quantized on the GPU, fused or not: about their files' size (FP16 rows
+  // would take 1.6-4 times that).
+  EXPECT_LT(gpu.weight_bytes(), spec.files.total_bytes() * 5 / 4);
 
   // Teacher-forced: both engines see the CPU's greedy tokens; logits compared at each step.
   std::vector<int> tokens = {1, 5, 9, 200, 31};
@@ -222,6 +225,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"q4_g128_act", "gptq", 4, 128, true, false, "gptq"},
                       Case{"q4_g32_asym_v2", "gptq", 4, 32, false, true, "gptq_v2"},
                       Case{"q3_g128_act", "gptq", 3, 128, true, false, "gptq"},
+                      // q, k, v and gate, up not fusable: run as quantized parts
+                      Case{"q4_g128_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true},
                       Case{"q2_g64", "gptq", 2, 64, false, false, "gptq"},
                       Case{"q8_perchannel", "gptq", 8, -1, false, false, "gptq"},
                       Case{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}),

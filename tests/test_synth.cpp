@@ -183,6 +183,28 @@ TEST_F(SynthTest, TrainedTokenizerFollowsLlamaConventions) {
   EXPECT_EQ(bytes, 3);
 }
 
+// GPTQ orders the columns of linears that read one input by one Hessian, so q, k and v share
+// their act-order permutation, as do gate and up; o and down each have their own.
+TEST_F(SynthTest, ActOrderPermutationsAreSharedByLinearsOfOneInput) {
+  for (const bool per_linear : {false, true}) {
+    SCOPED_TRACE(per_linear ? "--g-idx-per-linear" : "default");
+    SynthOptions o = tiny(per_linear ? "g_idx_per_linear" : "g_idx_shared");
+    o.dtype = "gptq";
+    o.act_order = true;
+    o.g_idx_per_linear = per_linear;
+    o.seed = 5;
+    synth::write_model(o);
+    const ModelSpec spec = load_model_spec(o.out);
+    const LayerSpec& l = spec.layers[0];
+    auto g = [](const LinearSpec& s) { return s.g_idx->copy_as<int32_t>(); };
+    EXPECT_EQ(g(l.q) == g(l.k), !per_linear);
+    EXPECT_EQ(g(l.q) == g(l.v), !per_linear);
+    EXPECT_EQ(g(l.gate) == g(l.up), !per_linear);
+    EXPECT_NE(g(l.q), g(spec.layers[1].q));  // each layer its own
+    EXPECT_NE(g(l.gate), g(l.q));            // same K, another input
+  }
+}
+
 // bits, format, act-order, asym, group size
 using GptqCase = std::tuple<int, std::string, bool, bool, int>;
 

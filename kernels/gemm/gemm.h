@@ -103,18 +103,19 @@ size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows,
 
 // y [M, N] = x [M, K] W^T + residual through dequantize + GEMM, whatever M, in slices of
 // r.memory().slice_halves. scratch holds quant_gemm_scratch_elems(w, M, that) halves (16-byte
-// aligned).
+// aligned). ldy: elements between rows of y and of residual (0 = N; larger when y is a column
+// slice of a wider matrix, as for the parts of a linear that could not be fused).
 void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
-                const __half* residual, __half* scratch, cudaStream_t s);
+                const __half* residual, __half* scratch, cudaStream_t s, int64_t ldy = 0);
 
 // As quant_gemm, but M < min_gemm_rows runs M batch-1 GEMVs (no scratch touched).
 void quant_linear_rows(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
-                       const __half* residual, __half* scratch, cudaStream_t s,
+                       const __half* residual, __half* scratch, cudaStream_t s, int64_t ldy = 0,
                        int min_gemm_rows = kGemmMinRows);
 
-// Dense FP16 W [N, K]: M < min_gemm_rows runs batch-1 GEMVs, otherwise one GEMM.
+// Dense FP16 W [N, K]: M < min_gemm_rows runs batch-1 GEMVs, otherwise one GEMM. ldy as above.
 void dense_linear_rows(GemmRunner& r, const __half* W, int64_t N, int64_t K, const __half* x,
                        int64_t M, __half* y, const __half* residual, cudaStream_t s,
-                       int min_gemm_rows = kGemmMinRows);
+                       int64_t ldy = 0, int min_gemm_rows = kGemmMinRows);
 
 }  // namespace kestrel::cuda

@@ -148,7 +148,8 @@ size_t quant_gemm_scratch_elems(const GemvWeight& w, int64_t max_rows, size_t sl
 }
 
 void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
-                const __half* residual, __half* scratch, cudaStream_t s) {
+                const __half* residual, __half* scratch, cudaStream_t s, int64_t ldy) {
+  if (ldy == 0) ldy = w.N;
   __half* Wd = scratch;
   const __half* xin = x;
   if (w.has_perm) {
@@ -157,7 +158,7 @@ void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, 
     xin = xg;
   }
   // Output rows [n0, n0 + n) of W at a time: the slice's codes, scales and zero points are rows
-  // n0.. of the weight's arrays, and its GEMM writes columns n0.. of y (row stride N).
+  // n0.. of the weight's arrays, and its GEMM writes columns n0.. of y (row stride ldy).
   const int64_t step = dequant_slice_rows(w, r.memory().slice_halves);
   for (int64_t n0 = 0; n0 < w.N; n0 += step) {
     GemvWeight slice = w;
@@ -166,29 +167,32 @@ void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, 
     slice.scales = w.scales + n0 * w.groups;
     if (w.zeros) slice.zeros = w.zeros + n0 * w.groups;
     dequantize_f16(slice, Wd, s);
-    r.gemm(xin, Wd, M, slice.N, w.K, y + n0, residual ? residual + n0 : nullptr, s, w.N);
+    r.gemm(xin, Wd, M, slice.N, w.K, y + n0, residual ? residual + n0 : nullptr, s, ldy);
   }
 }
 
 void quant_linear_rows(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, __half* y,
-                       const __half* residual, __half* scratch, cudaStream_t s, int min_gemm_rows) {
+                       const __half* residual, __half* scratch, cudaStream_t s, int64_t ldy,
+                       int min_gemm_rows) {
+  if (ldy == 0) ldy = w.N;
   if (M >= min_gemm_rows) {
-    quant_gemm(r, w, x, M, y, residual, scratch, s);
+    quant_gemm(r, w, x, M, y, residual, scratch, s, ldy);
     return;
   }
   for (int64_t m = 0; m < M; ++m)
-    gemv(w, x + m * w.K, y + m * w.N, residual ? residual + m * w.N : nullptr, s);
+    gemv(w, x + m * w.K, y + m * ldy, residual ? residual + m * ldy : nullptr, s);
 }
 
 void dense_linear_rows(GemmRunner& r, const __half* W, int64_t N, int64_t K, const __half* x,
-                       int64_t M, __half* y, const __half* residual, cudaStream_t s,
+                       int64_t M, __half* y, const __half* residual, cudaStream_t s, int64_t ldy,
                        int min_gemm_rows) {
+  if (ldy == 0) ldy = N;
   if (M >= min_gemm_rows) {
-    r.gemm(x, W, M, N, K, y, residual, s);
+    r.gemm(x, W, M, N, K, y, residual, s, ldy);
     return;
   }
   for (int64_t m = 0; m < M; ++m)
-    gemv_f16(W, x + m * K, y + m * N, N, K, residual ? residual + m * N : nullptr, s);
+    gemv_f16(W, x + m * K, y + m * ldy, N, K, residual ? residual + m * ldy : nullptr, s);
 }
 
 }  // namespace kestrel::cuda

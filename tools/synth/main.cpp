@@ -25,6 +25,9 @@ int main(int argc, char** argv) {
   app.add_option("--group-size", o.group_size, "GPTQ group size; -1 = one group per row")
       ->capture_default_str();
   app.add_flag("--act-order", o.act_order, "GPTQ act-order (desc_act): random g_idx permutation");
+  app.add_flag("--g-idx-per-linear", o.g_idx_per_linear,
+               "With --act-order: a permutation per linear, not one shared by q/k/v and by "
+               "gate/up as GPTQ writes them (such linears cannot be fused)");
   app.add_flag("--asym", o.asym, "Asymmetric GPTQ zero points");
   app.add_option("--format", o.format, "GPTQ checkpoint format: gptq | gptq_v2")->capture_default_str();
   app.add_flag("--tie-embeddings", o.tie_embeddings, "Share embed_tokens with the output head");

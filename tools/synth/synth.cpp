@@ -208,6 +208,7 @@ struct QuantLinear {
   int zero_offset = 1;
   float std = 0;         // intended std of the dequantized weights
   uint64_t seed = 0;     // of this linear
+  uint64_t perm_seed = 0;  // of its act-order permutation: shared by linears of one input
 
   int maxq() const { return (1 << bits) - 1; }
 };
@@ -246,7 +247,7 @@ std::vector<int32_t> draw_g_idx(const QuantLinear& q) {
   }
   std::vector<int32_t> perm(q.K);
   std::iota(perm.begin(), perm.end(), 0);
-  Rng rng(derive_seed(q.seed, 2));
+  Rng rng(derive_seed(q.perm_seed, 2));
   for (int64_t i = q.K - 1; i > 0; --i) std::swap(perm[i], perm[rng.below((uint32_t)(i + 1))]);
   return gptq::act_order_g_idx(perm, q.group_size);
 }
@@ -328,8 +329,11 @@ void add_dense(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const
   });
 }
 
+// `input`: the linears that read the same input (q, k, v; gate, up) share it, and GPTQ then
+// orders their columns alike (one Hessian, one act-order permutation); --g-idx-per-linear
+// draws one permutation per linear instead.
 void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const std::string& name,
-                int64_t N, int64_t K, float std) {
+                const std::string& input, int64_t N, int64_t K, float std) {
   if (p->opt.dtype == "fp16") {
     add_dense(w, p, name + ".weight", {N, K}, {0.0f, std});
     return;
@@ -345,6 +349,7 @@ void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, cons
   q.zero_offset = p->opt.format == "gptq" ? 1 : 0;
   q.std = std;
   q.seed = derive_seed(p->opt.seed, name_hash(name));
+  q.perm_seed = p->opt.g_idx_per_linear ? q.seed : derive_seed(p->opt.seed, name_hash(input));
   const int b = q.bits;
   w.add(name + ".qweight", DType::I32, {K * b / 32, N},
         [p, q](uint8_t* dst, size_t) { fill_qweight(dst, q, p->threads); });
@@ -368,14 +373,17 @@ void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
   for (int l = 0; l < d.n_layers; ++l) {
     const std::string pre = fmt::format("model.layers.{}.", l);
     add_dense(w, plan, pre + "input_layernorm.weight", {H}, {1.0f, 0.02f});
-    add_linear(w, plan, pre + "self_attn.q_proj", Q, H, in_std);
-    add_linear(w, plan, pre + "self_attn.k_proj", KV, H, in_std);
-    add_linear(w, plan, pre + "self_attn.v_proj", KV, H, in_std);
-    add_linear(w, plan, pre + "self_attn.o_proj", H, Q, 0.5f / std::sqrt((float)Q));
+    const std::string attn_in = pre + "self_attn.input", mlp_in = pre + "mlp.input";
+    add_linear(w, plan, pre + "self_attn.q_proj", attn_in, Q, H, in_std);
+    add_linear(w, plan, pre + "self_attn.k_proj", attn_in, KV, H, in_std);
+    add_linear(w, plan, pre + "self_attn.v_proj", attn_in, KV, H, in_std);
+    add_linear(w, plan, pre + "self_attn.o_proj", pre + "self_attn.o_proj", H, Q,
+               0.5f / std::sqrt((float)Q));
     add_dense(w, plan, pre + "post_attention_layernorm.weight", {H}, {1.0f, 0.02f});
-    add_linear(w, plan, pre + "mlp.gate_proj", I, H, in_std);
-    add_linear(w, plan, pre + "mlp.up_proj", I, H, in_std);
-    add_linear(w, plan, pre + "mlp.down_proj", H, I, 0.5f / std::sqrt((float)I));
+    add_linear(w, plan, pre + "mlp.gate_proj", mlp_in, I, H, in_std);
+    add_linear(w, plan, pre + "mlp.up_proj", mlp_in, I, H, in_std);
+    add_linear(w, plan, pre + "mlp.down_proj", pre + "mlp.down_proj", H, I,
+               0.5f / std::sqrt((float)I));
   }
   add_dense(w, plan, "model.norm.weight", {H}, {1.0f, 0.02f});
   if (!plan->opt.tie_embeddings)

@@ -15,6 +15,9 @@ struct SynthOptions {
   int bits = 4;
   int group_size = 128;        // -1 = per channel
   bool act_order = false;
+  // Act-order: one permutation per linear, not one per input (q, k, v share theirs in a GPTQ
+  // checkpoint, as do gate and up). Such linears cannot be fused.
+  bool g_idx_per_linear = false;
   bool asym = false;
   std::string format = "gptq"; // gptq | gptq_v2
   bool tie_embeddings = false;
