@@ -304,12 +304,13 @@ void launch(Kernel k, const KParams& p, int grid, int threads, bool pdl, size_t 
 
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
   // x_s; x in its natural order (the act-order gather's source, or where the bulk copy of x
-  // lands); the RMSNorm weights and the mbarrier of the bulk copies. The bulk path is taken
-  // only without act-order and for K <= 8 * one_pass_max_vecs (one_pass_staging), so that
+  // lands); the RMSNorm weights, the act-order permutation and the mbarrier of the bulk
+  // copies. The bulk path is taken for K <= 8 * one_pass_max_vecs (one_pass_shape), so that
   // codes <= 16384 here (K rounds up to a unit, which divides 16384).
   const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
-  const bool bulk = !has_perm && codes <= 8 * size_t(one_pass_max_vecs(kQuantThreads));
-  return codes * 2 + (has_perm || bulk ? codes * 2 : 0) + (bulk ? codes * 2 + 16 : 0);
+  const bool bulk = codes <= 8 * size_t(one_pass_max_vecs(kQuantThreads));
+  return codes * 2 + (has_perm || bulk ? codes * 2 : 0) +
+         (bulk ? codes * 2 + (has_perm ? codes * 4 : 0) + 16 : 0);
 }
 
 GemvLaunch plan_quant_launch(int bits, int group_size, GemvLaunch hint) {
@@ -349,6 +350,11 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.scales = w.scales;
   p.zeros = w.zeros;
   p.perm = w.perm;
+  static const int act_bulk = [] {
+    const char* e = std::getenv("KESTREL_ACT_BULK");
+    return e && std::string(e) == "0" ? 0 : 1;
+  }();
+  p.act_bulk = act_bulk;
   p.x = x;
   p.y = y;
   p.residual = residual;

@@ -47,6 +47,7 @@ struct KParams {
   // With it, where output i is stored: y[y_index[i]] (the next GEMV's act-order permutation,
   // inverted, so that it stages its x without a gather); nullptr = y[i].
   const int32_t* y_index;
+  int act_bulk;  // EXPERIMENT: act-order staged from bulk copies (KESTREL_ACT_BULK=0: off)
 };
 
 using Kernel = void (*)(KParams);
@@ -490,13 +491,17 @@ constexpr int max_v(int T) { return T >= 512 ? 4 : 8; }
 // The most 8-value vectors of x a block of T threads stages in one pass: max_v per thread.
 constexpr int one_pass_max_vecs(int T) { return T * max_v(T); }
 
-// Whether stage_x takes its one-pass path: natural order, 16-byte vectors, at most max_v(T) of
-// them per thread.
+// Whether x can be staged in one pass: 16-byte vectors, at most max_v(T) of them per thread.
+template <int T>
+__device__ __forceinline__ bool one_pass_shape(const KParams& p) {
+  return (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
+         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
+}
+// Whether stage_x takes its one-pass path from global memory: natural order (no act-order), a
+// one-pass shape. (With act-order it takes it only from the bulk copies: x_raw.)
 template <int T>
 __device__ __forceinline__ bool one_pass_staging(const KParams& p) {
-  return p.perm == nullptr && (p.K % 8 == 0) &&
-         ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
-         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
+  return p.perm == nullptr && one_pass_shape<T>(p);
 }
 
 // The part of the staging that does not depend on the previous kernel, started before the
@@ -526,18 +531,37 @@ __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
 // running when this one started.
 //
 // x_raw (one-pass path only): when not null, x in its natural order in shared memory, landing
-// from a bulk copy that completes on `bar`; the values are read from there instead of L2.
+// from a bulk copy that completes on `bar`; the values are read from there instead of L2. With
+// act-order, x_raw must be x_nat: the staged (normalised) x is written back over it in natural
+// order, and the gather reads the permutation from perm_s (bulk-copied with the norm weights).
 template <int C, int T>
 __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat,
                                         const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
-                                        uint64_t* bar = nullptr) {
+                                        uint64_t* bar = nullptr, const int32_t* perm_s = nullptr) {
   constexpr int V = C / 8;
   constexpr int kMaxV = max_v(T);
   const int nvec = p.nch * V;
   const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
                    ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
   auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
-  if (one_pass_staging<T>(p)) {
+  // The gather of act-order x_s[k] = x_nat[perm[k]], perm from shared memory when given.
+  auto gather = [&]() {
+    for (int v = threadIdx.x; v < nvec; v += T) {
+      const int k = v * 8;
+      const int4 i0 = perm_s ? *reinterpret_cast<const int4*>(perm_s + k)
+                             : __ldg(reinterpret_cast<const int4*>(p.perm + k));
+      const int4 i1 = perm_s ? *reinterpret_cast<const int4*>(perm_s + k + 4)
+                             : __ldg(reinterpret_cast<const int4*>(p.perm + k + 4));
+      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+      __half e[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? x_nat[idx[i]] : __half(0.f);
+      uint4 val;
+      memcpy(&val, e, sizeof(val));
+      slot(v) = val;
+    }
+  };
+  if (one_pass_staging<T>(p) || (x_raw != nullptr && p.perm != nullptr && one_pass_shape<T>(p))) {
     // One pass: every load of x (and of up) in flight at once, then the RMSNorm reduction over
     // the registers. (The loop below reads x twice for RMSNorm, each pass a round trip to L2,
     // and waits on every vector of a SiLU input in turn.) The norm weights are already in the
@@ -578,6 +602,18 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
         if (threadIdx.x + i * T < nnat) ss += sum_squares8(a[i]);
       inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
     }
+    if (p.perm) {
+      // Act-order: the staged x back over x_nat in natural order (each thread rewrites only
+      // the vectors it read), then the gather through the permutation.
+#pragma unroll
+      for (int i = 0; i < kMaxV; ++i) {
+        const int v = threadIdx.x + i * T;
+        if (v < nnat) reinterpret_cast<uint4*>(x_nat)[v] = apply_input8(p, a[i], b[i], inv_rms);
+      }
+      __syncthreads();
+      gather();
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < kMaxV; ++i) {
       const int v = threadIdx.x + i * T;
@@ -609,18 +645,7 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
       for (int k = threadIdx.x; k < p.K; k += T) x_nat[k] = input1(p, k, inv_rms);
     }
     __syncthreads();
-    for (int v = threadIdx.x; v < nvec; v += T) {
-      const int k = v * 8;
-      const int4 i0 = __ldg(reinterpret_cast<const int4*>(p.perm + k));
-      const int4 i1 = __ldg(reinterpret_cast<const int4*>(p.perm + k + 4));
-      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
-      __half e[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? x_nat[idx[i]] : __half(0.f);
-      uint4 val;
-      memcpy(&val, e, sizeof(val));
-      slot(v) = val;
-    }
+    gather();
   }
 }
 
@@ -764,7 +789,9 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
   uint4* x_s = smem;
   __half* x_nat = reinterpret_cast<__half*>(x_s + codes / 8);
   __half* n_raw = x_nat + codes;  // the RMSNorm weights (bulk path)
-  uint64_t* bar = reinterpret_cast<uint64_t*>(n_raw + codes);
+  // The act-order permutation (bulk path), then the mbarrier of the bulk copies.
+  int32_t* perm_s = reinterpret_cast<int32_t*>(n_raw + codes);
+  uint64_t* bar = reinterpret_cast<uint64_t*>(perm_s + (p.perm ? codes : 0));
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t wg = int64_t(blockIdx.x) * kW + warp, W = int64_t(gridDim.x) * kW;
@@ -793,13 +820,18 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
   // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
   // stage (kernels/gemv/NOTES.md, the timeline); the bulk copies take another path.
   // (smem_bytes sized x_nat and n_raw for kQuantThreads' one-pass staging.)
-  const bool bulk = has_bulk_copy() && one_pass_staging<kQuantThreads>(p) &&
-                    (kT == kQuantThreads || one_pass_staging<kT>(p));
+  // Act-order takes the bulk path too: its permutation comes by bulk copy before the wait
+  // (it is a weight's), and the gather reads it from shared memory.
+  const bool bulk = has_bulk_copy() && (p.perm == nullptr || p.act_bulk) &&
+                    one_pass_shape<kQuantThreads>(p) &&
+                    (kT == kQuantThreads || one_pass_shape<kT>(p));
   if (bulk) {
     if (threadIdx.x == 0) {
       mbar_init(bar, 1);
       fence_mbar_init();
       if (p.norm_w) bulk_copy_g2s_no_arrive(n_raw, p.norm_w, static_cast<uint32_t>(p.K) * 2, bar);
+      if (p.perm)
+        bulk_copy_g2s_no_arrive(perm_s, p.perm, static_cast<uint32_t>(codes) * 4, bar);
     }
     __syncthreads();
   } else {
@@ -815,7 +847,8 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
   if (res_early && lane < re - rb) res = __half2float(__ldcg(p.residual + rb + lane));
   stage_x<Op::kUnitCodes, kT>(p, x_s, x_nat,
                                           bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
-                                          reinterpret_cast<const uint4*>(n_raw), bar);
+                                          reinterpret_cast<const uint4*>(n_raw), bar,
+                                          bulk && p.perm ? perm_s : nullptr);
   __syncthreads();
 
   float acc[R];
