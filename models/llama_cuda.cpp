@@ -293,6 +293,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
     L.bar.finish();
   }
   permute_down_inputs();
+  permute_residual_stream();
 
   // KV cache: as long as asked (or the model's maximum), shortened to what fits.
   ctx_ = context > 0 ? context : c.max_pos;
@@ -321,6 +322,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   s_.next = io + 2;
   auto halves = [&](size_t n) { return static_cast<__half*>(alloc(n * sizeof(__half))); };
   s_.x = halves(c.hidden);
+  if (w_.embed_perm) s_.x2 = halves(c.hidden);
   s_.qkv = halves(c.q_dim() + 2 * c.kv_dim());
   s_.att = halves(c.q_dim());
   s_.gate_up = halves(2 * (size_t)c.intermediate);
@@ -416,6 +418,74 @@ void LlamaCuda::permute_down_inputs() {
   }
 }
 
+// Act-order models: the decode step keeps the residual stream in the permutation of the GEMV
+// that reads it next (GpuLayer::StreamOrder), so that the qkv and gate|up GEMVs stage x as it
+// is, without a gather; o and down read their residual through one index and store through
+// another. All layers or none, as each down writes the next layer's order: every linear
+// quantized and fused, qkv and gate|up act-order. KESTREL_PERMUTED_STREAM=0 keeps natural
+// order (and the gathers), for A/B runs.
+void LlamaCuda::permute_residual_stream() {
+  static const bool off = [] {
+    const char* e = std::getenv("KESTREL_PERMUTED_STREAM");
+    return e && std::string(e) == "0";
+  }();
+  if (off || w_.layers.empty()) return;
+  auto single = [](const GpuLinear& l) { return l.quantized && l.parts.empty(); };
+  for (const GpuLayer& g : w_.layers)
+    if (!single(g.qkv) || !single(g.o) || !single(g.gate_up) || !single(g.down) ||
+        !g.qkv.q.has_perm || !g.gate_up.q.has_perm)
+      return;
+  const int64_t H = cfg_.hidden;
+  const size_t n = w_.layers.size();
+  // Per layer where each element of x sits before qkv (a) and before gate|up (b): idx[i] is
+  // the position of element i (gemv_input_index), so x'[idx[i]] = x[i].
+  std::vector<std::vector<int32_t>> a(n), b(n);
+  for (size_t l = 0; l < n; ++l) {
+    a[l] = cuda::gemv_input_index(w_.layers[l].qkv.q, stream_);
+    b[l] = cuda::gemv_input_index(w_.layers[l].gate_up.q, stream_);
+  }
+  std::vector<int32_t> natural(H), embed_perm(H);
+  for (int64_t i = 0; i < H; ++i) {
+    natural[i] = (int32_t)i;
+    embed_perm[a[0][i]] = (int32_t)i;  // out[j] = row[embed_perm[j]]
+  }
+  auto* d = static_cast<int32_t*>(alloc((2 * n + 2) * H * sizeof(int32_t)));
+  auto* dn = static_cast<__half*>(alloc(2 * n * H * sizeof(__half)));
+  auto put = [&](const std::vector<int32_t>& v) {
+    KESTREL_CUDA_CHECK(cudaMemcpy(d, v.data(), H * sizeof(int32_t), cudaMemcpyHostToDevice));
+    d += H;
+    return d - H;
+  };
+  auto put_norm = [&](const __half* norm, const std::vector<int32_t>& idx) {
+    std::vector<uint16_t> h(H), p(H);
+    KESTREL_CUDA_CHECK(cudaMemcpy(h.data(), norm, H * sizeof(__half), cudaMemcpyDeviceToHost));
+    for (int64_t i = 0; i < H; ++i) p[idx[i]] = h[i];
+    KESTREL_CUDA_CHECK(cudaMemcpy(dn, p.data(), H * sizeof(__half), cudaMemcpyHostToDevice));
+    dn += H;
+    return dn - H;
+  };
+  std::vector<const int32_t*> da(n), db(n);
+  for (size_t l = 0; l < n; ++l) {
+    da[l] = put(a[l]);
+    db[l] = put(b[l]);
+  }
+  const int32_t* d_natural = put(natural);
+  w_.embed_perm = put(embed_perm);
+  for (size_t l = 0; l < n; ++l) {
+    GpuLayer& g = w_.layers[l];
+    GpuLayer::StreamOrder& o = g.order;
+    o.on = true;
+    o.input_norm = put_norm(g.input_norm, a[l]);
+    o.post_norm = put_norm(g.post_norm, b[l]);
+    o.qkv = cuda::gemv_input_permuted(g.qkv.q);
+    o.gate_up = cuda::gemv_input_permuted(g.gate_up.q);
+    o.o_residual = da[l];
+    o.o_out = db[l];
+    o.down_residual = db[l];
+    o.down_out = l + 1 < n ? da[l + 1] : d_natural;
+  }
+}
+
 void LlamaCuda::record_step(cudaStream_t s, Head head) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
@@ -425,7 +495,10 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
   if (!chained)
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
 
-  cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
+  if (w_.embed_perm)  // x [hidden] in layer 0's qkv permutation
+    cuda::embedding_permuted_f16(w_.embed, s_.token, c.hidden, w_.embed_perm, s_.x, s);
+  else
+    cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
   mark("embedding", 2 * c.hidden * h2, s);
   for (int l = 0; l < c.n_layers; ++l) {
     const GpuLayer& L = w_.layers[l];
@@ -433,8 +506,13 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     __half* v_cache = s_.value_cache + l * kv_layer;  // [ctx, kv_dim]
 
     // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x))); the RMSNorm runs inside
-    // the qkv GEMV as it stages x.
-    L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
+    // the qkv GEMV as it stages x. Under L.order, x is in qkv's act-order permutation (and the
+    // norm weights with it), so that qkv stages it without a gather.
+    const GpuLayer::StreamOrder& O = L.order;
+    if (O.on)
+      cuda::gemv(O.qkv, s_.x, s_.qkv, nullptr, s, {O.input_norm, c.rms_eps});
+    else
+      L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
     mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
     // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
     // rotates as it reads qkv and merges the chunks in the last block of each head range.
@@ -442,7 +520,10 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
                                     c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
                                     c.rope_linear_factor, s_.att_workspace, s_.att, s);
     mark("rope + kv write + attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
-    L.o.run(s_.att, s_.x, s_.x, s);
+    if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's
+      cuda::gemv(L.o.q, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
+    else
+      L.o.run(s_.att, s_.x, s_.x, s);
     mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
     // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x); the norm runs inside
@@ -450,11 +531,17 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     if (L.gate_up.can_silu_epilogue()) {
       // SiLU(gate) * up in the gate|up GEMV's epilogue: down stages plain x [intermediate].
       // Under act-order, stored in down's permutation (GpuLayer::down_x_index).
-      L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps},
-                    {/*silu_mul=*/true, L.down_x_index});
+      const cuda::GemvEpilogue silu{/*silu_mul=*/true, L.down_x_index};
+      if (O.on)
+        cuda::gemv(O.gate_up, s_.x2, s_.gate_up, nullptr, s, {O.post_norm, c.rms_eps}, silu);
+      else
+        L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps}, silu);
       mark("rms_norm + gemv gate|up + silu*up", L.gate_up.bytes_moved(), s);
       const GpuLinear& down = L.down_x_index ? L.down_x_permuted : L.down;
-      down.run(s_.gate_up, s_.x, s_.x, s);
+      if (O.on)  // x = Wdown h + x2, x2 read in gate|up's order, x stored in the next qkv's
+        cuda::gemv(down.q, s_.gate_up, s_.x, s_.x2, s, {}, {false, O.down_out, O.down_residual});
+      else
+        down.run(s_.gate_up, s_.x, s_.x, s);
       mark("gemv down (+res)", down.bytes_moved(), s);
     } else {
       L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps});  // [gate | up]

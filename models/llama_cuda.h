@@ -53,10 +53,29 @@ struct GpuLayer {
   // permutation) stages its x without a gather. nullptr otherwise.
   const int32_t* down_x_index = nullptr;  // [intermediate]
   GpuLinear down_x_permuted;
+  // Act-order models (LlamaCuda::permute_residual_stream): the decode step keeps the residual
+  // stream in the act-order permutation of the GEMV that reads it next, so that qkv and gate|up
+  // stage x without a gather: x before qkv in qkv's permutation, after o in gate|up's, after
+  // down in the next layer's qkv's (natural after the last layer). o and down read the
+  // residual through one index and store through another, into the other buffer. Unset
+  // (order.on false) otherwise.
+  struct StreamOrder {
+    bool on = false;
+    const __half* input_norm = nullptr;  // [hidden] input_norm in qkv's permutation
+    const __half* post_norm = nullptr;   // [hidden] post_norm in gate|up's
+    cuda::GemvWeight qkv, gate_up;       // gemv_input_permuted views of qkv and gate|up
+    const int32_t* o_residual = nullptr;     // [hidden] where o reads its row i's residual
+    const int32_t* o_out = nullptr;          // [hidden] where o stores row i
+    const int32_t* down_residual = nullptr;  // [hidden]
+    const int32_t* down_out = nullptr;       // [hidden]
+  } order;
 };
 
 struct GpuWeights {
   __half* embed = nullptr;       // [vocab, hidden]
+  // [hidden]: the decode step's embedding row in layer 0's qkv permutation (GpuLayer::order);
+  // nullptr = natural order.
+  const int32_t* embed_perm = nullptr;
   __half* final_norm = nullptr;  // [hidden]
   __half* lm_head = nullptr;     // [vocab, hidden] (== embed when tied)
   std::vector<GpuLayer> layers;
@@ -68,7 +87,8 @@ struct GpuRunState {
   int* pos = nullptr;            // [1] its position
   int* next = nullptr;           // [1] argmax of the step's logits
   __half* x = nullptr;           // [hidden] residual stream
-  __half* xb = nullptr;          // [hidden] normalised block input
+  __half* x2 = nullptr;          // [hidden] the residual stream between o and down, where
+                                 // the layers keep it in act-order permutations (else unused)
   __half* qkv = nullptr;         // [q_dim + 2 * kv_dim]
   __half* att = nullptr;         // [q_dim]
   __half* gate_up = nullptr;     // [2 * intermediate]
@@ -142,6 +162,7 @@ class LlamaCuda final : public Backend {
   static constexpr int kHeads = 7;
   // Sets GpuLayer::down_x_index and down_x_permuted for act-order down weights (at load).
   void permute_down_inputs();
+  void permute_residual_stream();
   // Enqueues one decode step (the token and position are read from device memory; all heads
   // but the chained ones first copy them from host_io_).
   void record_step(cudaStream_t s, Head head);

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -528,6 +529,22 @@ TEST(EmbeddingCuda, CopiesRowsExactly) {
       const auto got = dout.download();
       for (int i = 0; i < hidden; ++i)
         ASSERT_EQ(half_to_float(got[i]), ref[i]) << "hidden " << hidden << " token " << token;
+    }
+    // In a permutation: out[j] = row[perm[j]].
+    std::vector<int32_t> perm(hidden);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937(hidden));
+    Dev<int32_t> dperm(perm);
+    Dev<int> dtok(std::vector<int>{vocab - 2});
+    dout.poison();
+    cuda::embedding_permuted_f16(dtable.half(), dtok.get(), hidden, dperm.get(), dout.half(),
+                                 nullptr);
+    {
+      std::vector<float> ref(hidden);
+      embedding_f16_ref(table.data(), hidden, vocab - 2, ref.data());
+      const auto got = dout.download();
+      for (int j = 0; j < hidden; ++j)
+        ASSERT_EQ(half_to_float(got[j]), ref[perm[j]]) << "hidden " << hidden << " permuted " << j;
     }
     const std::vector<int> tokens = {5, vocab - 1, 0, 5};
     Dev<int> dtoks(tokens);

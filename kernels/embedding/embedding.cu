@@ -29,6 +29,15 @@ __global__ void embedding_kernel(const __half* __restrict__ table, const int* __
   }
 }
 
+// out[j] = table[token][perm[j]]: one thread per element (a decode step's one row).
+__global__ void embedding_permuted_kernel(const __half* __restrict__ table,
+                                          const int* __restrict__ token, int hidden,
+                                          const int32_t* __restrict__ perm,
+                                          __half* __restrict__ out) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j < hidden) out[j] = table[(size_t)*token * hidden + __ldg(perm + j)];
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
@@ -53,6 +62,14 @@ void embedding_tokens_f16(const __half* table, const int* d_tokens, int n, int h
 void embedding_f16(const __half* table, const int* d_token, int hidden, __half* out,
                    cudaStream_t stream) {
   embedding_tokens_f16(table, d_token, 1, hidden, out, stream);
+}
+
+void embedding_permuted_f16(const __half* table, const int* d_token, int hidden,
+                            const int32_t* perm, __half* out, cudaStream_t stream) {
+  KESTREL_CHECK(hidden > 0 && perm, "embedding_permuted_f16: bad shape or no permutation");
+  embedding_permuted_kernel<<<(hidden + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      table, d_token, hidden, perm, out);
+  KESTREL_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace kestrel::cuda

@@ -1,6 +1,8 @@
 // FP16 token embedding lookup on the GPU. The CPU oracle is embedding_f16_ref in embedding.h.
 #pragma once
 
+#include <cstdint>
+
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -13,6 +15,11 @@ void embedding_f16(const __half* table, const int* d_token, int hidden, __half* 
                    cudaStream_t stream);
 
 // out [n, hidden], row i = table row d_tokens[i] (prefill).
+// out[j] = table[*d_token][perm[j]] (perm [hidden], device): the row in a permutation, for a
+// decode step that keeps its residual stream in its first GEMV's act-order order.
+void embedding_permuted_f16(const __half* table, const int* d_token, int hidden,
+                            const int32_t* perm, __half* out, cudaStream_t stream);
+
 void embedding_tokens_f16(const __half* table, const int* d_tokens, int n, int hidden,
                           __half* out, cudaStream_t stream);
 

@@ -122,9 +122,10 @@ namespace {
 int spec_of(const KParams& p) {
   if (p.zeros || p.silu_mul) return kDynamic;
   const int ops = (p.norm_w ? kNorm : 0) | (p.residual ? kResidual : 0) |
-                  (p.silu_pair ? kSiluPair : 0);
+                  (p.silu_pair ? kSiluPair : 0) | (p.res_index ? kIndexed : 0);
   switch (ops) {
-    case 0: case kNorm: case kResidual: case kNorm | kSiluPair: return (p.perm ? kPerm : 0) | ops;
+    case 0: case kNorm: case kResidual: case kNorm | kSiluPair: case kResidual | kIndexed:
+      return (p.perm ? kPerm : 0) | ops;
     default: return kDynamic;
   }
 }
@@ -340,10 +341,15 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
     if (w.N % 2 != 0 || residual)
       throw Error("gemv: the SiLU epilogue needs an even N ([gate | up]) and no residual, got N=" +
                   std::to_string(w.N) + (residual ? " with a residual" : ""));
+    if (out.residual_index) throw Error("gemv: GemvEpilogue::residual_index needs a residual");
     p.silu_pair = static_cast<int>(w.N / 2);
     p.y_index = out.out_index;
-  } else if (out.out_index) {
-    throw Error("gemv: GemvEpilogue::out_index needs the SiLU epilogue");
+  } else if (out.out_index || out.residual_index) {
+    if (!out.out_index || !out.residual_index || !residual || residual == y)
+      throw Error("gemv: GemvEpilogue's out_index without the SiLU epilogue goes with a "
+                  "residual_index and a residual in another buffer than y");
+    p.y_index = out.out_index;
+    p.res_index = out.residual_index;
   }
   p.codes = w.codes;
   p.row_stride = int64_t(w.planes) * w.chunks;

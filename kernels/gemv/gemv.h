@@ -131,9 +131,14 @@ struct GemvInput {
 //   out_index (with silu_mul): output i is stored at y[out_index[i]], not y[i]. Given the
 //             next GEMV's gemv_input_index, y is that GEMV's x already in its act-order
 //             permutation, for its gemv_input_permuted view to stage without a gather.
+//   out_index and residual_index (with a residual, no silu_mul): y[out_index[i]] = (W x)_i +
+//             residual[residual_index[i]], y and residual in different buffers: the residual
+//             stream read in one permutation and written in another (the decode step keeps it
+//             in the act-order permutation of the GEMV that reads it next).
 struct GemvEpilogue {
   bool silu_mul = false;
-  const int32_t* out_index = nullptr;  // device, [N / 2]
+  const int32_t* out_index = nullptr;       // device, [N / 2] with silu_mul, else [N]
+  const int32_t* residual_index = nullptr;  // device, [N]
 };
 
 // y[N] = W x + residual. x [K], residual [N] or nullptr; y may alias residual (not x).

@@ -44,9 +44,12 @@ struct KParams {
   // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
   // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
   int silu_pair;
-  // With it, where output i is stored: y[y_index[i]] (the next GEMV's act-order permutation,
-  // inverted, so that it stages its x without a gather); nullptr = y[i].
+  // With it, or with res_index, where output i is stored: y[y_index[i]] (the next GEMV's
+  // act-order permutation, inverted, so that it stages its x without a gather); nullptr = y[i].
   const int32_t* y_index;
+  // Where row i's residual is read: residual[res_index[i]] (the residual stream held in another
+  // permutation, GemvEpilogue::residual_index); nullptr = residual[i]. Set with y_index.
+  const int32_t* res_index;
   int act_bulk;  // EXPERIMENT: act-order staged from bulk copies (KESTREL_ACT_BULK=0: off)
 };
 
@@ -69,7 +72,9 @@ struct QuantKernel {
 // the H200 (kestrel bench -p 512 -n 128 -r 3 on kestrel-synth --shape 7b, g128; the run-time
 // kernel -> specialized, tokens/s): 4-bit 600 -> 622 (the 1.1B 1,580 -> 1,663), then with the
 // 8-warp blocks 8-bit 435 -> 451 and 3-bit 603 -> 648.
-enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8 };
+// kIndexed: the residual read and the output stored through res_index and y_index (o and down
+// when the decode step keeps the residual stream in act-order permutations).
+enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8, kIndexed = 16 };
 constexpr int kDynamic = -1;
 
 // The specialized kernel of one bit width for a call's flags (spec_of, not kDynamic) in blocks
@@ -666,8 +671,9 @@ __device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
 
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   if (row >= p.N) return;
-  if (p.residual) v += __half2float(__ldcg(p.residual + row));
-  p.y[row] = __float2half_rn(v);
+  if (p.residual)
+    v += __half2float(__ldcg(p.residual + (p.res_index ? __ldg(p.res_index + row) : row)));
+  p.y[p.y_index ? __ldg(p.y_index + row) : row] = __float2half_rn(v);
 }
 // The same with the residual already loaded (r).
 __device__ __forceinline__ void store_row_plus(const KParams& p, int row, float v, float r) {
@@ -767,7 +773,13 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
       __builtin_assume(p.silu_pair != 0);
     } else {
       p.silu_pair = 0;
-      p.y_index = nullptr;
+      if constexpr (!(kSpec & kIndexed)) p.y_index = nullptr;
+    }
+    if constexpr (kSpec & kIndexed) {
+      __builtin_assume(p.res_index != nullptr);
+      __builtin_assume(p.y_index != nullptr);
+    } else {
+      p.res_index = nullptr;
     }
   }
   return p;
@@ -810,11 +822,15 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
   // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
   typename Op::Frag f;
   if (steps > 0 && lane < p.nch) Op::load(f, p, rb, rstep, rows_at(rb), 0, lane, pol);
-  // Where the SiLU epilogue stores the warp's rows (GemvEpilogue::out_index, static like the
-  // weights): lane l holds row rb + l's, so that no store waits on a load.
+  // Where the epilogue stores the warp's rows and reads their residual (GemvEpilogue's
+  // out_index and residual_index, static like the weights): lane l holds row rb + l's, so that
+  // no store waits on a load.
   const bool y_index_early = p.y_index != nullptr && re - rb <= 32;
-  int y_index = 0;
-  if (y_index_early && lane < re - rb) y_index = __ldg(p.y_index + rb + lane);
+  int y_index = 0, res_index = 0;
+  if (y_index_early && lane < re - rb) {
+    y_index = __ldg(p.y_index + rb + lane);
+    if (p.res_index) res_index = __ldg(p.res_index + rb + lane);
+  }
   // x comes from the previous kernel: one bulk copy into x_nat after the wait (and the RMSNorm
   // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
   // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
@@ -844,7 +860,8 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
   // store at the end of the run is not one more round trip: lane l holds row rb + l.
   const bool res_early = p.residual != nullptr && re - rb <= 32;
   float res = 0.f;
-  if (res_early && lane < re - rb) res = __half2float(__ldcg(p.residual + rb + lane));
+  if (res_early && lane < re - rb)
+    res = __half2float(__ldcg(p.residual + (p.res_index ? res_index : rb + lane)));
   stage_x<Op::kUnitCodes, kT>(p, x_s, x_nat,
                                           bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
                                           reinterpret_cast<const uint4*>(n_raw), bar,
@@ -876,7 +893,12 @@ __global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(c
                                                 __half2float(__float2half_rn(acc[1]))));
       } else if (res_early) {
         const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
-        if (lane < nrows) store_row_plus(p, row0 + lane, mine, r);
+        if (p.res_index) {  // y_index too, and loaded early with it
+          const int dst = __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb + lane) & 31);
+          if (lane < nrows && row0 + lane < p.N) p.y[dst] = __float2half_rn(mine + r);
+        } else if (lane < nrows) {
+          store_row_plus(p, row0 + lane, mine, r);
+        }
       } else if (lane < nrows) {
         store_row(p, row0 + lane, mine);
       }
@@ -907,6 +929,7 @@ QuantKernel spec_kernel_for_group(int spec, int warps) {
     case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps);
     case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps);
     case kNorm | kSiluPair: return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps);
+    case kResidual | kIndexed: return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps);
     default: return {nullptr, 0};
   }
 }
