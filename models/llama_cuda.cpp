@@ -429,6 +429,11 @@ void LlamaCuda::permute_residual_stream() {
     const char* e = std::getenv("KESTREL_PERMUTED_STREAM");
     return e && std::string(e) == "0";
   }();
+  // KESTREL_PERMUTED_ATT=0: attention's output in natural order (o gathers it), for A/B runs.
+  static const bool att_off = [] {
+    const char* e = std::getenv("KESTREL_PERMUTED_ATT");
+    return e && std::string(e) == "0";
+  }();
   if (off || w_.layers.empty()) return;
   auto single = [](const GpuLinear& l) { return l.quantized && l.parts.empty(); };
   for (const GpuLayer& g : w_.layers)
@@ -450,6 +455,8 @@ void LlamaCuda::permute_residual_stream() {
     embed_perm[a[0][i]] = (int32_t)i;  // out[j] = row[embed_perm[j]]
   }
   auto* d = static_cast<int32_t*>(alloc((2 * n + 2) * H * sizeof(int32_t)));
+  const int64_t Q = cfg_.q_dim();
+  auto* d_att = static_cast<int32_t*>(alloc(n * Q * sizeof(int32_t)));
   auto* dn = static_cast<__half*>(alloc(2 * n * H * sizeof(__half)));
   auto put = [&](const std::vector<int32_t>& v) {
     KESTREL_CUDA_CHECK(cudaMemcpy(d, v.data(), H * sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -479,6 +486,15 @@ void LlamaCuda::permute_residual_stream() {
     o.post_norm = put_norm(g.post_norm, b[l]);
     o.qkv = cuda::gemv_input_permuted(g.qkv.q);
     o.gate_up = cuda::gemv_input_permuted(g.gate_up.q);
+    o.o = g.o.q;
+    if (g.o.q.has_perm && !att_off) {
+      const std::vector<int32_t> idx = cuda::gemv_input_index(g.o.q, stream_);
+      KESTREL_CUDA_CHECK(
+          cudaMemcpy(d_att, idx.data(), Q * sizeof(int32_t), cudaMemcpyHostToDevice));
+      o.att_out = d_att;
+      o.o = cuda::gemv_input_permuted(g.o.q);
+      d_att += Q;
+    }
     o.o_residual = da[l];
     o.o_out = db[l];
     o.down_residual = db[l];
@@ -515,13 +531,15 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
       L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
     mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
     // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
-    // rotates as it reads qkv and merges the chunks in the last block of each head range.
+    // rotates as it reads qkv and merges the chunks in the last block of each head range
+    // (under L.order, storing its output in o's act-order permutation).
     cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window,
                                     c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
-                                    c.rope_linear_factor, s_.att_workspace, s_.att, s);
+                                    c.rope_linear_factor, s_.att_workspace, s_.att, s,
+                                    O.att_out);
     mark("rope + kv write + attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
     if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's
-      cuda::gemv(L.o.q, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
+      cuda::gemv(O.o, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
     else
       L.o.run(s_.att, s_.x, s_.x, s);
     mark("gemv o (+residual)", L.o.bytes_moved(), s);

@@ -64,6 +64,10 @@ struct GpuLayer {
     const __half* input_norm = nullptr;  // [hidden] input_norm in qkv's permutation
     const __half* post_norm = nullptr;   // [hidden] post_norm in gate|up's
     cuda::GemvWeight qkv, gate_up;       // gemv_input_permuted views of qkv and gate|up
+    // o's input, attention's output, stored in o's permutation where o has one (att_out, and
+    // o its gemv_input_permuted view); else att_out nullptr and o is o's weight.
+    const int32_t* att_out = nullptr;    // [q_dim]
+    cuda::GemvWeight o;
     const int32_t* o_residual = nullptr;     // [hidden] where o reads its row i's residual
     const int32_t* o_out = nullptr;          // [hidden] where o stores row i
     const int32_t* down_residual = nullptr;  // [hidden]

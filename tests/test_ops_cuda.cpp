@@ -404,7 +404,8 @@ TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
 // attention_decode_rope_f16 (RoPE, KV write and attention in one kernel) against the two
 // kernels it replaces, bit for bit: the output, the q|k|v row (left untouched by the fused
 // kernel) and both caches, replayed in a graph over positions that cross chunk boundaries, with
-// and without a sliding window, MHA and GQA, both head dims.
+// and without a sliding window, MHA and GQA, both head dims. A third run stores its output
+// through an index (the o GEMV's act-order permutation): the same values, moved.
 TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
   REQUIRE_CUDA();
   struct Case {
@@ -419,15 +420,19 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
     const float theta = 500000.0f, factor = 2.0f;
     Dev<uint16_t> dqkv(qkv_dim), dqkv2(qkv_dim), dk((size_t)max_ctx * kv_dim),
         dv((size_t)max_ctx * kv_dim), dk2((size_t)max_ctx * kv_dim),
-        dv2((size_t)max_ctx * kv_dim), dout(q_dim), dout2(q_dim);
+        dv2((size_t)max_ctx * kv_dim), dout(q_dim), dout2(q_dim), dout3(q_dim);
     Dev<int> dpos(1);
     const size_t ws_n = cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.hd) / sizeof(float);
-    Dev<float> ws(ws_n), ws2(ws_n);
+    Dev<float> ws(ws_n), ws2(ws_n), ws3(ws_n);
     for (auto* d : {&dk, &dv, &dk2, &dv2}) d->poison();
-    ws.poison();
-    ws2.poison();
-    cuda::attention_workspace_reset(ws.get(), max_ctx, c.n_heads, c.hd, nullptr);
-    cuda::attention_workspace_reset(ws2.get(), max_ctx, c.n_heads, c.hd, nullptr);
+    for (auto* w : {&ws, &ws2, &ws3}) {
+      w->poison();
+      cuda::attention_workspace_reset(w->get(), max_ctx, c.n_heads, c.hd, nullptr);
+    }
+    std::vector<int32_t> idx(q_dim);
+    std::iota(idx.begin(), idx.end(), 0);
+    std::shuffle(idx.begin(), idx.end(), std::mt19937(q_dim));
+    Dev<int32_t> didx(idx);
 
     cudaStream_t stream;
     KESTREL_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -441,6 +446,10 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
     cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
                                     c.window, c.n_heads, c.n_kv, c.hd, theta, factor, ws2.get(),
                                     dout2.half(), stream);
+    // The same again (it rewrites the same cache row): its output through the index.
+    cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
+                                    c.window, c.n_heads, c.n_kv, c.hd, theta, factor, ws3.get(),
+                                    dout3.half(), stream, didx.get());
     KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int pos = 0; pos < steps; ++pos) {
@@ -450,10 +459,13 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
       dpos.upload({pos});
       dout.poison();
       dout2.poison();
+      dout3.poison();
       KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
       const std::string at = " at pos " + std::to_string(pos);
-      ASSERT_EQ(dout2.download(), dout.download()) << "attention output" << at;
+      const std::vector<uint16_t> out = dout.download(), out3 = dout3.download();
+      ASSERT_EQ(dout2.download(), out) << "attention output" << at;
+      for (int e = 0; e < q_dim; ++e) ASSERT_EQ(out3[idx[e]], out[e]) << "indexed output " << e << at;
       ASSERT_EQ(dqkv2.download(), qkv) << "the fused kernel must not modify qkv" << at;
       if (pos % 50 == 49 || pos == steps - 1) {
         ASSERT_EQ(dk2.download(), dk.download()) << "k cache" << at;

@@ -127,7 +127,8 @@ __device__ __forceinline__ uint4 rotate8(const __half* x, int d0, const float2* 
 // kThreads floats). Reads go through L2 (ld.global.cg): other blocks wrote them this kernel.
 template <int D, int GMAX>
 __device__ void merge_heads(const float* ws_o, const float* ws_ml, int h0, int nh, int c0,
-                            int c1, int n_chunks_all, __half* out, float* red) {
+                            int c1, int n_chunks_all, __half* out, const int32_t* out_index,
+                            float* red) {
   constexpr int kVectors = GMAX * D / 4;
   constexpr int kVecs = kVectors > kThreads ? kVectors / kThreads : 1;    // per thread
   constexpr int kSlices = kVectors < kThreads ? kThreads / kVectors : 1;  // of the chunks
@@ -218,6 +219,13 @@ __device__ void merge_heads(const float* ws_o, const float* ws_ml, int h0, int n
     const int v = threadIdx.x + i * kThreads;
     if (v / (D / 4) >= nh) continue;
     const float inv = 1.0f / l[i];
+    if (out_index) {  // output e at out[out_index[e]] (the o GEMV's act-order permutation)
+      const int e = h0 * D + 4 * v;
+      const float r[4] = {o[i].x * inv, o[i].y * inv, o[i].z * inv, o[i].w * inv};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[__ldg(out_index + e + j)] = __float2half_rn(r[j]);
+      continue;
+    }
     __half2* dst = reinterpret_cast<__half2*>(out + (size_t)h0 * D) + 2 * v;
     dst[0] = __floats2half2_rn(o[i].x * inv, o[i].y * inv);
     dst[1] = __floats2half2_rn(o[i].z * inv, o[i].w * inv);
@@ -226,7 +234,8 @@ __device__ void merge_heads(const float* ws_o, const float* ws_ml, int h0, int n
 
 template <int D, int GMAX>
 __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
-                                              int* counters, __half* out, float* buf, int h0,
+                                              int* counters, __half* out,
+                                              const int32_t* out_index, float* buf, int h0,
                                               int nh, int n_ctx, int sliding_window,
                                               int n_chunks_all);
 
@@ -251,7 +260,8 @@ __global__ void __launch_bounds__(kThreads)
                            int sliding_window, int n_heads, int n_kv_heads, int group,
                            float q_scale, const rope_detail::InvFreq inv_freq,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml,
-                           int* __restrict__ counters, __half* __restrict__ out) {
+                           int* __restrict__ counters, __half* __restrict__ out,
+                           const int32_t* __restrict__ out_index) {
   constexpr int kChunk = chunk_for(D);
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
@@ -463,13 +473,14 @@ __global__ void __launch_bounds__(kThreads)
   // 4. The last block of this head range to finish merges the live chunks of all its heads
   //    at once (a counter per head range; the last one resets it for the next step): no
   //    second kernel, no second launch.
-  merge_if_last<D, GMAX>(ws_o, ws_ml, counters, out, buf, h0, nh, n_ctx, sliding_window,
-                         n_chunks_all);
+  merge_if_last<D, GMAX>(ws_o, ws_ml, counters, out, out_index, buf, h0, nh, n_ctx,
+                         sliding_window, n_chunks_all);
 }
 
 template <int D, int GMAX>
 __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
-                                              int* counters, __half* out, float* buf, int h0,
+                                              int* counters, __half* out,
+                                              const int32_t* out_index, float* buf, int h0,
                                               int nh, int n_ctx, int sliding_window,
                                               int n_chunks_all) {
   __shared__ int is_last;
@@ -492,21 +503,21 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   }
   __syncthreads();
   if (!is_last) return;
-  merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, buf);
+  merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, out_index, buf);
 }
 
 template <int D, int GMAX, bool ROPE>
 void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                   int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
-                  int* counters, __half* out, cudaStream_t stream) {
+                  int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
   const int group = n_heads / n_kv_heads;
   const dim3 grid(n_kv_heads, n_chunks(max_ctx, D), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
   launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
              v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o,
-             ws_ml, counters, out);
+             ws_ml, counters, out, out_index);
 }
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4 (a group of 3 runs
@@ -515,10 +526,10 @@ template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
-                    int* counters, __half* out, cudaStream_t stream) {
+                    int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
 #define KESTREL_ATTN_CALL(G)                                                               \
   launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads, \
-                           n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, stream)
+                           n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index, stream)
   const int group = n_heads / n_kv_heads;
   if (group <= 1) {
     KESTREL_ATTN_CALL(1);
@@ -535,7 +546,7 @@ template <bool ROPE>
 void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                       int max_ctx, int sliding_window, int n_heads, int n_kv_heads, int head_dim,
                       const rope_detail::InvFreq& inv_freq, float* workspace, __half* out,
-                      cudaStream_t stream, const char* who) {
+                      const int32_t* out_index, cudaStream_t stream, const char* who) {
   KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
                 std::string(who) + ": n_heads " + std::to_string(n_heads) +
                     " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
@@ -554,11 +565,13 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
   switch (head_dim) {
     case 64:
       dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
-                               n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, stream);
+                               n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
+                               stream);
       break;
     case 128:
       dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
-                                n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, stream);
+                                n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
+                                stream);
       break;
     default:
       throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
@@ -590,17 +603,19 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
   // The caches are only read without RoPE.
   attention_decode<false>(q, const_cast<__half*>(k_cache), const_cast<__half*>(v_cache), d_pos,
                           max_ctx, sliding_window, n_heads, n_kv_heads, head_dim,
-                          rope_detail::InvFreq{}, workspace, out, stream, "attention_decode_f16");
+                          rope_detail::InvFreq{}, workspace, out, nullptr, stream,
+                          "attention_decode_f16");
 }
 
 void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, float theta, float linear_factor,
-                               float* workspace, __half* out, cudaStream_t stream) {
+                               float* workspace, __half* out, cudaStream_t stream,
+                               const int32_t* out_index) {
   const rope_detail::InvFreq inv_freq =
       rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, theta, linear_factor);
   attention_decode<true>(qkv, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
-                         n_kv_heads, head_dim, inv_freq, workspace, out, stream,
+                         n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
                          "attention_decode_rope_f16");
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -39,10 +40,13 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
 // rotated for position *d_pos (frequencies, arithmetic and fp16 rounding as
 // rope_kv_write_f16), k and v are written to row *d_pos of the caches, and q attends as in
 // attention_decode_f16. The same values as rope_kv_write_f16 followed by attention_decode_f16,
-// one launch fewer; qkv itself is not modified.
+// one launch fewer; qkv itself is not modified. out_index [n_heads * head_dim] (device), when
+// given: output e is stored at out[out_index[e]] (the o GEMV's act-order permutation, so that
+// it stages its x without a gather).
 void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, float theta, float linear_factor,
-                               float* workspace, __half* out, cudaStream_t stream);
+                               float* workspace, __half* out, cudaStream_t stream,
+                               const int32_t* out_index = nullptr);
 
 }  // namespace kestrel::cuda
