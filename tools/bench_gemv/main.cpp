@@ -47,6 +47,9 @@ struct Row {
   int64_t N = 0, K = 0;
   int bits = 16, group = 0;
   bool act = false;
+  // Act-order as the decode step runs it: x written in the weight's permutation by the kernel
+  // before (gemv_input_permuted: no gather, no permutation read).
+  bool x_permuted = false;
   std::string fused;  // the op fused into the GEMV as the engine runs it ("" = none)
   GemvLaunch launch;
   double bytes = 0, us = 0;
@@ -248,6 +251,15 @@ struct Bench {
     r.bytes = static_cast<double>(ws[0].bytes_moved());
     r.us = time_gptq(ws, r.launch);
     rows.push_back(r);
+    if (act) {
+      Row v = r;
+      v.x_permuted = true;
+      std::vector<GemvWeight> views;  // share ws's memory
+      for (const GemvWeight& w : ws) views.push_back(cuda::gemv_input_permuted(w));
+      v.bytes = static_cast<double>(views[0].bytes_moved());
+      v.us = time_gptq(views, r.launch);
+      rows.push_back(v);
+    }
     // 4-bit g128 also as the decode step runs it: RMSNorm fused into the staging of x (qkv,
     // gate_up), SiLU(gate) * up (down, whose x is then [gate | up]), the residual (o).
     if (bits == 4 && group == 128 && !act) {
@@ -343,7 +355,8 @@ struct Bench {
 std::string config_name(const Row& r) {
   if (r.kind != "gptq") return r.kind == "f16" ? "fp16 (gemv_f16)" : "fp16 (cuBLAS)";
   return fmt::format("{}-bit g{}{}{}", r.bits, r.group > 0 ? std::to_string(r.group) : "row",
-                     r.act ? " act" : "", r.fused.empty() ? "" : " + " + r.fused);
+                     r.act ? (r.x_permuted ? " act, x permuted" : " act") : "",
+                     r.fused.empty() ? "" : " + " + r.fused);
 }
 
 void print_md(const Bench& b) {
@@ -417,6 +430,7 @@ void print_json(const Bench& b) {
                    {"bits", r.bits},
                    {"group_size", r.group},
                    {"act_order", r.act},
+                   {"x_permuted", r.x_permuted},
                    {"k_split", r.launch.k_split},
                    {"grid", r.launch.grid},
                    {"pdl", r.launch.pdl},
