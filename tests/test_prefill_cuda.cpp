@@ -543,6 +543,9 @@ INSTANTIATE_TEST_SUITE_P(
     Formats, Prefill,
     ::testing::Values(ModelCase{"fp16", "fp16", 16, 0, false, false, "gptq"},
                       ModelCase{"q4_g128_act", "gptq", 4, 128, true, false, "gptq"},
+                      // q, k, v and gate, up not fusable: each part's GEMM into its columns
+                      ModelCase{"q4_g128_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2,
+                                true},
                       ModelCase{"q4_g32_asym_v2", "gptq", 4, 32, false, true, "gptq_v2"},
                       ModelCase{"q3_g128", "gptq", 3, 128, false, false, "gptq"},
                       ModelCase{"q2_g64_act", "gptq", 2, 64, true, false, "gptq"},
