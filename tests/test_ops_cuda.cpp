@@ -465,7 +465,8 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
       const std::string at = " at pos " + std::to_string(pos);
       const std::vector<uint16_t> out = dout.download(), out3 = dout3.download();
       ASSERT_EQ(dout2.download(), out) << "attention output" << at;
-      for (int e = 0; e < q_dim; ++e) ASSERT_EQ(out3[idx[e]], out[e]) << "indexed output " << e << at;
+      for (int e = 0; e < q_dim; ++e)
+        ASSERT_EQ(out3[idx[e]], out[e]) << "indexed output " << e << at;
       ASSERT_EQ(dqkv2.download(), qkv) << "the fused kernel must not modify qkv" << at;
       if (pos % 50 == 49 || pos == steps - 1) {
         ASSERT_EQ(dk2.download(), dk.download()) << "k cache" << at;

@@ -929,7 +929,8 @@ QuantKernel spec_kernel_for_group(int spec, int warps) {
     case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps);
     case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps);
     case kNorm | kSiluPair: return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps);
-    case kResidual | kIndexed: return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps);
+    case kResidual | kIndexed:
+      return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps);
     default: return {nullptr, 0};
   }
 }
