@@ -456,7 +456,9 @@ void LlamaCuda::permute_residual_stream() {
   }
   auto* d = static_cast<int32_t*>(alloc((2 * n + 2) * H * sizeof(int32_t)));
   const int64_t Q = cfg_.q_dim();
-  auto* d_att = static_cast<int32_t*>(alloc(n * Q * sizeof(int32_t)));
+  size_t n_att = 0;  // layers whose o has act-order: attention stores in its permutation
+  for (const GpuLayer& g : w_.layers) n_att += g.o.q.has_perm && !att_off;
+  auto* d_att = n_att ? static_cast<int32_t*>(alloc(n_att * Q * sizeof(int32_t))) : nullptr;
   auto* dn = static_cast<__half*>(alloc(2 * n * H * sizeof(__half)));
   auto put = [&](const std::vector<int32_t>& v) {
     KESTREL_CUDA_CHECK(cudaMemcpy(d, v.data(), H * sizeof(int32_t), cudaMemcpyHostToDevice));

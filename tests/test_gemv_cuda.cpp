@@ -650,7 +650,8 @@ TEST(GemvEpilogue, IndexedStoreFeedsThePermutedInput) {
 // out_index and residual_index): y[oi[i]] = (W x)_i + r[ri[i]], bit for bit what the GEMV
 // with the natural residual r[ri[i]] stores at i, for the specialized kernels (blocks of 8 and
 // 16 warps, with and without act-order), the run-time kernel (asymmetric weights) and more
-// than 32 rows per warp (the store path that reads its indexes late).
+// than 32 rows per warp (the store path that reads its indexes late; 100000 rows: 47 per warp
+// on the H200's 132 SMs of 16 warps).
 TEST(GemvEpilogue, ResidualReadAndStoredThroughIndexes) {
   REQUIRE_GPU();
   std::mt19937 rng(61);
@@ -662,7 +663,8 @@ TEST(GemvEpilogue, ResidualReadAndStoredThroughIndexes) {
   const Case cases[] = {{4, true, true, 4100, 4096},  {4, true, false, 4100, 4096},
                         {4, true, true, 70, 11008},   {3, true, true, 4096, 1056},
                         {8, true, false, 4100, 4096}, {4, false, true, 300, 256},
-                        {4, true, false, 70000, 256}};
+                        // > 32 rows per warp up to ~190 SMs (16 warps each): the late path
+                        {4, true, false, 100000, 256},  {4, true, true, 100000, 256}};
   for (const Case& c : cases) {
     Format f;
     f.bits = c.bits;
