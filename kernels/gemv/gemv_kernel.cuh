@@ -50,7 +50,7 @@ struct KParams {
   // Where row i's residual is read: residual[res_index[i]] (the residual stream held in another
   // permutation, GemvEpilogue::residual_index); nullptr = residual[i]. Set with y_index.
   const int32_t* res_index;
-  int act_bulk;  // EXPERIMENT: act-order staged from bulk copies (KESTREL_ACT_BULK=0: off)
+  int act_bulk;  // act-order staged from bulk copies too (KESTREL_ACT_BULK=0: the old path)
 };
 
 using Kernel = void (*)(KParams);
