@@ -65,6 +65,20 @@ bool all_dense(const std::vector<const LinearSpec*>& parts) {
   return true;
 }
 
+// Whether an A/B switch (KESTREL_...) is set to 0 in the environment.
+bool env_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && std::string(e) == "0";
+}
+
+// Copies v to device memory at `cursor` and moves the cursor past it; returns where it went.
+const int32_t* upload_at(int32_t*& cursor, const std::vector<int32_t>& v) {
+  KESTREL_CUDA_CHECK(
+      cudaMemcpy(cursor, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  cursor += v.size();
+  return cursor - v.size();
+}
+
 size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
 
 // Whether gemv_prepare keeps zero points for these fusable parts: not when all are equal, as in
@@ -394,10 +408,7 @@ LlamaCuda::~LlamaCuda() {
 // a 7B: 44 KB of indices per block); the gate|up GEMV before writes x in that order instead
 // (GpuLayer::down_x_index). KESTREL_PERMUTED_X=0 keeps the gather, for A/B runs.
 void LlamaCuda::permute_down_inputs() {
-  static const bool off = [] {
-    const char* e = std::getenv("KESTREL_PERMUTED_X");
-    return e && std::string(e) == "0";
-  }();
+  static const bool off = env_off("KESTREL_PERMUTED_X");
   auto wants = [&](const GpuLayer& g) {
     return !off && g.gate_up.can_silu_epilogue() && g.down.quantized && g.down.q.has_perm;
   };
@@ -408,13 +419,9 @@ void LlamaCuda::permute_down_inputs() {
   auto* d = static_cast<int32_t*>(alloc(n * sizeof(int32_t)));
   for (GpuLayer& g : w_.layers) {
     if (!wants(g)) continue;
-    const std::vector<int32_t> idx = cuda::gemv_input_index(g.down.q, stream_);
-    KESTREL_CUDA_CHECK(
-        cudaMemcpy(d, idx.data(), idx.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-    g.down_x_index = d;
+    g.down_x_index = upload_at(d, cuda::gemv_input_index(g.down.q, stream_));
     g.down_x_permuted = g.down;
     g.down_x_permuted.q = cuda::gemv_input_permuted(g.down.q);
-    d += idx.size();
   }
 }
 
@@ -425,15 +432,9 @@ void LlamaCuda::permute_down_inputs() {
 // quantized and fused, qkv and gate|up act-order. KESTREL_PERMUTED_STREAM=0 keeps natural
 // order (and the gathers), for A/B runs.
 void LlamaCuda::permute_residual_stream() {
-  static const bool off = [] {
-    const char* e = std::getenv("KESTREL_PERMUTED_STREAM");
-    return e && std::string(e) == "0";
-  }();
+  static const bool off = env_off("KESTREL_PERMUTED_STREAM");
   // KESTREL_PERMUTED_ATT=0: attention's output in natural order (o gathers it), for A/B runs.
-  static const bool att_off = [] {
-    const char* e = std::getenv("KESTREL_PERMUTED_ATT");
-    return e && std::string(e) == "0";
-  }();
+  static const bool att_off = env_off("KESTREL_PERMUTED_ATT");
   if (off || w_.layers.empty()) return;
   auto single = [](const GpuLinear& l) { return l.quantized && l.parts.empty(); };
   for (const GpuLayer& g : w_.layers)
@@ -460,11 +461,6 @@ void LlamaCuda::permute_residual_stream() {
   for (const GpuLayer& g : w_.layers) n_att += g.o.q.has_perm && !att_off;
   auto* d_att = n_att ? static_cast<int32_t*>(alloc(n_att * Q * sizeof(int32_t))) : nullptr;
   auto* dn = static_cast<__half*>(alloc(2 * n * H * sizeof(__half)));
-  auto put = [&](const std::vector<int32_t>& v) {
-    KESTREL_CUDA_CHECK(cudaMemcpy(d, v.data(), H * sizeof(int32_t), cudaMemcpyHostToDevice));
-    d += H;
-    return d - H;
-  };
   auto put_norm = [&](const __half* norm, const std::vector<int32_t>& idx) {
     std::vector<uint16_t> h(H), p(H);
     KESTREL_CUDA_CHECK(cudaMemcpy(h.data(), norm, H * sizeof(__half), cudaMemcpyDeviceToHost));
@@ -475,11 +471,11 @@ void LlamaCuda::permute_residual_stream() {
   };
   std::vector<const int32_t*> da(n), db(n);
   for (size_t l = 0; l < n; ++l) {
-    da[l] = put(a[l]);
-    db[l] = put(b[l]);
+    da[l] = upload_at(d, a[l]);
+    db[l] = upload_at(d, b[l]);
   }
-  const int32_t* d_natural = put(natural);
-  w_.embed_perm = put(embed_perm);
+  const int32_t* d_natural = upload_at(d, natural);
+  w_.embed_perm = upload_at(d, embed_perm);
   for (size_t l = 0; l < n; ++l) {
     GpuLayer& g = w_.layers[l];
     GpuLayer::StreamOrder& o = g.order;
@@ -490,12 +486,8 @@ void LlamaCuda::permute_residual_stream() {
     o.gate_up = cuda::gemv_input_permuted(g.gate_up.q);
     o.o = g.o.q;
     if (g.o.q.has_perm && !att_off) {
-      const std::vector<int32_t> idx = cuda::gemv_input_index(g.o.q, stream_);
-      KESTREL_CUDA_CHECK(
-          cudaMemcpy(d_att, idx.data(), Q * sizeof(int32_t), cudaMemcpyHostToDevice));
-      o.att_out = d_att;
+      o.att_out = upload_at(d_att, cuda::gemv_input_index(g.o.q, stream_));
       o.o = cuda::gemv_input_permuted(g.o.q);
-      d_att += Q;
     }
     o.o_residual = da[l];
     o.o_out = db[l];
