@@ -785,11 +785,25 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
   return p;
 }
 
+// Registers per thread of the quantized kernel: what kQuantWarps / kW blocks per SM allow
+// (128 at 16 warps per SM), except the RMSNorm-only role (qkv) in blocks of 8 warps: capped at
+// 112 (121 uncapped; 12 bytes spill), so that beside its two blocks one 128-thread attention
+// block (56 registers) stays resident on every SM, starts under PDL while the qkv GEMV runs and
+// loads its chunk's K and V before the GEMV ends. Measured on the H200, kestrel bench -p 512 -n
+// 128 -r 3 on the 7B shape, two runs of two rounds against the uncapped build: 632.70 / 632.91
+// -> 635.39 / 634.89 and 633.04 / 633.15 -> 634.81 / 635.09 tok/s; act-order 621.92 / 622.06
+// -> 622.54 / 623.16. A cap of 96 (room for two attention blocks) measured 630.90 / 630.72.
+constexpr int quant_reg_cap(int spec, int warps) {
+  const int fit = 65536 / (32 * kQuantWarps) / 8 * 8;
+  return spec != kDynamic && (spec & ~kPerm) == kNorm && warps == 8 ? 112 : fit;
+}
+
 // The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
 // warp w of the grid owns the rows [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time,
 // unit by unit (module comment).
 template <int BITS, int GS, int kSpec, int kW = kQuantWarps>
-__global__ void __launch_bounds__(32 * kW, kQuantWarps / kW) gemv_quant_kernel(const KParams p_in) {
+__global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
+    gemv_quant_kernel(const KParams p_in) {
   static_assert(kQuantWarps % kW == 0, "whole blocks per SM");
   const KParams p = specialize<kSpec>(p_in);
   constexpr int kT = 32 * kW;
