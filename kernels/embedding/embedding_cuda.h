@@ -14,12 +14,12 @@ namespace kestrel::cuda {
 void embedding_f16(const __half* table, const int* d_token, int hidden, __half* out,
                    cudaStream_t stream);
 
-// out [n, hidden], row i = table row d_tokens[i] (prefill).
 // out[j] = table[*d_token][perm[j]] (perm [hidden], device): the row in a permutation, for a
 // decode step that keeps its residual stream in its first GEMV's act-order order.
 void embedding_permuted_f16(const __half* table, const int* d_token, int hidden,
                             const int32_t* perm, __half* out, cudaStream_t stream);
 
+// out [n, hidden], row i = table row d_tokens[i] (prefill).
 void embedding_tokens_f16(const __half* table, const int* d_tokens, int n, int hidden,
                           __half* out, cudaStream_t stream);
 
