@@ -539,7 +539,9 @@ __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
 // from a bulk copy that completes on `bar`; the values are read from there instead of L2. With
 // act-order, x_raw must be x_nat: the staged (normalised) x is written back over it in natural
 // order, and the gather reads the permutation from perm_s (bulk-copied with the norm weights).
-template <int C, int T>
+// kRegs = false compiles out the one-pass path that holds x in registers (callers that always
+// take the bulk path where the shape allows it: the quantized kernel on sm_90).
+template <int C, int T, bool kRegs = true>
 __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat,
                                         const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
                                         uint64_t* bar = nullptr, const int32_t* perm_s = nullptr) {
@@ -566,7 +568,36 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
       slot(v) = val;
     }
   };
-  if (one_pass_staging<T>(p) || (x_raw != nullptr && p.perm != nullptr && one_pass_shape<T>(p))) {
+  if (x_raw != nullptr && !p.silu_mul && one_pass_shape<T>(p)) {
+    // From the bulk copies: x (and the norm weights) already in shared memory, so two passes
+    // over it (the sum of squares, then the staging) cost no round trip and hold no vectors
+    // in registers, which the warps' first weight steps, loaded before the wait, occupy.
+    const int nnat = p.K / 8;
+    mbar_wait(bar, 0);
+    float inv_rms = 1.f;
+    if (p.norm_w) {
+      float ss = 0.f;
+      for (int v = threadIdx.x; v < nnat; v += T) ss += sum_squares8(x_raw[v]);
+      inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
+    }
+    const uint4 none = make_uint4(0, 0, 0, 0);
+    if (p.perm) {
+      // Act-order (x_raw is x_nat): the staged x back over it in natural order (each thread
+      // rewrites only the vectors it read), then the gather through the permutation.
+      for (int v = threadIdx.x; v < nnat; v += T)
+        reinterpret_cast<uint4*>(x_nat)[v] =
+            apply_input8(p, x_raw[v], p.norm_w ? n_raw[v] : none, inv_rms);
+      __syncthreads();
+      gather();
+      return;
+    }
+    for (int v = threadIdx.x; v < nnat; v += T)
+      slot(v) = apply_input8(p, x_raw[v], p.norm_w ? n_raw[v] : none, inv_rms);
+    for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  if (kRegs &&
+      (one_pass_staging<T>(p) || (x_raw != nullptr && p.perm != nullptr && one_pass_shape<T>(p)))) {
     // One pass: every load of x (and of up) in flight at once, then the RMSNorm reduction over
     // the registers. (The loop below reads x twice for RMSNorm, each pass a round trip to L2,
     // and waits on every vector of a SiLU input in turn.) The norm weights are already in the
@@ -793,6 +824,8 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
 // 128 -r 3 on the 7B shape, two runs of two rounds against the uncapped build: 632.70 / 632.91
 // -> 635.39 / 634.89 and 633.04 / 633.15 -> 634.81 / 635.09 tok/s; act-order 621.92 / 622.06
 // -> 622.54 / 623.16. A cap of 96 (room for two attention blocks) measured 630.90 / 630.72.
+// Since the staging reads x from shared memory in two passes (stage_x) the role needs 84
+// registers, so the cap no longer binds and three attention blocks fit beside it.
 constexpr int quant_reg_cap(int spec, int warps) {
   const int fit = 65536 / (32 * kQuantWarps) / 8 * 8;
   return spec != kDynamic && (spec & ~kPerm) == kNorm && warps == 8 ? 112 : fit;
@@ -835,7 +868,12 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // before waiting for it. (A bulk L2 prefetch of the warp's whole run of rows here made every
   // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
   typename Op::Frag f;
-  if (steps > 0 && lane < p.nch) Op::load(f, p, rb, rstep, rows_at(rb), 0, lane, pol);
+  int lrow = rb, li = 0;  // the row and unit group of the next step to load
+  auto load_next = [&]() {
+    if (32 * li + lane < p.nch) Op::load(f, p, lrow, rstep, rows_at(lrow), li, lane, pol);
+    if (++li == iters) li = 0, lrow += per_step;
+  };
+  if (steps > 0) load_next();
   // Where the epilogue stores the warp's rows and reads their residual (GemvEpilogue's
   // out_index and residual_index, static like the weights): lane l holds row rb + l's, so that
   // no store waits on a load.
@@ -876,7 +914,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   float res = 0.f;
   if (res_early && lane < re - rb)
     res = __half2float(__ldcg(p.residual + (p.res_index ? res_index : rb + lane)));
-  stage_x<Op::kUnitCodes, kT>(p, x_s, x_nat,
+  // (On sm_90 every shape the one-pass path fits takes the bulk path.)
+  stage_x<Op::kUnitCodes, kT, !has_bulk_copy()>(p, x_s, x_nat,
                                           bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
                                           reinterpret_cast<const uint4*>(n_raw), bar,
                                           bulk && p.perm ? perm_s : nullptr);
@@ -889,10 +928,10 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   for (int s = 0; s < steps; ++s) {
     const int nrows = rows_at(row0);
     const int u = 32 * i + lane;
-    if (u < p.nch) {
-      if (s > 0) Op::load(f, p, row0, rstep, nrows, i, lane, pol);
-      Op::compute(f, p, x_s + u, p.nch, acc);
-    }
+    if (u < p.nch) Op::compute(f, p, x_s + u, p.nch, acc);
+    // The next step's loads go out before this step's epilogue (the warp's reduction of its
+    // rows and their stores), so that the epilogue runs under their round trip.
+    if (s + 1 < steps) load_next();
     if (++i == iters) {
       const float mine = warp_sum_rows(acc, lane);
       if (p.silu_pair) {
