@@ -25,6 +25,7 @@
 #include "engine/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
+#include "tools/bench_gemv/loads.h"
 #include "tools/llama7b_shapes.h"
 
 namespace kestrel {
@@ -65,6 +66,7 @@ struct Options {
   // one group size.
   std::string shape;
   int bits = 0, group = 0;
+  bool loads = false;  // --loads: the loads-only kernels instead (loads.cu)
 };
 
 double median(std::vector<double> v) {
@@ -445,6 +447,41 @@ void print_json(const Bench& b) {
   fmt::print("{}\n", j.dump(2));
 }
 
+// --loads: the weight stream alone (no dequantization, no x, no output) at 4-bit row sizes of the
+// 1.1B and 7B shapes, for 1-3 row steps in flight per warp and two ways of dealing rows.
+void run_loads(Bench& b) {
+  struct LoadShape {
+    const char* name;
+    int64_t rows;
+    int row_bytes;
+  };
+  const LoadShape shapes[] = {{"1.1B qkv", 2560, 1024},    {"1.1B o", 2048, 1024},
+                              {"1.1B gate_up", 11264, 1024}, {"1.1B down", 2048, 2816},
+                              {"7B qkv", 12288, 2048},      {"7B o", 4096, 2048},
+                              {"7B gate_up", 22016, 2048},  {"7B down", 4096, 5504}};
+  DeviceBuffer sink(bench::loads_sink_words() * sizeof(uint32_t));
+  fmt::print("Device-to-device copy (1 GiB, read + written): **{:.0f} GB/s**\n\n", b.copy_gbps);
+  fmt::print("| shape | rows x row bytes | MB | rows per warp | steps in flight | us | GB/s | % copy |\n");
+  fmt::print("|---|---|---|---|---|---|---|---|\n");
+  for (const LoadShape& sh : shapes) {
+    const size_t bytes = size_t(sh.rows) * sh.row_bytes;
+    const int copies = copies_for(bytes);
+    DeviceBuffer w(bytes * copies);
+    KESTREL_CUDA_CHECK(cudaMemset(w.get(), 0x5A, w.size()));
+    for (bool rr : {false, true})
+      for (int depth = 1; depth <= 3; ++depth) {
+        const double us = time_graph(b.s, copies, b.o, [&](int i) {
+          bench::launch_loads(static_cast<const char*>(w.get()) + bytes * i, sh.rows,
+                              sh.row_bytes, depth, rr, static_cast<uint32_t*>(sink.get()), b.s);
+        });
+        const double gbps = bytes / us * 1e-3;
+        fmt::print("| {} | {} x {} | {:.2f} | {} | {} | {:.2f} | {:.0f} | {:.1f}% |\n", sh.name,
+                   sh.rows, sh.row_bytes, bytes / 1e6, rr ? "pairs round-robin" : "equal runs",
+                   depth, us, gbps, 100.0 * gbps / b.copy_gbps);
+      }
+  }
+}
+
 int run(int argc, char** argv) {
   CLI::App app{"kestrel-bench-gemv: GEMV bandwidth on the Llama-2-7B shapes"};
   Options o;
@@ -454,10 +491,16 @@ int run(int argc, char** argv) {
   app.add_option("--shape", o.shape, "only this shape (qkv, o, gate_up, down, lm_head)");
   app.add_option("--bits", o.bits, "only this bit width (2, 3, 4, 8; 16 = fp16)");
   app.add_option("--group", o.group, "only this group size (32, 64, 128, -1)");
+  app.add_flag("--loads", o.loads,
+               "only the weight stream: loads-only kernels over steps in flight and row order");
   CLI11_PARSE(app, argc, argv);
 
   Bench b(o);
   b.measure_copy();
+  if (o.loads) {
+    run_loads(b);
+    return 0;
+  }
   auto shape_on = [&](const Shape& sh) { return o.shape.empty() || o.shape == sh.name; };
   for (const Shape& sh : kShapes) {
     if (!shape_on(sh)) continue;

@@ -1,0 +1,129 @@
+// Loads-only kernels in the quantized GEMV's access pattern, for kestrel-bench-gemv --loads:
+// what the weight stream alone achieves as a function of how many row steps each warp keeps in
+// flight (DEPTH) and of which rows each warp reads (equal runs, as the GEMV, or row pairs dealt
+// round-robin so that at each step the whole grid reads one contiguous region).
+//
+// Layout as gemv_prepare leaves 4-bit codes: a row is `units` units of four 16-byte pieces,
+// piece j of unit u at uint4 offset j * units + u of the row, so that lane l's piece j is
+// contiguous with lane l + 1's (512 bytes per warp load). Each warp step loads one unit group
+// (32 units) of two rows; lanes past the row's units idle, as in the GEMV.
+#include "tools/bench_gemv/loads.h"
+
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/common/cuda_utils.h"
+
+namespace kestrel::bench {
+namespace {
+
+constexpr int kWarps = 16;
+
+__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p), "l"(pol));
+  return r;
+}
+
+template <int DEPTH, bool ROUND_ROBIN>
+__global__ void __launch_bounds__(32 * kWarps, 1)
+    loads_kernel(const uint4* __restrict__ w, int64_t rows, int units, uint32_t* __restrict__ sink) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t W = int64_t(gridDim.x) * kWarps, wg = int64_t(blockIdx.x) * kWarps + warp;
+  const int64_t pairs = (rows + 1) / 2;
+  const int iters = (units + 31) / 32;
+  // The warp's row pairs: [p0, p1) (equal runs) or wg, wg + W, ... (round-robin).
+  const int64_t p0 = ROUND_ROBIN ? wg : pairs * wg / W;
+  const int64_t np = ROUND_ROBIN ? (pairs > wg ? (pairs - wg + W - 1) / W : 0)
+                                 : pairs * (wg + 1) / W - p0;
+  const int64_t steps = np * iters;
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  auto load = [&](uint4 (&q)[2][4], int64_t s) {
+    const int64_t p = ROUND_ROBIN ? p0 + (s / iters) * W : p0 + s / iters;
+    const int u = int(s % iters) * 32 + lane;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = 2 * p + r;
+      if (u < units && row < rows) {
+        const uint4* base = w + row * 4 * units + u;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[r][j] = ld_stream(base + j * units, pol);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[r][j] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  };
+  uint4 ring[DEPTH][2][4];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d)
+    if (d < steps) load(ring[d], d);
+  // As the GEMV: the first loads before the wait on the previous kernel.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint32_t acc = 0;
+  for (int64_t s0 = 0; s0 < steps; s0 += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int64_t s = s0 + d;
+      if (s < steps) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            acc ^= ring[d][r][j].x + ring[d][r][j].y * 3u + ring[d][r][j].z * 5u + ring[d][r][j].w * 7u;
+        if (s + DEPTH < steps) load(ring[d], s + DEPTH);
+      }
+    }
+  }
+  // One word per warp, so that nothing above is dead code.
+  for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xFFFFFFFFu, acc, o);
+  if (lane == 0) sink[wg] = acc;
+}
+
+template <int DEPTH>
+void launch_depth(const void* w, int64_t rows, int units, bool round_robin, uint32_t* sink,
+                  int grid, cudaStream_t s) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(32 * kWarps);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const uint4* q = static_cast<const uint4*>(w);
+  if (round_robin)
+    KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, loads_kernel<DEPTH, true>, q, rows, units, sink));
+  else
+    KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, loads_kernel<DEPTH, false>, q, rows, units, sink));
+}
+
+}  // namespace
+
+int loads_grid() { return cuda::current_device_info().sm_count; }
+
+size_t loads_sink_words() { return size_t(loads_grid()) * kWarps; }
+
+void launch_loads(const void* w, int64_t rows, int row_bytes, int depth, bool round_robin,
+                  uint32_t* sink, cudaStream_t s) {
+  if (row_bytes <= 0 || row_bytes % 64 != 0)
+    throw std::invalid_argument("launch_loads: row_bytes must be a positive multiple of 64, got " +
+                                std::to_string(row_bytes));
+  const int units = row_bytes / 64, grid = loads_grid();
+  switch (depth) {
+    case 1: return launch_depth<1>(w, rows, units, round_robin, sink, grid, s);
+    case 2: return launch_depth<2>(w, rows, units, round_robin, sink, grid, s);
+    case 3: return launch_depth<3>(w, rows, units, round_robin, sink, grid, s);
+    default:
+      throw std::invalid_argument("launch_loads: depth must be 1 to 3 (4 spills), got " + std::to_string(depth));
+  }
+}
+
+}  // namespace kestrel::bench
