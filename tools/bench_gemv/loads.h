@@ -15,8 +15,9 @@ int loads_grid();
 size_t loads_sink_words();
 
 // Streams rows x row_bytes of weights at w (row_bytes a multiple of 64: four 16-byte pieces per
-// unit), each warp keeping `depth` (1-3; 96 registers of loads at 3) row steps in flight, its rows in equal runs or dealt
-// round-robin by pairs; launched with programmatic dependent launch on s.
+// unit), each warp keeping `depth` row steps in flight (1-3; at 3 the loads hold 96 registers),
+// its rows in equal runs or dealt round-robin by pairs; launched with programmatic dependent
+// launch on s.
 void launch_loads(const void* w, int64_t rows, int row_bytes, int depth, bool round_robin,
                   uint32_t* sink, cudaStream_t s);
 
