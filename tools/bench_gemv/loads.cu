@@ -31,7 +31,8 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
 
 template <int DEPTH, bool ROUND_ROBIN>
 __global__ void __launch_bounds__(32 * kWarps, 1)
-    loads_kernel(const uint4* __restrict__ w, int64_t rows, int units, uint32_t* __restrict__ sink) {
+    loads_kernel(const uint4* __restrict__ w, int64_t rows, int units,
+                 uint32_t* __restrict__ sink) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t W = int64_t(gridDim.x) * kWarps, wg = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t pairs = (rows + 1) / 2;
@@ -75,8 +76,10 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            acc ^= ring[d][r][j].x + ring[d][r][j].y * 3u + ring[d][r][j].z * 5u + ring[d][r][j].w * 7u;
+          for (int j = 0; j < 4; ++j) {
+            const uint4 v = ring[d][r][j];
+            acc ^= v.x + v.y * 3u + v.z * 5u + v.w * 7u;
+          }
         if (s + DEPTH < steps) load(ring[d], s + DEPTH);
       }
     }
@@ -122,7 +125,8 @@ void launch_loads(const void* w, int64_t rows, int row_bytes, int depth, bool ro
     case 2: return launch_depth<2>(w, rows, units, round_robin, sink, grid, s);
     case 3: return launch_depth<3>(w, rows, units, round_robin, sink, grid, s);
     default:
-      throw std::invalid_argument("launch_loads: depth must be 1 to 3 (4 spills), got " + std::to_string(depth));
+      throw std::invalid_argument("launch_loads: depth must be 1 to 3 (4 spills), got " +
+                                  std::to_string(depth));
   }
 }
 

@@ -461,7 +461,8 @@ void run_loads(Bench& b) {
                               {"7B gate_up", 22016, 2048},  {"7B down", 4096, 5504}};
   DeviceBuffer sink(bench::loads_sink_words() * sizeof(uint32_t));
   fmt::print("Device-to-device copy (1 GiB, read + written): **{:.0f} GB/s**\n\n", b.copy_gbps);
-  fmt::print("| shape | rows x row bytes | MB | rows per warp | steps in flight | us | GB/s | % copy |\n");
+  fmt::print(
+      "| shape | rows x row bytes | MB | rows per warp | steps in flight | us | GB/s | % copy |\n");
   fmt::print("|---|---|---|---|---|---|---|---|\n");
   for (const LoadShape& sh : shapes) {
     const size_t bytes = size_t(sh.rows) * sh.row_bytes;
