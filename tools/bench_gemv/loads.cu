@@ -14,20 +14,17 @@
 #include <stdexcept>
 #include <string>
 
+#include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/pdl.cuh"
+#include "kernels/gemv/gemv_kernel.cuh"  // ld_stream: the GEMV's own weight load
 
 namespace kestrel::bench {
 namespace {
 
 constexpr int kWarps = 16;
 
-__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p), "l"(pol));
-  return r;
-}
+using cuda::gemv_detail::ld_stream;
 
 template <int DEPTH, bool ROUND_ROBIN>
 __global__ void __launch_bounds__(32 * kWarps, 1)
@@ -42,8 +39,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
   const int64_t np = ROUND_ROBIN ? (pairs > wg ? (pairs - wg + W - 1) / W : 0)
                                  : pairs * (wg + 1) / W - p0;
   const int64_t steps = np * iters;
-  uint64_t pol;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  const uint64_t pol = cuda::evict_first_policy();
   auto load = [&](uint4 (&q)[2][4], int64_t s) {
     const int64_t p = ROUND_ROBIN ? p0 + (s / iters) * W : p0 + s / iters;
     const int u = int(s % iters) * 32 + lane;
@@ -65,8 +61,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
   for (int d = 0; d < DEPTH; ++d)
     if (d < steps) load(ring[d], d);
   // As the GEMV: the first loads before the wait on the previous kernel.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  cuda::pdl_wait_then_release();
   uint32_t acc = 0;
   for (int64_t s0 = 0; s0 < steps; s0 += DEPTH) {
 #pragma unroll
@@ -92,20 +87,11 @@ __global__ void __launch_bounds__(32 * kWarps, 1)
 template <int DEPTH>
 void launch_depth(const void* w, int64_t rows, int units, bool round_robin, uint32_t* sink,
                   int grid, cudaStream_t s) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(32 * kWarps);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   const uint4* q = static_cast<const uint4*>(w);
   if (round_robin)
-    KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, loads_kernel<DEPTH, true>, q, rows, units, sink));
+    cuda::launch_pdl(loads_kernel<DEPTH, true>, grid, 32 * kWarps, 0, s, q, rows, units, sink);
   else
-    KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, loads_kernel<DEPTH, false>, q, rows, units, sink));
+    cuda::launch_pdl(loads_kernel<DEPTH, false>, grid, 32 * kWarps, 0, s, q, rows, units, sink);
 }
 
 }  // namespace
