@@ -200,19 +200,25 @@ Kernel quant_kernel(int bits, int gs) {
   return k;
 }
 
-// Raises a kernel's dynamic shared-memory limit when a block needs more than the default 48 KB,
-// once per (device, kernel): to the device's opt-in limit less the kernel's static shared
-// memory (asking for the whole opt-in limit is an invalid value when the kernel has any).
+// Raises a kernel's dynamic shared-memory limit when a block needs more than it may use by
+// default (48 KB less the kernel's static shared memory), once per (device, kernel): to the
+// device's opt-in limit less the kernel's static shared memory (asking for the whole opt-in
+// limit is an invalid value when the kernel has any).
 void ensure_smem(Kernel k, size_t bytes) {
-  if (bytes <= 48 * 1024) return;
   static std::mutex mu;
-  static std::map<std::pair<int, const void*>, size_t> raised;
+  static std::map<std::pair<int, const void*>, size_t> allowed;  // what a block may use now
   const DeviceInfo& d = current_device_info();
   std::lock_guard<std::mutex> lock(mu);
-  size_t& cur = raised[{d.id, reinterpret_cast<const void*>(k)}];
-  if (cur >= bytes) return;
+  size_t& cur = allowed[{d.id, reinterpret_cast<const void*>(k)}];
+  if (bytes <= cur) return;
   cudaFuncAttributes attr{};
   KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
+  const size_t by_default =
+      attr.sharedSizeBytes < 48 * 1024 ? 48 * 1024 - attr.sharedSizeBytes : 0;
+  if (bytes <= by_default) {
+    cur = by_default;
+    return;
+  }
   const size_t limit = d.smem_per_block_optin > attr.sharedSizeBytes
                            ? d.smem_per_block_optin - attr.sharedSizeBytes
                            : 0;
@@ -269,6 +275,22 @@ GemvLaunch plan_f16(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size
   const int64_t cap = out.grid > 0 ? out.grid : resident;
   out.grid = static_cast<int>(std::max<int64_t>(1, std::min(tiles, cap)));
   return out;
+}
+
+// The dynamic shared memory a quantized kernel in blocks of `warps` is launched with: its own
+// `need`, raised in 8 KB steps where that would let more than kQuantWarps / warps blocks share
+// an SM, so that every SM runs the design's 16 warps. A kernel under ~80 registers fits three
+// 8-warp blocks (the 8-bit kernels since 408f68d took their staging out of registers: 71-80);
+// three blocks of the 8-bit down GEMV ran at 66.7% of copy against 81.3% with two, and the
+// 8-bit 7B decoded at 426.7 tok/s against 451.2 (kernels/gemv/NOTES.md). Capping the grid at
+// two blocks per SM instead let the block scheduler put three on some SMs: 400.2 tok/s.
+size_t pinned_smem(Kernel k, int warps, size_t need) {
+  const DeviceInfo& d = current_device_info();
+  const int want = kQuantWarps / warps;
+  size_t smem = need;
+  while (blocks_per_sm(k, 32 * warps, smem) > want && smem + 8192 <= d.smem_per_block_optin)
+    smem = (smem / 8192 + 1) * 8192;
+  return smem;
 }
 
 // Quantized: the resident blocks (one or two per SM), fewer when N gives each warp less than
@@ -381,8 +403,9 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   }
   if (!qk.k) qk = {quant_kernel(w.bits, w.group_size), kQuantWarps};
   // The grid per call (w.launch.grid 0): it depends on the block size of the kernel taken.
-  const GemvLaunch l = plan_quant(qk.k, qk.warps, w.N, w.smem_bytes, w.launch);
-  launch(qk.k, p, l.grid, 32 * qk.warps, l.pdl, w.smem_bytes, s);
+  const size_t smem = pinned_smem(qk.k, qk.warps, w.smem_bytes);
+  const GemvLaunch l = plan_quant(qk.k, qk.warps, w.N, smem, w.launch);
+  launch(qk.k, p, l.grid, 32 * qk.warps, l.pdl, smem, s);
 }
 
 void gemv_use_specialized(bool on) { use_specialized() = on; }
