@@ -535,10 +535,11 @@ __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
 // written by the previous kernel, which with programmatic dependent launch may still have been
 // running when this one started.
 //
-// x_raw (one-pass path only): when not null, x in its natural order in shared memory, landing
-// from a bulk copy that completes on `bar`; the values are read from there instead of L2. With
-// act-order, x_raw must be x_nat: the staged (normalised) x is written back over it in natural
-// order, and the gather reads the permutation from perm_s (bulk-copied with the norm weights).
+// x_raw (one-pass shapes only): when not null, x in its natural order in shared memory, landing
+// from a bulk copy that completes on `bar` (and the RMSNorm weights in n_raw); the values are
+// read from there instead of L2. With act-order, x_raw must be x_nat: the staged (normalised) x
+// is written back over it in natural order, and the gather reads the permutation from perm_s
+// (bulk-copied with the norm weights).
 // kRegs = false compiles out the one-pass path that holds x in registers (callers that always
 // take the bulk path where the shape allows it: the quantized kernel on sm_90).
 template <int C, int T, bool kRegs = true>
@@ -568,10 +569,11 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
       slot(v) = val;
     }
   };
-  if (x_raw != nullptr && !p.silu_mul && one_pass_shape<T>(p)) {
+  if (x_raw != nullptr) {
     // From the bulk copies: x (and the norm weights) already in shared memory, so two passes
     // over it (the sum of squares, then the staging) cost no round trip and hold no vectors
-    // in registers, which the warps' first weight steps, loaded before the wait, occupy.
+    // in registers, which the warps' first weight steps, loaded before the wait, occupy. (A
+    // SiLU input's up half is read from L2 as it is staged.)
     const int nnat = p.K / 8;
     mbar_wait(bar, 0);
     float inv_rms = 1.f;
@@ -580,49 +582,37 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
       for (int v = threadIdx.x; v < nnat; v += T) ss += sum_squares8(x_raw[v]);
       inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
     }
-    const uint4 none = make_uint4(0, 0, 0, 0);
+    auto other = [&](int v) { return p.norm_w ? n_raw[v] : input_other8(p, 8 * v); };
     if (p.perm) {
       // Act-order (x_raw is x_nat): the staged x back over it in natural order (each thread
       // rewrites only the vectors it read), then the gather through the permutation.
       for (int v = threadIdx.x; v < nnat; v += T)
-        reinterpret_cast<uint4*>(x_nat)[v] =
-            apply_input8(p, x_raw[v], p.norm_w ? n_raw[v] : none, inv_rms);
+        reinterpret_cast<uint4*>(x_nat)[v] = apply_input8(p, x_raw[v], other(v), inv_rms);
       __syncthreads();
       gather();
       return;
     }
     for (int v = threadIdx.x; v < nnat; v += T)
-      slot(v) = apply_input8(p, x_raw[v], p.norm_w ? n_raw[v] : none, inv_rms);
+      slot(v) = apply_input8(p, x_raw[v], other(v), inv_rms);
     for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
     return;
   }
-  if (kRegs &&
-      (one_pass_staging<T>(p) || (x_raw != nullptr && p.perm != nullptr && one_pass_shape<T>(p)))) {
-    // One pass: every load of x (and of up) in flight at once, then the RMSNorm reduction over
-    // the registers. (The loop below reads x twice for RMSNorm, each pass a round trip to L2,
-    // and waits on every vector of a SiLU input in turn.) The norm weights are already in the
-    // slots (stage_x_early), or land in n_raw with x_raw (bulk copies).
+  if (kRegs && one_pass_staging<T>(p)) {
+    // One pass from L2: every load of x (and of up) in flight at once, then the RMSNorm
+    // reduction over the registers. (The loop below reads x twice for RMSNorm, each pass a
+    // round trip to L2, and waits on every vector of a SiLU input in turn.) The norm weights
+    // are already in the slots (stage_x_early).
     const int nnat = p.K / 8;
     uint4 a[kMaxV], b[kMaxV];
 #pragma unroll
     for (int i = 0; i < kMaxV; ++i) {
       const int v = threadIdx.x + i * T;
       if (v < nnat) {
-        if (!x_raw) a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
+        a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
         if (!p.norm_w) b[i] = input_other8(p, 8 * v);
       }
     }
-    if (x_raw) {
-      mbar_wait(bar, 0);
-#pragma unroll
-      for (int i = 0; i < kMaxV; ++i) {
-        const int v = threadIdx.x + i * T;
-        if (v < nnat) {
-          a[i] = x_raw[v];
-          if (p.norm_w) b[i] = n_raw[v];
-        }
-      }
-    } else if (p.norm_w) {
+    if (p.norm_w) {
       cp_async_wait_all();
 #pragma unroll
       for (int i = 0; i < kMaxV; ++i) {
@@ -637,18 +627,6 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
       for (int i = 0; i < kMaxV; ++i)
         if (threadIdx.x + i * T < nnat) ss += sum_squares8(a[i]);
       inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
-    }
-    if (p.perm) {
-      // Act-order: the staged x back over x_nat in natural order (each thread rewrites only
-      // the vectors it read), then the gather through the permutation.
-#pragma unroll
-      for (int i = 0; i < kMaxV; ++i) {
-        const int v = threadIdx.x + i * T;
-        if (v < nnat) reinterpret_cast<uint4*>(x_nat)[v] = apply_input8(p, a[i], b[i], inv_rms);
-      }
-      __syncthreads();
-      gather();
-      return;
     }
 #pragma unroll
     for (int i = 0; i < kMaxV; ++i) {
@@ -825,7 +803,8 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
 // -> 635.39 / 634.89 and 633.04 / 633.15 -> 634.81 / 635.09 tok/s; act-order 621.92 / 622.06
 // -> 622.54 / 623.16. A cap of 96 (room for two attention blocks) measured 630.90 / 630.72.
 // Since the staging reads x from shared memory in two passes (stage_x) the role needs 84
-// registers, so the cap no longer binds and three attention blocks fit beside it.
+// registers, so the cap no longer binds and two attention blocks fit beside it (not measured
+// apart from the change that brought it, 408f68d).
 constexpr int quant_reg_cap(int spec, int warps) {
   const int fit = 65536 / (32 * kQuantWarps) / 8 * 8;
   return spec != kDynamic && (spec & ~kPerm) == kNorm && warps == 8 ? 112 : fit;
