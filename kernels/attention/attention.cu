@@ -253,9 +253,10 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // weights are: a step reads each once (blocks of one KV group in z re-read them within
 // microseconds). Measured on the H200, kestrel bench -p 512 -n 128 -r 3, two rounds, tokens/s:
 // 7B 631.8 / 632.3 -> 634.0 / 634.3, 1.1B 1,669.3 / 1,669.1 -> 1,680.2 / 1,680.2.
-// Registers: 56 per thread, 7,168 per block. The qkv GEMV's 8-warp blocks leave 8,192 free on
-// each SM for one such block (quant_reg_cap in kernels/gemv/gemv_kernel.cuh), so that it starts
-// and loads its K and V while the GEMV runs; past 64 registers it would no longer fit there.
+// Registers: 56 per thread, 7,168 per block. The qkv GEMV's two 8-warp blocks per SM (84
+// registers since 408f68d; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
+// each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
+// past 80 registers only one would fit there.
 template <int D, int GMAX, bool ROPE>
 __global__ void __launch_bounds__(kThreads)
     attention_split_kernel(const __half* __restrict__ q, __half* __restrict__ k_cache,
