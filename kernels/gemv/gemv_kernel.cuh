@@ -664,18 +664,34 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
 }
 
 // Sums each of a warp's R row partials over its 32 lanes (every lane gets every sum, in acc)
-// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows.
+// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows. For R = 2 (the
+// quantized kernel, where at K = 4096 every step ends a row pair) the first exchange leaves
+// row 0 on lanes 0-15 and row 1 on lanes 16-31, which then sum as one: 7 shuffles and 5 adds
+// instead of 10 and 10. H200, kestrel bench -p 512 -n 128 -r 3, the two builds alternated on one
+// machine: 7B 657.11 / 656.83 -> 662.42 / 662.37 tok/s, 1.1B 1,713.57 / 1,713.51 -> 1,721.63 /
+// 1,720.92 (kernels/gemv/NOTES.md).
 template <int R>
 __device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
+  if constexpr (R == 2) {
+    const bool hi = lane & 16;
+    float v = hi ? acc[1] : acc[0];
+    v += __shfl_xor_sync(0xFFFFFFFFu, hi ? acc[0] : acc[1], 16);
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+    acc[0] = __shfl_sync(0xFFFFFFFFu, v, 0);
+    acc[1] = __shfl_sync(0xFFFFFFFFu, v, 16);
+    return lane == 1 ? acc[1] : acc[0];
+  } else {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
-  float mine = acc[0];
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-  for (int r = 1; r < R; ++r)
-    if (lane == r) mine = acc[r];
-  return mine;
+      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
+    float mine = acc[0];
+#pragma unroll
+    for (int r = 1; r < R; ++r)
+      if (lane == r) mine = acc[r];
+    return mine;
+  }
 }
 
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
