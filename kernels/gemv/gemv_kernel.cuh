@@ -910,10 +910,9 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   if (res_early && lane < re - rb)
     res = __half2float(__ldcg(p.residual + (p.res_index ? res_index : rb + lane)));
   // (On sm_90 every shape the one-pass path fits takes the bulk path.)
-  stage_x<Op::kUnitCodes, kT, !has_bulk_copy()>(p, x_s, x_nat,
-                                          bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
-                                          reinterpret_cast<const uint4*>(n_raw), bar,
-                                          bulk && p.perm ? perm_s : nullptr);
+  stage_x<Op::kUnitCodes, kT, !has_bulk_copy()>(
+      p, x_s, x_nat, bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
+      reinterpret_cast<const uint4*>(n_raw), bar, bulk && p.perm ? perm_s : nullptr);
   __syncthreads();
 
   float acc[R];

@@ -3,10 +3,12 @@
 // flight (DEPTH) and of which rows each warp reads (equal runs, as the GEMV, or row pairs dealt
 // round-robin so that at each step the whole grid reads one contiguous region).
 //
-// Layout as gemv_prepare leaves 4-bit codes: a row is `units` units of four 16-byte pieces,
-// piece j of unit u at uint4 offset j * units + u of the row, so that lane l's piece j is
-// contiguous with lane l + 1's (512 bytes per warp load). Each warp step loads one unit group
-// (32 units) of two rows; lanes past the row's units idle, as in the GEMV.
+// Layout: a row is `units` units of four 16-byte pieces, piece j of unit u at uint4 offset
+// j * units + u of the row, so that lane l's piece j is contiguous with lane l + 1's (512 bytes
+// per warp load), as in the GEMV's layout. (gemv_prepare also groups the pieces per 32 units,
+// gemv_layout.h chunk_index; the two agree for rows of up to 32 units, and both read 512
+// contiguous bytes per warp load.) Each warp step loads one unit group (32 units) of two rows;
+// lanes past the row's units idle, as in the GEMV.
 #include "tools/bench_gemv/loads.h"
 
 #include <cuda_runtime.h>
