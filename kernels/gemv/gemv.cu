@@ -18,8 +18,11 @@
 // ---------------------------------------------------------------------------------------------
 // Work decomposition, quantized. 16 warps per SM, as one block or (symmetric 3/4/8-bit, K and N
 // >= 4096: spec_block_warps) two blocks of 8; each block stages x into shared memory once.
-// Warp w of the W in the grid owns the rows [N*w/W, N*(w+1)/W) (equal runs, so no warp has a
-// whole extra tile to finish) and streams them R = 2 at a time. Along K a row is cut into units
+// Warp w of the W in the grid owns a run of rows and streams them R = 2 at a time: in blocks of
+// 8 warps, where every warp has a step, whole steps of R rows, one more to each of the grid's
+// first warps where they do not divide evenly (their blocks start first; the others exit a step
+// early); otherwise the rows [N*w/W, N*(w+1)/W), equal runs (gemv_kernel.cuh has the measured
+// reasons). Along K a row is cut into units
 // (256, 128, 128, 64 codes at 2, 3, 4, 8 bits; four 16-byte loads, or three 3-bit planes), and
 // lane l takes units l, l + 32, ...:
 //
@@ -294,8 +297,8 @@ size_t pinned_smem(Kernel k, int warps, size_t need) {
 }
 
 // Quantized: the resident blocks (one or two per SM), fewer when N gives each warp less than
-// kQuantRows rows; every warp then takes an equal run of rows, so the grid only sets how many
-// warps share N. k_split does not apply (a lane owns whole units of K).
+// kQuantRows rows; every warp then takes a run of rows (the kernel deals them), so the grid only
+// sets how many warps share N. k_split does not apply (a lane owns whole units of K).
 GemvLaunch plan_quant(Kernel k, int warps, int64_t N, size_t smem, GemvLaunch hint) {
   const DeviceInfo& d = current_device_info();
   GemvLaunch out = hint;

@@ -28,8 +28,8 @@ namespace kestrel::cuda {
 struct GemvLaunch {
   int k_split = 0;  // fp16 kernel: warps of a block that share each row, each summing a slice
                     // of K: 1, 2, 4, 8 (the quantized kernel gives each lane whole units of K)
-  int grid = 0;     // blocks (x is staged in shared memory once per block); each warp takes an
-                    // equal run of rows (quantized) or blocks loop over row tiles (fp16);
+  int grid = 0;     // blocks (x is staged in shared memory once per block); each warp takes a
+                    // run of rows (quantized) or blocks loop over row tiles (fp16);
                     // 0 = chosen (at most the resident blocks)
   bool pdl = true;  // programmatic dependent launch: the kernel may start (and prefetch its
                     // weights into L2) while the previous kernel in the stream drains

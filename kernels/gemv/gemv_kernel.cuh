@@ -827,7 +827,7 @@ constexpr int quant_reg_cap(int spec, int warps) {
 }
 
 // The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
-// warp w of the grid owns the rows [N*w/W, N*(w+1)/W) and streams them kQuantRows at a time,
+// warp w of the grid owns a run of rows (dealt below) and streams them kQuantRows at a time,
 // unit by unit (module comment).
 template <int BITS, int GS, int kSpec, int kW = kQuantWarps>
 __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
