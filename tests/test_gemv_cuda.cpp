@@ -18,6 +18,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -909,6 +910,51 @@ TEST(GemvLayout, RepackDecodesToTheCheckpointWeights) {
     for (size_t i = 0; i < W.size(); ++i)
       ASSERT_EQ(W[i], ref[i]) << what << ": W[" << i / K << ", " << i % K << "]";
   }
+}
+
+// The quantized kernel deals its rows to warps with warp_rows (no GPU needed): consecutive runs
+// tile [0, n_rows) in order; in whole steps, every warp takes P / W or P / W + 1 steps, the
+// longer runs first, each starting at a step boundary; with fewer steps than warps (or without
+// whole steps), equal runs.
+TEST(GemvLayout, WarpRowsTileTheRowsInWholeSteps) {
+  using cuda::gemv_detail::warp_rows;
+  for (const int per_step : {1, 2})
+    for (const int64_t W : {1, 3, 8, 256, 2112})
+      for (const int64_t n_rows : {1, 2, 5, 63, 64, 255, 1000, 4096, 4097, 11008, 12288, 22016})
+        for (const bool whole : {false, true}) {
+          SCOPED_TRACE(std::to_string(n_rows) + " rows, " + std::to_string(per_step) +
+                       " per step, " + std::to_string(W) + " warps, whole " +
+                       std::to_string(whole));
+          const int64_t P = (n_rows + per_step - 1) / per_step;
+          const bool dealt = whole && P >= W;
+          int prev_end = 0, prev_steps = INT32_MAX;
+          for (int64_t w = 0; w < W; ++w) {
+            const cuda::gemv_detail::RowRun r = warp_rows(n_rows, per_step, w, W, whole);
+            ASSERT_EQ(r.begin, prev_end) << "warp " << w << " does not start where the last ended";
+            ASSERT_LE(r.begin, r.end) << "warp " << w;
+            if (dealt) {
+              ASSERT_EQ(r.begin % per_step, 0) << "warp " << w << " starts inside a step";
+              const int steps = (r.end - r.begin + per_step - 1) / per_step;
+              ASSERT_TRUE(steps == P / W || steps == P / W + 1) << "warp " << w << ": " << steps;
+              ASSERT_LE(steps, prev_steps) << "warp " << w << ": a longer run after a shorter";
+              prev_steps = steps;
+            } else {
+              ASSERT_EQ(r.begin, n_rows * w / W) << "warp " << w << ": not the equal run";
+            }
+            prev_end = r.end;
+          }
+          EXPECT_EQ(prev_end, n_rows) << "the runs do not reach the last row";
+        }
+  // The 7B's gate|up (11,008 SiLU pairs) and qkv (12,288 rows, two per step) over 264 blocks of
+  // 8 warps: the left-over steps go to the first 448 and 1,920 warps.
+  const cuda::gemv_detail::RowRun g447 = warp_rows(11008, 1, 447, 2112, true);
+  const cuda::gemv_detail::RowRun g448 = warp_rows(11008, 1, 448, 2112, true);
+  EXPECT_EQ(g447.end - g447.begin, 6);
+  EXPECT_EQ(g448.end - g448.begin, 5);
+  const cuda::gemv_detail::RowRun q1919 = warp_rows(12288, 2, 1919, 2112, true);
+  const cuda::gemv_detail::RowRun q1920 = warp_rows(12288, 2, 1920, 2112, true);
+  EXPECT_EQ(q1919.end - q1919.begin, 6);
+  EXPECT_EQ(q1920.end - q1920.begin, 4);
 }
 
 // ---- Validation (no GPU needed: gemv_prepare checks before touching the device) ----------------

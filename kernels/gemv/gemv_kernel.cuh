@@ -862,16 +862,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // loaded some SMs with a step more than others (the 1.1B's gate|up: 12.4 -> 12.8 us). H200,
   // 7B shape 4-bit g128: gate_up 76.2 -> 79.9% of copy, qkv 69.1 -> 71.2%; kestrel bench
   // 662.4 -> 672.7 tok/s against the build before, alternated (kernels/gemv/NOTES.md).
-  const int P = static_cast<int>((n_rows + per_step - 1) / per_step), nw = static_cast<int>(W);
-  int rb, re;
-  if (kW < kQuantWarps && P >= nw) {
-    const int w = static_cast<int>(wg), base = P / nw, extra = P % nw;
-    const int first = w * base + min(w, extra), cnt = base + (w < extra);
-    rb = min(static_cast<int>(n_rows), first * per_step);
-    re = min(static_cast<int>(n_rows), (first + cnt) * per_step);
-  } else {
-    rb = static_cast<int>(n_rows * wg / W), re = static_cast<int>(n_rows * (wg + 1) / W);
-  }
+  const RowRun run = warp_rows(n_rows, per_step, wg, W, kW < kQuantWarps);
+  const int rb = run.begin, re = run.end;
   const int iters = (p.nch + 31) / 32;  // unit groups per row (p.nch = units here)
   const int steps = (re - rb + per_step - 1) / per_step * iters;
   const uint64_t pol = evict_first_policy();

@@ -3,6 +3,7 @@
 // repack needs. The layout itself is drawn in gemv.cu.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -47,6 +48,31 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kQuantRows = 2;
 constexpr int kQuantThreads = 512;
 constexpr int kQuantWarps = kQuantThreads / 32;
+
+// The rows [begin, end) that warp w of the grid's W streams, `per_step` (kQuantRows, or one
+// SiLU pair) at a time, out of n_rows. `whole_steps` (the kernel's blocks of 8 warps) and at
+// least one step for every warp: P = ceil(n_rows / per_step) steps, P / W to each warp and the
+// P % W left over one each to the first warps. Otherwise equal runs, [n_rows w / W,
+// n_rows (w + 1) / W). Consecutive warps' runs tile [0, n_rows) in order either way.
+struct RowRun {
+  int begin, end;
+};
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+inline RowRun warp_rows(int64_t n_rows, int per_step, int64_t w, int64_t W, bool whole_steps) {
+  const int P = static_cast<int>((n_rows + per_step - 1) / per_step), nw = static_cast<int>(W);
+  RowRun r;
+  if (whole_steps && P >= nw) {
+    const int wi = static_cast<int>(w), base = P / nw, extra = P % nw;
+    const int first = wi * base + std::min(wi, extra), cnt = base + (wi < extra);
+    r.begin = std::min(static_cast<int>(n_rows), first * per_step);
+    r.end = std::min(static_cast<int>(n_rows), (first + cnt) * per_step);
+  } else {
+    r.begin = static_cast<int>(n_rows * w / W), r.end = static_cast<int>(n_rows * (w + 1) / W);
+  }
+  return r;
+}
 
 // Bit position of code i (0 <= i < 8) inside a 32-bit word for 4-bit codes (and for the
 // 3-bit "nibble words"): pairs (2p, 2p+1) sit in nibble p of the low and high half.
