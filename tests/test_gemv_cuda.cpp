@@ -15,10 +15,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <random>
-#include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
