@@ -731,8 +731,12 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
     for (int gs : {32, 64, 128, -1})
       for (bool act : {false, true})
         for (bool sym : {true, false})
-          // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps); the others 16.
-          for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096}})
+          // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps); the others 16. K <= 2048
+          // (rows of at most 16 units) takes the half-warp kernels at 3 and 4 bits: 352 and 1920
+          // leave some of a half's lanes without a unit, 2048 none; 34, 2562 and 1030 rows end
+          // on a part of a (double) step, and 17, 1,281 and 515 SiLU pairs on one half of it.
+          for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096},
+                              {2562, 2048}, {1030, 1920}})
             for (Ops ops : {kNone, kNorm, kResidual, kAliased, kNormSilu}) {
               if (!sym && (gs != 128 || ops != kNone)) continue;
               if (n == 4098 && gs != 128) continue;
@@ -955,6 +959,36 @@ TEST(GemvLayout, WarpRowsTileTheRowsInWholeSteps) {
   const cuda::gemv_detail::RowRun q1920 = warp_rows(12288, 2, 1920, 2112, true);
   EXPECT_EQ(q1919.end - q1919.begin, 6);
   EXPECT_EQ(q1920.end - q1920.begin, 4);
+}
+
+// The half-warp kernels' rows (step_runs): whole steps of two half-warp steps, in equal runs of
+// steps, tiling the rows in order.
+TEST(GemvLayout, StepRunsTileTheRowsInEqualRunsOfWholeSteps) {
+  using cuda::gemv_detail::step_runs;
+  for (const int per_step : {2, 4})
+    for (const int64_t W : {1, 3, 2112})
+      for (const int64_t n_rows : {1, 2, 3, 5, 17, 1030, 1280, 2048, 2560, 2562, 5632}) {
+        SCOPED_TRACE(std::to_string(n_rows) + " rows, " + std::to_string(per_step) + " per step, " +
+                     std::to_string(W) + " warps");
+        const int64_t P = (n_rows + per_step - 1) / per_step;
+        int prev_end = 0;
+        for (int64_t w = 0; w < W; ++w) {
+          const cuda::gemv_detail::RowRun r = step_runs(n_rows, per_step, w, W);
+          ASSERT_EQ(r.begin, prev_end) << "warp " << w << " does not start where the last ended";
+          ASSERT_LE(r.begin, r.end) << "warp " << w;
+          if (r.begin < r.end) {
+            ASSERT_EQ(r.begin % per_step, 0) << "warp " << w;
+          }
+          const int64_t steps = (r.end - r.begin + per_step - 1) / per_step;
+          ASSERT_TRUE(steps == P / W || steps == (P + W - 1) / W) << "warp " << w << ": " << steps;
+          prev_end = r.end;
+        }
+        EXPECT_EQ(prev_end, n_rows) << "the runs do not reach the last row";
+      }
+  // The 1.1B's gate|up (5,632 SiLU pairs, two per step) over 132 blocks of 16 warps: 2,816
+  // steps, one or two per warp.
+  EXPECT_EQ(step_runs(5632, 2, 0, 2112).end, 2);
+  EXPECT_EQ(step_runs(5632, 2, 2, 2112).end - step_runs(5632, 2, 2, 2112).begin, 4);
 }
 
 // ---- Validation (no GPU needed: gemv_prepare checks before touching the device) ----------------

@@ -78,10 +78,11 @@ enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8, kInde
 constexpr int kDynamic = -1;
 
 // The specialized kernel of one bit width for a call's flags (spec_of, not kDynamic) in blocks
-// of `warps` (8 or 16), or {nullptr, 0}: one per gemv_spec*.cu.
-QuantKernel spec_kernel_3bit(int gs, int spec, int warps);
-QuantKernel spec_kernel_4bit(int gs, int spec, int warps);
-QuantKernel spec_kernel_8bit(int gs, int spec, int warps);
+// of `warps` (8 or 16), or with `half` the half-warp kernel (3 and 4 bits, blocks of 16, for
+// rows of at most 16 units), or {nullptr, 0}: one per gemv_spec*.cu.
+QuantKernel spec_kernel_3bit(int gs, int spec, int warps, bool half);
+QuantKernel spec_kernel_4bit(int gs, int spec, int warps, bool half);
+QuantKernel spec_kernel_8bit(int gs, int spec, int warps, bool half);
 
 namespace {
 
@@ -694,6 +695,20 @@ __device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
   }
 }
 
+// The same for a warp whose half-warps hold a row pair each (kHalf): acc becomes this half's
+// two row sums; lane l < 4 gets row l of the step (half l / 2, row l % 2).
+__device__ __forceinline__ float half_sum_rows(float (&acc)[2], int lane) {
+  const bool hi = lane & 8;
+  float v = hi ? acc[1] : acc[0];
+  v += __shfl_xor_sync(0xFFFFFFFFu, hi ? acc[0] : acc[1], 8);
+#pragma unroll
+  for (int off = 4; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  // Lanes 16h .. 16h + 7 hold row 0 of half h, 16h + 8 .. 16h + 15 its row 1.
+  acc[0] = __shfl_sync(0xFFFFFFFFu, v, lane & 16);
+  acc[1] = __shfl_sync(0xFFFFFFFFu, v, (lane & 16) | 8);
+  return __shfl_sync(0xFFFFFFFFu, v, (8 * lane) & 31);
+}
+
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   if (row >= p.N) return;
   if (p.residual)
@@ -829,7 +844,7 @@ constexpr int quant_reg_cap(int spec, int warps) {
 // The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
 // warp w of the grid owns a run of rows (dealt below) and streams them kQuantRows at a time,
 // unit by unit (module comment).
-template <int BITS, int GS, int kSpec, int kW = kQuantWarps>
+template <int BITS, int GS, int kSpec, int kW = kQuantWarps, bool kHalf = false>
 __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
     gemv_quant_kernel(const KParams p_in) {
   static_assert(kQuantWarps % kW == 0, "whole blocks per SM");
@@ -851,7 +866,12 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   const int64_t wg = int64_t(blockIdx.x) * kW + warp, W = int64_t(gridDim.x) * kW;
   // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
   // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
-  const int rstep = p.silu_pair ? p.silu_pair : 1, per_step = p.silu_pair ? 1 : R;
+  // kHalf (rows of at most 16 units: K <= 2048 at 3 and 4 bits, where a warp's lanes 16-31
+  // would idle): the two half-warps take a row step each, lanes 16h .. 16h + 15 the rows of
+  // half h, so a warp step is 2 R rows or two pairs (gemv.cu, the measurements).
+  const int half = kHalf ? lane >> 4 : 0, ulane = kHalf ? lane & 15 : lane;
+  const int rstep = p.silu_pair ? p.silu_pair : 1, per_half = p.silu_pair ? 1 : R;
+  const int per_step = kHalf ? 2 * per_half : per_half;
   const int64_t n_rows = p.silu_pair ? p.silu_pair : p.N;
   // Rows dealt in whole steps: P steps of per_step rows, P / W to each warp and the P % W left
   // over one each to the first warps of the grid, whose blocks start first. In blocks of 8
@@ -862,12 +882,26 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // loaded some SMs with a step more than others (the 1.1B's gate|up: 12.4 -> 12.8 us). H200,
   // 7B shape 4-bit g128: gate_up 76.2 -> 79.9% of copy, qkv 69.1 -> 71.2%; kestrel bench
   // 662.4 -> 672.7 tok/s against the build before, alternated (kernels/gemv/NOTES.md).
-  const RowRun run = warp_rows(n_rows, per_step, wg, W, kW < kQuantWarps);
+  // The half-warp kernels deal whole (double) steps in equal runs of steps (step_runs): their
+  // shapes give most warps one or two.
+  const RowRun run = kHalf ? step_runs(n_rows, per_step, wg, W)
+                           : warp_rows(n_rows, per_step, wg, W, kW < kQuantWarps);
   const int rb = run.begin, re = run.end;
   const int iters = (p.nch + 31) / 32;  // unit groups per row (p.nch = units here)
   const int steps = (re - rb + per_step - 1) / per_step * iters;
   const uint64_t pol = evict_first_policy();
-  auto rows_at = [&](int row0) { return p.silu_pair ? R : min(R, re - row0); };
+  // The step at row0: its rows (pairs) and, for this lane's half, the first row and the rows
+  // loaded (past the run: none, computed as zeros, never stored).
+  auto rows_at = [&](int row0) {
+    if constexpr (kHalf) return min(per_step, re - row0);
+    return p.silu_pair ? R : min(R, re - row0);
+  };
+  auto hrow = [&](int row0) { return row0 + half * per_half; };
+  auto load_rows = [&](int row0) {
+    if constexpr (!kHalf) return rows_at(row0);
+    const int h0 = hrow(row0);
+    return p.silu_pair ? (h0 < re ? R : 0) : max(0, min(R, re - h0));
+  };
 
   // The weights do not depend on the previous kernel: load the first step into registers
   // before waiting for it. (A bulk L2 prefetch of the warp's whole run of rows here made every
@@ -875,7 +909,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   typename Op::Frag f;
   int lrow = rb, li = 0;  // the row and unit group of the next step to load
   auto load_next = [&]() {
-    if (32 * li + lane < p.nch) Op::load(f, p, lrow, rstep, rows_at(lrow), li, lane, pol);
+    if (32 * li + ulane < p.nch)
+      Op::load(f, p, hrow(lrow), rstep, load_rows(lrow), li, ulane, pol);
     if (++li == iters) li = 0, lrow += per_step;
   };
   if (steps > 0) load_next();
@@ -931,21 +966,28 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   int row0 = rb, i = 0;
   for (int s = 0; s < steps; ++s) {
     const int nrows = rows_at(row0);
-    const int u = 32 * i + lane;
+    const int u = 32 * i + ulane;
     if (u < p.nch) Op::compute(f, p, x_s + u, p.nch, acc);
     // The next step's loads go out before this step's epilogue (the warp's reduction of its
     // rows and their stores), so that the epilogue runs under their round trip.
     if (s + 1 < steps) load_next();
     if (++i == iters) {
-      const float mine = warp_sum_rows(acc, lane);
+      const float mine = kHalf ? half_sum_rows(acc, lane) : warp_sum_rows(acc, lane);
       if (p.silu_pair) {
         // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
         // then fp32 math, one rounding.
-        int dst = row0;
-        if (p.y_index)
+        const int pr = row0 + half;  // this half's pair
+        int dst = pr;
+        if constexpr (kHalf) {
+          if (p.y_index) {
+            const int e = __shfl_sync(0xFFFFFFFFu, y_index, (pr - rb) & 31);
+            dst = y_index_early ? e : pr < re ? __ldg(p.y_index + pr) : 0;
+          }
+        } else if (p.y_index) {
           dst = y_index_early ? __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb) & 31)
                               : __ldg(p.y_index + row0);
-        if (lane == 0)
+        }
+        if (kHalf ? ulane == 0 && pr < re : lane == 0)
           p.y[dst] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
                                                 __half2float(__float2half_rn(acc[1]))));
       } else if (res_early) {
@@ -969,36 +1011,45 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
 
 // ---- The specialized kernels of bit width B, by group size, flags and block size -------------
 
-// The symmetric B-bit kernel of group size GS for a call's flags (spec_of, not kDynamic).
+// The symmetric B-bit kernel of group size GS for a call's flags (spec_of, not kDynamic), in
+// blocks of `warps`; `half`: the half-warp kernel (kHalf; blocks of kQuantWarps, 3 and 4 bits,
+// whose units hold 128 codes: rows of at most 16 units are K <= 2048).
 template <int B, int GS, int OPS>
-QuantKernel spec_kernel_for_perm(bool perm, int warps) {
+QuantKernel spec_kernel_for_perm(bool perm, int warps, bool half) {
   if (warps == 8)
     return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, 8> : gemv_quant_kernel<B, GS, OPS, 8>, 8};
+  if constexpr (B == 3 || B == 4)
+    if (half)
+      return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, kQuantWarps, true>
+                   : gemv_quant_kernel<B, GS, OPS, kQuantWarps, true>,
+              kQuantWarps};
+  if (half) return {nullptr, 0};
   return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm> : gemv_quant_kernel<B, GS, OPS>,
           kQuantWarps};
 }
 
 template <int B, int GS>
-QuantKernel spec_kernel_for_group(int spec, int warps) {
+QuantKernel spec_kernel_for_group(int spec, int warps, bool half) {
   const bool perm = spec & kPerm;
   switch (spec & ~kPerm) {
-    case 0: return spec_kernel_for_perm<B, GS, 0>(perm, warps);
-    case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps);
-    case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps);
-    case kNorm | kSiluPair: return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps);
+    case 0: return spec_kernel_for_perm<B, GS, 0>(perm, warps, half);
+    case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps, half);
+    case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps, half);
+    case kNorm | kSiluPair:
+      return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps, half);
     case kResidual | kIndexed:
-      return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps);
+      return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps, half);
     default: return {nullptr, 0};
   }
 }
 
 template <int B>
-QuantKernel spec_kernel_for_bits(int gs, int spec, int warps) {
+QuantKernel spec_kernel_for_bits(int gs, int spec, int warps, bool half) {
   switch (gs) {
-    case 0: return spec_kernel_for_group<B, 0>(spec, warps);
-    case 32: return spec_kernel_for_group<B, 32>(spec, warps);
-    case 64: return spec_kernel_for_group<B, 64>(spec, warps);
-    case 128: return spec_kernel_for_group<B, 128>(spec, warps);
+    case 0: return spec_kernel_for_group<B, 0>(spec, warps, half);
+    case 32: return spec_kernel_for_group<B, 32>(spec, warps, half);
+    case 64: return spec_kernel_for_group<B, 64>(spec, warps, half);
+    case 128: return spec_kernel_for_group<B, 128>(spec, warps, half);
     default: return {nullptr, 0};
   }
 }

@@ -74,6 +74,22 @@ inline RowRun warp_rows(int64_t n_rows, int per_step, int64_t w, int64_t W, bool
   return r;
 }
 
+// The rows of warp w in the half-warp kernels (rows of at most 16 units: each half-warp takes
+// a row step, so a warp step is two, `per_step` rows or pairs in all): equal runs of whole
+// steps, [P w / W, P (w + 1) / W) of the P = ceil(n_rows / per_step), in rows. Consecutive
+// warps' runs tile [0, n_rows) in order.
+#if defined(__CUDACC__)
+__host__ __device__
+#endif
+    inline RowRun
+    step_runs(int64_t n_rows, int per_step, int64_t w, int64_t W) {
+  const int64_t P = (n_rows + per_step - 1) / per_step;
+  RowRun r;
+  r.begin = static_cast<int>(std::min(n_rows, P * w / W * per_step));
+  r.end = static_cast<int>(std::min(n_rows, P * (w + 1) / W * per_step));
+  return r;
+}
+
 // Bit position of code i (0 <= i < 8) inside a 32-bit word for 4-bit codes (and for the
 // 3-bit "nibble words"): pairs (2p, 2p+1) sit in nibble p of the low and high half.
 constexpr int nibble_pos(int i) { return 16 * (i & 1) + 4 * (i >> 1); }
