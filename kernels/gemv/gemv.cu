@@ -171,7 +171,8 @@ int spec_block_warps(int64_t N, int64_t K) {
 // each half a row step of its own. Measured on the H200, kestrel bench -p 512 -n 128 -r 3 on
 // kestrel-synth --shape 1b (4-bit g128), the same build alternated three times, tokens/s:
 // 1,714.83 / 1,715.93 / 1,717.70 -> 1,810.15 / 1,812.92 / 1,812.37; act-order 1,652.17 ->
-// 1,734.28. KESTREL_GEMV_HALF=0 in the environment turns them off, for A/B runs.
+// 1,734.28; on another machine 1,722.13 / 1,722.00 -> 1,818.06 / 1,817.73, and at 3 bits
+// 1,712.49 -> 1,827.63. KESTREL_GEMV_HALF=0 in the environment turns them off, for A/B runs.
 bool half_warp_rows() {
   static const bool on = [] {
     const char* e = std::getenv("KESTREL_GEMV_HALF");
