@@ -38,6 +38,9 @@
 // activations from L2 nor occupy L1. Lanes sum with warp shuffles at the end of each row pair.
 // With the SiLU epilogue (GemvEpilogue) a step's two rows are gate row g and up row g + N/2, the
 // warps share the N/2 pairs, and lane 0 writes silu(gate) * up.
+// Rows of at most 16 units (3/4-bit, K <= 2048) run the half-warp kernels: lanes 0-15 and 16-31
+// each take a row step (units 0-15 of their own R rows, or their own pair), so a warp step is
+// 2R rows, and warps take equal runs of whole steps (half_warp_rows below).
 //
 // fp16 (gemv_f16, weights as stored): blocks of 8 warps loop over tiles of 4 rows per warp;
 // lane l reads 16-byte chunk c = l + 32i of each row; k_split warps may share a row.

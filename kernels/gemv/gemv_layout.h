@@ -81,8 +81,7 @@ inline RowRun warp_rows(int64_t n_rows, int per_step, int64_t w, int64_t W, bool
 #if defined(__CUDACC__)
 __host__ __device__
 #endif
-    inline RowRun
-    step_runs(int64_t n_rows, int per_step, int64_t w, int64_t W) {
+inline RowRun step_runs(int64_t n_rows, int per_step, int64_t w, int64_t W) {
   const int64_t P = (n_rows + per_step - 1) / per_step;
   RowRun r;
   r.begin = static_cast<int>(std::min(n_rows, P * w / W * per_step));
