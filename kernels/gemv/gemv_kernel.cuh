@@ -664,24 +664,35 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
   }
 }
 
+// Sums a row pair's partials over each group of kWidth lanes (32: the warp; 16: each half-warp
+// of the half-warp kernels, holding a pair of its own). The first exchange leaves row 0 on the
+// group's low half and row 1 on its high half, which then sum as one: at kWidth 32, 7 shuffles
+// and 5 adds instead of 10 and 10 (H200, kestrel bench -p 512 -n 128 -r 3, the two builds
+// alternated on one machine: 7B 657.11 / 656.83 -> 662.42 / 662.37 tok/s, 1.1B 1,713.57 /
+// 1,713.51 -> 1,721.63 / 1,720.92; kernels/gemv/NOTES.md). acc becomes the group's two sums;
+// lane l < 64 / kWidth gets row l of the warp's step (group l / 2, row l % 2).
+template <int kWidth>
+__device__ __forceinline__ float sum_row_pairs(float (&acc)[2], int lane) {
+  constexpr int kHalfWidth = kWidth / 2;
+  const bool hi = lane & kHalfWidth;
+  float v = hi ? acc[1] : acc[0];
+  v += __shfl_xor_sync(0xFFFFFFFFu, hi ? acc[0] : acc[1], kHalfWidth);
+#pragma unroll
+  for (int off = kHalfWidth / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  const int first = lane & ~(kWidth - 1) & 31;  // the group's first lane
+  acc[0] = __shfl_sync(0xFFFFFFFFu, v, first);
+  acc[1] = __shfl_sync(0xFFFFFFFFu, v, first | kHalfWidth);
+  if constexpr (kWidth == 32) return lane == 1 ? acc[1] : acc[0];
+  return __shfl_sync(0xFFFFFFFFu, v, (kHalfWidth * lane) & 31);
+}
+
 // Sums each of a warp's R row partials over its 32 lanes (every lane gets every sum, in acc)
-// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows. For R = 2 (the
-// quantized kernel, where at K = 4096 every step ends a row pair) the first exchange leaves
-// row 0 on lanes 0-15 and row 1 on lanes 16-31, which then sum as one: 7 shuffles and 5 adds
-// instead of 10 and 10. H200, kestrel bench -p 512 -n 128 -r 3, the two builds alternated on one
-// machine: 7B 657.11 / 656.83 -> 662.42 / 662.37 tok/s, 1.1B 1,713.57 / 1,713.51 -> 1,721.63 /
-// 1,720.92 (kernels/gemv/NOTES.md).
+// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows. R = 2 is the quantized
+// kernel's (at K = 4096 every step ends a row pair): sum_row_pairs.
 template <int R>
 __device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
   if constexpr (R == 2) {
-    const bool hi = lane & 16;
-    float v = hi ? acc[1] : acc[0];
-    v += __shfl_xor_sync(0xFFFFFFFFu, hi ? acc[0] : acc[1], 16);
-#pragma unroll
-    for (int off = 8; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-    acc[0] = __shfl_sync(0xFFFFFFFFu, v, 0);
-    acc[1] = __shfl_sync(0xFFFFFFFFu, v, 16);
-    return lane == 1 ? acc[1] : acc[0];
+    return sum_row_pairs<32>(acc, lane);
   } else {
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -693,20 +704,6 @@ __device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
       if (lane == r) mine = acc[r];
     return mine;
   }
-}
-
-// The same for a warp whose half-warps hold a row pair each (kHalf): acc becomes this half's
-// two row sums; lane l < 4 gets row l of the step (half l / 2, row l % 2).
-__device__ __forceinline__ float half_sum_rows(float (&acc)[2], int lane) {
-  const bool hi = lane & 8;
-  float v = hi ? acc[1] : acc[0];
-  v += __shfl_xor_sync(0xFFFFFFFFu, hi ? acc[0] : acc[1], 8);
-#pragma unroll
-  for (int off = 4; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  // Lanes 16h .. 16h + 7 hold row 0 of half h, 16h + 8 .. 16h + 15 its row 1.
-  acc[0] = __shfl_sync(0xFFFFFFFFu, v, lane & 16);
-  acc[1] = __shfl_sync(0xFFFFFFFFu, v, (lane & 16) | 8);
-  return __shfl_sync(0xFFFFFFFFu, v, (8 * lane) & 31);
 }
 
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
@@ -972,10 +969,12 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
     // rows and their stores), so that the epilogue runs under their round trip.
     if (s + 1 < steps) load_next();
     if (++i == iters) {
-      const float mine = kHalf ? half_sum_rows(acc, lane) : warp_sum_rows(acc, lane);
+      const float mine = kHalf ? sum_row_pairs<16>(acc, lane) : warp_sum_rows(acc, lane);
       if (p.silu_pair) {
         // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
         // then fp32 math, one rounding.
+        // (The two forms of the indexed store compile to the registers each was measured
+        // with: one form for both took the whole-warp kernel in 8-warp blocks from 128 to 94.)
         const int pr = row0 + half;  // this half's pair
         int dst = pr;
         if constexpr (kHalf) {
