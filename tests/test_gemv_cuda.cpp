@@ -234,6 +234,19 @@ void expect_close(const std::vector<float>& y, const std::vector<float>& ref, do
   EXPECT_LT(std::sqrt(num / den), kTol) << what;
 }
 
+// The SiLU epilogue's outputs y[i] against SiLU(gate) * up of the same GEMV's rows without it
+// (both: [gate | up], n each), within one fp16 rounding: the epilogue rounds gate and up to
+// fp16 as a separate GEMV would, then computes in fp32 and rounds once.
+void expect_silu_mul_of(const std::vector<float>& y, const std::vector<float>& both, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = both[i], b = both[n + i];
+    const float want = half_to_float(float_to_half(a / (1.0f + std::exp(-a)) * b));
+    ASSERT_TRUE(std::isfinite(y[i])) << "y[" << i << "]";
+    EXPECT_LE(std::fabs(y[i] - want), std::ldexp(std::fabs(want), -10) + 1e-7f)
+        << "row " << i << ": " << y[i] << " vs silu(" << a << ") * " << b;
+  }
+}
+
 // Quantized GEMV of the first n rows of L against the reference.
 void check_quant(const Linear& L, int64_t n, std::mt19937& rng, bool residual = false,
                  bool alias = false, cuda::GemvLaunch launch = {}) {
@@ -531,15 +544,9 @@ TEST(GemvEpilogue, SiluMulOfFusedGateUp) {
         double terms2 = 0;
         const std::vector<float> g = reference(gate, I, to_float(x), &terms2);
         const std::vector<float> u = reference(up, I, to_float(x), &terms2);
+        expect_silu_mul_of(y, both, I);
         std::vector<float> ref(I);
-        for (int64_t i = 0; i < I; ++i) {
-          const float a = both[i], b = both[I + i];
-          const float want = half_to_float(float_to_half(a / (1.0f + std::exp(-a)) * b));
-          ASSERT_TRUE(std::isfinite(y[i])) << "y[" << i << "]";
-          EXPECT_LE(std::fabs(y[i] - want), std::ldexp(std::fabs(want), -10) + 1e-7f)
-              << "row " << i << ": " << y[i] << " vs silu(" << a << ") * " << b;
-          ref[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-        }
+        for (int64_t i = 0; i < I; ++i) ref[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
         expect_close(y, ref, terms2, what + " vs reference");
         cuda::gemv_free(w);
       }
@@ -793,7 +800,7 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
               // And both right: the reference of the staged input, residual added. With the
               // SiLU epilogue, the gate and up rows (the same kernel without it) against the
               // reference, where kTol holds for a linear's outputs, and the epilogue's output
-              // against SiLU(gate) * up of those in fp16 (within an fp16 rounding, as in
+              // against SiLU(gate) * up of those (expect_silu_mul_of, as in
               // GemvEpilogue.SiluMulOfFusedGateUp): a product of two outputs scales their
               // rounding errors by the other's value, which kTol does not bound.
               double terms2 = 0;
@@ -808,12 +815,7 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
                         [&](const __half* dx, __half* dy, const __half*, cudaStream_t st) {
                           cuda::gemv(w, dx, dy, nullptr, st, in);
                         });
-                for (int64_t i = 0; i < out_n; ++i) {
-                  const float a = both[i], b = both[out_n + i];
-                  const float want = half_to_float(float_to_half(a / (1.0f + std::exp(-a)) * b));
-                  ASSERT_LE(std::fabs(ys[i] - want), std::ldexp(std::fabs(want), -10) + 1e-7f)
-                      << "row " << i << ": " << ys[i] << " vs silu(" << a << ") * " << b;
-                }
+                expect_silu_mul_of(ys, both, out_n);
                 expect_close(both, ref, terms2, what);
               } else {
                 expect_close(ys, ref, terms2, what);
