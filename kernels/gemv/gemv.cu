@@ -40,7 +40,10 @@
 // warps share the N/2 pairs, and lane 0 writes silu(gate) * up.
 // Rows of at most 16 units (3/4-bit, K <= 2048) run the half-warp kernels: lanes 0-15 and 16-31
 // each take a row step (units 0-15 of their own R rows, or their own pair), so a warp step is
-// 2R rows, and warps take equal runs of whole steps (half_warp_rows below).
+// 2R rows, and warps take equal runs of whole steps (half_warp_rows below). Rows of 33-64 units
+// run the warp-pair kernels where the grid has room: warps 2v and 2v + 1 take the same step, unit
+// groups 0 and 1 of it, and 2v adds 2v + 1's lane sums from shared memory before its reduction
+// (warp_pair_rows below).
 //
 // fp16 (gemv_f16, weights as stored): blocks of 8 warps loop over tiles of 4 rows per warp;
 // lane l reads 16-byte chunk c = l + 32i of each row; k_split warps may share a row.
@@ -184,14 +187,35 @@ bool half_warp_rows() {
   return on;
 }
 
-// The specialized kernel for a call's flags in blocks of `warps` (8 or 16), the half-warp one
-// with `half`, or {nullptr, 0} (then the kDynamic one serves).
-QuantKernel spec_kernel(int bits, int gs, int spec, int warps, bool half = false) {
+// Rows of 33-64 units (3 and 4 bits, 4096 < K <= 8192: the 1.1B's down, K = 5632, 44 units)
+// took two unit groups per row step, so each warp made two round trips to memory in turn, the
+// second on 12 of its 32 lanes, while the grid (one warp per two rows: 64 blocks for the 1.1B's
+// 2048 rows) left half the SMs idle. The warp-pair kernels (gemv_kernel.cuh, kPair) give the two
+// groups of a step to two warps, which meet in shared memory: one round trip each, on twice the
+// blocks. Taken where every warp then has at most one step (N / kQuantRows pairs fit the resident
+// warps): with more, a pair's steps would be the same two round trips, apart. Measured on the
+// H200, kestrel bench -p 512 -n 128 -r 3 on kestrel-synth --shape 1b g128, the same build
+// alternated, tokens/s: 4-bit 1,815.72 / 1,814.41 / 1,815.45 -> 1,915.15 / 1,913.99 / 1,915.72;
+// act-order 1,734.48 -> 1,862.97; 3-bit 1,825.20 -> 1,940.14. KESTREL_GEMV_PAIR=0 in the
+// environment turns them off, for A/B runs.
+bool warp_pair_rows(int64_t N) {
+  static const bool on = [] {
+    const char* e = std::getenv("KESTREL_GEMV_PAIR");
+    return !(e && std::string(e) == "0");
+  }();
+  return on && (N + kQuantRows - 1) / kQuantRows <=
+                   int64_t(current_device_info().sm_count) * kQuantWarps / 2;
+}
+
+// The specialized kernel for a call's flags in blocks of `warps` (8 or 16), its row steps split
+// as `split` says, or {nullptr, 0} (then the kDynamic one serves).
+QuantKernel spec_kernel(int bits, int gs, int spec, int warps,
+                        RowSplit split = RowSplit::kWhole) {
   if (spec == kDynamic) return {nullptr, 0};
   switch (bits) {
-    case 3: return spec_kernel_3bit(gs, spec, warps, half);
-    case 4: return spec_kernel_4bit(gs, spec, warps, half);
-    case 8: return spec_kernel_8bit(gs, spec, warps, half);
+    case 3: return spec_kernel_3bit(gs, spec, warps, split);
+    case 4: return spec_kernel_4bit(gs, spec, warps, split);
+    case 8: return spec_kernel_8bit(gs, spec, warps, split);
     default: return {nullptr, 0};
   }
 }
@@ -415,6 +439,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.zero_const = w.zero_const;
   p.zero_offset = w.zero_offset;
   QuantKernel qk{nullptr, 0};
+  bool pair = false;
   if (use_specialized()) {
     const int spec = spec_of(p);
     qk = spec_kernel(w.bits, w.group_size, spec, spec_block_warps(w.N, w.K));
@@ -423,14 +448,22 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
         blocks_per_sm(qk.k, 32 * qk.warps, w.smem_bytes) * qk.warps < kQuantWarps)
       qk = spec_kernel(w.bits, w.group_size, spec, kQuantWarps);
     if (qk.k && qk.warps == kQuantWarps && p.nch <= 16 && half_warp_rows()) {
-      const QuantKernel h = spec_kernel(w.bits, w.group_size, spec, kQuantWarps, true);
+      const QuantKernel h =
+          spec_kernel(w.bits, w.group_size, spec, kQuantWarps, RowSplit::kHalfWarp);
       if (h.k) qk = h;
+    }
+    if (qk.k && qk.warps == kQuantWarps && p.nch > 32 && p.nch <= 64 &&
+        warp_pair_rows(w.N)) {
+      const QuantKernel h =
+          spec_kernel(w.bits, w.group_size, spec, kQuantWarps, RowSplit::kWarpPair);
+      if (h.k) qk = h, pair = true;
     }
   }
   if (!qk.k) qk = {quant_kernel(w.bits, w.group_size), kQuantWarps};
   // The grid per call (w.launch.grid 0): it depends on the block size of the kernel taken.
   const size_t smem = pinned_smem(qk.k, qk.warps, w.smem_bytes);
-  const GemvLaunch l = plan_quant(qk.k, qk.warps, w.N, smem, w.launch);
+  // (A warp pair streams kQuantRows rows: the grid that gives each warp kQuantRows / 2.)
+  const GemvLaunch l = plan_quant(qk.k, qk.warps, pair ? 2 * w.N : w.N, smem, w.launch);
   launch(qk.k, p, l.grid, 32 * qk.warps, l.pdl, smem, s);
 }
 

@@ -77,12 +77,18 @@ struct QuantKernel {
 enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8, kIndexed = 16 };
 constexpr int kDynamic = -1;
 
+// How a row step meets the warps (3 and 4 bits, blocks of 16 warps; kWhole otherwise):
+//   kWhole     a warp takes a step of R rows (or one SiLU pair), every unit group of them;
+//   kHalfWarp  each half-warp takes a step (kHalf: rows of at most 16 units);
+//   kWarpPair  two warps take a step, one unit group each (kPair: rows of 33-64 units).
+enum class RowSplit { kWhole, kHalfWarp, kWarpPair };
+
 // The specialized kernel of one bit width for a call's flags (spec_of, not kDynamic) in blocks
-// of `warps` (8 or 16), or with `half` the half-warp kernel (3 and 4 bits, blocks of 16, for
-// rows of at most 16 units), or {nullptr, 0}: one per gemv_spec*.cu.
-QuantKernel spec_kernel_3bit(int gs, int spec, int warps, bool half);
-QuantKernel spec_kernel_4bit(int gs, int spec, int warps, bool half);
-QuantKernel spec_kernel_8bit(int gs, int spec, int warps, bool half);
+// of `warps` (8 or 16) with row steps split as `split` says, or {nullptr, 0} where none is
+// compiled: one per gemv_spec*.cu.
+QuantKernel spec_kernel_3bit(int gs, int spec, int warps, RowSplit split);
+QuantKernel spec_kernel_4bit(int gs, int spec, int warps, RowSplit split);
+QuantKernel spec_kernel_8bit(int gs, int spec, int warps, RowSplit split);
 
 namespace {
 
@@ -706,6 +712,11 @@ __device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
   }
 }
 
+// bar.sync on barrier `id` (1-15; 0 is __syncthreads') for `threads` threads (whole warps).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   if (row >= p.N) return;
   if (p.residual)
@@ -841,7 +852,8 @@ constexpr int quant_reg_cap(int spec, int warps) {
 // The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
 // warp w of the grid owns a run of rows (dealt below) and streams them kQuantRows at a time,
 // unit by unit (module comment).
-template <int BITS, int GS, int kSpec, int kW = kQuantWarps, bool kHalf = false>
+template <int BITS, int GS, int kSpec, int kW = kQuantWarps, bool kHalf = false,
+          bool kPair = false>
 __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
     gemv_quant_kernel(const KParams p_in) {
   static_assert(kQuantWarps % kW == 0, "whole blocks per SM");
@@ -861,6 +873,11 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t wg = int64_t(blockIdx.x) * kW + warp, W = int64_t(gridDim.x) * kW;
+  float* xch = nullptr;  // kPair: [warp pair][step parity][row][lane], the second warp's sums
+  if constexpr (kPair) {
+    __shared__ float pair_sums[kW / 2 * 2 * 2 * 32];
+    xch = pair_sums;
+  }
   // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
   // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
   // kHalf (rows of at most 16 units: K <= 2048 at 3 and 4 bits, where a warp's lanes 16-31
@@ -870,6 +887,14 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   const int rstep = p.silu_pair ? p.silu_pair : 1, per_half = p.silu_pair ? 1 : R;
   const int per_step = kHalf ? 2 * per_half : per_half;
   const int64_t n_rows = p.silu_pair ? p.silu_pair : p.N;
+  // kPair (rows of 33-64 units, blocks of 16 warps, at most one row step per pair of warps: the
+  // 1.1B's down, 44 units): warps 2v and 2v + 1 take the same rows, unit groups 0 and 1 of
+  // each, and meet in shared memory, so that a warp's step is one round trip, not two. The pairs
+  // are dealt the rows as warps are otherwise (wu of Wu).
+  static_assert(!(kHalf && kPair), "one split at a time");
+  static_assert(!kPair || (R == 2 && kW == 16), "the exchange below: two rows, barriers 1-8");
+  const int part = kPair ? warp & 1 : 0;
+  const int64_t wu = kPair ? wg >> 1 : wg, Wu = kPair ? W >> 1 : W;
   // Rows dealt in whole steps: P steps of per_step rows, P / W to each warp and the P % W left
   // over one each to the first warps of the grid, whose blocks start first. In blocks of 8
   // warps (two per SM) the first blocks sit one per SM, so the extra steps load the SMs evenly,
@@ -881,10 +906,11 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // 662.4 -> 672.7 tok/s against the build before, alternated (kernels/gemv/NOTES.md).
   // The half-warp kernels deal whole (double) steps in equal runs of steps (step_runs): their
   // shapes give most warps one or two.
-  const RowRun run = kHalf ? step_runs(n_rows, per_step, wg, W)
-                           : warp_rows(n_rows, per_step, wg, W, kW < kQuantWarps);
+  const RowRun run = kHalf ? step_runs(n_rows, per_step, wu, Wu)
+                           : warp_rows(n_rows, per_step, wu, Wu, kW < kQuantWarps);
   const int rb = run.begin, re = run.end;
-  const int iters = (p.nch + 31) / 32;  // unit groups per row (p.nch = units here)
+  // Unit groups per row (p.nch = units here) that this warp takes, from group g0.
+  const int iters = kPair ? 1 : (p.nch + 31) / 32, g0 = part;
   const int steps = (re - rb + per_step - 1) / per_step * iters;
   const uint64_t pol = evict_first_policy();
   // The step at row0: its rows (pairs) and, for this lane's half, the first row and the rows
@@ -906,8 +932,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   typename Op::Frag f;
   int lrow = rb, li = 0;  // the row and unit group of the next step to load
   auto load_next = [&]() {
-    if (32 * li + ulane < p.nch)
-      Op::load(f, p, hrow(lrow), rstep, load_rows(lrow), li, ulane, pol);
+    if (32 * (li + g0) + ulane < p.nch)
+      Op::load(f, p, hrow(lrow), rstep, load_rows(lrow), li + g0, ulane, pol);
     if (++li == iters) li = 0, lrow += per_step;
   };
   if (steps > 0) load_next();
@@ -963,12 +989,31 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   int row0 = rb, i = 0;
   for (int s = 0; s < steps; ++s) {
     const int nrows = rows_at(row0);
-    const int u = 32 * i + ulane;
+    const int u = 32 * (i + g0) + ulane;
     if (u < p.nch) Op::compute(f, p, x_s + u, p.nch, acc);
     // The next step's loads go out before this step's epilogue (the warp's reduction of its
     // rows and their stores), so that the epilogue runs under their round trip.
     if (s + 1 < steps) load_next();
-    if (++i == iters) {
+    bool own = true;  // this warp reduces and stores the step's rows
+    if constexpr (kPair) {
+      // Warp 2v + 1 hands its lanes' sums to warp 2v (slot by step parity: the writer reuses
+      // a slot only after the barrier the reader passes once it has read it).
+      float* slot = xch + ((warp >> 1) * 2 + (s & 1)) * 2 * 32;
+      if (part) slot[lane] = acc[0], slot[32 + lane] = acc[1];
+      named_barrier(1 + (warp >> 1), 64);
+      if (part) {
+        own = false;
+      } else {
+        acc[0] += slot[lane];
+        acc[1] += slot[32 + lane];
+      }
+    }
+    if (++i == iters && !own) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] = 0.f;
+      i = 0;
+      row0 += per_step;
+    } else if (i == iters) {
       const float mine = kHalf ? sum_row_pairs<16>(acc, lane) : warp_sum_rows(acc, lane);
       if (p.silu_pair) {
         // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
@@ -1011,44 +1056,54 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
 // ---- The specialized kernels of bit width B, by group size, flags and block size -------------
 
 // The symmetric B-bit kernel of group size GS for a call's flags (spec_of, not kDynamic), in
-// blocks of `warps`; `half`: the half-warp kernel (kHalf; blocks of kQuantWarps, 3 and 4 bits,
-// whose units hold 128 codes: rows of at most 16 units are K <= 2048).
+// blocks of `warps`, its row steps split as `split` says. The split kernels are compiled at 3 and
+// 4 bits (units of 128 codes) in blocks of kQuantWarps: the half-warp ones for every op, the
+// warp-pair ones for the down role's (none, residual, indexed residual).
 template <int B, int GS, int OPS>
-QuantKernel spec_kernel_for_perm(bool perm, int warps, bool half) {
-  if (warps == 8)
-    return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, 8> : gemv_quant_kernel<B, GS, OPS, 8>, 8};
-  if constexpr (B == 3 || B == 4)
-    if (half)
+QuantKernel spec_kernel_for_perm(bool perm, int warps, RowSplit split) {
+  if (split == RowSplit::kWhole) {
+    if (warps == 8)
+      return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, 8> : gemv_quant_kernel<B, GS, OPS, 8>,
+              8};
+    return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm> : gemv_quant_kernel<B, GS, OPS>,
+            kQuantWarps};
+  }
+  if (warps != kQuantWarps) return {nullptr, 0};
+  if constexpr (B == 3 || B == 4) {
+    if (split == RowSplit::kHalfWarp)
       return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, kQuantWarps, true>
                    : gemv_quant_kernel<B, GS, OPS, kQuantWarps, true>,
               kQuantWarps};
-  if (half) return {nullptr, 0};
-  return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm> : gemv_quant_kernel<B, GS, OPS>,
-          kQuantWarps};
+    if constexpr (OPS == 0 || OPS == kResidual || OPS == (kResidual | kIndexed))
+      return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, kQuantWarps, false, true>
+                   : gemv_quant_kernel<B, GS, OPS, kQuantWarps, false, true>,
+              kQuantWarps};
+  }
+  return {nullptr, 0};
 }
 
 template <int B, int GS>
-QuantKernel spec_kernel_for_group(int spec, int warps, bool half) {
+QuantKernel spec_kernel_for_group(int spec, int warps, RowSplit split) {
   const bool perm = spec & kPerm;
   switch (spec & ~kPerm) {
-    case 0: return spec_kernel_for_perm<B, GS, 0>(perm, warps, half);
-    case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps, half);
-    case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps, half);
+    case 0: return spec_kernel_for_perm<B, GS, 0>(perm, warps, split);
+    case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps, split);
+    case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps, split);
     case kNorm | kSiluPair:
-      return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps, half);
+      return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps, split);
     case kResidual | kIndexed:
-      return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps, half);
+      return spec_kernel_for_perm<B, GS, kResidual | kIndexed>(perm, warps, split);
     default: return {nullptr, 0};
   }
 }
 
 template <int B>
-QuantKernel spec_kernel_for_bits(int gs, int spec, int warps, bool half) {
+QuantKernel spec_kernel_for_bits(int gs, int spec, int warps, RowSplit split) {
   switch (gs) {
-    case 0: return spec_kernel_for_group<B, 0>(spec, warps, half);
-    case 32: return spec_kernel_for_group<B, 32>(spec, warps, half);
-    case 64: return spec_kernel_for_group<B, 64>(spec, warps, half);
-    case 128: return spec_kernel_for_group<B, 128>(spec, warps, half);
+    case 0: return spec_kernel_for_group<B, 0>(spec, warps, split);
+    case 32: return spec_kernel_for_group<B, 32>(spec, warps, split);
+    case 64: return spec_kernel_for_group<B, 64>(spec, warps, split);
+    case 128: return spec_kernel_for_group<B, 128>(spec, warps, split);
     default: return {nullptr, 0};
   }
 }

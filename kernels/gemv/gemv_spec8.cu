@@ -5,8 +5,8 @@
 
 namespace kestrel::cuda::gemv_detail {
 
-QuantKernel spec_kernel_8bit(int gs, int spec, int warps, bool half) {
-  return spec_kernel_for_bits<8>(gs, spec, warps, half);
+QuantKernel spec_kernel_8bit(int gs, int spec, int warps, RowSplit split) {
+  return spec_kernel_for_bits<8>(gs, spec, warps, split);
 }
 
 }  // namespace kestrel::cuda::gemv_detail
