@@ -297,10 +297,18 @@ TEST_P(AttentionCuda, MatchesReferenceAndReadsOnlyLiveRows) {
   Dev<float> ws(cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.head_dim) / sizeof(float));
   ws.poison();
   cuda::attention_workspace_reset(ws.get(), max_ctx, c.n_heads, c.head_dim, nullptr);
-  dout.poison();
-  cuda::attention_decode_f16(dq.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
-                             c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(), nullptr);
-  expect_close(widen(dout.download()), ref, kTol, "attention_decode_f16");
+  // Every compiled number of query heads per block (0: the default), one workspace for all:
+  // each call leaves its counters zero for the next.
+  for (const int heads : {0, 1, 2, 4}) {
+    cuda::attention_set_heads_per_block(heads);
+    dout.poison();
+    cuda::attention_decode_f16(dq.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
+                               c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(),
+                               nullptr);
+    cuda::attention_set_heads_per_block(0);
+    expect_close(widen(dout.download()), ref, kTol,
+                 "attention_decode_f16, heads per block " + std::to_string(heads));
+  }
 }
 
 std::vector<AttnCase> attention_cases() {

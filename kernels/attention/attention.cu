@@ -40,8 +40,11 @@
 // n_heads * live_chunks * (head_dim + 2) * 4 * 2 for the workspace, small next to K/V.
 #include "kernels/attention/attention_cuda.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "engine/error.h"
@@ -55,10 +58,31 @@ namespace kestrel::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kMaxGroup = 4;     // query heads one block serves (largest GMAX): a larger group
-                                 // takes several blocks per chunk (measured: the 1.1B's group of
-                                 // 8 as two blocks of 4 ran 1464 -> 1533 tok/s; one block's
-                                 // scores and p * v for 8 heads were its longest step)
+constexpr int kMaxGroup = 4;     // query heads one block can serve (largest GMAX compiled)
+
+// Query heads one block serves (GMAX: 1, 2 or kMaxGroup) for a KV group of `group`: two; a
+// larger group takes several blocks per chunk, which read the same K and V rows (all but the
+// first from L2). Fewer heads shorten each block's chain after the wait (the scores and p * V
+// per head; one head per block was slower at head_dim 64). On the H200, kestrel bench -p 512
+// -n 128 -r 3, tokens/s: kestrel-synth --shape 1b (head_dim 64, groups of 8), 8 heads per
+// block 1,464 -> 4 heads 1,533 (55957d0); then, the same build alternated, 4 heads 1,916.08 /
+// 1,917.58 -> 2 heads 1,940.51 / 1,940.13 -> 1 head 1,910.77 / 1,912.27; a Llama-3-8B shape
+// cut to 8 layers (head_dim 128, groups of 4), 4 heads 2,101.87 / 2,102.35 -> 2 heads
+// 2,163.59 / 2,162.38, and at 3,584 positions (-p 3584, -r 2) 1,713.48 -> 1,741.93.
+// KESTREL_ATT_HEADS=1|2|4 in the environment (or attention_set_heads_per_block) forces one.
+std::atomic<int>& forced_heads_per_block() {
+  static std::atomic<int> forced{[] {
+    const char* e = std::getenv("KESTREL_ATT_HEADS");
+    const int g = e ? std::atoi(e) : 0;
+    return g == 1 || g == 2 || g == kMaxGroup ? g : 0;
+  }()};
+  return forced;
+}
+
+int heads_per_block(int group) {
+  const int forced = forced_heads_per_block().load(std::memory_order_relaxed);
+  return group <= 1 ? 1 : std::min(forced ? forced : 2, group <= 2 ? 2 : kMaxGroup);
+}
 
 // Positions per block: 4 passes of the block over K rows, so each thread keeps 4 rows in
 // flight (32 positions at head_dim 128, 64 at 64). Short chunks keep a block's serial passes few
@@ -524,8 +548,9 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
              ws_ml, counters, out, out_index);
 }
 
-// The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4 (a group of 3 runs
-// as 4 with one head idle, a group of 8 as two blocks of 4, a group of 5 as 4 + 1).
+// The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, as
+// heads_per_block chooses (at 2, a group of 8 runs as four blocks and a group of 5 as 2 + 2 + 1;
+// at 4, a group of 3 runs with one head idle).
 template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
@@ -534,13 +559,10 @@ void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int
 #define KESTREL_ATTN_CALL(G)                                                               \
   launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads, \
                            n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index, stream)
-  const int group = n_heads / n_kv_heads;
-  if (group <= 1) {
-    KESTREL_ATTN_CALL(1);
-  } else if (group <= 2) {
-    KESTREL_ATTN_CALL(2);
-  } else {
-    KESTREL_ATTN_CALL(kMaxGroup);
+  switch (heads_per_block(n_heads / n_kv_heads)) {
+    case 1: KESTREL_ATTN_CALL(1); break;
+    case 2: KESTREL_ATTN_CALL(2); break;
+    default: KESTREL_ATTN_CALL(kMaxGroup); break;
   }
 #undef KESTREL_ATTN_CALL
 }
@@ -587,6 +609,12 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
 
 // Workspace: o [n_heads][n_chunks][head_dim], (m, l) [n_heads][n_chunks][2] (fp32), then one
 // int counter per query head (used by the first head of each block's range).
+void attention_set_heads_per_block(int heads) {
+  KESTREL_CHECK(heads == 0 || heads == 1 || heads == 2 || heads == kMaxGroup,
+                "attention_set_heads_per_block: 0, 1, 2 or 4, got " + std::to_string(heads));
+  forced_heads_per_block().store(heads, std::memory_order_relaxed);
+}
+
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim) {
   return (size_t)n_heads * n_chunks(max_ctx, head_dim) * (head_dim + 2) * sizeof(float) +
          (size_t)n_heads * sizeof(int);
