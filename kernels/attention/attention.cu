@@ -60,15 +60,17 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMaxGroup = 4;     // query heads one block can serve (largest GMAX compiled)
 
-// Query heads one block serves (GMAX: 1, 2 or kMaxGroup) for a KV group of `group`: two; a
-// larger group takes several blocks per chunk, which read the same K and V rows (all but the
-// first from L2). Fewer heads shorten each block's chain after the wait (the scores and p * V
-// per head; one head per block was slower at head_dim 64). On the H200, kestrel bench -p 512
-// -n 128 -r 3, tokens/s: kestrel-synth --shape 1b (head_dim 64, groups of 8), 8 heads per
-// block 1,464 -> 4 heads 1,533 (55957d0); then, the same build alternated, 4 heads 1,916.08 /
-// 1,917.58 -> 2 heads 1,940.51 / 1,940.13 -> 1 head 1,910.77 / 1,912.27; a Llama-3-8B shape
-// cut to 8 layers (head_dim 128, groups of 4), 4 heads 2,101.87 / 2,102.35 -> 2 heads
-// 2,163.59 / 2,162.38, and at 3,584 positions (-p 3584, -r 2) 1,713.48 -> 1,741.93.
+// Query heads one block serves (GMAX: 1, 2 or kMaxGroup) for a KV group of `group`: two at
+// head_dim 64, one at 128. A group larger than that takes several blocks per chunk, which read
+// the same K and V rows (all but the first from L2). Fewer heads shorten each block's chain
+// after the wait (the scores and p * V per head), until the extra blocks cost more. On the
+// H200, kestrel bench -p 512 -n 128 -r 3, tokens/s, the same build alternated:
+//   kestrel-synth --shape 1b (head_dim 64, groups of 8): 8 heads per block 1,464 -> 4 heads
+//   1,533 (55957d0); then 4 heads 1,916.08 / 1,917.58, 2 heads 1,940.51 / 1,940.13, 1 head
+//   1,910.77 / 1,912.27.
+//   A Llama-3-8B shape cut to 8 layers (head_dim 128, groups of 4): 4 heads 2,101.87 /
+//   2,102.35, 2 heads 2,163.59 / 2,162.38 (at -p 3584 -r 2: 1,713.48 -> 1,741.93); on another
+//   machine 2 heads 2,165.69 / 2,165.09 / 2,164.32, 1 head 2,175.65 / 2,175.62 / 2,176.98.
 // KESTREL_ATT_HEADS=1|2|4 in the environment (or attention_set_heads_per_block) forces one.
 std::atomic<int>& forced_heads_per_block() {
   static std::atomic<int> forced{[] {
@@ -79,9 +81,10 @@ std::atomic<int>& forced_heads_per_block() {
   return forced;
 }
 
-int heads_per_block(int group) {
+int heads_per_block(int group, int head_dim) {
   const int forced = forced_heads_per_block().load(std::memory_order_relaxed);
-  return group <= 1 ? 1 : std::min(forced ? forced : 2, group <= 2 ? 2 : kMaxGroup);
+  const int g = forced ? forced : head_dim >= 128 ? 1 : 2;
+  return group <= 1 ? 1 : std::min(g, group <= 2 ? 2 : kMaxGroup);
 }
 
 // Positions per block: 4 passes of the block over K rows, so each thread keeps 4 rows in
@@ -550,7 +553,7 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, as
 // heads_per_block chooses (at 2, a group of 8 runs as four blocks and a group of 5 as 2 + 2 + 1;
-// at 4, a group of 3 runs with one head idle).
+// at 4, a group of 3 runs with one head idle; at 1, a block per query head).
 template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
@@ -559,7 +562,7 @@ void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int
 #define KESTREL_ATTN_CALL(G)                                                               \
   launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads, \
                            n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index, stream)
-  switch (heads_per_block(n_heads / n_kv_heads)) {
+  switch (heads_per_block(n_heads / n_kv_heads, D)) {
     case 1: KESTREL_ATTN_CALL(1); break;
     case 2: KESTREL_ATTN_CALL(2); break;
     default: KESTREL_ATTN_CALL(kMaxGroup); break;

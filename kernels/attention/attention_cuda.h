@@ -14,7 +14,8 @@ namespace kestrel::cuda {
 
 // Query heads one block serves where a KV group has several: 1, 2 or 4 forces one, for tests
 // and A/B runs (as KESTREL_ATT_HEADS=1|2|4 in the environment does from the start); 0 takes the
-// default, 2. From the next launch on (a captured graph keeps its own).
+// default (2 at head_dim 64, 1 at 128). From the next launch on (a captured graph keeps its
+// own).
 void attention_set_heads_per_block(int heads);
 
 // Bytes of scratch attention_decode_f16 needs for a context of up to max_ctx positions.
