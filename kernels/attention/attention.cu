@@ -610,14 +610,14 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
 
 }  // namespace
 
-// Workspace: o [n_heads][n_chunks][head_dim], (m, l) [n_heads][n_chunks][2] (fp32), then one
-// int counter per query head (used by the first head of each block's range).
 void attention_set_heads_per_block(int heads) {
   KESTREL_CHECK(heads == 0 || heads == 1 || heads == 2 || heads == kMaxGroup,
                 "attention_set_heads_per_block: 0, 1, 2 or 4, got " + std::to_string(heads));
   forced_heads_per_block().store(heads, std::memory_order_relaxed);
 }
 
+// Workspace: o [n_heads][n_chunks][head_dim], (m, l) [n_heads][n_chunks][2] (fp32), then one
+// int counter per query head (used by the first head of each block's range).
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim) {
   return (size_t)n_heads * n_chunks(max_ctx, head_dim) * (head_dim + 2) * sizeof(float) +
          (size_t)n_heads * sizeof(int);
