@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <fmt/format.h>
 
@@ -63,12 +62,6 @@ bool all_dense(const std::vector<const LinearSpec*>& parts) {
   for (const LinearSpec* p : parts)
     if (p->quantized) return false;
   return true;
-}
-
-// Whether an A/B switch (KESTREL_...) is set to 0 in the environment.
-bool env_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e && std::string(e) == "0";
 }
 
 // Copies v to device memory at `cursor` and moves the cursor past it; returns where it went.
@@ -408,7 +401,7 @@ LlamaCuda::~LlamaCuda() {
 // a 7B: 44 KB of indices per block); the gate|up GEMV before writes x in that order instead
 // (GpuLayer::down_x_index). KESTREL_PERMUTED_X=0 keeps the gather, for A/B runs.
 void LlamaCuda::permute_down_inputs() {
-  static const bool off = env_off("KESTREL_PERMUTED_X");
+  static const bool off = cuda::env_off("KESTREL_PERMUTED_X");
   auto wants = [&](const GpuLayer& g) {
     return !off && g.gate_up.can_silu_epilogue() && g.down.quantized && g.down.q.has_perm;
   };
@@ -432,9 +425,9 @@ void LlamaCuda::permute_down_inputs() {
 // quantized and fused, qkv and gate|up act-order. KESTREL_PERMUTED_STREAM=0 keeps natural
 // order (and the gathers), for A/B runs.
 void LlamaCuda::permute_residual_stream() {
-  static const bool off = env_off("KESTREL_PERMUTED_STREAM");
+  static const bool off = cuda::env_off("KESTREL_PERMUTED_STREAM");
   // KESTREL_PERMUTED_ATT=0: attention's output in natural order (o gathers it), for A/B runs.
-  static const bool att_off = env_off("KESTREL_PERMUTED_ATT");
+  static const bool att_off = cuda::env_off("KESTREL_PERMUTED_ATT");
   if (off || w_.layers.empty()) return;
   auto single = [](const GpuLinear& l) { return l.quantized && l.parts.empty(); };
   for (const GpuLayer& g : w_.layers)

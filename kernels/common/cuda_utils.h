@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -158,6 +159,12 @@ inline const DeviceInfo& current_device_info() {
     cache[dev] = std::move(info);
   }
   return *cache[dev];
+}
+
+// Whether an A/B switch of the CUDA paths (KESTREL_...) is set to 0 in the environment.
+inline bool env_off(const char* name) {
+  const char* e = std::getenv(name);
+  return e && std::string(e) == "0";
 }
 
 }  // namespace kestrel::cuda

@@ -180,10 +180,7 @@ int spec_block_warps(int64_t N, int64_t K) {
 // 1,734.28; on another machine 1,722.13 / 1,722.00 -> 1,818.06 / 1,817.73, and at 3 bits
 // 1,712.49 -> 1,827.63. KESTREL_GEMV_HALF=0 in the environment turns them off, for A/B runs.
 bool half_warp_rows() {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_GEMV_HALF");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = !env_off("KESTREL_GEMV_HALF");
   return on;
 }
 
@@ -199,10 +196,7 @@ bool half_warp_rows() {
 // act-order 1,734.48 -> 1,862.97; 3-bit 1,825.20 -> 1,940.14. KESTREL_GEMV_PAIR=0 in the
 // environment turns them off, for A/B runs.
 bool warp_pair_rows(int64_t N) {
-  static const bool on = [] {
-    const char* e = std::getenv("KESTREL_GEMV_PAIR");
-    return !(e && std::string(e) == "0");
-  }();
+  static const bool on = !env_off("KESTREL_GEMV_PAIR");
   return on && (N + kQuantRows - 1) / kQuantRows <=
                    int64_t(current_device_info().sm_count) * kQuantWarps / 2;
 }
@@ -424,10 +418,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.scales = w.scales;
   p.zeros = w.zeros;
   p.perm = w.perm;
-  static const int act_bulk = [] {
-    const char* e = std::getenv("KESTREL_ACT_BULK");
-    return e && std::string(e) == "0" ? 0 : 1;
-  }();
+  static const int act_bulk = env_off("KESTREL_ACT_BULK") ? 0 : 1;
   p.act_bulk = act_bulk;
   p.x = x;
   p.y = y;
