@@ -1008,42 +1008,39 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
         acc[1] += slot[32 + lane];
       }
     }
-    if (++i == iters && !own) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] = 0.f;
-      i = 0;
-      row0 += per_step;
-    } else if (i == iters) {
-      const float mine = kHalf ? sum_row_pairs<16>(acc, lane) : warp_sum_rows(acc, lane);
-      if (p.silu_pair) {
-        // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
-        // then fp32 math, one rounding.
-        // (The two forms of the indexed store compile to the registers each was measured
-        // with: one form for both took the whole-warp kernel in 8-warp blocks from 128 to 94.)
-        const int pr = row0 + half;  // this half's pair
-        int dst = pr;
-        if constexpr (kHalf) {
-          if (p.y_index) {
-            const int e = __shfl_sync(0xFFFFFFFFu, y_index, (pr - rb) & 31);
-            dst = y_index_early ? e : pr < re ? __ldg(p.y_index + pr) : 0;
+    if (++i == iters) {  // the step's rows are summed: reduce and store them
+      if (own) {
+        const float mine = kHalf ? sum_row_pairs<16>(acc, lane) : warp_sum_rows(acc, lane);
+        if (p.silu_pair) {
+          // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
+          // then fp32 math, one rounding.
+          // (The two forms of the indexed store compile to the registers each was measured
+          // with: one form for both took the whole-warp kernel in 8-warp blocks from 128 to 94.)
+          const int pr = row0 + half;  // this half's pair
+          int dst = pr;
+          if constexpr (kHalf) {
+            if (p.y_index) {
+              const int e = __shfl_sync(0xFFFFFFFFu, y_index, (pr - rb) & 31);
+              dst = y_index_early ? e : pr < re ? __ldg(p.y_index + pr) : 0;
+            }
+          } else if (p.y_index) {
+            dst = y_index_early ? __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb) & 31)
+                                : __ldg(p.y_index + row0);
           }
-        } else if (p.y_index) {
-          dst = y_index_early ? __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb) & 31)
-                              : __ldg(p.y_index + row0);
-        }
-        if (kHalf ? ulane == 0 && pr < re : lane == 0)
-          p.y[dst] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
-                                                __half2float(__float2half_rn(acc[1]))));
-      } else if (res_early) {
-        const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
-        if (p.res_index) {  // y_index too, and loaded early with it
-          const int dst = __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb + lane) & 31);
-          if (lane < nrows && row0 + lane < p.N) p.y[dst] = __float2half_rn(mine + r);
+          if (kHalf ? ulane == 0 && pr < re : lane == 0)
+            p.y[dst] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
+                                                  __half2float(__float2half_rn(acc[1]))));
+        } else if (res_early) {
+          const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
+          if (p.res_index) {  // y_index too, and loaded early with it
+            const int dst = __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb + lane) & 31);
+            if (lane < nrows && row0 + lane < p.N) p.y[dst] = __float2half_rn(mine + r);
+          } else if (lane < nrows) {
+            store_row_plus(p, row0 + lane, mine, r);
+          }
         } else if (lane < nrows) {
-          store_row_plus(p, row0 + lane, mine, r);
+          store_row(p, row0 + lane, mine);
         }
-      } else if (lane < nrows) {
-        store_row(p, row0 + lane, mine);
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) acc[r] = 0.f;
