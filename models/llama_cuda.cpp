@@ -489,7 +489,7 @@ void LlamaCuda::permute_residual_stream() {
   }
 }
 
-void LlamaCuda::record_step(cudaStream_t s, Head head) {
+void LlamaCuda::record_step(cudaStream_t s, Head head, int ctx_bound) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
   const double h2 = sizeof(__half);
@@ -523,7 +523,7 @@ void LlamaCuda::record_step(cudaStream_t s, Head head) {
     cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window,
                                     c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
                                     c.rope_linear_factor, s_.att_workspace, s_.att, s,
-                                    O.att_out);
+                                    O.att_out, ctx_bound);
     mark("rope + kv write + attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
     if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's
       cuda::gemv(O.o, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
@@ -610,7 +610,7 @@ std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
   KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
     KESTREL_CUDA_CHECK(cudaEventRecordWithFlags(prof.start, stream_, cudaEventRecordExternal));
-    record_step(stream_, Head::Argmax);
+    record_step(stream_, Head::Argmax, range_end_[graph_range(pos)]);
   } catch (...) {
     profile_ = nullptr;
     cudaStreamEndCapture(stream_, &graph);
@@ -642,23 +642,40 @@ std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
   return out;
 }
 
+// Attention's grid covers the positions its graph may be replayed at; blocks past the position
+// exit at once but each is still launched, and the blocks per query head (heads_per_block in
+// kernels/attention/attention.cu) are best chosen by the context's length. So the step is
+// captured once per range of positions, each range twice the last: 3 ranges at 2,048
+// positions, 4 at 4,096, 9 at 131,072 (7 graphs each). The range's end is a position bound
+// only: a graph reads its token and position from device memory like the others.
+// KESTREL_GRAPH_RANGES=0 in the environment captures one range, the whole context (A/B runs).
 void LlamaCuda::capture_graphs() {
-  for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1, Head::Sample0,
-                 Head::Sample1}) {
-    cudaGraph_t graph = nullptr;
-    KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    try {
-      record_step(stream_, h);
-    } catch (...) {
-      cudaStreamEndCapture(stream_, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      throw;
+  static const bool one_range = cuda::env_off("KESTREL_GRAPH_RANGES");
+  range_end_.clear();
+  for (int end = 512; end < ctx_ && !one_range; end *= 2) range_end_.push_back(end);
+  range_end_.push_back(ctx_);
+  graphs_.assign(range_end_.size() * kHeads, nullptr);
+  for (size_t r = 0; r < range_end_.size(); ++r)
+    for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1,
+                   Head::Sample0, Head::Sample1}) {
+      cudaGraph_t graph = nullptr;
+      KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        record_step(stream_, h, range_end_[r]);
+      } catch (...) {
+        cudaStreamEndCapture(stream_, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        throw;
+      }
+      KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+      const cudaError_t err = cudaGraphInstantiate(&graphs_[r * kHeads + (int)h], graph, 0);
+      cudaGraphDestroy(graph);
+      KESTREL_CUDA_CHECK(err);
     }
-    KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    const cudaError_t err = cudaGraphInstantiate(&graphs_[(int)h], graph, 0);
-    cudaGraphDestroy(graph);
-    KESTREL_CUDA_CHECK(err);
-  }
+}
+
+int LlamaCuda::graph_range(int pos) const {
+  return (int)(std::upper_bound(range_end_.begin(), range_end_.end(), pos) - range_end_.begin());
 }
 
 void LlamaCuda::check_position(int pos) const {
@@ -675,7 +692,7 @@ void LlamaCuda::set_step_input(int token, int pos) {
 
 void LlamaCuda::step(int token, int pos, Head head) {
   set_step_input(token, pos);
-  KESTREL_CUDA_CHECK(cudaGraphLaunch(graphs_[(int)head], stream_));
+  KESTREL_CUDA_CHECK(cudaGraphLaunch(graph(pos, head), stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -732,11 +749,12 @@ class LlamaCuda::ChainedRun final : public DecodeRun {
 
  private:
   void queue() {
-    m_.check_position(pos0_ + queued_);
+    const int pos = pos0_ + queued_;
+    m_.check_position(pos);
     const int slot = queued_ % 2;
     const Head head = sampled_ ? (slot ? Head::Sample1 : Head::Sample0)
                                : (slot ? Head::Chain1 : Head::Chain0);
-    KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graphs_[(int)head], m_.stream_));
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graph(pos, head), m_.stream_));
     KESTREL_CUDA_CHECK(cudaEventRecord(m_.chain_done_[slot], m_.stream_));
     ++queued_;
   }

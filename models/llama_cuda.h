@@ -168,9 +168,15 @@ class LlamaCuda final : public Backend {
   void permute_down_inputs();
   void permute_residual_stream();
   // Enqueues one decode step (the token and position are read from device memory; all heads
-  // but the chained ones first copy them from host_io_).
-  void record_step(cudaStream_t s, Head head);
+  // but the chained ones first copy them from host_io_) for positions below ctx_bound.
+  void record_step(cudaStream_t s, Head head, int ctx_bound);
+  // The decode graphs: one per head for each range of positions, [0, 512), [512, 1024),
+  // [1024, 2048), ... up to the context, each with attention's grid sized for its range's end.
   void capture_graphs();
+  int graph_range(int pos) const;  // the range of position pos (an index of range_end_)
+  cudaGraphExec_t graph(int pos, Head head) const {
+    return graphs_[(size_t)graph_range(pos) * kHeads + (int)head];
+  }
   void warm_up();  // one short prefill at load (cuBLASLt's first use)
   // Runs one step through the graph for `head`; returns when the result is on the host.
   void step(int token, int pos, Head head);
@@ -193,7 +199,8 @@ class LlamaCuda final : public Backend {
   GpuRunState s_;
   std::vector<void*> allocations_;
   cudaStream_t stream_ = nullptr;
-  cudaGraphExec_t graphs_[kHeads] = {};
+  std::vector<int> range_end_;           // each range's end (exclusive), the last ctx_
+  std::vector<cudaGraphExec_t> graphs_;  // [range][head]
   int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next, [3..4] chain slots
   int* host_io_dev_ = nullptr;    // host_io_ as the device addresses it
   cudaEvent_t chain_done_[2] = {nullptr, nullptr};  // the chained step of each slot is done

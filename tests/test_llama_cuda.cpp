@@ -95,6 +95,55 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
   fs::remove_all(dir);
 }
 
+// The decode step is captured once per range of positions ([0, 512), [512, 1024), [1024, ctx)
+// here), each graph's attention grid sized for its range's end and with its own query heads per
+// block (a KV group of 4 at head_dim 64: 2 per block up to 1,024 positions, 4 beyond). Steps on
+// both sides of each range's end match the CPU reference, through the logits head and through
+// a chained greedy run, which switches graphs as it goes.
+TEST(GpuDecodeGraphs, EachRangeOfPositionsMatchesTheCpu) {
+  if (!cuda_status().usable) GTEST_SKIP() << "no usable CUDA GPU: " << cuda_status().problem;
+  const Case kv1{"q4_g128_kv1", "gptq", 4, 128, false, false, "gptq", 4, 1};
+  const fs::path dir = kestrel::test::write_tiny_model(kv1, /*seed=*/17, /*n_layers=*/2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int ctx = 1100, vocab = spec.config.vocab;
+  LlamaCpu cpu(spec, ctx);
+  LlamaCuda gpu(spec, ctx, /*quiet=*/true);
+  std::vector<float> lc(vocab), lg(vocab);
+  std::vector<int> tokens;
+  double worst = 0;
+  // n tokens drawn at random from position tokens.size() on, as one prompt on both sides.
+  auto prompt = [&](int n, unsigned seed) {
+    std::vector<int> t(n);
+    for (int i = 0; i < n; ++i) t[i] = (int)((seed + 7919u * (unsigned)i) % (unsigned)vocab);
+    const int pos = (int)tokens.size();
+    cpu.forward(t.data(), n, pos, lc.data(), nullptr);
+    gpu.forward(t.data(), n, pos, lg.data(), nullptr);
+    worst = std::max(worst, rel_err(lg, lc));
+    tokens.insert(tokens.end(), t.begin(), t.end());
+  };
+  // Teacher-forced steps with the CPU's greedy tokens up to position `end`.
+  auto steps_to = [&](int end) {
+    while ((int)tokens.size() < end) {
+      tokens.push_back(argmax_of(lc));
+      const int pos = (int)tokens.size() - 1;
+      cpu.forward(&tokens.back(), 1, pos, lc.data(), nullptr);
+      gpu.forward(&tokens.back(), 1, pos, lg.data(), nullptr);
+      worst = std::max(worst, rel_err(lg, lc));
+    }
+  };
+  prompt(505, 3);
+  steps_to(520);  // positions 505-519, across 512
+  prompt(496, 5);  // 520-1015
+  steps_to(1035);  // 1016-1034, across 1,024
+  EXPECT_LT(worst, 2e-2) << "largest relative logit error";
+  // tokens[p + 1] is the CPU's greedy token after position p, for p = 1015 .. 1033.
+  std::unique_ptr<DecodeRun> run = gpu.greedy_run(tokens[1016], 1016);
+  for (int pos = 1016; pos + 1 < 1035; ++pos)
+    EXPECT_EQ(run->next(true), tokens[pos + 1]) << "chained step at position " << pos;
+  run.reset();
+  fs::remove_all(dir);
+}
+
 // A chained run never queues a step past the context: asked to run ahead at the last position
 // it does not, and asked for a token past the context it says so.
 TEST(GpuDecodeRun, StopsAtTheContext) {

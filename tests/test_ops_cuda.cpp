@@ -297,17 +297,30 @@ TEST_P(AttentionCuda, MatchesReferenceAndReadsOnlyLiveRows) {
   Dev<float> ws(cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.head_dim) / sizeof(float));
   ws.poison();
   cuda::attention_workspace_reset(ws.get(), max_ctx, c.n_heads, c.head_dim, nullptr);
-  // Every compiled number of query heads per block (0: the default), one workspace for all:
-  // each call leaves its counters zero for the next.
+  // Every compiled number of query heads per block (0: the default, which depends on the
+  // grid's bound), one workspace for all: each call leaves its counters zero for the next.
+  // Grids bounded at the context itself, one past it and at the cache's length (0): with the
+  // heads per block forced, the bound changes only how many blocks exit at once, so the output
+  // keeps its bits.
   for (const int heads : {0, 1, 2, 4}) {
-    cuda::attention_set_heads_per_block(heads);
-    dout.poison();
-    cuda::attention_decode_f16(dq.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
-                               c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(),
-                               nullptr);
-    cuda::attention_set_heads_per_block(0);
-    expect_close(widen(dout.download()), ref, kTol,
-                 "attention_decode_f16, heads per block " + std::to_string(heads));
+    std::vector<uint16_t> first_out;
+    for (const int bound : {0, c.n_ctx, c.n_ctx + 1}) {
+      cuda::attention_set_heads_per_block(heads);
+      dout.poison();
+      cuda::attention_decode_f16(dq.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
+                                 c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(),
+                                 nullptr, bound);
+      cuda::attention_set_heads_per_block(0);
+      const std::string what = "attention_decode_f16, heads per block " + std::to_string(heads) +
+                               ", grid bound " + std::to_string(bound);
+      const std::vector<uint16_t> out = dout.download();
+      expect_close(widen(out), ref, kTol, what);
+      if (first_out.empty()) {
+        first_out = out;
+      } else if (heads != 0) {
+        EXPECT_EQ(out, first_out) << what;
+      }
+    }
   }
 }
 
@@ -348,6 +361,26 @@ TEST(AttentionCuda, RejectsUncompiledHeadDim) {
   EXPECT_THROW(cuda::attention_decode_f16(buf.half(), buf.half(), buf.half(), dpos.get(), 8, 0, 2,
                                           2, 96, ws.get(), buf.half(), nullptr),
                Error);
+}
+
+// A grid bounded past the cache's length (or at a negative count) would index the workspace out
+// of its size: refused with the bound named.
+TEST(AttentionCuda, RejectsAGridBoundPastTheCache) {
+  REQUIRE_CUDA();
+  Dev<uint16_t> buf(4096);
+  Dev<int> dpos(std::vector<int>{0});
+  Dev<float> ws(cuda::attention_workspace_bytes(8, 2, 64) / sizeof(float));
+  for (const int bound : {9, -1}) {
+    try {
+      cuda::attention_decode_f16(buf.half(), buf.half(), buf.half(), dpos.get(), 8, 0, 2, 2, 64,
+                                 ws.get(), buf.half(), nullptr, bound);
+      ADD_FAILURE() << "grid bound " << bound << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("ctx_bound " + std::to_string(bound)),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 // The decode step as the engine runs it: rope + KV write + attention captured once into a CUDA

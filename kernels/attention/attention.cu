@@ -3,9 +3,11 @@
 // Work split. The context is cut into chunks of kChunk positions aligned to absolute positions
 // (kChunk = chunk_for(head_dim): 32 at 128, 64 at 64): chunk s covers [s * kChunk, (s + 1) *
 // kChunk). The kernel has one block per (KV head, chunk):
-//   grid = (n_kv_heads, ceil(max_ctx / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
-// fixed at capture time for the largest context; a block whose chunk holds no live position
-// (past *d_pos, or before the sliding window) exits at once. A block serves up to GMAX <= 4
+//   grid = (n_kv_heads, ceil(ctx_bound / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
+// ctx_bound (at most max_ctx, the cache's length) is fixed at capture time: the engine captures
+// a decode graph per range of positions (512, 1,024, 2,048, ...), so that few blocks are dead.
+// A block whose chunk holds no live position (past *d_pos, or before the sliding window) exits
+// at once. A block serves up to GMAX <= 4
 // query heads of its KV group; a larger group takes more blocks in z, which read the same K and
 // V rows (all but the first from L2), so HBM sees each row once per step. At 4096 positions a
 // Llama-2-7B layer gives 32 x 128 = 4096 live blocks: every SM streams.
@@ -60,17 +62,20 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kMaxGroup = 4;     // query heads one block can serve (largest GMAX compiled)
 
-// Query heads one block serves (GMAX: 1, 2 or kMaxGroup) for a KV group of `group`: two at
-// head_dim 64, one at 128. A group larger than that takes several blocks per chunk, which read
-// the same K and V rows (all but the first from L2). Fewer heads shorten each block's chain
-// after the wait (the scores and p * V per head), until the extra blocks cost more. On the
-// H200, kestrel bench -p 512 -n 128 -r 3, tokens/s, the same build alternated:
-//   kestrel-synth --shape 1b (head_dim 64, groups of 8): 8 heads per block 1,464 -> 4 heads
-//   1,533 (55957d0); then 4 heads 1,916.08 / 1,917.58, 2 heads 1,940.51 / 1,940.13, 1 head
-//   1,910.77 / 1,912.27.
-//   A Llama-3-8B shape cut to 8 layers (head_dim 128, groups of 4): 4 heads 2,101.87 /
-//   2,102.35, 2 heads 2,163.59 / 2,162.38 (at -p 3584 -r 2: 1,713.48 -> 1,741.93); on another
-//   machine 2 heads 2,165.69 / 2,165.09 / 2,164.32, 1 head 2,175.65 / 2,175.62 / 2,176.98.
+// Query heads one block serves (GMAX: 1, 2 or kMaxGroup) for a KV group of `group`, in a grid
+// that covers the positions below ctx_bound: two at head_dim 64 and one at 128 up to 1,024
+// positions, twice that beyond. A group larger than that takes several blocks per chunk, which
+// read the same K and V rows (all but the first from L2). Fewer heads shorten each block's chain
+// after the wait (the scores and p * V per head); at long contexts the extra blocks' reads of
+// each row cost more than that. On the H200, kestrel bench -n 128 -r 2-3, tokens/s, the same
+// build with KESTREL_ATT_HEADS alternated:
+//   kestrel-synth --shape 1b (head_dim 64, groups of 8), 4 / 2 / 1 heads per block:
+//     -p 512: 1,916.08 / 1,940.51 / 1,910.77 (8 heads: 1,464 -> 4 heads 1,533 at 55957d0)
+//     -p 1024: 1,857.87 / 1,837.47;  -p 1536: 1,793.73 / 1,761.65
+//   A Llama-3-8B shape cut to 8 layers (head_dim 128, groups of 4), 4 / 2 / 1:
+//     -p 512: 2,101.87 / 2,163.59 / 2,175.65 (another machine: 2 heads 2,165, 1 head 2,176)
+//     -p 1024: - / 2,096.94 / 2,101.04;  -p 2048: - / 1,989.02 / 1,887.16
+//     -p 3584: - / 1,741.47, 1,743.09 / 1,659.62, 1,664.74
 // KESTREL_ATT_HEADS=1|2|4 in the environment (or attention_set_heads_per_block) forces one.
 std::atomic<int>& forced_heads_per_block() {
   static std::atomic<int> forced{[] {
@@ -81,9 +86,12 @@ std::atomic<int>& forced_heads_per_block() {
   return forced;
 }
 
-int heads_per_block(int group, int head_dim) {
+constexpr int kLongContext = 1024;  // positions past which a block serves twice the heads
+
+int heads_per_block(int group, int head_dim, int ctx_bound) {
   const int forced = forced_heads_per_block().load(std::memory_order_relaxed);
-  const int g = forced ? forced : head_dim >= 128 ? 1 : 2;
+  const int g =
+      forced ? forced : (head_dim >= 128 ? 1 : 2) * (ctx_bound > kLongContext ? 2 : 1);
   return group <= 1 ? 1 : std::min(g, group <= 2 ? 2 : kMaxGroup);
 }
 
@@ -539,11 +547,11 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 
 template <int D, int GMAX, bool ROPE>
 void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
-                  int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
+                  int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                   int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
   const int group = n_heads / n_kv_heads;
-  const dim3 grid(n_kv_heads, n_chunks(max_ctx, D), (group + GMAX - 1) / GMAX);
+  const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
   launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
@@ -556,13 +564,13 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
 // at 4, a group of 3 runs with one head idle; at 1, a block per query head).
 template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
-                    int max_ctx, int sliding_window, int n_heads, int n_kv_heads,
+                    int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                     int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
 #define KESTREL_ATTN_CALL(G)                                                               \
-  launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads, \
+  launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads, \
                            n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index, stream)
-  switch (heads_per_block(n_heads / n_kv_heads, D)) {
+  switch (heads_per_block(n_heads / n_kv_heads, D, ctx_bound)) {
     case 1: KESTREL_ATTN_CALL(1); break;
     case 2: KESTREL_ATTN_CALL(2); break;
     default: KESTREL_ATTN_CALL(kMaxGroup); break;
@@ -575,13 +583,18 @@ template <bool ROPE>
 void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                       int max_ctx, int sliding_window, int n_heads, int n_kv_heads, int head_dim,
                       const rope_detail::InvFreq& inv_freq, float* workspace, __half* out,
-                      const int32_t* out_index, cudaStream_t stream, const char* who) {
+                      const int32_t* out_index, cudaStream_t stream, int ctx_bound,
+                      const char* who) {
   KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
                 std::string(who) + ": n_heads " + std::to_string(n_heads) +
                     " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
   KESTREL_CHECK(max_ctx > 0 && sliding_window >= 0,
                 std::string(who) + ": bad max_ctx " + std::to_string(max_ctx) +
                     " or sliding_window " + std::to_string(sliding_window));
+  if (ctx_bound == 0) ctx_bound = max_ctx;
+  KESTREL_CHECK(ctx_bound > 0 && ctx_bound <= max_ctx,
+                std::string(who) + ": ctx_bound " + std::to_string(ctx_bound) +
+                    " outside [1, max_ctx " + std::to_string(max_ctx) + "]");
   KESTREL_CHECK(reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(v_cache) % 16 == 0,
                 std::string(who) + ": the K/V caches must be 16-byte aligned");
@@ -593,12 +606,12 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
       reinterpret_cast<int*>(ws_ml + (size_t)n_heads * n_chunks(max_ctx, head_dim) * 2);
   switch (head_dim) {
     case 64:
-      dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
+      dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads,
                                n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
                                stream);
       break;
     case 128:
-      dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
+      dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads,
                                 n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
                                 stream);
       break;
@@ -634,11 +647,11 @@ void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int h
 void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,
                           const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, int ctx_bound) {
   // The caches are only read without RoPE.
   attention_decode<false>(q, const_cast<__half*>(k_cache), const_cast<__half*>(v_cache), d_pos,
                           max_ctx, sliding_window, n_heads, n_kv_heads, head_dim,
-                          rope_detail::InvFreq{}, workspace, out, nullptr, stream,
+                          rope_detail::InvFreq{}, workspace, out, nullptr, stream, ctx_bound,
                           "attention_decode_f16");
 }
 
@@ -646,12 +659,12 @@ void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cac
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, float theta, float linear_factor,
                                float* workspace, __half* out, cudaStream_t stream,
-                               const int32_t* out_index) {
+                               const int32_t* out_index, int ctx_bound) {
   const rope_detail::InvFreq inv_freq =
       rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, theta, linear_factor);
   attention_decode<true>(qkv, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
                          n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
-                         "attention_decode_rope_f16");
+                         ctx_bound, "attention_decode_rope_f16");
 }
 
 }  // namespace kestrel::cuda
