@@ -1,5 +1,6 @@
 // The Llama family on an NVIDIA GPU: batch-1 decoding with fused dequant-GEMVs, FP16
-// activations and KV cache, and the whole decode step captured once as a CUDA graph.
+// activations and KV cache, and the whole decode step captured as CUDA graphs (one per range of
+// positions) and replayed.
 #pragma once
 
 #include <cuda_fp16.h>

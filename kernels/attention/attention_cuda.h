@@ -33,9 +33,10 @@ void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int h
 // h / (n_heads / n_kv_heads); scale 1/sqrt(head_dim).
 // Grids are sized for ctx_bound positions (0: max_ctx; at most max_ctx) and the position is read
 // on the device, so a captured CUDA graph replays every step unchanged; the caller guarantees
-// 0 <= *d_pos < ctx_bound. Blocks past *d_pos exit at once, but each still costs its launch: a
-// 7B-shaped model at 640 positions ran 672.5 tok/s with a 640-position grid and 659.5 with a
-// 4,096-position one (H200), so a caller replaying graphs keeps one per range of positions.
+// 0 <= *d_pos < ctx_bound. Blocks past *d_pos exit at once, but each still costs its launch
+// (a 7B-shaped model at positions 512-639 of a 4,096-position cache: 663.3 tok/s with the grid
+// for all of it, 666.0 with a 1,024-position one; H200), so a caller replaying graphs keeps one
+// per range of positions.
 // workspace: attention_workspace_bytes(max_ctx, n_heads, head_dim) bytes, 4-byte aligned,
 // reset by attention_workspace_reset before its first use.
 // head_dim 64 or 128; anything else is a kestrel::Error.
