@@ -4,9 +4,9 @@
 //   (+ residual)
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured as a CUDA graph (one per range of positions:
-// capture_graphs) and replayed per token; the host writes two ints and reads one back. Greedy runs (ChainedRun) chain the steps on the device:
-// the argmax writes the next step's token and position itself, so the next step is queued
-// before the host has read the token.
+// capture_graphs) and replayed per token; the host writes two ints and reads one back. Greedy
+// runs (ChainedRun) chain the steps on the device: the argmax writes the next step's token and
+// position itself, so the next step is queued before the host has read the token.
 #include "models/llama_cuda.h"
 
 #include <algorithm>

@@ -7,10 +7,10 @@
 // ctx_bound (at most max_ctx, the cache's length) is fixed at capture time: the engine captures
 // a decode graph per range of positions (512, 1,024, 2,048, ...), so that few blocks are dead.
 // A block whose chunk holds no live position (past *d_pos, or before the sliding window) exits
-// at once. A block serves up to GMAX <= 4
-// query heads of its KV group; a larger group takes more blocks in z, which read the same K and
-// V rows (all but the first from L2), so HBM sees each row once per step. At 4096 positions a
-// Llama-2-7B layer gives 32 x 128 = 4096 live blocks: every SM streams.
+// at once. A block serves up to GMAX <= 4 query heads of its KV group; a larger group takes
+// more blocks in z, which read the same K and V rows (all but the first from L2), so HBM sees
+// each row once per step. At 4096 positions a Llama-2-7B layer gives 32 x 128 = 4096 live
+// blocks: every SM streams.
 //
 // Inside a block (kThreads = 128):
 //   K/V row of one head: head_dim halves = kLanes 16-byte pieces, kLanes = head_dim / 8 threads.
