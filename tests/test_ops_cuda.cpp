@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -300,10 +301,10 @@ TEST_P(AttentionCuda, MatchesReferenceAndReadsOnlyLiveRows) {
   // Every compiled number of query heads per block (0: the default, which depends on the
   // grid's bound), one workspace for all: each call leaves its counters zero for the next.
   // Grids bounded at the context itself, one past it and at the cache's length (0): with the
-  // heads per block forced, the bound changes only how many blocks exit at once, so the output
-  // keeps its bits.
+  // heads per block forced, a bound changes only how many blocks exit at once and (past 1,024
+  // positions) the chunks' length, so outputs of one chunk length keep their bits.
   for (const int heads : {0, 1, 2, 4}) {
-    std::vector<uint16_t> first_out;
+    std::map<int, std::vector<uint16_t>> first_out;  // by chunk length
     for (const int bound : {0, c.n_ctx, c.n_ctx + 1}) {
       cuda::attention_set_heads_per_block(heads);
       dout.poison();
@@ -311,14 +312,15 @@ TEST_P(AttentionCuda, MatchesReferenceAndReadsOnlyLiveRows) {
                                  c.n_heads, c.n_kv_heads, c.head_dim, ws.get(), dout.half(),
                                  nullptr, bound);
       cuda::attention_set_heads_per_block(0);
+      const int chunk = cuda::attention_chunk_positions(bound ? bound : max_ctx, c.head_dim);
       const std::string what = "attention_decode_f16, heads per block " + std::to_string(heads) +
-                               ", grid bound " + std::to_string(bound);
+                               ", grid bound " + std::to_string(bound) + ", chunks of " +
+                               std::to_string(chunk);
       const std::vector<uint16_t> out = dout.download();
       expect_close(widen(out), ref, kTol, what);
-      if (first_out.empty()) {
-        first_out = out;
-      } else if (heads != 0) {
-        EXPECT_EQ(out, first_out) << what;
+      auto [first, inserted] = first_out.emplace(chunk, out);
+      if (!inserted && heads != 0) {
+        EXPECT_EQ(out, first->second) << what;
       }
     }
   }
@@ -445,18 +447,21 @@ TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
 // attention_decode_rope_f16 (RoPE, KV write and attention in one kernel) against the two
 // kernels it replaces, bit for bit: the output, the q|k|v row (left untouched by the fused
 // kernel) and both caches, replayed in a graph over positions that cross chunk boundaries, with
-// and without a sliding window, MHA and GQA, both head dims. A third run stores its output
-// through an index (the o GEMV's act-order permutation): the same values, moved.
+// and without a sliding window, MHA and GQA, both head dims, and grids of short chunks (300
+// positions) and of long ones (1,300). A third run stores its output through an index (the o
+// GEMV's act-order permutation): the same values, moved.
 TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
   REQUIRE_CUDA();
   struct Case {
-    int hd, n_heads, n_kv, window;
+    int hd, n_heads, n_kv, window, max_ctx;
   };
-  for (const Case c : {Case{128, 4, 4, 0}, Case{64, 8, 2, 0}, Case{64, 32, 2, 100},
-                       Case{128, 6, 2, 70}}) {
+  for (const Case c : {Case{128, 4, 4, 0, 300}, Case{64, 8, 2, 0, 300}, Case{64, 32, 2, 100, 300},
+                       Case{128, 6, 2, 70, 300}, Case{128, 4, 4, 0, 1300},
+                       Case{64, 8, 2, 100, 1300}}) {
     SCOPED_TRACE("hd " + std::to_string(c.hd) + " heads " + std::to_string(c.n_heads) + "/" +
-                 std::to_string(c.n_kv) + " window " + std::to_string(c.window));
-    const int max_ctx = 300, steps = 200;
+                 std::to_string(c.n_kv) + " window " + std::to_string(c.window) + " max_ctx " +
+                 std::to_string(c.max_ctx));
+    const int max_ctx = c.max_ctx, steps = 200;
     const int q_dim = c.n_heads * c.hd, kv_dim = c.n_kv * c.hd, qkv_dim = q_dim + 2 * kv_dim;
     const float theta = 500000.0f, factor = 2.0f;
     Dev<uint16_t> dqkv(qkv_dim), dqkv2(qkv_dim), dk((size_t)max_ctx * kv_dim),

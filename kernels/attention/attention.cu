@@ -1,8 +1,8 @@
 // Decode attention (one query position) over the FP16 KV cache, flash-decoding style.
 //
 // Work split. The context is cut into chunks of kChunk positions aligned to absolute positions
-// (kChunk = chunk_for(head_dim): 32 at 128, 64 at 64): chunk s covers [s * kChunk, (s + 1) *
-// kChunk). The kernel has one block per (KV head, chunk):
+// (kChunk = chunk_for(head_dim, passes_for(ctx_bound)): 32 at 128, 64 at 64, twice that where
+// the grid covers more than 1,024 positions): chunk s covers [s * kChunk, (s + 1) * kChunk). The kernel has one block per (KV head, chunk):
 //   grid = (n_kv_heads, ceil(ctx_bound / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
 // ctx_bound (at most max_ctx, the cache's length) is fixed at capture time: the engine captures
 // a decode graph per range of positions (512, 1,024, 2,048, ...), so that few blocks are dead.
@@ -95,17 +95,32 @@ int heads_per_block(int group, int head_dim, int ctx_bound) {
   return group <= 1 ? 1 : std::min(g, group <= 2 ? 2 : kMaxGroup);
 }
 
-// Positions per block: 4 passes of the block over K rows, so each thread keeps 4 rows in
-// flight (32 positions at head_dim 128, 64 at 64). Short chunks keep a block's serial passes few
-// and let many blocks stream at once. Measured at ~600 positions: a 7B layer (head_dim 128)
-// ran 573 -> 581 tok/s going from 64 to 32, and a 1.1B (head_dim 64, 4 heads per block) ran
-// 1,542 -> 1,524 going from 64 to 32. 256 positions cost 27 us per 7B layer at 640 positions
-// (96 blocks, each in 16 serial passes). Not measured at long contexts, where 32 positions give
-// the merge twice the partials to read (128 per head at 4096).
-constexpr int chunk_for(int head_dim) { return head_dim > 0 ? 4 * kThreads * 8 / head_dim : 64; }
+// Positions per block (a chunk): 4 passes of the block over K rows, so each thread keeps 4 rows
+// in flight (32 positions at head_dim 128, 64 at 64), where the grid covers up to 1,024
+// positions; 8 passes beyond. Short chunks keep a block's serial passes few and let many blocks
+// stream at once. Measured at ~600 positions: a 7B layer (head_dim 128) ran 573 -> 581 tok/s
+// going from 64 to 32, and a 1.1B (head_dim 64, 4 heads per block) ran 1,542 -> 1,524 going
+// from 64 to 32; 256 positions cost 27 us per 7B layer at 640 positions (96 blocks, each in 16
+// serial passes). At long contexts the blocks are many anyway, and 8 passes halve them and the
+// partials each merge reads: kestrel bench -n 128 -r 2 on the H200, 4 -> 8 passes, the same
+// build alternated: 7B -p 1536 565.5 -> 607.4, -p 3584 463.3 / 464.1 -> 484.2 / 483.1; a
+// Llama-3-8B shape cut to 8 layers -p 3584 1,742.9 -> 1,837.2; 1.1B -p 1536 1,795.1 ->
+// 1,810.2. (72-95 registers at 8 passes, 56 at 4; no spill.) KESTREL_ATT_LONG_CHUNKS=0 in the
+// environment keeps 4 passes everywhere, for A/B runs.
+constexpr int kShortPasses = 4, kLongPasses = 8;
 
-int n_chunks(int max_ctx, int head_dim) {
-  return (max_ctx + chunk_for(head_dim) - 1) / chunk_for(head_dim);
+constexpr int chunk_for(int head_dim, int passes = kShortPasses) {
+  return head_dim > 0 ? passes * kThreads * 8 / head_dim : 64;
+}
+
+int passes_for(int ctx_bound) {
+  static const bool off = env_off("KESTREL_ATT_LONG_CHUNKS");
+  return ctx_bound > kLongContext && !off ? kLongPasses : kShortPasses;
+}
+
+// Chunks of a grid over max_ctx positions (the workspace's layout: 4 passes, the most chunks).
+int n_chunks(int max_ctx, int head_dim, int passes = kShortPasses) {
+  return (max_ctx + chunk_for(head_dim, passes) - 1) / chunk_for(head_dim, passes);
 }
 
 __device__ __forceinline__ void to_float8(const Half8& h, float (&f)[8]) {
@@ -267,7 +282,7 @@ __device__ void merge_heads(const float* ws_o, const float* ws_ml, int h0, int n
   }
 }
 
-template <int D, int GMAX>
+template <int D, int GMAX, int PASSES>
 __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
                                               int* counters, __half* out,
                                               const int32_t* out_index, float* buf, int h0,
@@ -292,7 +307,7 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // registers since 408f68d; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
 // each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
 // past 80 registers only one would fit there.
-template <int D, int GMAX, bool ROPE>
+template <int D, int GMAX, bool ROPE, int PASSES>
 __global__ void __launch_bounds__(kThreads)
     attention_split_kernel(const __half* __restrict__ q, __half* __restrict__ k_cache,
                            __half* __restrict__ v_cache, const int* __restrict__ d_pos,
@@ -301,7 +316,7 @@ __global__ void __launch_bounds__(kThreads)
                            float* __restrict__ ws_o, float* __restrict__ ws_ml,
                            int* __restrict__ counters, __half* __restrict__ out,
                            const int32_t* __restrict__ out_index) {
-  constexpr int kChunk = chunk_for(D);
+  constexpr int kChunk = chunk_for(D, PASSES);
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
   constexpr int kPasses = kChunk / kRows;   // passes over the chunk
@@ -512,11 +527,11 @@ __global__ void __launch_bounds__(kThreads)
   // 4. The last block of this head range to finish merges the live chunks of all its heads
   //    at once (a counter per head range; the last one resets it for the next step): no
   //    second kernel, no second launch.
-  merge_if_last<D, GMAX>(ws_o, ws_ml, counters, out, out_index, buf, h0, nh, n_ctx,
+  merge_if_last<D, GMAX, PASSES>(ws_o, ws_ml, counters, out, out_index, buf, h0, nh, n_ctx,
                          sliding_window, n_chunks_all);
 }
 
-template <int D, int GMAX>
+template <int D, int GMAX, int PASSES>
 __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws_ml,
                                               int* counters, __half* out,
                                               const int32_t* out_index, float* buf, int h0,
@@ -529,7 +544,7 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   // CUTLASS semaphore). It replaced a __threadfence in every thread before the count and one in
   // the merging block after it: 7B 571 -> 573, 1.1B 1,534 -> 1,544 tok/s (two machines).
   __syncthreads();
-  constexpr int kChunk = chunk_for(D);
+  constexpr int kChunk = chunk_for(D, PASSES);
   const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
   if (threadIdx.x == 0) {
     int before;
@@ -545,31 +560,43 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, out_index, buf);
 }
 
-template <int D, int GMAX, bool ROPE>
+template <int D, int GMAX, bool ROPE, int PASSES>
 void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                   int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                   int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
   const int group = n_heads / n_kv_heads;
-  const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D), (group + GMAX - 1) / GMAX);
+  const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
-  launch_pdl(attention_split_kernel<D, GMAX, ROPE>, grid, dim3(kThreads), 0, stream, q, k_cache,
+  launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES>, grid, dim3(kThreads), 0, stream, q, k_cache,
              v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o,
              ws_ml, counters, out, out_index);
 }
 
+// The chunk length of a grid (passes_for): the short or the long kernel of one configuration.
+template <int D, int GMAX, bool ROPE, class... Args>
+void launch_chunked(int passes, Args... args) {
+  if (passes == kLongPasses)
+    launch_split<D, GMAX, ROPE, kLongPasses>(args...);
+  else
+    launch_split<D, GMAX, ROPE, kShortPasses>(args...);
+}
+
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, as
 // heads_per_block chooses (at 2, a group of 8 runs as four blocks and a group of 5 as 2 + 2 + 1;
-// at 4, a group of 3 runs with one head idle; at 1, a block per query head).
+// at 4, a group of 3 runs with one head idle; at 1, a block per query head); chunks of 4 or 8
+// passes, as passes_for chooses.
 template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                     int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
-#define KESTREL_ATTN_CALL(G)                                                               \
-  launch_split<D, G, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads, \
-                           n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index, stream)
+  const int passes = passes_for(ctx_bound);
+#define KESTREL_ATTN_CALL(G)                                                                   \
+  launch_chunked<D, G, ROPE>(passes, q, k_cache, v_cache, d_pos, ctx_bound, sliding_window,   \
+                             n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,       \
+                             out_index, stream)
   switch (heads_per_block(n_heads / n_kv_heads, D, ctx_bound)) {
     case 1: KESTREL_ATTN_CALL(1); break;
     case 2: KESTREL_ATTN_CALL(2); break;
@@ -622,6 +649,10 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
 }
 
 }  // namespace
+
+int attention_chunk_positions(int ctx_bound, int head_dim) {
+  return chunk_for(head_dim, passes_for(ctx_bound));
+}
 
 void attention_set_heads_per_block(int heads) {
   KESTREL_CHECK(heads == 0 || heads == 1 || heads == 2 || heads == kMaxGroup,

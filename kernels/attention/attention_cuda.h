@@ -18,6 +18,11 @@ namespace kestrel::cuda {
 // From the next launch on (a captured graph keeps its own).
 void attention_set_heads_per_block(int heads);
 
+// Positions per block (a chunk) in a grid over ctx_bound positions at head_dim: 32 at 128 and 64
+// at 64 up to 1,024 positions, twice that beyond (KESTREL_ATT_LONG_CHUNKS=0 in the environment
+// keeps the short ones). Chunks of different lengths sum a context's terms in another order.
+int attention_chunk_positions(int ctx_bound, int head_dim);
+
 // Bytes of scratch attention_decode_f16 needs for a context of up to max_ctx positions.
 size_t attention_workspace_bytes(int max_ctx, int n_heads, int head_dim);
 
