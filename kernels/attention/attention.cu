@@ -2,7 +2,8 @@
 //
 // Work split. The context is cut into chunks of kChunk positions aligned to absolute positions
 // (kChunk = chunk_for(head_dim, passes_for(ctx_bound)): 32 at 128, 64 at 64, twice that where
-// the grid covers more than 1,024 positions): chunk s covers [s * kChunk, (s + 1) * kChunk). The kernel has one block per (KV head, chunk):
+// the grid covers more than 1,024 positions): chunk s covers [s * kChunk, (s + 1) * kChunk).
+// The kernel has one block per (KV head, chunk):
 //   grid = (n_kv_heads, ceil(ctx_bound / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
 // ctx_bound (at most max_ctx, the cache's length) is fixed at capture time: the engine captures
 // a decode graph per range of positions (512, 1,024, 2,048, ...), so that few blocks are dead.
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kThreads)
   //    at once (a counter per head range; the last one resets it for the next step): no
   //    second kernel, no second launch.
   merge_if_last<D, GMAX, PASSES>(ws_o, ws_ml, counters, out, out_index, buf, h0, nh, n_ctx,
-                         sliding_window, n_chunks_all);
+                                 sliding_window, n_chunks_all);
 }
 
 template <int D, int GMAX, int PASSES>
@@ -569,9 +570,9 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
   const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
-  launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES>, grid, dim3(kThreads), 0, stream, q, k_cache,
-             v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o,
-             ws_ml, counters, out, out_index);
+  launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES>, grid, dim3(kThreads), 0, stream, q,
+             k_cache, v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale,
+             inv_freq, ws_o, ws_ml, counters, out, out_index);
 }
 
 // The chunk length of a grid (passes_for): the short or the long kernel of one configuration.
