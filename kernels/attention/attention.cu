@@ -4,7 +4,7 @@
 // (kChunk = chunk_for(head_dim, passes_for(ctx_bound)): 32 at 128, 64 at 64, twice that where
 // the grid covers more than 1,024 positions): chunk s covers [s * kChunk, (s + 1) * kChunk).
 // The kernel has one block per (KV head, chunk):
-//   grid = (n_kv_heads, ceil(ctx_bound / kChunk), ceil(group / GMAX)),  group = n_heads / n_kv_heads
+//   grid = (n_kv_heads, ceil(ctx_bound / kChunk), ceil(group / GMAX)), group = n_heads / n_kv_heads
 // ctx_bound (at most max_ctx, the cache's length) is fixed at capture time: the engine captures
 // a decode graph per range of positions (512, 1,024, 2,048, ...), so that few blocks are dead.
 // A block whose chunk holds no live position (past *d_pos, or before the sliding window) exits
