@@ -4,7 +4,7 @@
 #include <chrono>
 #include <memory>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel {
 
@@ -52,7 +52,7 @@ double ms_since(clock::time_point t) {
 }
 
 // Runs prompt_ids[first..] at positions first.. and generates.
-GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
+GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
                    int first, int pos0, const GenerateOptions& opt,
                    const std::function<void(std::string_view)>& on_text) {
   const int ctx = model.context_length();
@@ -165,27 +165,46 @@ GenerateResult run(Backend& model, const Tokenizer& tok, const std::vector<int>&
 
 }  // namespace
 
-GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
-                        const GenerateOptions& opt,
-                        const std::function<void(std::string_view)>& on_text, int start_pos) {
-  return run(model, tok, prompt_ids, 0, start_pos, opt, on_text);
+namespace {
+
+// After ids [first, ...) ran from position pos0: the cache holds what was there before pos0,
+// then the prompt's ids from `first` and every generated id but the last (never run).
+void note_cached(std::vector<int>& cache, const std::vector<int>& prompt_ids, int first, int pos0,
+                 const GenerateResult& r) {
+  if ((size_t)pos0 > cache.size()) {  // a gap of unknown ids: nothing reusable is known
+    cache.clear();
+    return;
+  }
+  cache.resize(pos0);
+  cache.insert(cache.end(), prompt_ids.begin() + first, prompt_ids.end());
+  if (!r.ids.empty()) cache.insert(cache.end(), r.ids.begin(), r.ids.end() - 1);
 }
 
-GenerateResult generate_cached(Backend& model, const Tokenizer& tok,
+}  // namespace
+
+GenerateResult generate(Session& session, const Tokenizer& tok, const std::vector<int>& prompt_ids,
+                        const GenerateOptions& opt,
+                        const std::function<void(std::string_view)>& on_text, int start_pos) {
+  // Whatever happens below, the cache is known only before start_pos.
+  if (session.cached.size() > (size_t)start_pos) session.cached.resize(start_pos);
+  GenerateResult r = run(session, tok, prompt_ids, 0, start_pos, opt, on_text);
+  note_cached(session.cached, prompt_ids, 0, start_pos, r);
+  return r;
+}
+
+GenerateResult generate_cached(Session& session, const Tokenizer& tok,
                                const std::vector<int>& prompt_ids, const GenerateOptions& opt,
-                               std::vector<int>& cache,
                                const std::function<void(std::string_view)>& on_text) {
   KESTREL_CHECK(!prompt_ids.empty(), "the prompt is empty (no tokens to start from)");
+  std::vector<int>& cache = session.cached;
   size_t keep = 0;
   while (keep < cache.size() && keep < prompt_ids.size() && cache[keep] == prompt_ids[keep]) ++keep;
   // The last prompt id always runs: its logits start the generation.
   keep = std::min(keep, prompt_ids.size() - 1);
   // Whatever happens below, the cache is only known up to the shared prefix.
   cache.resize(keep);
-  GenerateResult r = run(model, tok, prompt_ids, (int)keep, (int)keep, opt, on_text);
-  // The cache now holds the prompt and every generated id but the last (never run).
-  cache = prompt_ids;
-  if (!r.ids.empty()) cache.insert(cache.end(), r.ids.begin(), r.ids.end() - 1);
+  GenerateResult r = run(session, tok, prompt_ids, (int)keep, (int)keep, opt, on_text);
+  note_cached(cache, prompt_ids, (int)keep, (int)keep, r);
   return r;
 }
 

@@ -6,7 +6,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/backend.h"
+#include "models/model.h"
 #include "engine/sampler.h"
 #include "tokenizer/tokenizer.h"
 
@@ -53,21 +53,21 @@ class StopMatcher {
   bool stopped_ = false;
 };
 
-// Runs `prompt_ids` from position `start_pos` and generates. `on_text` receives the text as
-// it becomes final (UTF-8 complete, not part of a stop string). Throws kestrel::Error when
-// prompt plus generation do not fit the backend's context.
-GenerateResult generate(Backend& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
+// Runs `prompt_ids` in `session` from position `start_pos` and generates. `on_text` receives
+// the text as it becomes final (UTF-8 complete, not part of a stop string). Throws
+// kestrel::Error when prompt plus generation do not fit the session's context. Leaves
+// session.cached describing the cache.
+GenerateResult generate(Session& session, const Tokenizer& tok, const std::vector<int>& prompt_ids,
                         const GenerateOptions& opt,
                         const std::function<void(std::string_view)>& on_text = {},
                         int start_pos = 0);
 
 // Generates after `prompt_ids` (a whole sequence from position 0), running only the part
-// after the longest prefix it shares with `cache`: the ids whose K/V the backend holds from
-// position 0, which it then updates. The backend has no rewind; running from a position
+// after the longest prefix it shares with session.cached (the ids whose K/V the session holds
+// from position 0), which it then updates. A session has no rewind; running from a position
 // simply overwrites the cache from there. Penalties see the whole prompt.
-GenerateResult generate_cached(Backend& model, const Tokenizer& tok,
+GenerateResult generate_cached(Session& session, const Tokenizer& tok,
                                const std::vector<int>& prompt_ids, const GenerateOptions& opt,
-                               std::vector<int>& cache,
                                const std::function<void(std::string_view)>& on_text = {});
 
 }  // namespace kestrel

@@ -4,12 +4,12 @@
 #include <cmath>
 #include <fmt/format.h>
 
-#include "engine/error.h"
-#include "engine/progress.h"
+#include "engine/base/error.h"
+#include "engine/base/progress.h"
 
 namespace kestrel {
 
-PerplexityResult perplexity(Backend& model, const std::vector<int>& ids, int window,
+PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int window,
                             int64_t max_windows, bool progress) {
   const auto t0 = std::chrono::steady_clock::now();
   if (window < 2) throw Error(fmt::format("-c {}: a window needs at least 2 tokens", window));

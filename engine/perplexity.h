@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/backend.h"
+#include "models/model.h"
 
 namespace kestrel {
 
@@ -22,7 +22,7 @@ struct PerplexityResult {
 
 // Scores the first `max_windows` windows of `ids` (0 = all). Throws kestrel::Error when the
 // text does not fill one window or the window does not fit the model's context.
-PerplexityResult perplexity(Backend& model, const std::vector<int>& ids, int window,
+PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int window,
                             int64_t max_windows, bool progress);
 
 }  // namespace kestrel

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/model_spec.h"
+#include "models/io/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
 
 namespace kestrel {

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/config.h"
-#include "engine/model_spec.h"
+#include "models/model.h"
+#include "models/io/config.h"
+#include "models/io/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
 
 namespace kestrel {
@@ -70,8 +70,9 @@ struct CpuWeights {
   std::vector<CpuLayer> layers;
 };
 
-// Activations of one token, and the KV cache.
+// Activations of one token, and the KV cache: one sequence's state (LlamaCpuSession).
 struct CpuRunState {
+  int ctx = 0;                 // positions the cache holds
   std::vector<float> x;        // [hidden] residual stream
   std::vector<float> xb;       // [hidden] normalised input of a block
   std::vector<float> q;        // [n_heads * head_dim]
@@ -83,27 +84,36 @@ struct CpuRunState {
   std::vector<float> value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
 };
 
-class LlamaCpu final : public Backend {
+class LlamaCpuSession;
+
+class LlamaCpu final : public Model {
  public:
-  // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed) and allocates a
-  // KV cache of `context` positions (0 = the model's max_position_embeddings).
-  LlamaCpu(const ModelSpec& spec, int context);
+  // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed).
+  explicit LlamaCpu(const ModelSpec& spec);
 
   const ModelConfig& config() const override { return cfg_; }
-  int context_length() const override { return ctx_; }
   std::string device_name() const override { return "CPU (reference, fp32)"; }
-  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
+  std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
+  // The same, as the CPU session type (for the quantizer and the tests, which run layers).
+  std::unique_ptr<LlamaCpuSession> new_cpu_session(int context = 0);
+  // Activations and a zeroed KV cache of `context` positions (0 = max_position_embeddings).
+  CpuRunState run_state(int context) const;
 
   // One token at one position: the readable forward pass. Writes logits [vocab].
-  void forward_token(int token, int pos, float* logits);
+  void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
+  // forward() of a session: one token at a time through forward_token, or (n > 1) embed,
+  // layer_forward over every layer, the head.
+  void forward(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
+               float* all_logits) const;
 
   // Batched building blocks (models/llama_cpu_batch.cpp): dense products through BLAS, the
   // same ops as forward_token otherwise, equal to it to fp32 rounding.
   //
   // One decoder layer over T consecutive tokens at positions pos0 .. pos0+T-1: x [T, hidden]
-  // is the residual stream, in and out. Their K/V go into the layer's cache, and token i
-  // attends causally over cache positions up to pos0+i (Mistral's window applied).
-  void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr);
+  // is the residual stream, in and out. Their K/V go into the layer's cache in `s`, and token
+  // i attends causally over cache positions up to pos0+i (Mistral's window applied).
+  void layer_forward(CpuRunState& s, int layer, float* x, int T, int pos0,
+                     const LayerTaps* taps = nullptr) const;
   // x [T, hidden] = the embedding rows of tokens[0..T).
   void embed(const int* tokens, int T, float* x) const;
   // logits [T, vocab] = lm_head(rmsnorm(x)), x [T, hidden].
@@ -111,16 +121,37 @@ class LlamaCpu final : public Backend {
   // The weights of decoder layer l, to read or to replace (the quantizer swaps in quantized
   // linears, or a whole layer loaded with load_layer()).
   CpuLayer& layer(int l);
+  const CpuLayer& layer(int l) const;
   const CpuWeights& weights() const { return w_; }
   static CpuLayer load_layer(const LayerSpec& spec);
 
  private:
-  // forward() for n > 1: embed, layer_forward over every layer, the head.
-  void forward_batch(const int* tokens, int n, int pos, float* logits, float* all_logits);
+  void forward_batch(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
+                     float* all_logits) const;
 
   ModelConfig cfg_;
-  int ctx_;
   CpuWeights w_;
+};
+
+// A sequence on the CPU reference: its activations and KV cache.
+class LlamaCpuSession final : public Session {
+ public:
+  LlamaCpuSession(LlamaCpu& m, int context) : Session(m), m_(m), s_(m.run_state(context)) {}
+
+  int context_length() const override { return s_.ctx; }
+  size_t cache_bytes() const override {
+    return (s_.key_cache.size() + s_.value_cache.size()) * sizeof(float);
+  }
+  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
+    m_.forward(s_, tokens, n, pos, logits, all_logits);
+  }
+  void forward_token(int token, int pos, float* logits) { m_.forward_token(s_, token, pos, logits); }
+  void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr) {
+    m_.layer_forward(s_, layer, x, T, pos0, taps);
+  }
+
+ private:
+  LlamaCpu& m_;
   CpuRunState s_;
 };
 

@@ -6,11 +6,12 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <utility>
 #include <cmath>
 #include <string>
 #include <vector>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/activation/activation.h"
 #include "kernels/norm/norm.h"
 #include "kernels/rope/rope.h"
@@ -96,7 +97,9 @@ CpuLayer LlamaCpu::load_layer(const LayerSpec& ls) {
   return l;
 }
 
-CpuLayer& LlamaCpu::layer(int l) {
+CpuLayer& LlamaCpu::layer(int l) { return const_cast<CpuLayer&>(std::as_const(*this).layer(l)); }
+
+const CpuLayer& LlamaCpu::layer(int l) const {
   KESTREL_CHECK(l >= 0 && l < (int)w_.layers.size(),
                 "layer " + std::to_string(l) + " is outside the model's " +
                     std::to_string(w_.layers.size()) + " layers");
@@ -120,17 +123,18 @@ void LlamaCpu::head_forward(const float* x, int T, float* logits) const {
   w_.lm_head.forward_batch(xb.data(), T, logits, cfg_.vocab);
 }
 
-void LlamaCpu::layer_forward(int l, float* x, int T, int pos0, const LayerTaps* taps) {
+void LlamaCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
+                             const LayerTaps* taps) const {
   const ModelConfig& c = cfg_;
   const CpuLayer& L = layer(l);
-  KESTREL_CHECK(T > 0 && pos0 >= 0 && pos0 + T <= ctx_,
+  KESTREL_CHECK(T > 0 && pos0 >= 0 && pos0 + T <= st.ctx,
                 "layer_forward: positions " + std::to_string(pos0) + " .. " +
                     std::to_string(pos0 + T - 1) + " do not fit the context of " +
-                    std::to_string(ctx_));
+                    std::to_string(st.ctx));
   const int hidden = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim(), inter = c.intermediate;
   const int qkv_dim = q_dim + 2 * kv_dim;
-  float* k_cache = &s_.key_cache[(size_t)l * ctx_ * kv_dim];    // [ctx, kv_dim]
-  float* v_cache = &s_.value_cache[(size_t)l * ctx_ * kv_dim];  // [ctx, kv_dim]
+  float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
+  float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
   // Hands a group's input to the taps; true when the caller asked to stop there.
   auto tap = [&](LinearGroup g, const float* in, int K) {
     if (!taps) return false;
@@ -176,11 +180,12 @@ void LlamaCpu::layer_forward(int l, float* x, int T, int pos0, const LayerTaps* 
   for (size_t i = 0; i < proj.size(); ++i) x[i] += proj[i];
 }
 
-void LlamaCpu::forward_batch(const int* tokens, int n, int pos, float* logits, float* all_logits) {
+void LlamaCpu::forward_batch(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
+                             float* all_logits) const {
   const size_t hidden = cfg_.hidden, vocab = cfg_.vocab;
   std::vector<float> x(n * hidden);  // [n, hidden] residual stream
   embed(tokens, n, x.data());
-  for (int l = 0; l < cfg_.n_layers; ++l) layer_forward(l, x.data(), n, pos);
+  for (int l = 0; l < cfg_.n_layers; ++l) layer_forward(st, l, x.data(), n, pos);
   if (all_logits) {
     head_forward(x.data(), n, all_logits);
     std::copy_n(all_logits + (n - 1) * vocab, vocab, logits);

@@ -15,9 +15,9 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "engine/device.h"
-#include "engine/error.h"
-#include "engine/progress.h"
+#include "engine/base/device.h"
+#include "engine/base/error.h"
+#include "engine/base/progress.h"
 #include "kernels/activation/activation_cuda.h"
 #include "kernels/attention/attention_cuda.h"
 #include "kernels/common/cuda_utils.h"
@@ -210,6 +210,8 @@ struct GpuLoader {
       out.q = cuda::gemv_prepare(views, m.stream_, m.arena_ + m.arena_used_,
                                  m.arena_size_ - m.arena_used_);
       m.arena_alloc(out.q.device_bytes);  // what it took
+      out.q.launch.block_warps = m.tuning_.gemv_block_warps;
+      out.q.launch.specialized = m.tuning_.gemv_specialized;
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
       out.bytes = out.q.device_bytes;
     } else {
@@ -254,7 +256,8 @@ void* LlamaCuda::arena_alloc(size_t bytes) {
   return p;
 }
 
-LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec.config) {
+LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
+    : cfg_(spec.config), tuning_(tuning) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   device_name_ = st.name;
@@ -302,26 +305,6 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   permute_down_inputs();
   permute_residual_stream();
 
-  // KV cache: as long as asked (or the model's maximum), shortened to what fits.
-  ctx_ = context > 0 ? context : c.max_pos;
-  const size_t per_pos = 2ull * c.n_layers * c.kv_dim() * sizeof(__half);
-  size_t free_b = 0, total_b = 0;
-  KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-  const size_t reserve = (size_t)256 << 20;  // scratch, graphs, the CUDA context's growth
-  const size_t fits = free_b > reserve ? (free_b - reserve) / per_pos : 0;
-  if ((size_t)ctx_ > fits) {
-    if (fits < 16)
-      throw DeviceError(fmt::format("out of GPU memory: the weights use {}, {} is left, too little "
-                                    "for the {} of scratch kept free and a KV cache",
-                                    mb(weight_bytes_), mb(free_b), mb(reserve)));
-    if (!quiet)
-      fmt::print(stderr, "note: GPU memory is short: context reduced from {} to {} tokens\n", ctx_, fits);
-    ctx_ = (int)fits;
-  }
-  cache_bytes_ = per_pos * ctx_;
-  s_.key_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
-  s_.value_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
-
   // Activations.
   int* io = static_cast<int*>(alloc(4 * sizeof(int)));
   s_.token = io;
@@ -335,9 +318,6 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
   s_.gate_up = halves(2 * (size_t)c.intermediate);
   s_.logits = halves(c.vocab);
   s_.logits_f32 = static_cast<float*>(alloc(c.vocab * sizeof(float)));
-  s_.att_workspace =
-      static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx_, c.n_heads, c.head_dim)));
-  cuda::attention_workspace_reset(s_.att_workspace, ctx_, c.n_heads, c.head_dim, stream_);
   s_.sampling = static_cast<TopKSampling*>(alloc(sizeof(TopKSampling)));
   s_.sample_workspace = alloc(cuda::sample_top_k_workspace_bytes());
   cuda::sample_top_k_workspace_reset(s_.sample_workspace, stream_);
@@ -347,10 +327,86 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
     KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
 
-  capture_graphs();
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  after_load_bytes_ = device_bytes_in_use();
-  warm_up();
+  const size_t in_use = device_bytes_in_use();
+  scratch_bytes_ = in_use > weight_bytes_ ? in_use - weight_bytes_ : 0;
+  after_load_bytes_ = in_use;
+}
+
+std::unique_ptr<LlamaCudaSession> LlamaCuda::new_cuda_session(int context, bool quiet) {
+  auto q = std::make_unique<LlamaCudaSession>(*this, context, quiet);
+  if (!warmed_up_) {
+    // The decode path's footprint: weights, scratch and the first session (before the warm-up
+    // takes the prefill's scratch).
+    after_load_bytes_ = device_bytes_in_use();
+    warmed_up_ = true;
+    warm_up(*q);
+  }
+  return q;
+}
+
+std::unique_ptr<Session> LlamaCuda::new_session(int context, bool quiet) {
+  return new_cuda_session(context, quiet);
+}
+
+// Device memory of one session, freed when the session ends (or its constructor throws).
+LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Session(m), m_(m) {
+  const ModelConfig& c = m.cfg_;
+  try {
+    // KV cache: as long as asked (or the model's maximum), shortened to what fits.
+    int ctx = context > 0 ? context : c.max_pos;
+    const size_t per_pos = 2ull * c.n_layers * c.kv_dim() * sizeof(__half);
+    size_t free_b = 0, total_b = 0;
+    KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const size_t reserve = (size_t)256 << 20;  // scratch, graphs, the CUDA context's growth
+    const size_t fits = free_b > reserve ? (free_b - reserve) / per_pos : 0;
+    if ((size_t)ctx > fits) {
+      if (fits < 16)
+        throw DeviceError(fmt::format("out of GPU memory: the weights use {}, {} is left, too little "
+                                      "for the {} of scratch kept free and a KV cache",
+                                      mb(m.weight_bytes_), mb(free_b), mb(reserve)));
+      if (!quiet)
+        fmt::print(stderr, "note: GPU memory is short: context reduced from {} to {} tokens\n", ctx, fits);
+      ctx = (int)fits;
+    }
+    q_.ctx = ctx;
+    cache_bytes_ = per_pos * ctx;
+    auto alloc = [&](size_t bytes) {
+      void* p = nullptr;
+      const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
+      if (err != cudaSuccess) {
+        cudaGetLastError();
+        size_t f = 0, t = 0;
+        cudaMemGetInfo(&f, &t);
+        throw DeviceError(fmt::format("out of GPU memory: {} more needed for a context of {}, {} free "
+                                      "of {}; use -c N",
+                                      mb(bytes), ctx, mb(f), mb(t)));
+      }
+      allocations_.push_back(p);
+      return p;
+    };
+    q_.key_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
+    q_.value_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
+    q_.att_workspace =
+        static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim)));
+    cuda::attention_workspace_reset(q_.att_workspace, ctx, c.n_heads, c.head_dim, m.stream_);
+    m.capture_graphs(*this);
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
+  } catch (...) {
+    release();
+    throw;
+  }
+}
+
+LlamaCudaSession::~LlamaCudaSession() { release(); }
+
+void LlamaCudaSession::release() {
+  if (!allocations_.empty()) cudaStreamSynchronize(m_.stream_);
+  for (cudaGraphExec_t g : graphs_)
+    if (g) cudaGraphExecDestroy(g);
+  graphs_.clear();
+  for (void* p : allocations_) cudaFree(p);
+  allocations_.clear();
 }
 
 // A short prompt through the prefill at load, as llama.cpp warms up: the first use of cuBLASLt
@@ -359,13 +415,13 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, int context, bool quiet) : cfg_(spec
 // again by the first real prompt; its memory is the prefill's scratch, which that prompt takes
 // anyway (after_load_bytes_, the decode path's share, is measured before). Where the scratch
 // does not fit, loading still succeeds, as before: the first prompt reports it.
-void LlamaCuda::warm_up() {
-  const int n = std::min(cuda::kGemmMinRows, ctx_);
+void LlamaCuda::warm_up(LlamaCudaSession& q) {
+  const int n = std::min(cuda::kGemmMinRows, q.q_.ctx);
   if (n < 2) return;
   const std::vector<int> tokens(n, 0);
   std::vector<float> logits(cfg_.vocab);
   try {
-    forward(tokens.data(), n, 0, logits.data(), nullptr);
+    forward(q, tokens.data(), n, 0, logits.data(), nullptr);
   } catch (const DeviceError&) {
     prefill_.reset();
     // Out of memory leaves the device usable; anything sticky fails here and is reported.
@@ -381,8 +437,6 @@ size_t LlamaCuda::device_bytes_in_use() const {
 
 LlamaCuda::~LlamaCuda() {
   prefill_.reset();
-  for (cudaGraphExec_t g : graphs_)
-    if (g) cudaGraphExecDestroy(g);
   for (cudaEvent_t e : chain_done_)
     if (e) cudaEventDestroy(e);
   for (void* p : allocations_) cudaFree(p);
@@ -399,11 +453,10 @@ LlamaCuda::~LlamaCuda() {
 
 // Act-order down weights gather their x through the permutation in every block (K = 11008 on
 // a 7B: 44 KB of indices per block); the gate|up GEMV before writes x in that order instead
-// (GpuLayer::down_x_index). KESTREL_PERMUTED_X=0 keeps the gather, for A/B runs.
+// (GpuLayer::down_x_index).
 void LlamaCuda::permute_down_inputs() {
-  static const bool off = cuda::env_off("KESTREL_PERMUTED_X");
   auto wants = [&](const GpuLayer& g) {
-    return !off && g.gate_up.can_silu_epilogue() && g.down.quantized && g.down.q.has_perm;
+    return g.gate_up.can_silu_epilogue() && g.down.quantized && g.down.q.has_perm;
   };
   size_t n = 0;
   for (const GpuLayer& g : w_.layers)
@@ -422,13 +475,10 @@ void LlamaCuda::permute_down_inputs() {
 // that reads it next (GpuLayer::StreamOrder), so that the qkv and gate|up GEMVs stage x as it
 // is, without a gather; o and down read their residual through one index and store through
 // another. All layers or none, as each down writes the next layer's order: every linear
-// quantized and fused, qkv and gate|up act-order. KESTREL_PERMUTED_STREAM=0 keeps natural
-// order (and the gathers), for A/B runs.
+// quantized and fused, qkv and gate|up act-order. Where o has act-order too, attention stores
+// its output in o's permutation.
 void LlamaCuda::permute_residual_stream() {
-  static const bool off = cuda::env_off("KESTREL_PERMUTED_STREAM");
-  // KESTREL_PERMUTED_ATT=0: attention's output in natural order (o gathers it), for A/B runs.
-  static const bool att_off = cuda::env_off("KESTREL_PERMUTED_ATT");
-  if (off || w_.layers.empty()) return;
+  if (w_.layers.empty()) return;
   auto single = [](const GpuLinear& l) { return l.quantized && l.parts.empty(); };
   for (const GpuLayer& g : w_.layers)
     if (!single(g.qkv) || !single(g.o) || !single(g.gate_up) || !single(g.down) ||
@@ -451,7 +501,7 @@ void LlamaCuda::permute_residual_stream() {
   auto* d = static_cast<int32_t*>(alloc((2 * n + 2) * H * sizeof(int32_t)));
   const int64_t Q = cfg_.q_dim();
   size_t n_att = 0;  // layers whose o has act-order: attention stores in its permutation
-  for (const GpuLayer& g : w_.layers) n_att += g.o.q.has_perm && !att_off;
+  for (const GpuLayer& g : w_.layers) n_att += g.o.q.has_perm;
   auto* d_att = n_att ? static_cast<int32_t*>(alloc(n_att * Q * sizeof(int32_t))) : nullptr;
   auto* dn = static_cast<__half*>(alloc(2 * n * H * sizeof(__half)));
   auto put_norm = [&](const __half* norm, const std::vector<int32_t>& idx) {
@@ -478,7 +528,7 @@ void LlamaCuda::permute_residual_stream() {
     o.qkv = cuda::gemv_input_permuted(g.qkv.q);
     o.gate_up = cuda::gemv_input_permuted(g.gate_up.q);
     o.o = g.o.q;
-    if (g.o.q.has_perm && !att_off) {
+    if (g.o.q.has_perm) {
       o.att_out = upload_at(d_att, cuda::gemv_input_index(g.o.q, stream_));
       o.o = cuda::gemv_input_permuted(g.o.q);
     }
@@ -489,9 +539,9 @@ void LlamaCuda::permute_residual_stream() {
   }
 }
 
-void LlamaCuda::record_step(cudaStream_t s, Head head, int ctx_bound) {
+void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound) {
   const ModelConfig& c = cfg_;
-  const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
+  const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   const double h2 = sizeof(__half);
   const bool sampled = head == Head::Sample0 || head == Head::Sample1;
   const bool chained = head == Head::Chain0 || head == Head::Chain1 || sampled;
@@ -505,8 +555,8 @@ void LlamaCuda::record_step(cudaStream_t s, Head head, int ctx_bound) {
   mark("embedding", 2 * c.hidden * h2, s);
   for (int l = 0; l < c.n_layers; ++l) {
     const GpuLayer& L = w_.layers[l];
-    __half* k_cache = s_.key_cache + l * kv_layer;    // [ctx, kv_dim]
-    __half* v_cache = s_.value_cache + l * kv_layer;  // [ctx, kv_dim]
+    __half* k_cache = q.key_cache + l * kv_layer;    // [ctx, kv_dim]
+    __half* v_cache = q.value_cache + l * kv_layer;  // [ctx, kv_dim]
 
     // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x))); the RMSNorm runs inside
     // the qkv GEMV as it stages x. Under L.order, x is in qkv's act-order permutation (and the
@@ -520,10 +570,10 @@ void LlamaCuda::record_step(cudaStream_t s, Head head, int ctx_bound) {
     // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
     // rotates as it reads qkv and merges the chunks in the last block of each head range
     // (under L.order, storing its output in o's act-order permutation).
-    cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, ctx_, c.sliding_window,
+    cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, q.ctx, c.sliding_window,
                                     c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
-                                    c.rope_linear_factor, s_.att_workspace, s_.att, s,
-                                    O.att_out, ctx_bound);
+                                    c.rope_linear_factor, q.att_workspace, s_.att, s,
+                                    O.att_out, ctx_bound, tuning_.attention_heads_per_block);
     mark("rope + kv write + attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
     if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's
       cuda::gemv(O.o, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
@@ -597,8 +647,8 @@ void LlamaCuda::mark(const char* op, double bytes, cudaStream_t s) {
   profile_->events.push_back(e);
 }
 
-std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
-  set_step_input(token, pos);
+std::vector<OpTime> LlamaCuda::profile_step(LlamaCudaSession& q, int token, int pos) {
+  set_step_input(q.q_, token, pos);
   StepProfile prof;
   profile_pos_ = pos;
   KESTREL_CUDA_CHECK(cudaEventCreate(&prof.start));
@@ -610,7 +660,7 @@ std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
   KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
   try {
     KESTREL_CUDA_CHECK(cudaEventRecordWithFlags(prof.start, stream_, cudaEventRecordExternal));
-    record_step(stream_, Head::Argmax, range_end_[graph_range(pos)]);
+    record_step(q.q_, stream_, Head::Argmax, q.range_end_[q.graph_range(pos)]);
   } catch (...) {
     profile_ = nullptr;
     cudaStreamEndCapture(stream_, &graph);
@@ -648,72 +698,75 @@ std::vector<OpTime> LlamaCuda::profile_step(int token, int pos) {
 // captured once per range of positions, each range twice the last: 3 ranges at 2,048
 // positions, 4 at 4,096, 9 at 131,072 (7 graphs each). The range's end is a position bound
 // only: a graph reads its token and position from device memory like the others.
-// KESTREL_GRAPH_RANGES=0 in the environment captures one range, the whole context (A/B runs).
-void LlamaCuda::capture_graphs() {
-  static const bool one_range = cuda::env_off("KESTREL_GRAPH_RANGES");
-  range_end_.clear();
-  for (int end = 512; end < ctx_ && !one_range; end *= 2) range_end_.push_back(end);
-  range_end_.push_back(ctx_);
-  graphs_.assign(range_end_.size() * kHeads, nullptr);
-  for (size_t r = 0; r < range_end_.size(); ++r)
+void LlamaCuda::capture_graphs(LlamaCudaSession& q) {
+  const int ctx = q.q_.ctx;
+  q.range_end_.clear();
+  for (int end = 512; end < ctx && tuning_.graph_ranges; end *= 2) q.range_end_.push_back(end);
+  q.range_end_.push_back(ctx);
+  q.graphs_.assign(q.range_end_.size() * kHeads, nullptr);
+  for (size_t r = 0; r < q.range_end_.size(); ++r)
     for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1,
                    Head::Sample0, Head::Sample1}) {
       cudaGraph_t graph = nullptr;
       KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
-        record_step(stream_, h, range_end_[r]);
+        record_step(q.q_, stream_, h, q.range_end_[r]);
       } catch (...) {
         cudaStreamEndCapture(stream_, &graph);
         if (graph) cudaGraphDestroy(graph);
         throw;
       }
       KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      const cudaError_t err = cudaGraphInstantiate(&graphs_[r * kHeads + (int)h], graph, 0);
+      const cudaError_t err = cudaGraphInstantiate(&q.graphs_[r * kHeads + (int)h], graph, 0);
       cudaGraphDestroy(graph);
       KESTREL_CUDA_CHECK(err);
     }
 }
 
-int LlamaCuda::graph_range(int pos) const {
+int LlamaCudaSession::graph_range(int pos) const {
   return (int)(std::upper_bound(range_end_.begin(), range_end_.end(), pos) - range_end_.begin());
 }
 
-void LlamaCuda::check_position(int pos) const {
-  KESTREL_CHECK(pos >= 0 && pos < ctx_, fmt::format("position {} is past the context of {}", pos, ctx_));
+void LlamaCudaSession::check_position(int pos) const {
+  KESTREL_CHECK(pos >= 0 && pos < q_.ctx,
+                fmt::format("position {} is past the context of {}", pos, q_.ctx));
 }
 
-void LlamaCuda::set_step_input(int token, int pos) {
+void LlamaCuda::set_step_input(const GpuSequence& q, int token, int pos) {
   KESTREL_CHECK(token >= 0 && token < cfg_.vocab,
                 fmt::format("token id {} is outside the vocabulary ({})", token, cfg_.vocab));
-  check_position(pos);
+  KESTREL_CHECK(pos >= 0 && pos < q.ctx,
+                fmt::format("position {} is past the context of {}", pos, q.ctx));
   host_io_[0] = token;
   host_io_[1] = pos;
 }
 
-void LlamaCuda::step(int token, int pos, Head head) {
-  set_step_input(token, pos);
-  KESTREL_CUDA_CHECK(cudaGraphLaunch(graph(pos, head), stream_));
+void LlamaCuda::step(LlamaCudaSession& q, int token, int pos, Head head) {
+  set_step_input(q.q_, token, pos);
+  KESTREL_CUDA_CHECK(cudaGraphLaunch(q.graph(pos, head), stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void LlamaCuda::forward(const int* tokens, int n, int pos, float* logits, float* all_logits) {
+void LlamaCuda::forward(LlamaCudaSession& q, const int* tokens, int n, int pos, float* logits,
+                        float* all_logits) {
   KESTREL_CHECK(n > 0, "forward: no tokens");
-  KESTREL_CHECK(pos + n <= ctx_, fmt::format("{} tokens do not fit the context of {}", pos + n, ctx_));
+  KESTREL_CHECK(pos + n <= q.q_.ctx,
+                fmt::format("{} tokens do not fit the context of {}", pos + n, q.q_.ctx));
   if (n > 1) {  // many tokens: the chunked prefill (llama_cuda_prefill.cpp)
-    prefill(tokens, n, pos, logits, all_logits, nullptr, nullptr);
+    prefill(q.q_, tokens, n, pos, logits, all_logits, nullptr, nullptr);
     return;
   }
   const size_t vocab = cfg_.vocab;
   for (int i = 0; i < n; ++i) {
     const bool want = all_logits || i == n - 1;
-    step(tokens[i], pos + i, want ? Head::Logits : Head::None);
+    step(q, tokens[i], pos + i, want ? Head::Logits : Head::None);
     if (all_logits) std::memcpy(all_logits + i * vocab, host_logits_, vocab * sizeof(float));
   }
   std::memcpy(logits, host_logits_, vocab * sizeof(float));
 }
 
-int LlamaCuda::forward_argmax(int token, int pos) {
-  step(token, pos, Head::Argmax);
+int LlamaCuda::forward_argmax(LlamaCudaSession& q, int token, int pos) {
+  step(q, token, pos, Head::Argmax);
   return host_io_[2];
 }
 
@@ -723,9 +776,10 @@ int LlamaCuda::forward_argmax(int token, int pos) {
 // parameters go to the device first; its draws then count up there, step by step.
 class LlamaCuda::ChainedRun final : public DecodeRun {
  public:
-  ChainedRun(LlamaCuda& m, int token, int pos, const TopKSampling* sampling)
-      : m_(m), pos0_(pos), sampled_(sampling != nullptr) {
-    m.set_step_input(token, pos);
+  ChainedRun(LlamaCudaSession& q, int token, int pos, const TopKSampling* sampling)
+      : q_(q), m_(q.m_), pos0_(pos), sampled_(sampling != nullptr) {
+    LlamaCuda& m = m_;
+    m.set_step_input(q.q_, token, pos);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.token, m.host_io_, 2 * sizeof(int),
                                        cudaMemcpyHostToDevice, m.stream_));
     if (sampling) {
@@ -740,7 +794,7 @@ class LlamaCuda::ChainedRun final : public DecodeRun {
 
   int next(bool ahead) override {
     if (handed_ == queued_) queue();
-    if (ahead && queued_ == handed_ + 1 && pos0_ + queued_ < m_.ctx_) queue();
+    if (ahead && queued_ == handed_ + 1 && pos0_ + queued_ < q_.q_.ctx) queue();
     const int slot = handed_ % 2;
     KESTREL_CUDA_CHECK(cudaEventSynchronize(m_.chain_done_[slot]));
     ++handed_;
@@ -750,15 +804,16 @@ class LlamaCuda::ChainedRun final : public DecodeRun {
  private:
   void queue() {
     const int pos = pos0_ + queued_;
-    m_.check_position(pos);
+    q_.check_position(pos);
     const int slot = queued_ % 2;
     const Head head = sampled_ ? (slot ? Head::Sample1 : Head::Sample0)
                                : (slot ? Head::Chain1 : Head::Chain0);
-    KESTREL_CUDA_CHECK(cudaGraphLaunch(m_.graph(pos, head), m_.stream_));
+    KESTREL_CUDA_CHECK(cudaGraphLaunch(q_.graph(pos, head), m_.stream_));
     KESTREL_CUDA_CHECK(cudaEventRecord(m_.chain_done_[slot], m_.stream_));
     ++queued_;
   }
 
+  LlamaCudaSession& q_;
   LlamaCuda& m_;
   const int pos0_;
   const bool sampled_;
@@ -766,17 +821,18 @@ class LlamaCuda::ChainedRun final : public DecodeRun {
   int queued_ = 0, handed_ = 0;  // steps launched, tokens returned
 };
 
-std::unique_ptr<DecodeRun> LlamaCuda::greedy_run(int token, int pos) {
-  return std::make_unique<ChainedRun>(*this, token, pos, nullptr);
+std::unique_ptr<DecodeRun> LlamaCudaSession::greedy_run(int token, int pos) {
+  return std::make_unique<LlamaCuda::ChainedRun>(*this, token, pos, nullptr);
 }
 
-std::unique_ptr<DecodeRun> LlamaCuda::sampled_run(int token, int pos, const TopKSampling& s) {
-  const bool ok = cfg_.vocab <= kDeviceSampleMax && s.top_k >= 1 &&
-                  s.top_k <= kDeviceTopKMax && s.top_k <= cfg_.vocab &&
+std::unique_ptr<DecodeRun> LlamaCudaSession::sampled_run(int token, int pos, const TopKSampling& s) {
+  const int vocab = config().vocab;
+  const bool ok = vocab <= kDeviceSampleMax && s.top_k >= 1 &&
+                  s.top_k <= kDeviceTopKMax && s.top_k <= vocab &&
                   s.temperature > 0.0f && std::isfinite(s.temperature) && s.top_p > 0.0f &&
                   s.min_p >= 0.0f && s.min_p <= 1.0f;
   if (!ok) return nullptr;  // the host samples what the device's sampler does not cover
-  return std::make_unique<ChainedRun>(*this, token, pos, &s);
+  return std::make_unique<LlamaCuda::ChainedRun>(*this, token, pos, &s);
 }
 
 }  // namespace kestrel

@@ -10,8 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
-#include "engine/model_spec.h"
+#include "models/model.h"
+#include "models/tuning.h"
+#include "models/io/model_spec.h"
 #include "kernels/gemv/gemv.h"
 
 namespace kestrel {
@@ -86,7 +87,8 @@ struct GpuWeights {
   std::vector<GpuLayer> layers;
 };
 
-// Activations of one token and the KV cache, all FP16 on the device.
+// Activations of one token, all FP16 on the device: the model's scratch, which its sessions
+// share as they take turns.
 struct GpuRunState {
   int* token = nullptr;          // [1] input token of the step
   int* pos = nullptr;            // [1] its position
@@ -99,11 +101,17 @@ struct GpuRunState {
   __half* gate_up = nullptr;     // [2 * intermediate]
   __half* logits = nullptr;      // [vocab]
   float* logits_f32 = nullptr;   // [vocab]
-  float* att_workspace = nullptr;
-  __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
-  __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
   TopKSampling* sampling = nullptr;  // [1] the sampled run's parameters and draw count
   void* sample_workspace = nullptr;  // the sampler's candidates, per block
+};
+
+// One sequence's memory on the device (LlamaCudaSession): its KV cache and attention's
+// workspace, which is sized by the context.
+struct GpuSequence {
+  int ctx = 0;                   // positions the cache holds
+  __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
+  __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
+  float* att_workspace = nullptr;
 };
 
 // Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)
@@ -114,50 +122,33 @@ int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows
 // chunk's activations too), at most `most`, in whole MiB; 0 when nothing is left.
 size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most);
 
-class LlamaCuda final : public Backend {
+class LlamaCudaSession;
+
+class LlamaCuda final : public Model {
  public:
   // Uploads the weights (streamed tensor by tensor, with a progress bar unless quiet) and
-  // allocates the KV cache for `context` positions (0 = max_position_embeddings; reduced
-  // with a message when GPU memory is short). Throws kestrel::Error / DeviceError.
-  LlamaCuda(const ModelSpec& spec, int context, bool quiet);
+  // allocates the decode step's scratch. Throws kestrel::Error / DeviceError.
+  LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning = {});
   ~LlamaCuda() override;
 
   const ModelConfig& config() const override { return cfg_; }
-  int context_length() const override { return ctx_; }
   std::string device_name() const override { return device_name_; }
-  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
-  int forward_argmax(int token, int pos) override;
-  // Steps chained on the device: each step's argmax feeds the next step's token and position,
-  // so step i + 1 is queued before token i reaches the host (DecodeRun).
-  std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override;
-  // The same with each token drawn on the device (kernels/sampling/sample_cuda.h).
-  std::unique_ptr<DecodeRun> sampled_run(int token, int pos, const TopKSampling& s) override;
-  std::vector<OpTime> profile_step(int token, int pos) override;
+  // Allocates the session's KV cache for `context` positions (0 = max_position_embeddings;
+  // reduced with a note when GPU memory is short) and captures its decode graphs.
+  std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
+  std::unique_ptr<LlamaCudaSession> new_cuda_session(int context = 0, bool quiet = true);
   size_t weight_bytes() const override { return weight_bytes_; }
-  size_t cache_bytes() const override { return cache_bytes_; }
+  // After loading and opening the first session (its KV cache and graphs), before any prompt.
   size_t device_bytes_after_load() const override { return after_load_bytes_; }
   size_t device_bytes_in_use() const override;
+  const DecodeTuning& tuning() const { return tuning_; }
 
-  // Log-softmax on the device: only one float per token reaches the host.
-  void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) override;
   // Tokens per prefill chunk (default 2048; tests shrink it to cross chunk boundaries).
   void set_prefill_chunk(int tokens);
 
  private:
-  // Chunked prefill (llama_cuda_prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
-  struct PrefillState;
-  struct PrefillPlan {
-    int rows = 0;                // tokens per chunk, up to max_rows
-    size_t workspace_bytes = 0;  // cuBLASLt's workspace
-  };
-  PrefillPlan prefill_plan(int max_rows) const;
-  struct PrefillDeleter {
-    void operator()(PrefillState* p) const;
-  };
-  void prefill(const int* tokens, int n, int pos, float* logits, float* all_logits,
-               const int* targets, float* nll);
-  std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
-  int prefill_chunk_ = 2048;
+  friend class LlamaCudaSession;
+  friend struct GpuLoader;
 
   // What a step ends with: nothing (a prompt token whose logits are not wanted), the argmax
   // read back by the host, the logits read back, or (Chain0/1) the argmax, (Sample0/1) a token
@@ -165,25 +156,46 @@ class LlamaCuda final : public Backend {
   // 1) and to host slot 0 or 1.
   enum class Head { None, Argmax, Logits, Chain0, Chain1, Sample0, Sample1 };
   static constexpr int kHeads = 7;
+
+  // Session-facing steps (LlamaCudaSession forwards to these with its sequence).
+  void forward(LlamaCudaSession& q, const int* tokens, int n, int pos, float* logits,
+               float* all_logits);
+  int forward_argmax(LlamaCudaSession& q, int token, int pos);
+  void forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos, const int* targets,
+                   double* nll);
+  std::vector<OpTime> profile_step(LlamaCudaSession& q, int token, int pos);
+
+  // Chunked prefill (llama_cuda_prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
+  struct PrefillState;
+  struct PrefillPlan {
+    int rows = 0;                // tokens per chunk, up to max_rows
+    size_t workspace_bytes = 0;  // cuBLASLt's workspace
+  };
+  PrefillPlan prefill_plan(const GpuSequence& q, int max_rows) const;
+  struct PrefillDeleter {
+    void operator()(PrefillState* p) const;
+  };
+  void prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
+               float* all_logits, const int* targets, float* nll);
+  std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
+  int prefill_chunk_ = 2048;
+
   // Sets GpuLayer::down_x_index and down_x_permuted for act-order down weights (at load).
   void permute_down_inputs();
   void permute_residual_stream();
-  // Enqueues one decode step (the token and position are read from device memory; all heads
-  // but the chained ones first copy them from host_io_) for positions below ctx_bound.
-  void record_step(cudaStream_t s, Head head, int ctx_bound);
-  // The decode graphs: one per head for each range of positions, [0, 512), [512, 1024),
-  // [1024, 2048), ... up to the context, each with attention's grid sized for its range's end.
-  void capture_graphs();
-  int graph_range(int pos) const;  // the range of position pos (an index of range_end_)
-  cudaGraphExec_t graph(int pos, Head head) const {
-    return graphs_[(size_t)graph_range(pos) * kHeads + (int)head];
-  }
-  void warm_up();  // one short prefill at load (cuBLASLt's first use)
+  // Enqueues one decode step over sequence q (the token and position are read from device
+  // memory; all heads but the chained ones first copy them from host_io_) for positions
+  // below ctx_bound.
+  void record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound);
+  // A sequence's decode graphs: one per head for each range of positions, [0, 512),
+  // [512, 1024), [1024, 2048), ... up to its context, each with attention's grid sized for
+  // its range's end (one range when tuning_.graph_ranges is off).
+  void capture_graphs(LlamaCudaSession& q);
+  void warm_up(LlamaCudaSession& q);  // one short prefill (cuBLASLt's first use)
   // Runs one step through the graph for `head`; returns when the result is on the host.
-  void step(int token, int pos, Head head);
+  void step(LlamaCudaSession& q, int token, int pos, Head head);
   // A step's token and position, checked, into host_io_ (which the graphs copy from).
-  void set_step_input(int token, int pos);
-  void check_position(int pos) const;  // throws Error past the context
+  void set_step_input(const GpuSequence& q, int token, int pos);
 
   // Events recorded after each op while profiling (nullptr otherwise: graphs carry none).
   struct StepProfile;
@@ -192,16 +204,16 @@ class LlamaCuda final : public Backend {
   void mark(const char* op, double bytes, cudaStream_t s);
 
   ModelConfig cfg_;
-  int ctx_ = 0;
+  DecodeTuning tuning_;
   std::string device_name_;
-  size_t weight_bytes_ = 0, cache_bytes_ = 0;
+  size_t weight_bytes_ = 0;
   size_t free_at_start_ = 0, after_load_bytes_ = 0;  // device_bytes_* (cudaMemGetInfo)
+  size_t scratch_bytes_ = 0;  // the decode step's scratch and buffers, measured at load
+  bool warmed_up_ = false;
   GpuWeights w_;
   GpuRunState s_;
   std::vector<void*> allocations_;
   cudaStream_t stream_ = nullptr;
-  std::vector<int> range_end_;           // each range's end (exclusive), the last ctx_
-  std::vector<cudaGraphExec_t> graphs_;  // [range][head]
   int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next, [3..4] chain slots
   int* host_io_dev_ = nullptr;    // host_io_ as the device addresses it
   cudaEvent_t chain_done_[2] = {nullptr, nullptr};  // the chained step of each slot is done
@@ -214,7 +226,50 @@ class LlamaCuda final : public Backend {
   char* arena_ = nullptr;
   size_t arena_size_ = 0, arena_used_ = 0;
   void* arena_alloc(size_t bytes);
-  friend struct GpuLoader;
+};
+
+// A sequence on the GPU: its KV cache and attention workspace (allocated here, freed with the
+// session) and the decode graphs that bind them. The steps run on the model's stream and
+// scratch.
+class LlamaCudaSession final : public Session {
+ public:
+  LlamaCudaSession(LlamaCuda& m, int context, bool quiet);
+  ~LlamaCudaSession() override;
+
+  int context_length() const override { return q_.ctx; }
+  size_t cache_bytes() const override { return cache_bytes_; }
+  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
+    m_.forward(*this, tokens, n, pos, logits, all_logits);
+  }
+  int forward_argmax(int token, int pos) override { return m_.forward_argmax(*this, token, pos); }
+  // Steps chained on the device: each step's argmax feeds the next step's token and position,
+  // so step i + 1 is queued before token i reaches the host (DecodeRun).
+  std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override;
+  // The same with each token drawn on the device (kernels/sampling/sample_cuda.h).
+  std::unique_ptr<DecodeRun> sampled_run(int token, int pos, const TopKSampling& s) override;
+  // Log-softmax on the device: only one float per token reaches the host.
+  void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) override {
+    m_.forward_nll(*this, tokens, n, pos, targets, nll);
+  }
+  std::vector<OpTime> profile_step(int token, int pos) override {
+    return m_.profile_step(*this, token, pos);
+  }
+
+ private:
+  friend class LlamaCuda;
+  void release();                      // the graphs and the device memory, once
+  void check_position(int pos) const;  // throws Error past the context
+  int graph_range(int pos) const;      // the range of position pos (an index of range_end_)
+  cudaGraphExec_t graph(int pos, LlamaCuda::Head head) const {
+    return graphs_[(size_t)graph_range(pos) * LlamaCuda::kHeads + (int)head];
+  }
+
+  LlamaCuda& m_;
+  GpuSequence q_;
+  size_t cache_bytes_ = 0;
+  std::vector<void*> allocations_;
+  std::vector<int> range_end_;           // each range's end (exclusive), the last q_.ctx
+  std::vector<cudaGraphExec_t> graphs_;  // [range][head]
 };
 
 }  // namespace kestrel

@@ -14,7 +14,7 @@
 #include <functional>
 #include <optional>
 
-#include "engine/config.h"
+#include "models/io/config.h"
 #include "kernels/gemm/gemm.h"
 #include "models/llama.h"
 #include "models/llama_cuda.h"

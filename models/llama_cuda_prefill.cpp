@@ -12,7 +12,7 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/activation/activation_cuda.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cuda_utils.h"
@@ -130,9 +130,10 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
 // rather than lose most of its prompt speed: measured on the H200, its whole scratch cut to fit
 // (256-token chunks, a 5 MiB slice, a 2 MiB workspace) ran pp512 at 28-36 thousand tokens/s
 // against 122 thousand.
-LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(int max_rows) const {
-  const size_t base = weight_bytes_ + cache_bytes_;
-  const size_t decode = after_load_bytes_ > base ? after_load_bytes_ - base : 0;
+LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(const GpuSequence& q, int max_rows) const {
+  const size_t cache_bytes = 2ull * cfg_.n_layers * q.ctx * cfg_.kv_dim() * sizeof(__half);
+  const size_t base = weight_bytes_ + cache_bytes;
+  const size_t decode = scratch_bytes_;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
   // modules of its kernels and of the prefill's): without it a 7B at 1600 positions measured
   // +5.1% after its 1536-token prompt.
@@ -196,8 +197,8 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   run_linear(gemm, L.down, b.act, T, x, x, b.weights, s);
 }
 
-void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float* all_logits,
-                        const int* targets, float* nll) {
+void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
+                        float* all_logits, const int* targets, float* nll) {
   const ModelConfig& c = cfg_;
   for (int i = 0; i < n; ++i)
     KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab,
@@ -209,10 +210,10 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
   // Scratch for the largest chunk that fits: halve on out-of-memory (the KV cache may have
   // taken most of the GPU), down to 16 tokens.
   if (!prefill_) {
-    int rows = std::min(prefill_chunk_, ctx_);
+    int rows = std::min(prefill_chunk_, q.ctx);
     for (;;) {
       try {
-        const PrefillPlan plan = prefill_plan(rows);
+        const PrefillPlan plan = prefill_plan(q, rows);
         rows = plan.rows;
         const size_t scratch = dequant_scratch_elems(w_.layers, rows);
         cuda::GemmMemory mem;
@@ -243,7 +244,7 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
     S.logits_rows = S.rows;
   }
 
-  const size_t kv_layer = (size_t)ctx_ * c.kv_dim();
+  const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   cudaStream_t s = stream_;
   for (int c0 = 0; c0 < n; c0 += S.rows) {
     const int T = std::min(S.rows, n - c0);
@@ -253,8 +254,8 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
 
     const LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
     for (int l = 0; l < c.n_layers; ++l)
-      layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, p0, s_.key_cache + l * kv_layer,
-                         s_.value_cache + l * kv_layer, scratch, s);
+      layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, p0, q.key_cache + l * kv_layer,
+                         q.value_cache + l * kv_layer, scratch, s);
 
     // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
     const bool last = c0 + T == n;
@@ -284,15 +285,17 @@ void LlamaCuda::prefill(const int* tokens, int n, int pos, float* logits, float*
   }
 }
 
-void LlamaCuda::forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) {
+void LlamaCuda::forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos,
+                            const int* targets, double* nll) {
   KESTREL_CHECK(n > 0, "forward_nll: no tokens");
-  KESTREL_CHECK(pos + n <= ctx_, fmt::format("{} tokens do not fit the context of {}", pos + n, ctx_));
+  KESTREL_CHECK(pos + n <= q.q_.ctx,
+                fmt::format("{} tokens do not fit the context of {}", pos + n, q.q_.ctx));
   for (int i = 0; i < n; ++i)
     KESTREL_CHECK(targets[i] < cfg_.vocab,
                   fmt::format("target id {} at index {} is outside the vocabulary ({})", targets[i],
                               i, cfg_.vocab));
   std::vector<float> nll32(n);  // the device's log-softmax is fp32
-  prefill(tokens, n, pos, nullptr, nullptr, targets, nll32.data());
+  prefill(q.q_, tokens, n, pos, nullptr, nullptr, targets, nll32.data());
   std::copy(nll32.begin(), nll32.end(), nll);
 }
 

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel {
 

@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/half8.cuh"
 

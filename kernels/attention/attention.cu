@@ -27,14 +27,14 @@
 //   3. V: each thread owns GMAX * D / kThreads consecutive outputs (head, dims) and sums
 //      p * v over every row of the chunk (p and V from shared memory), so no partial sums meet
 //      across threads. (Splitting the rows across threads instead, as the scores are, left a
-//      GMAX x kRows x D reduction through shared memory: 4.5 us of a 1.1B layer's 8-head block.)
+//      GMAX x kRows x D reduction through shared memory, which was slower: docs/performance.md.)
 //   Per (head, chunk) the block writes m, l and the unnormalised output o to the fp32 workspace.
 // The merge (merge_heads), by the last block of each head range to finish (a counter per range
 // in the workspace; that block resets it), for all the range's heads at once:
 //   M = max m_s,  out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s.
-// (A second kernel, one block per head, did this first: its launch cost more than the merge,
-// 2.5 us per 7B layer at 640 positions. A last block that merged its heads one after the other
-// was slower still for a group of 8.)
+// (A second kernel, one block per head, did this first: its launch cost more than the merge
+// itself (docs/performance.md). A last block that merged its heads one after the other was
+// slower still for a group of 8.)
 //
 // Only positions inside [first, n_ctx) are ever loaded: rows beyond the live context may hold
 // anything (a NaN there would otherwise survive a multiplication by p = 0).
@@ -44,13 +44,12 @@
 #include "kernels/attention/attention_cuda.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/half8.cuh"
@@ -68,29 +67,13 @@ constexpr int kMaxGroup = 4;     // query heads one block can serve (largest GMA
 // positions, twice that beyond. A group larger than that takes several blocks per chunk, which
 // read the same K and V rows (all but the first from L2). Fewer heads shorten each block's chain
 // after the wait (the scores and p * V per head); at long contexts the extra blocks' reads of
-// each row cost more than that. On the H200, kestrel bench -n 128 -r 2-3, tokens/s, the same
-// build with KESTREL_ATT_HEADS alternated:
-//   kestrel-synth --shape 1b (head_dim 64, groups of 8), 4 / 2 / 1 heads per block:
-//     -p 512: 1,916.08 / 1,940.51 / 1,910.77 (8 heads: 1,464 -> 4 heads 1,533 at 55957d0)
-//     -p 1024: 1,857.87 / 1,837.47;  -p 1536: 1,793.73 / 1,761.65
-//   A Llama-3-8B shape cut to 8 layers (head_dim 128, groups of 4), 4 / 2 / 1:
-//     -p 512: 2,101.87 / 2,163.59 / 2,175.65 (another machine: 2 heads 2,165, 1 head 2,176)
-//     -p 1024: - / 2,096.94 / 2,101.04;  -p 2048: - / 1,989.02 / 1,887.16
-//     -p 3584: - / 1,741.47, 1,743.09 / 1,659.62, 1,664.74
-// KESTREL_ATT_HEADS=1|2|4 in the environment (or attention_set_heads_per_block) forces one.
-std::atomic<int>& forced_heads_per_block() {
-  static std::atomic<int> forced{[] {
-    const char* e = std::getenv("KESTREL_ATT_HEADS");
-    const int g = e ? std::atoi(e) : 0;
-    return g == 1 || g == 2 || g == kMaxGroup ? g : 0;
-  }()};
-  return forced;
-}
-
+// each row cost more than that. The defaults are the fastest of 1, 2 and 4 heads per block on
+// GQA models of both head sizes, at short and at long contexts (measured:
+// docs/attention-notes.md); attention_decode*_f16's heads_per_block overrides them.
 constexpr int kLongContext = 1024;  // positions past which a block serves twice the heads
 
-int heads_per_block(int group, int head_dim, int ctx_bound) {
-  const int forced = forced_heads_per_block().load(std::memory_order_relaxed);
+// `forced` 1, 2 or 4 (attention_decode*_f16's heads_per_block) overrides the choice.
+int heads_per_block(int group, int head_dim, int ctx_bound, int forced) {
   const int g =
       forced ? forced : (head_dim >= 128 ? 1 : 2) * (ctx_bound > kLongContext ? 2 : 1);
   return group <= 1 ? 1 : std::min(g, group <= 2 ? 2 : kMaxGroup);
@@ -99,15 +82,11 @@ int heads_per_block(int group, int head_dim, int ctx_bound) {
 // Positions per block (a chunk): 4 passes of the block over K rows, so each thread keeps 4 rows
 // in flight (32 positions at head_dim 128, 64 at 64), where the grid covers up to 1,024
 // positions; 8 passes beyond. Short chunks keep a block's serial passes few and let many blocks
-// stream at once. Measured at ~600 positions: a 7B layer (head_dim 128) ran 573 -> 581 tok/s
-// going from 64 to 32, and a 1.1B (head_dim 64, 4 heads per block) ran 1,542 -> 1,524 going
-// from 64 to 32; 256 positions cost 27 us per 7B layer at 640 positions (96 blocks, each in 16
-// serial passes). At long contexts the blocks are many anyway, and 8 passes halve them and the
-// partials each merge reads: kestrel bench -n 128 -r 2 on the H200, 4 -> 8 passes, the same
-// build alternated: 7B -p 1536 565.5 -> 607.4, -p 3584 463.3 / 464.1 -> 484.2 / 483.1; a
-// Llama-3-8B shape cut to 8 layers -p 3584 1,742.9 -> 1,837.2; 1.1B -p 1536 1,795.1 ->
-// 1,810.2. (72-95 registers at 8 passes, 56 at 4; no spill.) KESTREL_ATT_LONG_CHUNKS=0 in the
-// environment keeps 4 passes everywhere, for A/B runs.
+// stream at once: at a few hundred positions, chunks of 32 positions beat 64 at head_dim 128
+// (head_dim 64, with more heads per block, keeps 64), and much longer chunks leave a few blocks
+// with long serial chains. At long contexts the blocks are many anyway, and 8 passes halve them
+// and the partials each merge reads (measured: docs/attention-notes.md, docs/performance.md).
+// (72-95 registers at 8 passes, 56 at 4; no spill.)
 constexpr int kShortPasses = 4, kLongPasses = 8;
 
 constexpr int chunk_for(int head_dim, int passes = kShortPasses) {
@@ -115,8 +94,7 @@ constexpr int chunk_for(int head_dim, int passes = kShortPasses) {
 }
 
 int passes_for(int ctx_bound) {
-  static const bool off = env_off("KESTREL_ATT_LONG_CHUNKS");
-  return ctx_bound > kLongContext && !off ? kLongPasses : kShortPasses;
+  return ctx_bound > kLongContext ? kLongPasses : kShortPasses;
 }
 
 // Chunks of a grid over max_ctx positions (the workspace's layout: 4 passes, the most chunks).
@@ -302,10 +280,10 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // written by earlier steps, and *d_pos itself before the step's first kernel. Only q and the
 // new row come after the wait. The cache rows are read with an evict_first L2 policy, as the
 // weights are: a step reads each once (blocks of one KV group in z re-read them within
-// microseconds). Measured on the H200, kestrel bench -p 512 -n 128 -r 3, two rounds, tokens/s:
-// 7B 631.8 / 632.3 -> 634.0 / 634.3, 1.1B 1,669.3 / 1,669.1 -> 1,680.2 / 1,680.2.
+// microseconds), and kept in L2 they would evict what the next kernels read again (measured:
+// docs/performance.md).
 // Registers: 56 per thread, 7,168 per block. The qkv GEMV's two 8-warp blocks per SM (84
-// registers since 408f68d; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
+// registers; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
 // each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
 // past 80 registers only one would fit there.
 template <int D, int GMAX, bool ROPE, int PASSES>
@@ -543,7 +521,8 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   // them visible at GPU scope to the block that merges; its acquire (in that block) and the
   // second barrier order the merge's reads after every other block's count (the pattern of a
   // CUTLASS semaphore). It replaced a __threadfence in every thread before the count and one in
-  // the merging block after it: 7B 571 -> 573, 1.1B 1,534 -> 1,544 tok/s (two machines).
+  // the merging block after it: the ordering now costs one atomic in one thread per block
+  // (measured: docs/performance.md).
   __syncthreads();
   constexpr int kChunk = chunk_for(D, PASSES);
   const int c0 = window_start(n_ctx, sliding_window) / kChunk, c1 = (n_ctx - 1) / kChunk;
@@ -592,13 +571,14 @@ template <int D, bool ROPE>
 void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
                     int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
-                    int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
+                    int* counters, __half* out, const int32_t* out_index, cudaStream_t stream,
+                    int forced_heads) {
   const int passes = passes_for(ctx_bound);
 #define KESTREL_ATTN_CALL(G)                                                                   \
   launch_chunked<D, G, ROPE>(passes, q, k_cache, v_cache, d_pos, ctx_bound, sliding_window,   \
                              n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,       \
                              out_index, stream)
-  switch (heads_per_block(n_heads / n_kv_heads, D, ctx_bound)) {
+  switch (heads_per_block(n_heads / n_kv_heads, D, ctx_bound, forced_heads)) {
     case 1: KESTREL_ATTN_CALL(1); break;
     case 2: KESTREL_ATTN_CALL(2); break;
     default: KESTREL_ATTN_CALL(kMaxGroup); break;
@@ -612,7 +592,7 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
                       int max_ctx, int sliding_window, int n_heads, int n_kv_heads, int head_dim,
                       const rope_detail::InvFreq& inv_freq, float* workspace, __half* out,
                       const int32_t* out_index, cudaStream_t stream, int ctx_bound,
-                      const char* who) {
+                      int heads_per_block, const char* who) {
   KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
                 std::string(who) + ": n_heads " + std::to_string(n_heads) +
                     " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
@@ -628,6 +608,10 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
                 std::string(who) + ": the K/V caches must be 16-byte aligned");
   KESTREL_CHECK(!ROPE || reinterpret_cast<uintptr_t>(q) % 16 == 0,
                 std::string(who) + ": the qkv row must be 16-byte aligned");
+  KESTREL_CHECK(heads_per_block == 0 || heads_per_block == 1 || heads_per_block == 2 ||
+                    heads_per_block == kMaxGroup,
+                std::string(who) + ": heads_per_block must be 0, 1, 2 or 4, got " +
+                    std::to_string(heads_per_block));
   float* ws_o = workspace;
   float* ws_ml = workspace + (size_t)n_heads * n_chunks(max_ctx, head_dim) * head_dim;
   int* counters =
@@ -636,12 +620,12 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
     case 64:
       dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads,
                                n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
-                               stream);
+                               stream, heads_per_block);
       break;
     case 128:
       dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads,
                                 n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
-                                stream);
+                                stream, heads_per_block);
       break;
     default:
       throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
@@ -653,12 +637,6 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
 
 int attention_chunk_positions(int ctx_bound, int head_dim) {
   return chunk_for(head_dim, passes_for(ctx_bound));
-}
-
-void attention_set_heads_per_block(int heads) {
-  KESTREL_CHECK(heads == 0 || heads == 1 || heads == 2 || heads == kMaxGroup,
-                "attention_set_heads_per_block: 0, 1, 2 or 4, got " + std::to_string(heads));
-  forced_heads_per_block().store(heads, std::memory_order_relaxed);
 }
 
 // Workspace: o [n_heads][n_chunks][head_dim], (m, l) [n_heads][n_chunks][2] (fp32), then one
@@ -679,24 +657,25 @@ void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int h
 void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,
                           const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
-                          cudaStream_t stream, int ctx_bound) {
+                          cudaStream_t stream, int ctx_bound, int heads_per_block) {
   // The caches are only read without RoPE.
   attention_decode<false>(q, const_cast<__half*>(k_cache), const_cast<__half*>(v_cache), d_pos,
                           max_ctx, sliding_window, n_heads, n_kv_heads, head_dim,
                           rope_detail::InvFreq{}, workspace, out, nullptr, stream, ctx_bound,
-                          "attention_decode_f16");
+                          heads_per_block, "attention_decode_f16");
 }
 
 void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, float theta, float linear_factor,
                                float* workspace, __half* out, cudaStream_t stream,
-                               const int32_t* out_index, int ctx_bound) {
+                               const int32_t* out_index, int ctx_bound,
+                               int heads_per_block) {
   const rope_detail::InvFreq inv_freq =
       rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, theta, linear_factor);
   attention_decode<true>(qkv, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
                          n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
-                         ctx_bound, "attention_decode_rope_f16");
+                         ctx_bound, heads_per_block, "attention_decode_rope_f16");
 }
 
 }  // namespace kestrel::cuda

@@ -12,15 +12,9 @@
 
 namespace kestrel::cuda {
 
-// Query heads one block serves where a KV group has several: 1, 2 or 4 forces one, for tests
-// and A/B runs (as KESTREL_ATT_HEADS=1|2|4 in the environment does from the start); 0 takes the
-// default (2 at head_dim 64, 1 at 128, twice that where ctx_bound is over 1,024 positions).
-// From the next launch on (a captured graph keeps its own).
-void attention_set_heads_per_block(int heads);
-
 // Positions per block (a chunk) in a grid over ctx_bound positions at head_dim: 32 at 128 and 64
-// at 64 up to 1,024 positions, twice that beyond (KESTREL_ATT_LONG_CHUNKS=0 in the environment
-// keeps the short ones). Chunks of different lengths sum a context's terms in another order.
+// at 64 up to 1,024 positions, twice that beyond. Chunks of different lengths sum a context's
+// terms in another order.
 int attention_chunk_positions(int ctx_bound, int head_dim);
 
 // Bytes of scratch attention_decode_f16 needs for a context of up to max_ctx positions.
@@ -38,17 +32,17 @@ void attention_workspace_reset(float* workspace, int max_ctx, int n_heads, int h
 // h / (n_heads / n_kv_heads); scale 1/sqrt(head_dim).
 // Grids are sized for ctx_bound positions (0: max_ctx; at most max_ctx) and the position is read
 // on the device, so a captured CUDA graph replays every step unchanged; the caller guarantees
-// 0 <= *d_pos < ctx_bound. Blocks past *d_pos exit at once, but each still costs its launch
-// (a 7B-shaped model at positions 512-639 of a 4,096-position cache: 663.3 tok/s with the grid
-// for all of it, 666.0 with a 1,024-position one; H200), so a caller replaying graphs keeps one
-// per range of positions.
+// 0 <= *d_pos < ctx_bound. Blocks past *d_pos exit at once, but each still costs its launch,
+// so a caller replaying graphs keeps one per range of positions.
+// heads_per_block: query heads one block serves where a KV group has several; 0 = chosen (2 at
+// head_dim 64, 1 at 128, twice that where ctx_bound is over 1,024 positions), else 1, 2 or 4.
 // workspace: attention_workspace_bytes(max_ctx, n_heads, head_dim) bytes, 4-byte aligned,
 // reset by attention_workspace_reset before its first use.
 // head_dim 64 or 128; anything else is a kestrel::Error.
 void attention_decode_f16(const __half* q, const __half* k_cache, const __half* v_cache,
                           const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
-                          cudaStream_t stream, int ctx_bound = 0);
+                          cudaStream_t stream, int ctx_bound = 0, int heads_per_block = 0);
 
 // The decode step's RoPE, KV-cache write and attention in one: qkv is the new token's
 // un-rotated [q | k | v] row (n_heads + 2 n_kv_heads heads, 16-byte aligned); q and k are
@@ -62,6 +56,7 @@ void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cac
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, float theta, float linear_factor,
                                float* workspace, __half* out, cudaStream_t stream,
-                               const int32_t* out_index = nullptr, int ctx_bound = 0);
+                               const int32_t* out_index = nullptr, int ctx_bound = 0,
+                               int heads_per_block = 0);
 
 }  // namespace kestrel::cuda

@@ -17,7 +17,8 @@
 // Wmma (the first version, kept as a second implementation for the tests and the benchmark):
 // the same tiling with WMMA fragments; S, P and O pass through shared memory, since WMMA does
 // not say which row an accumulator element belongs to and the rescaling by alpha is per row.
-// Measured 2-4x slower than Mma (tools/bench_gemm prints both).
+// Slower than Mma by the shared-memory round trips (tools/bench_gemm prints both;
+// docs/performance.md).
 //
 // Scores are scaled by log2(e) / sqrt(head_dim) so that exp2 replaces exp. Flops: 4 * head_dim
 // per (query, key) pair; a causal 2048-token chunk of Llama-2-7B is ~34 GFLOP per layer. Blocks
@@ -27,7 +28,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"

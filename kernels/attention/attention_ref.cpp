@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/activation/activation.h"
 
 namespace kestrel {

@@ -38,7 +38,7 @@ __device__ __forceinline__ constexpr bool has_bulk_copy() {
 // One bulk copy (the TMA unit, sm_90) of `bytes` (a multiple of 16; both addresses 16-byte
 // aligned) from global to shared memory, completing on an mbarrier. Unlike ld.global or
 // cp.async it does not take the SM's load/store path, so it does not queue behind the loads of
-// the threads already in flight there (kernels/gemv/NOTES.md: staging x after the wait on the
+// the threads already in flight there (docs/gemv-notes.md: staging x after the wait on the
 // previous kernel).
 //   thread 0: mbar_init(bar, 1); fence_mbar_init();   then a barrier, then
 //   thread 0: bulk_copy_g2s(dst, src, bytes, bar);     every reader: mbar_wait(bar, 0)

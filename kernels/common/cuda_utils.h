@@ -12,7 +12,7 @@
 #include <string>
 #include <utility>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel::cuda {
 
@@ -159,12 +159,6 @@ inline const DeviceInfo& current_device_info() {
     cache[dev] = std::move(info);
   }
   return *cache[dev];
-}
-
-// Whether an A/B switch of the CUDA paths (KESTREL_...) is set to 0 in the environment.
-inline bool env_off(const char* name) {
-  const char* e = std::getenv(name);
-  return e && std::string(e) == "0";
 }
 
 }  // namespace kestrel::cuda

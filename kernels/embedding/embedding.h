@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "engine/dtype.h"
+#include "engine/base/dtype.h"
 
 namespace kestrel {
 

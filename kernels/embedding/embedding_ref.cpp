@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel {
 

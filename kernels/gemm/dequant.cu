@@ -8,11 +8,11 @@
 // ~230 MB of traffic, ~55 us at 4.2 TB/s.
 //
 // Value: w = (q - z) * s rounded once to fp16, with no int/float conversions (they issue at a
-// quarter of the ALU rate and bounded a first version at 1.3 TB/s): two codes are ORed into the
-// mantissas of an fp16 pair 1024 + q (0x6400 | q, exact for q < 1024), minus the pair
-// 1024 + z (exact) gives q - z exactly, and one hmul2 with the scale rounds the exact product
-// once. That equals the GEMV kernels' value for 4- and 8-bit and dequantize_ref's float value
-// rounded to fp16 for every width.
+// quarter of the ALU rate and held a first version well below the memory bandwidth:
+// docs/performance.md): two codes are ORed into the mantissas of an fp16 pair 1024 + q
+// (0x6400 | q, exact for q < 1024), minus the pair 1024 + z (exact) gives q - z exactly, and
+// one hmul2 with the scale rounds the exact product once. That equals the GEMV kernels' value
+// for 4- and 8-bit and dequantize_ref's float value rounded to fp16 for every width.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

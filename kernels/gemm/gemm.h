@@ -30,11 +30,11 @@
 
 namespace kestrel::cuda {
 
-// Rows from which the dequantize + GEMM path beats M GEMVs over the packed codes. Measured on
-// the H200 with kestrel-bench-gemm on the Llama-2-7B shapes (4-bit g128): one decoder layer's
-// four linears take 0.313 ms through dequantize + GEMM at any M up to 64 (the dequantization and
-// the weight read dominate), against 0.080 ms + 0.053 ms per extra row as GEMVs (0.233 ms at
-// M = 4, 0.449 ms at M = 8): the GEMVs cost more from M = 6 on.
+// Rows from which the dequantize + GEMM path beats M GEMVs over the packed codes. Up to a few
+// dozen rows the GEMM path costs about the same at any M (the dequantization and the weight
+// read dominate), while every row run as a GEMV streams the packed weights again; on the
+// Llama-2-7B shapes at 4-bit g128 the GEMVs cost more from M = 6 on (kestrel-bench-gemm
+// measures both; docs/performance.md).
 constexpr int kGemmMinRows = 6;
 
 // out [N, K] (row-major, fp16) = the weight dequantized, (q - z) * s rounded once to fp16 (the

@@ -10,10 +10,10 @@
 // the *instruction issue* is not: at 4-bit a GPU-wide 8.5 T weights/s leaves ~4 issue slots per
 // weight, so dequantization must cost a handful of integer/half2 ops per pair of weights.
 //
-// Measured (kernels/gemv/NOTES.md): fp16 90-100% of the copy bandwidth on the large shapes; the
-// quantized kernel 60-85% on the 7B shapes, within ~10% of a kernel that only loads the same
-// bytes in the same pattern: what is left is the fixed cost of a launch (~1.5 us: grid start,
-// the wait on the previous kernel, staging x), a quarter of a 25 MB GEMV.
+// What bounds it (measured: docs/gemv-notes.md): not the dequantization, since the quantized
+// kernel comes close to a kernel that only loads the same bytes in the same pattern, but the
+// fixed cost of each launch (grid start, the wait on the previous kernel, staging x), which is
+// a large share of a GEMV that moves a few tens of MB.
 //
 // ---------------------------------------------------------------------------------------------
 // Work decomposition, quantized. 16 warps per SM, as one block or (symmetric 3/4/8-bit, K and N
@@ -21,10 +21,9 @@
 // Warp w of the W in the grid owns a run of rows and streams them R = 2 at a time: in blocks of
 // 8 warps, where every warp has a step, whole steps of R rows, one more to each of the grid's
 // first warps where they do not divide evenly (their blocks start first; the others exit a step
-// early); otherwise the rows [N*w/W, N*(w+1)/W), equal runs (gemv_kernel.cuh has the measured
-// reasons). Along K a row is cut into units
-// (256, 128, 128, 64 codes at 2, 3, 4, 8 bits; four 16-byte loads, or three 3-bit planes), and
-// lane l takes units l, l + 32, ...:
+// early); otherwise the rows [N*w/W, N*(w+1)/W), equal runs (gemv_kernel.cuh has the reasons).
+// Along K a row is cut into units (256, 128, 128, 64 codes at 2, 3, 4, 8 bits; four 16-byte
+// loads, or three 3-bit planes), and lane l takes units l, l + 32, ...:
 //
 //                 K (units of 4 x 16 bytes per row)  --------------------------------->
 //   warp w        | lane0 lane1 ... lane31 | lane0 ... lane31 | lane0 ...
@@ -38,12 +37,14 @@
 // activations from L2 nor occupy L1. Lanes sum with warp shuffles at the end of each row pair.
 // With the SiLU epilogue (GemvEpilogue) a step's two rows are gate row g and up row g + N/2, the
 // warps share the N/2 pairs, and lane 0 writes silu(gate) * up.
-// Rows of at most 16 units (3/4-bit, K <= 2048) run the half-warp kernels: lanes 0-15 and 16-31
-// each take a row step (units 0-15 of their own R rows, or their own pair), so a warp step is
-// 2R rows, and warps take equal runs of whole steps (half_warp_rows below). Rows of 33-64 units
-// run the warp-pair kernels where the grid has room: warps 2v and 2v + 1 take the same step, unit
-// groups 0 and 1 of it, and 2v adds 2v + 1's lane sums from shared memory before its reduction
-// (warp_pair_rows below).
+// Rows of at most 16 units (3- and 4-bit weights with K <= 2048: every linear of a 1.1B but
+// down) would leave lanes 16-31 of each warp without a unit, the warp issuing every instruction
+// of a step for half its lanes' worth of weights. They run the half-warp kernels
+// (gemv_kernel.cuh, kHalf): lanes 0-15 and 16-31 each take a row step (units 0-15 of their own R
+// rows, or their own pair), so a warp step is 2R rows, and warps take equal runs of whole steps
+// (measured: docs/gemv-notes.md). Rows of 33-64 units run the warp-pair kernels where the grid
+// has room: warps 2v and 2v + 1 take the same step, unit groups 0 and 1 of it, and 2v adds
+// 2v + 1's lane sums from shared memory before its reduction (warp_pair_rows below).
 //
 // fp16 (gemv_f16, weights as stored): blocks of 8 warps loop over tiles of 4 rows per warp;
 // lane l reads 16-byte chunk c = l + 32i of each row; k_split warps may share a row.
@@ -108,9 +109,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -156,32 +155,12 @@ Kernel quant_kernel_for_group(int gs) {
 // Warps per block of a specialized kernel: two blocks of 8 per SM where the weight is large
 // (K and N >= 4096 at 4 bits: every lane of a warp has a unit of each row, and the grid has
 // about two rows per warp), one block of 16 otherwise. With two blocks, the next kernel's block
-// starts (and issues its first weight loads) on an SM as soon as half of it is done. Measured
-// on the H200, kestrel bench -p 512 -n 128 -r 3, tokens/s: the 7B, whose four GEMVs all qualify,
-// 623 -> 635 (o and down alone on 8 warps: 629; qkv or gate|up alone: 621); the 1.1B (K = 2048
-// on three of its four) lost 1-4% with any of its GEMVs on 8 warps, 1,665 -> 1,600 with all.
-// KESTREL_GEMV_BLOCK_WARPS=16 or 8 in the environment forces one size, for A/B runs.
-int spec_block_warps(int64_t N, int64_t K) {
-  static const int forced = [] {
-    const char* e = std::getenv("KESTREL_GEMV_BLOCK_WARPS");
-    const int w = e ? std::atoi(e) : 0;
-    return w == 8 || w == 16 ? w : 0;
-  }();
-  if (forced) return forced;
+// starts (and issues its first weight loads) on an SM as soon as half of it is done; where K is
+// small, 8 warps lost more than that gained (measured: docs/gemv-notes.md). `forced`
+// (GemvLaunch::block_warps) 8 or 16 overrides the choice.
+int spec_block_warps(int64_t N, int64_t K, int forced) {
+  if (forced == 8 || forced == 16) return forced;
   return K >= 4096 && N >= 4096 ? 8 : kQuantWarps;
-}
-
-// Rows of at most 16 units (3- and 4-bit weights with K <= 2048: every linear of a 1.1B but
-// down) leave lanes 16-31 of each warp without a unit, so the warp issued every instruction of a
-// step for half its lanes' worth of weights. The half-warp kernels (gemv_kernel.cuh, kHalf) give
-// each half a row step of its own. Measured on the H200, kestrel bench -p 512 -n 128 -r 3 on
-// kestrel-synth --shape 1b (4-bit g128), the same build alternated three times, tokens/s:
-// 1,714.83 / 1,715.93 / 1,717.70 -> 1,810.15 / 1,812.92 / 1,812.37; act-order 1,652.17 ->
-// 1,734.28; on another machine 1,722.13 / 1,722.00 -> 1,818.06 / 1,817.73, and at 3 bits
-// 1,712.49 -> 1,827.63. KESTREL_GEMV_HALF=0 in the environment turns them off, for A/B runs.
-bool half_warp_rows() {
-  static const bool on = !env_off("KESTREL_GEMV_HALF");
-  return on;
 }
 
 // Rows of 33-64 units (3 and 4 bits, 4096 < K <= 8192: the 1.1B's down, K = 5632, 44 units)
@@ -190,15 +169,10 @@ bool half_warp_rows() {
 // 2048 rows) left half the SMs idle. The warp-pair kernels (gemv_kernel.cuh, kPair) give the two
 // groups of a step to two warps, which meet in shared memory: one round trip each, on twice the
 // blocks. Taken where every warp then has at most one step (N / kQuantRows pairs fit the resident
-// warps): with more, a pair's steps would be the same two round trips, apart. Measured on the
-// H200, kestrel bench -p 512 -n 128 -r 3 on kestrel-synth --shape 1b g128, the same build
-// alternated, tokens/s: 4-bit 1,815.72 / 1,814.41 / 1,815.45 -> 1,915.15 / 1,913.99 / 1,915.72;
-// act-order 1,734.48 -> 1,862.97; 3-bit 1,825.20 -> 1,940.14. KESTREL_GEMV_PAIR=0 in the
-// environment turns them off, for A/B runs.
+// warps): with more, a pair's steps would be the same two round trips, apart.
 bool warp_pair_rows(int64_t N) {
-  static const bool on = !env_off("KESTREL_GEMV_PAIR");
-  return on && (N + kQuantRows - 1) / kQuantRows <=
-                   int64_t(current_device_info().sm_count) * kQuantWarps / 2;
+  return (N + kQuantRows - 1) / kQuantRows <=
+         int64_t(current_device_info().sm_count) * kQuantWarps / 2;
 }
 
 // The specialized kernel for a call's flags in blocks of `warps` (8 or 16), its row steps split
@@ -212,16 +186,6 @@ QuantKernel spec_kernel(int bits, int gs, int spec, int warps,
     case 8: return spec_kernel_8bit(gs, spec, warps, split);
     default: return {nullptr, 0};
   }
-}
-
-// Whether gemv uses the specialized kernels (gemv_use_specialized): on unless
-// KESTREL_GEMV_GENERIC=1 is set, for A/B runs.
-std::atomic<bool>& use_specialized() {
-  static std::atomic<bool> on{[] {
-    const char* e = std::getenv("KESTREL_GEMV_GENERIC");
-    return !(e && std::string(e) == "1");
-  }()};
-  return on;
 }
 
 Kernel quant_kernel(int bits, int gs) {
@@ -319,11 +283,11 @@ GemvLaunch plan_f16(Kernel k, int rows, int unroll, int64_t N, int64_t nch, size
 
 // The dynamic shared memory a quantized kernel in blocks of `warps` is launched with: its own
 // `need`, raised in 8 KB steps where that would let more than kQuantWarps / warps blocks share
-// an SM, so that every SM runs the design's 16 warps. A kernel under ~80 registers fits three
-// 8-warp blocks (the 8-bit kernels since 408f68d took their staging out of registers: 71-80);
-// three blocks of the 8-bit down GEMV ran at 66.7% of copy against 81.3% with two, and the
-// 8-bit 7B decoded at 426.7 tok/s against 451.2 (kernels/gemv/NOTES.md). Capping the grid at
-// two blocks per SM instead let the block scheduler put three on some SMs: 400.2 tok/s.
+// an SM, so that every SM runs the design's 16 warps. A kernel under ~80 registers (the 8-bit
+// kernels, whose staging holds no x in registers: 71-80) fits three 8-warp blocks, and the
+// occupancy-sized grid then runs 24 warps per SM, which made the 8-bit down GEMV and the 8-bit
+// decode step slower. Capping the grid at two blocks per SM is not the same: the block scheduler
+// may still put three blocks on some SMs and one on others (measured: docs/gemv-notes.md).
 size_t pinned_smem(Kernel k, int warps, size_t need) {
   const DeviceInfo& d = current_device_info();
   const int want = kQuantWarps / warps;
@@ -418,8 +382,6 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.scales = w.scales;
   p.zeros = w.zeros;
   p.perm = w.perm;
-  static const int act_bulk = env_off("KESTREL_ACT_BULK") ? 0 : 1;
-  p.act_bulk = act_bulk;
   p.x = x;
   p.y = y;
   p.residual = residual;
@@ -431,14 +393,15 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.zero_offset = w.zero_offset;
   QuantKernel qk{nullptr, 0};
   bool pair = false;
-  if (use_specialized()) {
+  if (w.launch.specialized) {
     const int spec = spec_of(p);
-    qk = spec_kernel(w.bits, w.group_size, spec, spec_block_warps(w.N, w.K));
+    qk = spec_kernel(w.bits, w.group_size, spec,
+                     spec_block_warps(w.N, w.K, w.launch.block_warps));
     // Blocks of 8 warps only where two fit on an SM (x's shared memory grows with K).
     if (qk.k && qk.warps < kQuantWarps &&
         blocks_per_sm(qk.k, 32 * qk.warps, w.smem_bytes) * qk.warps < kQuantWarps)
       qk = spec_kernel(w.bits, w.group_size, spec, kQuantWarps);
-    if (qk.k && qk.warps == kQuantWarps && p.nch <= 16 && half_warp_rows()) {
+    if (qk.k && qk.warps == kQuantWarps && p.nch <= 16) {
       const QuantKernel h =
           spec_kernel(w.bits, w.group_size, spec, kQuantWarps, RowSplit::kHalfWarp);
       if (h.k) qk = h;
@@ -457,8 +420,6 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   const GemvLaunch l = plan_quant(qk.k, qk.warps, pair ? 2 * w.N : w.N, smem, w.launch);
   launch(qk.k, p, l.grid, 32 * qk.warps, l.pdl, smem, s);
 }
-
-void gemv_use_specialized(bool on) { use_specialized() = on; }
 
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
               const __half* residual, cudaStream_t s, GemvLaunch launch_hint, GemvInput in) {

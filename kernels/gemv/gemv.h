@@ -33,6 +33,13 @@ struct GemvLaunch {
                     // 0 = chosen (at most the resident blocks)
   bool pdl = true;  // programmatic dependent launch: the kernel may start (and prefetch its
                     // weights into L2) while the previous kernel in the stream drains
+  // Quantized kernel only (the model's DecodeTuning sets these at load):
+  int block_warps = 0;      // warps per block of the specialized kernels: 0 = by the shape, 8, 16
+  // Symmetric 3-, 4- and 8-bit weights run the kernels compiled for their format and fused
+  // ops (gemv_kernel.cuh); false runs the one kernel that tests them at run time (what 2-bit
+  // and asymmetric weights run). Both compute the same values, but for the fused RMSNorm
+  // where the specialized kernel runs blocks of 8 warps (its sum of squares in another order).
+  bool specialized = true;
 };
 
 // A GPTQ linear (or several fused along N) repacked for the GEMV kernels. Owns one device
@@ -100,9 +107,9 @@ size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, b
 void gemv_free(GemvWeight& w);
 
 // Act-order weights stage x gathered through their permutation (x'[k] = x[perm[k]]): each
-// block reads the K-entry permutation and gathers x from shared memory, which cost the 7B's
-// down GEMV (K = 11008) 15 points of the copy bandwidth on the H200 (4-bit g128: 50.7% against
-// 66.0% without act-order). Where the GEMV before writes x itself, it can write x' instead:
+// block reads the K-entry permutation and gathers x from shared memory, which costs most where
+// K is large (the 7B's down GEMV, K = 11008; measured: docs/gemv-notes.md). Where the GEMV
+// before writes x itself, it can write x' instead:
 //   gemv_input_index(w, s): where each x[i] goes, idx[perm[k]] = k for k < K (host vector of K;
 //                           copies w's permutation back, synchronising s); identity without
 //                           act-order.
@@ -145,13 +152,6 @@ struct GemvEpilogue {
 // Pointers are device pointers; x must be 16-byte aligned when K is a multiple of 8.
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
           cudaStream_t s, GemvInput in = {}, GemvEpilogue out = {});
-
-// Whether symmetric 3-, 4- and 8-bit GEMVs run the kernels compiled for their format and fused
-// ops (the default; see gemv_kernel.cuh) or the one kernel that tests them at run time (what
-// 2-bit and asymmetric weights run). Both compute the same values, but for the fused RMSNorm
-// where the specialized kernel runs blocks of 8 warps (its sum of squares in another order);
-// the switch is for tests and A/B runs. KESTREL_GEMV_GENERIC=1 in the environment sets it off.
-void gemv_use_specialized(bool on);
 
 // y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
 // 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error.

@@ -50,7 +50,6 @@ struct KParams {
   // Where row i's residual is read: residual[res_index[i]] (the residual stream held in another
   // permutation, GemvEpilogue::residual_index); nullptr = residual[i]. Set with y_index.
   const int32_t* res_index;
-  int act_bulk;  // act-order staged from bulk copies too (KESTREL_ACT_BULK=0: the old path)
 };
 
 using Kernel = void (*)(KParams);
@@ -68,10 +67,9 @@ struct QuantKernel {
 // the fused ops of its four GEMVs (qkv: RMSNorm; o and down: residual; gate|up: RMSNorm and the
 // SiLU epilogue; and none, as the benchmarks and other callers run it). kDynamic keeps every
 // test at run time: 2-bit weights, asymmetric weights (their zero points take the registers
-// back: 109-128 compiled in) and any other combination (the SiLU-times-up input op). Measured on
-// the H200 (kestrel bench -p 512 -n 128 -r 3 on kestrel-synth --shape 7b, g128; the run-time
-// kernel -> specialized, tokens/s): 4-bit 600 -> 622 (the 1.1B 1,580 -> 1,663), then with the
-// 8-warp blocks 8-bit 435 -> 451 and 3-bit 603 -> 648.
+// back: 109-128 compiled in) and any other combination (the SiLU-times-up input op). The
+// specialized kernels decode faster at every bit width they cover (measured: docs/gemv-notes.md);
+// GemvLaunch::specialized = false runs the kDynamic kernel for all weights instead.
 // kIndexed: the residual read and the output stored through res_index and y_index (o and down
 // when the decode step keeps the residual stream in act-order permutations).
 enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8, kIndexed = 16 };
@@ -523,7 +521,7 @@ __device__ __forceinline__ bool one_pass_staging(const KParams& p) {
 // trip off the staging's path (norm weights are read once per token and leave L2 between
 // steps), but the copies still queue behind the first step's weight loads in the SM's load
 // path; the quantized kernel on sm_90 brings the norm weights and x by bulk copy instead
-// (7B decode +3%, kernels/gemv/NOTES.md), and uses this only below sm_90.
+// (measured: docs/gemv-notes.md), and uses this only below sm_90.
 template <int C, int T>
 __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
   if (!p.norm_w || !one_pass_staging<T>(p)) return;
@@ -673,10 +671,9 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
 // Sums a row pair's partials over each group of kWidth lanes (32: the warp; 16: each half-warp
 // of the half-warp kernels, holding a pair of its own). The first exchange leaves row 0 on the
 // group's low half and row 1 on its high half, which then sum as one: at kWidth 32, 7 shuffles
-// and 5 adds instead of 10 and 10 (H200, kestrel bench -p 512 -n 128 -r 3, the two builds
-// alternated on one machine: 7B 657.11 / 656.83 -> 662.42 / 662.37 tok/s, 1.1B 1,713.57 /
-// 1,713.51 -> 1,721.63 / 1,720.92; kernels/gemv/NOTES.md). acc becomes the group's two sums;
-// lane l < 64 / kWidth gets row l of the warp's step (group l / 2, row l % 2).
+// and 5 adds instead of 10 and 10, a shorter epilogue at the end of every row pair (measured:
+// docs/gemv-notes.md). acc becomes the group's two sums; lane l < 64 / kWidth gets row l of
+// the warp's step (group l / 2, row l % 2).
 template <int kWidth>
 __device__ __forceinline__ float sum_row_pairs(float (&acc)[2], int lane) {
   constexpr int kHalfWidth = kWidth / 2;
@@ -837,13 +834,11 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
 // (128 at 16 warps per SM), except the RMSNorm-only role (qkv) in blocks of 8 warps: capped at
 // 112 (121 uncapped; 12 bytes spill), so that beside its two blocks one 128-thread attention
 // block (56 registers) stays resident on every SM, starts under PDL while the qkv GEMV runs and
-// loads its chunk's K and V before the GEMV ends. Measured on the H200, kestrel bench -p 512 -n
-// 128 -r 3 on the 7B shape, two runs of two rounds against the uncapped build: 632.70 / 632.91
-// -> 635.39 / 634.89 and 633.04 / 633.15 -> 634.81 / 635.09 tok/s; act-order 621.92 / 622.06
-// -> 622.54 / 623.16. A cap of 96 (room for two attention blocks) measured 630.90 / 630.72.
-// Since the staging reads x from shared memory in two passes (stage_x) the role needs 84
-// registers, so the cap no longer binds and two attention blocks fit beside it (not measured
-// apart from the change that brought it, 408f68d).
+// loads its chunk's K and V before the GEMV ends. The spill makes the GEMV alone slower, by
+// less than the early K and V loads save attention in the decode step; a cap of 96 (room for
+// two attention blocks) was slower (measured: docs/gemv-notes.md). Since the staging reads x
+// from shared memory in two passes (stage_x) the role needs 84 registers, so the cap no longer
+// binds and two attention blocks fit beside it.
 constexpr int quant_reg_cap(int spec, int warps) {
   const int fit = 65536 / (32 * kQuantWarps) / 8 * 8;
   return spec != kDynamic && (spec & ~kPerm) == kNorm && warps == 8 ? 112 : fit;
@@ -882,7 +877,7 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
   // kHalf (rows of at most 16 units: K <= 2048 at 3 and 4 bits, where a warp's lanes 16-31
   // would idle): the two half-warps take a row step each, lanes 16h .. 16h + 15 the rows of
-  // half h, so a warp step is 2 R rows or two pairs (gemv.cu, the measurements).
+  // half h, so a warp step is 2 R rows or two pairs (gemv.cu says why).
   const int half = kHalf ? lane >> 4 : 0, ulane = kHalf ? lane & 15 : lane;
   const int rstep = p.silu_pair ? p.silu_pair : 1, per_half = p.silu_pair ? 1 : R;
   const int per_step = kHalf ? 2 * per_half : per_half;
@@ -901,9 +896,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // and the blocks without them exit a step early, making room for the next kernel's. (Equal
   // runs of rows, n_rows * w / W, gave every block a few longer warps.) Where a warp has less
   // than a step, or in one block of 16 warps per SM, the equal runs stay: there whole steps
-  // loaded some SMs with a step more than others (the 1.1B's gate|up: 12.4 -> 12.8 us). H200,
-  // 7B shape 4-bit g128: gate_up 76.2 -> 79.9% of copy, qkv 69.1 -> 71.2%; kestrel bench
-  // 662.4 -> 672.7 tok/s against the build before, alternated (kernels/gemv/NOTES.md).
+  // loaded some SMs with a step more than others, and the most loaded SM sets the GEMV's time
+  // (measured, both ways: docs/gemv-notes.md).
   // The half-warp kernels deal whole (double) steps in equal runs of steps (step_runs): their
   // shapes give most warps one or two.
   const RowRun run = kHalf ? step_runs(n_rows, per_step, wu, Wu)
@@ -928,7 +922,7 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
 
   // The weights do not depend on the previous kernel: load the first step into registers
   // before waiting for it. (A bulk L2 prefetch of the warp's whole run of rows here made every
-  // shape 15-30% slower: the prefetches queue ahead of the loads that need the data now.)
+  // shape slower: the prefetches queue ahead of the loads that need the data now.)
   typename Op::Frag f;
   int lrow = rb, li = 0;  // the row and unit group of the next step to load
   auto load_next = [&]() {
@@ -948,12 +942,12 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   }
   // x comes from the previous kernel: one bulk copy into x_nat after the wait (and the RMSNorm
   // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
-  // behind this SM's weight loads issued above (~8 MB over the GPU) and took 2.3-3.9 us to
-  // stage (kernels/gemv/NOTES.md, the timeline); the bulk copies take another path.
+  // behind this SM's weight loads issued above (~8 MB over the GPU), so the staging waited on
+  // them (docs/gemv-notes.md, the timeline); the bulk copies take another path.
   // (smem_bytes sized x_nat and n_raw for kQuantThreads' one-pass staging.)
   // Act-order takes the bulk path too: its permutation comes by bulk copy before the wait
   // (it is a weight's), and the gather reads it from shared memory.
-  const bool bulk = has_bulk_copy() && (p.perm == nullptr || p.act_bulk) &&
+  const bool bulk = has_bulk_copy() &&
                     one_pass_shape<kQuantThreads>(p) &&
                     (kT == kQuantThreads || one_pass_shape<kT>(p));
   if (bulk) {

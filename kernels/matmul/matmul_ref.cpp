@@ -4,7 +4,7 @@
 
 #include <vector>
 
-#include "engine/dtype.h"
+#include "engine/base/dtype.h"
 
 namespace kestrel {
 

@@ -13,7 +13,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel::cuda::rope_detail {
 

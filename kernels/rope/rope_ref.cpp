@@ -10,7 +10,7 @@
 
 #include <cmath>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 
 namespace kestrel {
 

@@ -2,8 +2,8 @@
 // the oracle).
 //
 // One block on one SM is latency-bound at every pass over a vocabulary (a one-block version of
-// this kernel took ~20 us more than the argmax per token at 32,000 logits), so the work is split
-// as the attention splits long contexts:
+// this kernel cost far more per token than the argmax: docs/sampling-notes.md), so the work is
+// split as the attention splits long contexts:
 //   A. Each of G blocks takes a contiguous chunk of at most kChunkMax logits (G <= kMaxBlocks)
 //      and selects its own top k by the rule's order (larger logit first, lower id on ties).
 //      The global top k is a subset of the union of these: a logit with fewer than k logits
@@ -25,7 +25,7 @@
 #include <cstring>
 #include <string>
 
-#include "engine/error.h"
+#include "engine/base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/sampling/hand_out.cuh"

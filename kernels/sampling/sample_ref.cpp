@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "engine/dtype.h"
+#include "engine/base/dtype.h"
 
 namespace kestrel {
 

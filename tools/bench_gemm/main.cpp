@@ -8,9 +8,9 @@
 // With --slice-mib / --workspace-mib lists, a memory sweep: one layer's quantized path per
 // dequantized slice size and cuBLASLt workspace, the prefill scratch each costs, at each M;
 // then the causal prefill attention of one 7B layer (32 heads of 128) for a chunk of M tokens
-// from position 0, both kernels, and a device-to-device copy for the bandwidth ceiling. quant / f16 is the fraction of the
-// plain FP16 GEMM the quantized path reaches; the crossover is the smallest M at which quant
-// beats the GEMVs (kernels/gemm/gemm.h's kGemmMinRows).
+// from position 0, both kernels, and a device-to-device copy for the bandwidth ceiling.
+// quant / f16 is the fraction of the plain FP16 GEMM the quantized path reaches; the crossover
+// is the smallest M at which quant beats the GEMVs (kernels/gemm/gemm.h's kGemmMinRows).
 //
 // Method: CUDA events around each call after warm-up, median of --reps. GEMV timings rotate over
 // enough weight copies (> 4 x L2) that the codes come from HBM; the GEMMs at the sizes where they
@@ -26,8 +26,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"

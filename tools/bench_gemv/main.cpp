@@ -3,9 +3,10 @@
 //
 // Method: every weight is repeated in enough device copies (> 4 x L2 in total) that each launch
 // reads its weights from HBM, not L2; launches are captured into a CUDA graph (as the engine
-// runs them) rotating over the copies, at least 128 launches per graph; after warm-up replays, each replay is timed with CUDA
-// events and the median per-launch time is reported. Bytes = what the kernel must move: codes +
-// scales + zeros (+ perm) + x + y for GPTQ, W + x + y for fp16.
+// runs them) rotating over the copies, at least 128 launches per graph; after warm-up replays,
+// each replay is timed with CUDA events and the median per-launch time is reported. Bytes =
+// what the kernel must move: codes + scales + zeros (+ perm) + x + y for GPTQ, W + x + y for
+// fp16.
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -21,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
 #include "tools/bench_gemv/loads.h"

@@ -10,8 +10,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
 
 namespace kestrel::quant {
 

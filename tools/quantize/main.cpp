@@ -7,8 +7,8 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "engine/device.h"
-#include "engine/error.h"
+#include "engine/base/device.h"
+#include "engine/base/error.h"
 #include "tools/quantize/quantize.h"
 
 int main(int argc, char** argv) {

@@ -18,10 +18,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/error.h"
-#include "engine/model_spec.h"
-#include "engine/progress.h"
-#include "engine/safetensors.h"
+#include "engine/base/error.h"
+#include "models/io/model_spec.h"
+#include "engine/base/progress.h"
+#include "models/io/safetensors.h"
 #include "models/llama.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/pack.h"
@@ -272,7 +272,8 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
   ModelSpec one = spec;
   one.config.n_layers = 1;
   one.layers = {spec.layers[0]};
-  LlamaCpu engine(one, o.seqlen);
+  LlamaCpu engine(one);
+  const std::unique_ptr<LlamaCpuSession> seq = engine.new_cpu_session(o.seqlen);
 
   const size_t win = (size_t)o.seqlen * cfg.hidden;
   std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
@@ -299,7 +300,7 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
       taps.stop_after = g.id;
       for (int s = 0; s < o.nsamples; ++s) {
         std::copy_n(&X[s * win], win, x.begin());
-        engine.layer_forward(0, x.data(), o.seqlen, 0, &taps);
+        seq->layer_forward(0, x.data(), o.seqlen, 0, &taps);
       }
       times.hessian += hess;
       times.forward += seconds_since(t_fwd) - hess;
@@ -321,7 +322,7 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
     }
     // This layer's outputs, through its quantized linears, are the next layer's inputs.
     const auto t_out = Clock::now();
-    for (int s = 0; s < o.nsamples; ++s) engine.layer_forward(0, &X[s * win], o.seqlen, 0);
+    for (int s = 0; s < o.nsamples; ++s) seq->layer_forward(0, &X[s * win], o.seqlen, 0);
     times.forward += seconds_since(t_out);
     times.total = seconds_since(t_layer);
     done(l, lines, times);

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/backend.h"
+#include "models/model.h"
 #include "tools/quantize/gptq.h"
 
 namespace kestrel::quant {

@@ -20,9 +20,9 @@
 
 #include <fmt/format.h>
 
-#include "engine/device.h"
-#include "engine/dtype.h"
-#include "engine/error.h"
+#include "engine/base/device.h"
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "models/llama_cuda_layer.h"
 #include "tools/quantize/gptq_cuda.h"

@@ -7,7 +7,7 @@
 #include <functional>
 #include <vector>
 
-#include "engine/model_spec.h"
+#include "models/io/model_spec.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/quantize.h"
 

@@ -39,9 +39,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/dtype.h"
-#include "engine/error.h"
-#include "engine/safetensors.h"
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
+#include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
 #include "tools/synth/corpus.h"
 #include "tools/synth/rng.h"

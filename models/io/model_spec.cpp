@@ -1,0 +1,205 @@
+#include "models/io/model_spec.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "engine/base/error.h"
+#include "kernels/gptq/gptq_format.h"
+
+namespace kestrel {
+
+namespace {
+
+bool is_float(DType t) { return t == DType::F16 || t == DType::BF16 || t == DType::F32; }
+
+std::string shape_text(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+// Checks a tensor's shape and dtype; `dtype_text` names what is accepted, e.g. "F16/BF16/F32".
+void expect(const TensorInfo& t, const std::vector<int64_t>& shape, bool dtype_ok,
+            const char* dtype_text) {
+  if (t.shape == shape && dtype_ok) return;
+  throw Error(fmt::format("{} in {}: expected {} {}, found {} {}", t.name, t.file, shape_text(shape),
+                          dtype_text, t.shape_str(), dtype_name(t.dtype)));
+}
+
+const TensorInfo* float_tensor(const TensorInfo& t, const std::vector<int64_t>& shape) {
+  expect(t, shape, is_float(t.dtype), "F16/BF16/F32");
+  return &t;
+}
+
+// Reads a model's tensors against its config, collecting non-fatal findings.
+struct SpecReader {
+  const ModelConfig& c;
+  const ModelFiles& files;
+  std::vector<std::string>& warnings;
+  int quantized_linears = 0;
+  std::vector<std::string> v2_zero_linears{};  // labelled gptq but holding gptq_v2 zeros
+
+  // Symmetric gptq (v1) files store zero 2^(bits-1) - 1 in every field; files that hold
+  // 2^(bits-1) everywhere were written with v2 zeros and would dequantize off by one step.
+  bool holds_v2_zeros(const TensorInfo& qzeros, int64_t G, int64_t N, int bits) const {
+    const std::vector<uint32_t> words = qzeros.copy_as<uint32_t>();
+    const int64_t row_words = gptq::packed_words(N, bits);
+    const uint32_t v2_zero = 1u << (bits - 1);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t n = 0; n < N; ++n)
+        if (gptq::read_code(words.data() + g * row_words, 1, n, bits) != v2_zero) return false;
+    return true;
+  }
+
+  void read_gptq(LinearSpec& l, const std::string& prefix) {
+    KESTREL_CHECK(c.quant, fmt::format("{} in {}: GPTQ tensors, but {} has no quantization config "
+                                       "(quantize_config.json or config.json quantization_config)",
+                                       l.qweight->name, l.qweight->file, files.dir()));
+    const QuantConfig& q = *c.quant;
+    const int b = q.bits;
+    KESTREL_CHECK(l.K * b % 32 == 0,
+                  fmt::format("{}: K = {} input features cannot be packed at {} bits (K*{} must be a "
+                              "multiple of 32)", prefix, l.K, b, b));
+    KESTREL_CHECK(l.N * b % 32 == 0,
+                  fmt::format("{}: N = {} output features cannot be packed at {} bits (N*{} must be a "
+                              "multiple of 32)", prefix, l.N, b, b));
+    const int64_t G = q.group_size == -1 ? 1 : (l.K + q.group_size - 1) / q.group_size;
+    l.quantized = true;
+    l.bits = b;
+    l.group_size = q.group_size;
+    l.zero_offset = q.zero_offset();
+
+    expect(*l.qweight, {l.K * b / 32, l.N}, l.qweight->dtype == DType::I32, "I32");
+    l.qzeros = &files.get(prefix + ".qzeros");
+    expect(*l.qzeros, {G, l.N * b / 32}, l.qzeros->dtype == DType::I32, "I32");
+    l.scales = &files.get(prefix + ".scales");
+    expect(*l.scales, {G, l.N}, l.scales->dtype == DType::F16, "F16");
+
+    l.g_idx = files.find(prefix + ".g_idx");
+    if (l.g_idx) {
+      expect(*l.g_idx, {l.K}, l.g_idx->dtype == DType::I32, "I32");
+      const std::vector<int32_t> g_idx = l.g_idx->copy_as<int32_t>();
+      for (int64_t k = 0; k < l.K; ++k) {
+        KESTREL_CHECK(g_idx[k] >= 0 && g_idx[k] < G,
+                      fmt::format("{} in {}: g_idx[{}] = {} is outside [0, {})", l.g_idx->name,
+                                  l.g_idx->file, k, g_idx[k], G));
+        const int64_t plain = q.group_size == -1 ? 0 : k / q.group_size;
+        if (g_idx[k] != plain) l.act_order = true;
+      }
+    }
+
+    ++quantized_linears;
+    if (q.sym && q.format == GptqFormat::V1 && holds_v2_zeros(*l.qzeros, G, l.N, b)) {
+      l.zero_offset = 0;
+      v2_zero_linears.push_back(prefix);
+    }
+  }
+
+  LinearSpec linear(const std::string& prefix, int64_t N, int64_t K, bool has_bias) {
+    LinearSpec l;
+    l.name = prefix;
+    l.N = N;
+    l.K = K;
+    l.qweight = files.find(prefix + ".qweight");
+    const TensorInfo* weight = files.find(prefix + ".weight");
+    if (l.qweight) {
+      KESTREL_CHECK(!weight, fmt::format("{}: holds both {}.weight and {}.qweight", files.dir(),
+                                         prefix, prefix));
+      read_gptq(l, prefix);
+    } else {
+      KESTREL_CHECK(weight, fmt::format("{}: missing tensor {}.weight (or GPTQ {}.qweight)",
+                                        files.dir(), prefix, prefix));
+      l.weight = float_tensor(*weight, {N, K});
+    }
+
+    const TensorInfo* bias = files.find(prefix + ".bias");
+    if (has_bias) {
+      KESTREL_CHECK(bias, fmt::format("{}: missing tensor {}.bias (config.json asks for biases)",
+                                      files.dir(), prefix));
+      l.bias = float_tensor(*bias, {N});
+    } else if (bias) {
+      // transformers builds the layer without a bias and drops the tensor; do the same, loudly.
+      warnings.push_back(fmt::format("{}: {} is ignored: config.json declares no bias for this "
+                                     "layer", files.dir(), bias->name));
+    }
+    return l;
+  }
+
+  void finish() {
+    if (v2_zero_linears.empty()) return;
+    const int b = c.quant->bits;
+    warnings.push_back(fmt::format(
+        "{}: checkpoint_format is gptq, but {} of {} quantized linears (first {}) hold gptq_v2 "
+        "zeros ({}-bit zero fields all {}, where symmetric gptq stores {}); reading them as gptq_v2",
+        files.dir(), v2_zero_linears.size(), quantized_linears, v2_zero_linears.front(), b,
+        1 << (b - 1), (1 << (b - 1)) - 1));
+  }
+};
+
+}  // namespace
+
+ModelSpec load_model_spec(const std::string& dir) {
+  ModelSpec spec;
+  spec.dir = dir;
+  spec.config = load_model_config(dir);
+  const ModelConfig& c = spec.config;
+
+  // AutoGPTQ names its weights <model_file_base_name>.safetensors, but files re-saved by
+  // transformers keep that field while the weights become model.safetensors.
+  std::string base = c.quant ? c.quant->model_file_base_name : "";
+  if (!base.empty() && base != "model" && !ModelFiles::has_weights(dir, base)) {
+    KESTREL_CHECK(ModelFiles::has_weights(dir, "model"),
+                  fmt::format("{}: no {}.safetensors, {}.safetensors.index.json, model.safetensors "
+                              "or model.safetensors.index.json", dir, base, base));
+    base = "model";
+  }
+  spec.files = ModelFiles::open(dir, base);
+  const ModelFiles& f = spec.files;
+
+  const int64_t hidden = c.hidden, vocab = c.vocab, inter = c.intermediate;
+  spec.embed = float_tensor(f.get("model.embed_tokens.weight"), {vocab, hidden});
+  spec.final_norm = float_tensor(f.get("model.norm.weight"), {hidden});
+  if (c.tie_embeddings) {
+    spec.lm_head = spec.embed;
+  } else {
+    const TensorInfo* head = f.find("lm_head.weight");
+    KESTREL_CHECK(head, fmt::format("{}: missing tensor lm_head.weight (tie_word_embeddings is "
+                                    "false)", dir));
+    spec.lm_head = float_tensor(*head, {vocab, hidden});
+  }
+
+  SpecReader r{c, f, spec.warnings};
+  spec.layers.resize(c.n_layers);
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    LayerSpec& L = spec.layers[i];
+    L.input_norm = float_tensor(f.get(p + "input_layernorm.weight"), {hidden});
+    L.post_norm = float_tensor(f.get(p + "post_attention_layernorm.weight"), {hidden});
+    L.q = r.linear(p + "self_attn.q_proj", c.q_dim(), hidden, c.attention_bias);
+    L.k = r.linear(p + "self_attn.k_proj", c.kv_dim(), hidden, c.attention_bias);
+    L.v = r.linear(p + "self_attn.v_proj", c.kv_dim(), hidden, c.attention_bias);
+    L.o = r.linear(p + "self_attn.o_proj", hidden, c.q_dim(), c.attention_bias);
+    L.gate = r.linear(p + "mlp.gate_proj", inter, hidden, c.mlp_bias);
+    L.up = r.linear(p + "mlp.up_proj", inter, hidden, c.mlp_bias);
+    L.down = r.linear(p + "mlp.down_proj", hidden, inter, c.mlp_bias);
+  }
+  r.finish();
+  return spec;
+}
+
+std::vector<float> to_float(const TensorInfo& t) {
+  switch (t.dtype) {
+    case DType::F32:
+      return t.copy_as<float>();
+    case DType::F16:
+    case DType::BF16: {
+      const std::vector<uint16_t> h = t.copy_as<uint16_t>();
+      std::vector<float> out(h.size());
+      for (size_t i = 0; i < h.size(); ++i)
+        out[i] = t.dtype == DType::F16 ? half_to_float(h[i]) : bf16_to_float(h[i]);
+      return out;
+    }
+    case DType::I32:
+      break;
+  }
+  throw Error(fmt::format("{} in {}: expected a F16/BF16/F32 tensor, found {}", t.name, t.file,
+                          dtype_name(t.dtype)));
+}
+
+}  // namespace kestrel

@@ -1,0 +1,63 @@
+// Where every weight of a model lives in its checkpoint, validated once.
+//
+// load_model_spec() opens a model directory, parses its config (engine/config.h), opens the
+// weight files (engine/safetensors.h) and checks every tensor the architecture needs:
+// presence, dtype and shape against the config, GPTQ tensor shapes against bits and group
+// size, g_idx values in range. Anything wrong throws kestrel::Error with one line naming the
+// file, the tensor and the numbers, e.g.
+//   "model.layers.0.self_attn.q_proj.qweight in /m/model.safetensors: expected [512, 4096] I32, found [512, 4095] I32"
+// After this, backends (the CPU reference, CUDA) read tensors without further checks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/io/config.h"
+#include "models/io/safetensors.h"
+
+namespace kestrel {
+
+// One linear layer y = x W^T (+ b), W is [N out, K in]: either a dense FP16/BF16/F32
+// `.weight`, or GPTQ tensors.
+struct LinearSpec {
+  std::string name;  // e.g. "model.layers.3.self_attn.q_proj"
+  int64_t N = 0, K = 0;
+  bool quantized = false;
+  const TensorInfo* weight = nullptr;   // dense: [N, K]
+  const TensorInfo* qweight = nullptr;  // GPTQ: [K*bits/32, N] I32
+  const TensorInfo* qzeros = nullptr;   // [G, N*bits/32] I32
+  const TensorInfo* scales = nullptr;   // [G, N] F16
+  const TensorInfo* g_idx = nullptr;    // [K] I32, or nullptr when absent (k / group_size)
+  const TensorInfo* bias = nullptr;     // [N] or nullptr
+  int bits = 0;
+  int group_size = 0;   // as configured; -1 = one group
+  int zero_offset = 1;  // 1 = gptq (v1), 0 = gptq_v2
+  bool act_order = false;  // g_idx is not k / group_size
+};
+
+struct LayerSpec {
+  const TensorInfo* input_norm = nullptr;  // [hidden]
+  const TensorInfo* post_norm = nullptr;   // [hidden]
+  LinearSpec q, k, v, o;                   // q [q_dim, hidden], k/v [kv_dim, hidden], o [hidden, q_dim]
+  LinearSpec gate, up, down;               // gate/up [inter, hidden], down [hidden, inter]
+};
+
+struct ModelSpec {
+  std::string dir;
+  ModelConfig config;
+  ModelFiles files;
+  const TensorInfo* embed = nullptr;       // [vocab, hidden]
+  const TensorInfo* final_norm = nullptr;  // [hidden]
+  const TensorInfo* lm_head = nullptr;     // [vocab, hidden]; == embed when tied
+  std::vector<LayerSpec> layers;
+  // Non-fatal findings to show the user, e.g. a file labelled gptq that holds v2 zeros.
+  std::vector<std::string> warnings;
+};
+
+ModelSpec load_model_spec(const std::string& dir);
+
+// Reads a 1-D or 2-D float tensor (F16, BF16 or F32) into fp32.
+std::vector<float> to_float(const TensorInfo& t);
+
+}  // namespace kestrel

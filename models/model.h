@@ -1,0 +1,130 @@
+// What the generation loop, the benchmark and perplexity need from a model running on some
+// device: a Model (loaded once) and Sessions over it (one sequence each), which run tokens at
+// positions and hand back logits.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "models/io/config.h"
+#include "kernels/sampling/sample.h"
+
+namespace kestrel {
+
+// Time spent in one kind of op over a decode step (for `kestrel bench --profile`).
+struct OpTime {
+  std::string op;
+  int launches = 0;
+  double us = 0;      // summed over the launches
+  double bytes = 0;   // bytes the op must move through device memory (0 = not counted)
+};
+
+// Decoding as a run of steps, each picking its token on the model's device (greedy, or drawn
+// by the device's sampler): the first step takes the token and position the run was started
+// with, each later step the token the step before picked, one position on. next()
+// returns the token of the oldest step not yet handed out. With `ahead` the session may queue
+// the step that token feeds before handing it over, so that a GPU works on token i + 1 while the
+// host handles token i; that step writes its K/V at the next position, which the caller's next
+// token would write anyway. Destroying the run waits for whatever it still has queued; while a
+// run is alive its session is used through it only.
+class DecodeRun {
+ public:
+  virtual ~DecodeRun() = default;
+  virtual int next(bool ahead) = 0;
+};
+
+class Session;
+
+// A loaded model: its configuration, its weights on a device, and what every sequence shares
+// there (decode graphs' recipe, scratch activations, the prefill's workspace). It holds no
+// sequence: each sequence is a Session, made by new_session, which owns its KV cache. Sessions
+// of one model take turns: a model runs one step at a time, so two sessions are never used
+// from two threads at once. A session must not outlive its model.
+class Model {
+ public:
+  virtual ~Model() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  // A human-readable device description for messages and tables ("CPU (reference, fp32)").
+  virtual std::string device_name() const = 0;
+  // A new sequence at position 0 with a KV cache of `context` positions (0 = the model's
+  // max_position_embeddings), allocated now. A GPU model shortens the context to what fits,
+  // with a note on stderr unless `quiet`; throws DeviceError where not even a short one does.
+  virtual std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) = 0;
+
+  // Bytes of the weights on the model's device.
+  virtual size_t weight_bytes() const { return 0; }
+  // Device memory the model has taken (free memory before loading minus free memory now):
+  // right after loading (weights and scratch), and now (with every session's KV cache). 0
+  // where not measured.
+  virtual size_t device_bytes_after_load() const { return 0; }
+  virtual size_t device_bytes_in_use() const { return 0; }
+};
+
+// One sequence over a loaded model: its KV cache, indexed by position (a new conversation
+// simply starts again at position 0), and the ids whose K/V the cache holds (prefix reuse).
+class Session {
+ public:
+  explicit Session(Model& model) : model_(model) {}
+  virtual ~Session() = default;
+  Session(const Session&) = delete;
+  Session& operator=(const Session&) = delete;
+
+  Model& model() const { return model_; }
+  const ModelConfig& config() const { return model_.config(); }
+  std::string device_name() const { return model_.device_name(); }
+  // Positions the KV cache holds; pos + n must stay within it.
+  virtual int context_length() const = 0;
+  // Bytes of this session's KV cache on the model's device.
+  virtual size_t cache_bytes() const { return 0; }
+
+  // Runs tokens[0..n) at positions pos .. pos+n-1, writing their K/V into the cache, and
+  // writes the logits of the last token to `logits` [vocab] (fp32, host). When `all_logits`
+  // is non-null it receives the logits of every token [n, vocab].
+  virtual void forward(const int* tokens, int n, int pos, float* logits,
+                       float* all_logits = nullptr) = 0;
+
+  // Greedy fast path: runs one token at `pos` and returns the argmax of its logits. A GPU
+  // model picks the token on the device so that only its id crosses to the host.
+  virtual int forward_argmax(int token, int pos) {
+    std::vector<float> logits(config().vocab);
+    forward(&token, 1, pos, logits.data());
+    int best = 0;
+    for (int i = 1; i < (int)logits.size(); ++i)
+      if (logits[i] > logits[best]) best = i;
+    return best;
+  }
+
+  // Greedy decoding from `token` at `pos` (DecodeRun). The default runs forward_argmax step by
+  // step; a GPU model chains the steps on the device.
+  virtual std::unique_ptr<DecodeRun> greedy_run(int token, int pos);
+  // Sampled decoding from `token` at `pos`, each token drawn on the device by top-k sampling
+  // (kernels/sampling/sample.h: top-k, then top-p, min-p and the temperature, as the host
+  // Sampler's top-k path; no penalties) with the device's random numbers seeded by `s.seed`.
+  // nullptr where the model cannot (the default): the caller samples on the host.
+  virtual std::unique_ptr<DecodeRun> sampled_run(int /*token*/, int /*pos*/,
+                                                 const TopKSampling& /*s*/) {
+    return nullptr;
+  }
+
+  // Runs tokens[0..n) at positions pos.. (as forward) and writes
+  // nll[i] = -log p(targets[i] | tokens[0..i]) for targets[i] >= 0, and 0 otherwise. The
+  // default takes every token's logits to the host and the log-softmax in double; a GPU
+  // model keeps the logits on the device and hands back one float per token.
+  virtual void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll);
+
+  // Runs one decode step op by op with a timer around each, at `pos`. Empty where the
+  // model cannot (the CPU reference).
+  virtual std::vector<OpTime> profile_step(int /*token*/, int /*pos*/) { return {}; }
+
+  // The ids whose K/V the cache holds from position 0, as generate_cached leaves them: the
+  // next prompt runs only past the longest prefix it shares with these.
+  std::vector<int> cached;
+
+ private:
+  Model& model_;
+};
+
+}  // namespace kestrel

@@ -1,0 +1,29 @@
+#include "models/registry.h"
+
+#include "engine/base/device.h"
+#include "engine/base/error.h"
+#include "models/llama.h"
+#include "models/llama_cuda.h"
+
+namespace kestrel {
+
+Device resolve_device(const std::string& name) {
+  if (name == "cpu") return Device::Cpu;
+  if (name == "auto") return cuda_status().usable ? Device::Cuda : Device::Cpu;
+  if (name == "cuda") {
+    const CudaStatus s = cuda_status();
+    if (!s.usable) throw DeviceError(s.problem + "; run with --device cpu");
+    return Device::Cuda;
+  }
+  throw Error("unknown device '" + name + "' (cpu, cuda or auto)");
+}
+
+const char* device_key(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
+
+std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o) {
+  // Every architecture load_model_spec accepts is the Llama family's layer.
+  if (o.device == Device::Cuda) return std::make_unique<LlamaCuda>(spec, o.quiet, o.tuning);
+  return std::make_unique<LlamaCpu>(spec);
+}
+
+}  // namespace kestrel

@@ -1,0 +1,23 @@
+// Choices of the CUDA decode path that a benchmark may want to flip, given to the model at
+// load (kestrel bench --att-heads, --gemv-warps, --gemv-generic, --no-graph-ranges). The
+// defaults are the measured best on the H200 (docs/tuning.md); each field is covered by a test
+// that runs the model both ways against the CPU reference.
+#pragma once
+
+namespace kestrel {
+
+struct DecodeTuning {
+  // Query heads per block of decode attention under GQA: 0 = chosen by head_dim and the graph's
+  // range of positions; else 1, 2 or 4.
+  int attention_heads_per_block = 0;
+  // Warps per block of the specialized quantized GEMVs: 0 = by the weight's shape; else 8 or 16.
+  int gemv_block_warps = 0;
+  // The quantized GEMVs' kernels specialized by the call's fusions; false runs the generic
+  // kernel for every call (for comparing the two).
+  bool gemv_specialized = true;
+  // One decode graph per range of positions ([0, 512), [512, 1024), ... each twice the last),
+  // attention's grid sized for the range; false captures one range, the whole context.
+  bool graph_ranges = true;
+};
+
+}  // namespace kestrel

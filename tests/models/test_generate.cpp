@@ -1,0 +1,341 @@
+// The generation loop on a scripted backend: stop strings (never printed, partial matches
+// held back while streaming), UTF-8 assembled from byte pieces, end-of-turn ids,
+// cancellation, log-probabilities, and the reuse of a cached prefix.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <memory>
+
+#include "engine/base/error.h"
+#include "engine/generate.h"
+#include "tests/support/tiny_tokenizer_suite.h"
+
+#include "tests/support/test_util.h"
+
+namespace fs = std::filesystem;
+using namespace kestrel;
+
+namespace {
+
+// A model without weights, whose only configuration is its vocabulary.
+class ScriptModel final : public Model {
+ public:
+  explicit ScriptModel(int vocab) { cfg_.vocab = vocab; }
+  const ModelConfig& config() const override { return cfg_; }
+  std::string device_name() const override { return "script"; }
+  std::unique_ptr<Session> new_session(int, bool) override { return nullptr; }
+
+ private:
+  ModelConfig cfg_;
+};
+
+// Holds the model a ScriptedBackend's Session base refers to, constructed before it.
+struct HoldsScriptModel {
+  explicit HoldsScriptModel(int vocab) : script_model(vocab) {}
+  ScriptModel script_model;
+};
+
+// A session whose next token is whatever the script says: each forward writes logits with
+// 1 for the scripted id and 0 elsewhere. It records the (n, pos) of every call.
+class ScriptedBackend : private HoldsScriptModel, public Session {
+ public:
+  ScriptedBackend(int vocab, std::vector<int> script)
+      : HoldsScriptModel(vocab), Session(script_model), script_(std::move(script)) {}
+  int context_length() const override { return 256; }
+  void forward(const int*, int n, int pos, float* logits, float*) override {
+    const int vocab = config().vocab;
+    calls.push_back({n, pos});
+    std::fill(logits, logits + vocab, 0.0f);
+    const int id = next < script_.size() ? script_[next] : 0;
+    ++next;
+    logits[id] = 1.0f;
+  }
+  std::vector<std::pair<int, int>> calls;
+  size_t next = 0;
+
+ private:
+  std::vector<int> script_;
+};
+
+class Generate : public kestrel::test::TinyTokenizerSuite {
+ protected:
+  static GenerateOptions greedy(int n) {
+    GenerateOptions o;
+    o.max_new_tokens = n;
+    o.sampling.temperature = 0;
+    return o;
+  }
+  int byte(int b) const {
+    char name[8];
+    std::snprintf(name, sizeof name, "<0x%02X>", b);
+    return tok_->piece_to_id(name);
+  }
+};
+
+TEST(StopMatcher, HoldsBackAPossibleStartAndCutsBeforeTheStop) {
+  StopMatcher m({"</end>", "STOP"});
+  EXPECT_EQ(m.push("hello </e"), "hello ");  // "</e" may begin "</end>"
+  EXPECT_EQ(m.push("x and ST"), "</ex and ");
+  EXPECT_EQ(m.push("OP more"), "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.push("after"), "");
+  EXPECT_EQ(m.flush(), "");
+}
+
+TEST(StopMatcher, FlushReturnsAHeldTailThatNeverCompleted) {
+  StopMatcher m({"world"});
+  EXPECT_EQ(m.push("hello wor"), "hello ");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.flush(), "wor");
+}
+
+TEST(StopMatcher, EarliestStopWins) {
+  StopMatcher m({"bc", "ab"});
+  EXPECT_EQ(m.push("xabc"), "x");
+  EXPECT_TRUE(m.stopped());
+}
+
+TEST_F(Generate, StopStringEndsGenerationUnprinted) {
+  const std::vector<int> prompt = tok_->encode("one");
+  const std::vector<int> script = tok_->encode("the river is long and wide", false);
+  // The oracle: SentencePiece's decode of prompt plus continuation, minus the prompt's.
+  std::vector<int> all = prompt;
+  all.insert(all.end(), script.begin(), script.end());
+  const std::string full = tok_->decode(all).substr(tok_->decode(prompt).size());
+  ASSERT_NE(full.find(" long"), std::string::npos) << full;
+  const std::string want = full.substr(0, full.find(" long"));
+
+  ScriptedBackend b(tok_->vocab_size(), script);
+  GenerateOptions o = greedy(40);
+  o.stop = {" long"};
+  std::string streamed;
+  std::vector<std::string> chunks;
+  const GenerateResult r = generate(b, *tok_, prompt, o, [&](std::string_view s) {
+    streamed += s;
+    chunks.emplace_back(s);
+  });
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.text, want);
+  EXPECT_EQ(streamed, want);
+  for (const std::string& c : chunks) EXPECT_EQ(c.find("long"), std::string::npos);
+}
+
+TEST_F(Generate, MultiByteCharactersStreamWhole) {
+  // "€" is E2 82 AC: three byte pieces, nothing printable until the third.
+  const std::vector<int> euro = {byte(0xE2), byte(0x82), byte(0xAC)};
+  for (int id : euro) ASSERT_GE(id, 0);
+  std::vector<int> script = euro;
+  script.push_back(euro[0]);  // an incomplete sequence at the end: U+FFFD when flushed
+  ScriptedBackend b(tok_->vocab_size(), script);
+  std::vector<std::pair<size_t, std::string>> chunks;  // (forward calls so far, text)
+  const GenerateResult r = generate(b, *tok_, tok_->encode("x"), greedy(4), [&](std::string_view s) {
+    chunks.emplace_back(b.next, std::string(s));
+  });
+  ASSERT_GE(chunks.size(), 2u);
+  EXPECT_EQ(chunks[0].second, "\xE2\x82\xAC");
+  EXPECT_EQ(chunks[0].first, 3u);  // after the third byte's token was chosen
+  EXPECT_EQ(r.text, "\xE2\x82\xAC\xEF\xBF\xBD");
+}
+
+TEST_F(Generate, EndIdsAndCancellation) {
+  const std::vector<int> words = tok_->encode("a b c d e f g h", false);
+  {
+    std::vector<int> script = words;
+    script.insert(script.begin() + 3, 77);  // an end-of-turn id after three words
+    ScriptedBackend b(tok_->vocab_size(), script);
+    GenerateOptions o = greedy(20);
+    o.stop_ids = {77};
+    const GenerateResult r = generate(b, *tok_, tok_->encode("x"), o);
+    EXPECT_EQ(r.finish_reason, "eos");
+    EXPECT_EQ(r.ids.size(), 4u);
+    EXPECT_EQ(r.ids.back(), 77);
+    o.ignore_eos = true;
+    ScriptedBackend b2(tok_->vocab_size(), script);
+    EXPECT_EQ(generate(b2, *tok_, tok_->encode("x"), o).ids.size(), 20u);
+  }
+  {
+    ScriptedBackend b(tok_->vocab_size(), words);
+    GenerateOptions o = greedy(20);
+    int polls = 0;
+    o.cancelled = [&] { return ++polls > 3; };
+    const GenerateResult r = generate(b, *tok_, tok_->encode("x"), o);
+    EXPECT_EQ(r.finish_reason, "cancelled");
+    EXPECT_EQ(r.ids.size(), 3u);
+  }
+}
+
+// A backend whose greedy runs record what generate asks of them: the run's start and, per
+// token, whether generate let it run a step ahead.
+class RecordingBackend : public ScriptedBackend {
+ public:
+  using ScriptedBackend::ScriptedBackend;
+  struct Run : DecodeRun {
+    Run(RecordingBackend& b, int token, int pos) : b(b), token(token), pos(pos) {}
+    int next(bool ahead) override {
+      b.aheads.push_back(ahead);
+      token = b.forward_argmax(token, pos++);
+      return token;
+    }
+    RecordingBackend& b;
+    int token, pos;
+  };
+  std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override {
+    starts.push_back({token, pos});
+    return std::make_unique<Run>(*this, token, pos);
+  }
+  std::vector<std::pair<int, int>> starts;
+  std::vector<bool> aheads;
+};
+
+TEST_F(Generate, GreedyDecodingRunsAheadOnlyWhileAnotherTokenMayBeWanted) {
+  const std::vector<int> words = tok_->encode("a b c d e f g h", false);
+  ASSERT_GE(words.size(), 5u);
+  const std::vector<int> prompt = tok_->encode("x");
+  RecordingBackend b(tok_->vocab_size(), words);
+  const GenerateResult r = generate(b, *tok_, prompt, greedy(5));
+  ASSERT_EQ(r.ids.size(), 5u);
+  EXPECT_EQ(r.n_device, 4);
+  // The first token comes from the prompt's logits; one run then picks the other four, starting
+  // from the first at the position after the prompt.
+  ASSERT_EQ(b.starts.size(), 1u);
+  EXPECT_EQ(b.starts[0], std::make_pair(r.ids[0], (int)prompt.size()));
+  EXPECT_EQ(b.aheads, (std::vector<bool>{true, true, true, false}));
+  for (size_t i = 0; i < r.ids.size(); ++i) EXPECT_EQ(r.ids[i], words[i]) << i;
+}
+
+// A backend that samples on its "device": its sampled runs record the parameters they were
+// started with and hand out the script.
+class SamplingBackend : public RecordingBackend {
+ public:
+  using RecordingBackend::RecordingBackend;
+  std::unique_ptr<DecodeRun> sampled_run(int token, int pos, const TopKSampling& s) override {
+    sampled.push_back(s);
+    return greedy_run(token, pos);
+  }
+  std::vector<TopKSampling> sampled;
+};
+
+TEST_F(Generate, SamplesOnTheDeviceWhenItsSamplerCoversTheParameters) {
+  const std::vector<int> words = tok_->encode("a b c d e f g h", false);
+  const std::vector<int> prompt = tok_->encode("x");
+  GenerateOptions o;
+  o.max_new_tokens = 4;
+  o.sampling.temperature = 0.7f;
+  o.sampling.top_k = 40;
+  o.sampling.top_p = 0.9f;
+  o.sampling.min_p = 0.05f;
+  o.sampling.seed = 1234;
+  {
+    SamplingBackend b(tok_->vocab_size(), words);
+    const GenerateResult r = generate(b, *tok_, prompt, o);
+    ASSERT_EQ(r.ids.size(), 4u);
+    ASSERT_EQ(b.sampled.size(), 1u);
+    const TopKSampling& s = b.sampled[0];
+    EXPECT_EQ(s.top_k, 40);
+    EXPECT_EQ(s.top_p, 0.9f);
+    EXPECT_EQ(s.min_p, 0.05f);
+    EXPECT_EQ(s.temperature, 0.7f);
+    EXPECT_EQ(s.seed, 1234u);
+    // The first token is the host's, from the prompt's logits; the run starts from it.
+    EXPECT_EQ(r.n_sampled, 1);
+    EXPECT_EQ(r.n_device, 3);
+    EXPECT_EQ(b.starts[0], std::make_pair(r.ids[0], (int)prompt.size()));
+    for (size_t i = 1; i < r.ids.size(); ++i) EXPECT_EQ(r.ids[i], words[i]) << i;
+  }
+  // What the device's sampler does not cover is sampled on the host: penalties, logprobs, no
+  // top-k, a top-k past kDeviceTopKMax.
+  for (int variant = 0; variant < 5; ++variant) {
+    GenerateOptions v = o;
+    if (variant == 0) v.sampling.repeat_penalty = 1.1f;
+    if (variant == 1) v.sampling.presence_penalty = 0.5f;
+    if (variant == 2) v.logprobs = 1;
+    if (variant == 3) v.sampling.top_k = 0;
+    if (variant == 4) v.sampling.top_k = kDeviceTopKMax + 1;
+    SamplingBackend b(tok_->vocab_size(), words);
+    const GenerateResult r = generate(b, *tok_, prompt, v);
+    EXPECT_EQ(r.ids.size(), 4u) << "variant " << variant;
+    EXPECT_TRUE(b.sampled.empty()) << "variant " << variant;
+    EXPECT_EQ(r.n_sampled, 4) << "variant " << variant;
+    EXPECT_EQ(r.n_device, 0) << "variant " << variant;
+  }
+  // A backend without a device sampler (sampled_run gives nullptr): the host samples.
+  ScriptedBackend plain(tok_->vocab_size(), words);
+  const GenerateResult r = generate(plain, *tok_, prompt, o);
+  EXPECT_EQ(r.ids.size(), 4u);
+  EXPECT_EQ(r.n_sampled, 4);
+}
+
+TEST_F(Generate, LogprobsOfTheScriptedDistribution) {
+  const int vocab = tok_->vocab_size();
+  const std::vector<int> script = tok_->encode("a b c", false);
+  ScriptedBackend b(vocab, script);
+  GenerateOptions o = greedy((int)script.size());
+  o.logprobs = 2;
+  const GenerateResult r = generate(b, *tok_, tok_->encode("x"), o);
+  ASSERT_EQ(r.logprobs.size(), script.size());
+  // One logit of 1 among zeros: log(e / (e + vocab - 1)).
+  const double lp = 1.0 - std::log(std::exp(1.0) + vocab - 1);
+  for (size_t i = 0; i < script.size(); ++i) {
+    EXPECT_EQ(r.logprobs[i].chosen.id, script[i]);
+    EXPECT_NEAR(r.logprobs[i].chosen.logprob, lp, 1e-5);
+    ASSERT_EQ(r.logprobs[i].top.size(), 2u);
+    EXPECT_EQ(r.logprobs[i].top[0].id, script[i]);
+    EXPECT_NEAR(r.logprobs[i].top[1].logprob, -std::log(std::exp(1.0) + vocab - 1), 1e-5);
+  }
+}
+
+TEST_F(Generate, CachedPrefixRunsOnlyTheNewSuffix) {
+  const std::vector<int> script = tok_->encode("a b c d e f g h i j k l", false);
+  ScriptedBackend b(tok_->vocab_size(), script);
+  std::vector<int>& cache = b.cached;
+  const std::vector<int> p1 = tok_->encode("one two");
+  const GenerateResult r1 = generate_cached(b, *tok_, p1, greedy(3));
+  ASSERT_EQ(r1.ids.size(), 3u);
+  // The prompt at 0, then the first two generated ids (the third is never run).
+  ASSERT_EQ(b.calls.size(), 3u);
+  EXPECT_EQ(b.calls[0], std::make_pair((int)p1.size(), 0));
+  EXPECT_EQ(b.calls[1], std::make_pair(1, (int)p1.size()));
+  EXPECT_EQ(b.calls[2], std::make_pair(1, (int)p1.size() + 1));
+  std::vector<int> want = p1;
+  want.insert(want.end(), r1.ids.begin(), r1.ids.end() - 1);
+  EXPECT_EQ(cache, want);
+
+  // The next prompt continues the conversation: only what follows the cached ids runs.
+  std::vector<int> p2 = p1;
+  p2.insert(p2.end(), r1.ids.begin(), r1.ids.end());
+  const std::vector<int> more = tok_->encode("three", false);
+  p2.insert(p2.end(), more.begin(), more.end());
+  b.calls.clear();
+  const GenerateResult r2 = generate_cached(b, *tok_, p2, greedy(1));
+  EXPECT_EQ(r2.n_cached, (int)want.size());
+  ASSERT_EQ(b.calls.size(), 1u);
+  EXPECT_EQ(b.calls[0], std::make_pair((int)(p2.size() - want.size()), (int)want.size()));
+
+  // The same prompt again: only its last id runs, for its logits.
+  b.calls.clear();
+  generate_cached(b, *tok_, p2, greedy(1));
+  ASSERT_EQ(b.calls.size(), 1u);
+  EXPECT_EQ(b.calls[0], std::make_pair(1, (int)p2.size() - 1));
+
+  // A prompt that differs early overwrites the cache from there.
+  std::vector<int> p3 = p2;
+  p3[1] = p3[1] == 5 ? 6 : 5;
+  b.calls.clear();
+  generate_cached(b, *tok_, p3, greedy(1));
+  ASSERT_EQ(b.calls.size(), 1u);
+  EXPECT_EQ(b.calls[0], std::make_pair((int)p3.size() - 1, 1));
+}
+
+TEST_F(Generate, ContextOverflowIsAnError) {
+  ScriptedBackend b(tok_->vocab_size(), {});
+  std::vector<int> prompt(200, 5);
+  try {
+    generate(b, *tok_, prompt, greedy(100));
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("context of 256"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace

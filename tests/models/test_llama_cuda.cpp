@@ -1,0 +1,381 @@
+// The whole GPU forward against the CPU reference engine, on kestrel-synth models of every
+// weight format: logits close at every step, and identical greedy continuations.
+//
+// Tolerance: the GPU keeps activations, the residual stream and the KV cache in FP16 (11-bit
+// significand, relative rounding 2^-11 ~ 4.9e-4 per store), accumulating in FP32. A tiny
+// model stores each activation a handful of times per layer, so errors of a few 1e-3
+// relative on the logits are expected; 2e-2 leaves margin while still catching any wrong
+// index, group or zero, which produce errors of order 1. Greedy tokens must match exactly:
+// kestrel-synth separates the top logit from the second by far more than that error.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/support/gpu.h"
+#include "engine/base/device.h"
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
+#include "models/io/model_spec.h"
+#include "models/llama.h"
+#include "models/llama_cuda.h"
+#include "kernels/sampling/sample.h"
+#include "tests/support/compare.h"
+#include "tests/support/sample_check.h"
+#include "tests/support/synth_model.h"
+
+namespace fs = std::filesystem;
+using namespace kestrel;
+
+namespace {
+
+using Case = kestrel::test::ModelFormat;
+// The format the decode-run and memory tests load: 4-bit, group 128, symmetric.
+const Case kQ4G128{"q4_g128", "gptq", 4, 128, false, false, "gptq"};
+
+using kestrel::test::rel_err;
+
+class GpuVsCpu : public ::testing::TestWithParam<Case> {};
+
+int argmax_of(const std::vector<float>& v) {
+  return (int)(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
+  KESTREL_REQUIRE_GPU();
+  const Case& c = GetParam();
+  const fs::path dir = kestrel::test::write_tiny_model(c, /*seed=*/11);
+
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int ctx = 128, steps = 64;
+  LlamaCpu cpu_model(spec);
+  auto cpu = cpu_model.new_cpu_session(ctx);
+  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  auto gpu = gpu_model.new_cuda_session(ctx);
+  const int vocab = spec.config.vocab;
+  // GPTQ weights stay quantized on the GPU, fused or not: about their files' size (FP16 rows
+  // would take 1.6-4 times that).
+  EXPECT_LT(gpu_model.weight_bytes(), spec.files.total_bytes() * 5 / 4);
+
+  // Teacher-forced: both engines see the CPU's greedy tokens; logits compared at each step.
+  std::vector<int> tokens = {1, 5, 9, 200, 31};
+  std::vector<float> lc(vocab), lg(vocab);
+  cpu->forward(tokens.data(), (int)tokens.size(), 0, lc.data(), nullptr);
+  gpu->forward(tokens.data(), (int)tokens.size(), 0, lg.data(), nullptr);
+  double worst = rel_err(lg, lc);
+  const int n_prompt = (int)tokens.size();
+  for (int i = 0; i < steps; ++i) {
+    tokens.push_back(argmax_of(lc));
+    const int pos = (int)tokens.size() - 1;
+    cpu->forward(&tokens.back(), 1, pos, lc.data(), nullptr);
+    gpu->forward(&tokens.back(), 1, pos, lg.data(), nullptr);
+    worst = std::max(worst, rel_err(lg, lc));
+  }
+  EXPECT_LT(worst, 2e-2) << "largest relative logit error over " << steps << " steps";
+
+  // Free-running greedy on the GPU's argmax path (a fresh pass over the same positions).
+  std::vector<int> greedy(tokens.begin(), tokens.begin() + n_prompt);
+  gpu->forward(greedy.data(), n_prompt, 0, lg.data(), nullptr);
+  greedy.push_back(argmax_of(lg));
+  for (int i = 1; i < steps; ++i)
+    greedy.push_back(gpu->forward_argmax(greedy.back(), (int)greedy.size() - 1));
+  for (int i = 0; i < steps; ++i) EXPECT_EQ(greedy[n_prompt + i], tokens[n_prompt + i]) << "step " << i;
+
+  // The same through the steps chained on the device (DecodeRun), again over the same
+  // positions. `ahead` is false every fifth token, so the run also restarts from an empty queue.
+  std::vector<int> chained(greedy.begin(), greedy.begin() + n_prompt + 1);
+  {
+    std::unique_ptr<DecodeRun> run = gpu->greedy_run(chained.back(), (int)chained.size() - 1);
+    for (int i = 1; i < steps; ++i) chained.push_back(run->next(i % 5 != 0));
+  }
+  for (int i = 0; i < steps; ++i)
+    EXPECT_EQ(chained[n_prompt + i], tokens[n_prompt + i]) << "chained step " << i;
+  fs::remove_all(dir);
+}
+
+// The decode step is captured once per range of positions ([0, 512), [512, 1024), [1024, ctx)
+// here), each graph's attention grid sized for its range's end and with its own query heads per
+// block (a KV group of 4 at head_dim 64: 2 per block up to 1,024 positions, 4 beyond). Steps on
+// both sides of each range's end match the CPU reference, through the logits head and through
+// a chained greedy run, which switches graphs as it goes. The same under every setting of the
+// decode path's tuning (models/tuning.h), each knob both ways.
+struct TuningCase {
+  std::string name;
+  DecodeTuning tuning;
+};
+
+class GpuDecodeGraphs : public ::testing::TestWithParam<TuningCase> {};
+
+TEST_P(GpuDecodeGraphs, EachRangeOfPositionsMatchesTheCpu) {
+  KESTREL_REQUIRE_GPU();
+  const Case kv1{"q4_g128_kv1", "gptq", 4, 128, false, false, "gptq", 4, 1};
+  const fs::path dir = kestrel::test::write_tiny_model(kv1, /*seed=*/17, /*n_layers=*/2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int ctx = 1100, vocab = spec.config.vocab;
+  LlamaCpu cpu_model(spec);
+  auto cpu = cpu_model.new_cpu_session(ctx);
+  LlamaCuda gpu_model(spec, /*quiet=*/true, GetParam().tuning);
+  auto gpu = gpu_model.new_cuda_session(ctx);
+  std::vector<float> lc(vocab), lg(vocab);
+  std::vector<int> tokens;
+  double worst = 0;
+  // n tokens drawn at random from position tokens.size() on, as one prompt on both sides.
+  auto prompt = [&](int n, unsigned seed) {
+    std::vector<int> t(n);
+    for (int i = 0; i < n; ++i) t[i] = (int)((seed + 7919u * (unsigned)i) % (unsigned)vocab);
+    const int pos = (int)tokens.size();
+    cpu->forward(t.data(), n, pos, lc.data(), nullptr);
+    gpu->forward(t.data(), n, pos, lg.data(), nullptr);
+    worst = std::max(worst, rel_err(lg, lc));
+    tokens.insert(tokens.end(), t.begin(), t.end());
+  };
+  // Teacher-forced steps with the CPU's greedy tokens up to position `end`.
+  auto steps_to = [&](int end) {
+    while ((int)tokens.size() < end) {
+      tokens.push_back(argmax_of(lc));
+      const int pos = (int)tokens.size() - 1;
+      cpu->forward(&tokens.back(), 1, pos, lc.data(), nullptr);
+      gpu->forward(&tokens.back(), 1, pos, lg.data(), nullptr);
+      worst = std::max(worst, rel_err(lg, lc));
+    }
+  };
+  prompt(505, 3);
+  steps_to(520);  // positions 505-519, across 512
+  prompt(496, 5);  // 520-1015
+  steps_to(1035);  // 1016-1034, across 1,024
+  EXPECT_LT(worst, 2e-2) << "largest relative logit error";
+  // tokens[p + 1] is the CPU's greedy token after position p, for p = 1015 .. 1033.
+  std::unique_ptr<DecodeRun> run = gpu->greedy_run(tokens[1016], 1016);
+  for (int pos = 1016; pos + 1 < 1035; ++pos)
+    EXPECT_EQ(run->next(true), tokens[pos + 1]) << "chained step at position " << pos;
+  run.reset();
+  fs::remove_all(dir);
+}
+
+DecodeTuning tuned(void (*set)(DecodeTuning&)) {
+  DecodeTuning t;
+  set(t);
+  return t;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Tuning, GpuDecodeGraphs,
+    ::testing::Values(
+        TuningCase{"defaults", {}},
+        TuningCase{"att_heads_1", tuned([](DecodeTuning& t) { t.attention_heads_per_block = 1; })},
+        TuningCase{"att_heads_2", tuned([](DecodeTuning& t) { t.attention_heads_per_block = 2; })},
+        TuningCase{"att_heads_4", tuned([](DecodeTuning& t) { t.attention_heads_per_block = 4; })},
+        TuningCase{"gemv_warps_8", tuned([](DecodeTuning& t) { t.gemv_block_warps = 8; })},
+        TuningCase{"gemv_warps_16", tuned([](DecodeTuning& t) { t.gemv_block_warps = 16; })},
+        TuningCase{"gemv_generic", tuned([](DecodeTuning& t) { t.gemv_specialized = false; })},
+        TuningCase{"one_graph_range", tuned([](DecodeTuning& t) { t.graph_ranges = false; })}),
+    [](const ::testing::TestParamInfo<TuningCase>& i) { return i.param.name; });
+
+// One loaded model serves several sequences: two sessions with their own KV caches, stepped in
+// turns, each continue exactly as the CPU reference does for its own sequence; a session
+// opened after another was closed starts clean; closing a session gives its memory back.
+TEST(GpuSessions, SessionsOfOneModelTakeTurns) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, /*seed=*/23);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int ctx = 96, vocab = spec.config.vocab, steps = 24;
+  LlamaCpu cpu_model(spec);
+  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  const std::vector<std::vector<int>> prompts = {{1, 5, 9, 200, 31}, {1, 77, 3, 41}};
+  // The CPU's greedy continuation of each prompt, each in a session of its own.
+  std::vector<std::vector<int>> want;
+  for (const auto& p : prompts) {
+    auto cpu = cpu_model.new_cpu_session(ctx);
+    std::vector<float> l(vocab);
+    cpu->forward(p.data(), (int)p.size(), 0, l.data(), nullptr);
+    std::vector<int> t = p;
+    for (int i = 0; i < steps; ++i) {
+      t.push_back(argmax_of(l));
+      cpu->forward(&t.back(), 1, (int)t.size() - 1, l.data(), nullptr);
+    }
+    want.push_back(t);
+  }
+  const size_t before = gpu_model.device_bytes_in_use();
+  {
+    auto a = gpu_model.new_cuda_session(ctx), b = gpu_model.new_cuda_session(ctx);
+    EXPECT_EQ(a->cache_bytes(), b->cache_bytes());
+    EXPECT_GE(gpu_model.device_bytes_in_use(), before + a->cache_bytes() + b->cache_bytes());
+    std::vector<Session*> s = {a.get(), b.get()};
+    std::vector<std::vector<int>> got = prompts;
+    std::vector<float> l(vocab);
+    for (int k = 0; k < 2; ++k) {
+      s[k]->forward(got[k].data(), (int)got[k].size(), 0, l.data(), nullptr);
+      got[k].push_back(argmax_of(l));
+    }
+    for (int i = 1; i < steps; ++i)
+      for (int k = 0; k < 2; ++k)  // alternate: each step of one between steps of the other
+        got[k].push_back(s[k]->forward_argmax(got[k].back(), (int)got[k].size() - 1));
+    for (int k = 0; k < 2; ++k)
+      EXPECT_EQ(got[k], std::vector<int>(want[k].begin(), want[k].end() - 1)) << "session " << k;
+  }
+  // Both closed: their KV caches and graphs are freed.
+  EXPECT_LE(gpu_model.device_bytes_in_use(), before + (size_t(2) << 20));
+  {
+    // A new session over the same model, with its decode run chained on the device.
+    auto c = gpu_model.new_cuda_session(ctx);
+    std::vector<float> l(vocab);
+    const auto& p = prompts[1];
+    c->forward(p.data(), (int)p.size(), 0, l.data(), nullptr);
+    std::vector<int> got = p;
+    got.push_back(argmax_of(l));
+    std::unique_ptr<DecodeRun> run = c->greedy_run(got.back(), (int)got.size() - 1);
+    for (int i = 1; i < steps; ++i) got.push_back(run->next(true));
+    run.reset();
+    EXPECT_EQ(got, std::vector<int>(want[1].begin(), want[1].end() - 1));
+  }
+  fs::remove_all(dir);
+}
+
+// A chained run never queues a step past the context: asked to run ahead at the last position
+// it does not, and asked for a token past the context it says so.
+TEST(GpuDecodeRun, StopsAtTheContext) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 5);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int ctx = 16;
+  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  auto gpu = gpu_model.new_cuda_session(ctx);
+  std::vector<int> ref = {3};
+  for (int pos = 0; pos < ctx; ++pos) ref.push_back(gpu->forward_argmax(ref.back(), pos));
+  {
+    std::unique_ptr<DecodeRun> run = gpu->greedy_run(ref[10], 10);
+    for (int pos = 10; pos < ctx; ++pos)
+      EXPECT_EQ(run->next(true), ref[pos + 1]) << "position " << pos;
+    try {
+      run->next(true);
+      ADD_FAILURE() << "a token past the context was handed out";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("past the context of 16"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(gpu->greedy_run(ref[0], ctx), Error);
+  // The model is still usable after the refused step.
+  EXPECT_EQ(gpu->forward_argmax(ref[4], 4), ref[5]);
+  fs::remove_all(dir);
+}
+
+// A sampled run draws each token on the device from that step's logits: replaying the tokens
+// through forward() (the same kernels, so the same logits) and drawing with the CPU oracle and
+// the same random numbers gives the same tokens (a neighbour only where u falls within 1e-6 of
+// a boundary of the cumulative distribution). One seed gives one sequence; another seed
+// another.
+TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 6);
+  const ModelSpec spec = load_model_spec(dir.string());
+  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  auto gpu = gpu_model.new_cuda_session(48);
+  const int vocab = gpu->config().vocab;
+  TopKSampling s;
+  s.top_k = 12, s.top_p = 0.9f, s.min_p = 0.02f, s.temperature = 1.3f, s.seed = 42;
+  auto draw = [&](uint64_t seed) {
+    TopKSampling t = s;
+    t.seed = seed;
+    std::unique_ptr<DecodeRun> run = gpu->sampled_run(3, 0, t);
+    EXPECT_NE(run, nullptr);
+    std::vector<int> out;
+    for (int i = 0; i < 40; ++i) out.push_back(run->next(i % 5 != 4));
+    return out;
+  };
+  const std::vector<int> a = draw(42), b = draw(42), c = draw(43);
+  EXPECT_EQ(a, b) << "one seed, one sequence";
+  EXPECT_NE(a, c) << "another seed, another sequence";
+  std::vector<float> logits(vocab);
+  std::vector<uint16_t> h(vocab);
+  int prev = 3;
+  for (int i = 0; i < (int)a.size(); ++i) {
+    gpu->forward(&prev, 1, i, logits.data(), nullptr);
+    for (int v = 0; v < vocab; ++v) h[v] = float_to_half(logits[v]);
+    const std::vector<TopKCandidate> cand = top_k_candidates_ref(h.data(), vocab, s);
+    ASSERT_TRUE(test::drawn_by(cand, a[i], philox_uniform(42, i))) << "step " << i;
+    prev = a[i];
+  }
+  // What the device's sampler does not cover is left to the host.
+  TopKSampling wide = s;
+  wide.top_k = kDeviceTopKMax + 1;
+  EXPECT_EQ(gpu->sampled_run(3, 0, wide), nullptr);
+  fs::remove_all(dir);
+}
+
+// Short GPU memory, made by this process holding all but `leave` bytes of what is free: the
+// load refuses with one line (no crash) when the 256 MiB kept for scratch and a KV cache do not
+// fit, and shortens the context when only the cache is short; then the model still decodes.
+TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 7);
+  const ModelSpec spec = load_model_spec(dir.string());
+  {
+    LlamaCuda probe_model(spec, /*quiet=*/true);
+    auto probe = probe_model.new_cuda_session(16);  // the CUDA context and modules exist from here
+  }
+  const size_t per_pos = 2ull * spec.config.n_layers * spec.config.kv_dim() * 2;
+  struct Hold {
+    std::vector<void*> blocks;
+    explicit Hold(size_t leave) {
+      size_t free_b = 0, total = 0;
+      cudaMemGetInfo(&free_b, &total);
+      for (const size_t block : {64ull << 20, 2ull << 20})  // 64 MiB blocks, then 2 MiB ones
+        while (free_b > leave + block) {
+          void* p = nullptr;
+          if (cudaMalloc(&p, block) != cudaSuccess) break;
+          blocks.push_back(p);
+          cudaMemGetInfo(&free_b, &total);
+        }
+      cudaGetLastError();
+    }
+    ~Hold() {
+      for (void* p : blocks) cudaFree(p);
+    }
+  };
+  {
+    Hold hold(64ull << 20);  // less than the scratch kept free
+    try {
+      LlamaCuda gpu_model(spec, /*quiet=*/true);
+      auto gpu = gpu_model.new_cuda_session(2048);
+      ADD_FAILURE() << "loaded with 64 MiB free";
+    } catch (const DeviceError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("out of GPU memory"), std::string::npos) << what;
+      EXPECT_EQ(what.find('\n'), std::string::npos) << "one line: " << what;
+    }
+  }
+  {
+    // The weights (about their files' size), the scratch kept free and a few thousand positions.
+    Hold hold(spec.files.total_bytes() * 5 / 4 + (256ull << 20) + 1024 * per_pos + (16ull << 20));
+    LlamaCuda gpu_model(spec, /*quiet=*/true);
+    auto gpu = gpu_model.new_cuda_session(1 << 20);  // asks for far more than fits
+    EXPECT_GT(gpu->context_length(), 16);
+    EXPECT_LT(gpu->context_length(), 1 << 20);
+    std::vector<float> logits(spec.config.vocab);
+    const int tok = 3;
+    gpu->forward(&tok, 1, 0, logits.data(), nullptr);
+    for (float v : logits) ASSERT_TRUE(std::isfinite(v));
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, GpuVsCpu,
+    ::testing::Values(Case{"fp16", "fp16", 16, 0, false, false, "gptq"},
+                      Case{"q4_g128", "gptq", 4, 128, false, false, "gptq"},
+                      Case{"q4_g128_act", "gptq", 4, 128, true, false, "gptq"},
+                      Case{"q4_g32_asym_v2", "gptq", 4, 32, false, true, "gptq_v2"},
+                      Case{"q3_g128_act", "gptq", 3, 128, true, false, "gptq"},
+                      // q, k, v and gate, up not fusable: run as quantized parts
+                      Case{"q4_g128_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true},
+                      Case{"q2_g64", "gptq", 2, 64, false, false, "gptq"},
+                      Case{"q8_perchannel", "gptq", 8, -1, false, false, "gptq"},
+                      Case{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}),
+    [](const auto& info) { return info.param.name; });
+
+}  // namespace

@@ -1,0 +1,375 @@
+#include "models/io/config.h"
+
+#include <gtest/gtest.h>
+
+#include "tests/support/test_loader_util.h"
+
+namespace kestrel {
+namespace {
+
+using test::error_of;
+using test::json;
+using test::TempDir;
+using ::testing::HasSubstr;
+
+json llama_config() {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"hidden_size", 256},
+          {"intermediate_size", 688},
+          {"num_hidden_layers", 3},
+          {"num_attention_heads", 8},
+          {"num_key_value_heads", 2},
+          {"rms_norm_eps", 1e-5},
+          {"rope_theta", 500000.0},
+          {"rope_scaling", nullptr},
+          {"max_position_embeddings", 2048},
+          {"vocab_size", 32000},
+          {"tie_word_embeddings", false},
+          {"bos_token_id", 1},
+          {"eos_token_id", 2},
+          {"torch_dtype", "float16"},
+          {"head_dim", nullptr},
+          {"sliding_window", nullptr}};
+}
+
+// Writes config.json (and quantize_config.json when given) and loads the directory.
+struct Dir {
+  TempDir tmp;
+  ModelConfig load(const json& config, const json& quantize_config = nullptr) {
+    test::write_text(tmp.file("config.json"), config.dump());
+    if (!quantize_config.is_null()) test::write_text(tmp.file("quantize_config.json"), quantize_config.dump());
+    return load_model_config(tmp.str());
+  }
+  std::string error(const json& config, const json& quantize_config = nullptr) {
+    return error_of([&] { load(config, quantize_config); });
+  }
+};
+
+TEST(Config, LlamaFields) {
+  Dir d;
+  const ModelConfig c = d.load(llama_config());
+  EXPECT_EQ(c.arch, Arch::Llama);
+  EXPECT_EQ(c.architecture, "LlamaForCausalLM");
+  EXPECT_EQ(c.hidden, 256);
+  EXPECT_EQ(c.intermediate, 688);
+  EXPECT_EQ(c.n_layers, 3);
+  EXPECT_EQ(c.n_heads, 8);
+  EXPECT_EQ(c.n_kv_heads, 2);
+  EXPECT_EQ(c.head_dim, 32);  // null head_dim: hidden / heads
+  EXPECT_EQ(c.q_dim(), 256);
+  EXPECT_EQ(c.kv_dim(), 64);
+  EXPECT_FLOAT_EQ(c.rms_eps, 1e-5f);
+  EXPECT_FLOAT_EQ(c.rope_theta, 500000.0f);
+  EXPECT_FLOAT_EQ(c.rope_linear_factor, 1.0f);
+  EXPECT_EQ(c.max_pos, 2048);
+  EXPECT_EQ(c.vocab, 32000);
+  EXPECT_FALSE(c.tie_embeddings);
+  EXPECT_EQ(c.bos_id, 1);
+  EXPECT_EQ(c.eos_ids, std::vector<int>{2});
+  EXPECT_EQ(c.dtype, DType::F16);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_FALSE(c.attention_bias);
+  EXPECT_FALSE(c.quant.has_value());
+}
+
+TEST(Config, MistralWithSlidingWindowAndBf16) {
+  Dir d;
+  json j = llama_config();
+  j["architectures"] = {"MistralForCausalLM"};
+  j["sliding_window"] = 4096;
+  j["torch_dtype"] = "bfloat16";
+  j["tie_word_embeddings"] = true;
+  j["attention_bias"] = true;
+  const ModelConfig c = d.load(j);
+  EXPECT_EQ(c.arch, Arch::Mistral);
+  EXPECT_EQ(c.sliding_window, 4096);
+  EXPECT_EQ(c.dtype, DType::BF16);
+  EXPECT_TRUE(c.tie_embeddings);
+  EXPECT_TRUE(c.attention_bias);
+}
+
+TEST(Config, DefaultsWhenOptionalFieldsAbsent) {
+  Dir d;
+  json j = llama_config();
+  for (const char* k : {"num_key_value_heads", "rope_theta", "rope_scaling", "head_dim",
+                        "sliding_window", "torch_dtype", "tie_word_embeddings"})
+    j.erase(k);
+  const ModelConfig c = d.load(j);
+  EXPECT_EQ(c.n_kv_heads, 8);  // MHA
+  EXPECT_EQ(c.head_dim, 32);
+  EXPECT_FLOAT_EQ(c.rope_theta, 10000.0f);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.dtype, DType::F16);
+  EXPECT_FALSE(c.tie_embeddings);
+}
+
+TEST(Config, HeadDimPresentOverridesHiddenOverHeads) {
+  Dir d;
+  json j = llama_config();
+  j["head_dim"] = 64;  // q_dim 512 != hidden 256, as in some Mistral variants
+  const ModelConfig c = d.load(j);
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.q_dim(), 512);
+  EXPECT_EQ(c.kv_dim(), 128);
+}
+
+TEST(Config, HeadDimPresentAllowsHiddenNotMultipleOfHeads) {
+  Dir d;
+  json j = llama_config();
+  j["hidden_size"] = 250;
+  j["head_dim"] = 32;
+  EXPECT_EQ(d.load(j).head_dim, 32);
+  j.erase("head_dim");
+  const std::string msg = d.error(j);
+  EXPECT_THAT(msg, HasSubstr("hidden_size 250 is not a multiple of num_attention_heads 8"));
+}
+
+TEST(Config, OddHeadDimRejected) {
+  Dir d;
+  json j = llama_config();
+  j["head_dim"] = 33;
+  EXPECT_THAT(d.error(j), HasSubstr("head_dim 33 must be even"));
+}
+
+TEST(Config, HeadsNotMultipleOfKvHeads) {
+  Dir d;
+  json j = llama_config();
+  j["num_key_value_heads"] = 3;
+  EXPECT_THAT(d.error(j), HasSubstr("num_attention_heads 8 is not a multiple of num_key_value_heads 3"));
+}
+
+TEST(Config, MissingAndNonPositiveFields) {
+  Dir d;
+  json j = llama_config();
+  j.erase("hidden_size");
+  EXPECT_THAT(d.error(j), HasSubstr("config.json: missing hidden_size"));
+  j = llama_config();
+  j["num_hidden_layers"] = 0;
+  EXPECT_THAT(d.error(j), HasSubstr("num_hidden_layers = 0 must be positive"));
+  j = llama_config();
+  j["vocab_size"] = "many";
+  EXPECT_THAT(d.error(j), HasSubstr("vocab_size must be an integer, found \"many\""));
+}
+
+TEST(Config, UnsupportedArchitectureNamed) {
+  Dir d;
+  json j = llama_config();
+  j["architectures"] = {"Qwen2ForCausalLM"};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported architectures [\"Qwen2ForCausalLM\"]"));
+  j.erase("architectures");
+  EXPECT_THAT(d.error(j), HasSubstr("missing architectures"));
+}
+
+TEST(Config, UnsupportedDtypeNamed) {
+  Dir d;
+  json j = llama_config();
+  j["torch_dtype"] = "float8_e4m3fn";
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported torch_dtype float8_e4m3fn"));
+}
+
+TEST(Config, Transformers5DtypeSpelling) {
+  Dir d;
+  json j = llama_config();
+  j.erase("torch_dtype");
+  j["dtype"] = "bfloat16";
+  EXPECT_EQ(d.load(j).dtype, DType::BF16);
+}
+
+TEST(Config, RopeScalingLinear) {
+  Dir d;
+  json j = llama_config();
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};
+  EXPECT_FLOAT_EQ(d.load(j).rope_linear_factor, 4.0f);
+  j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 2.5}};
+  const ModelConfig c = d.load(j);
+  EXPECT_FLOAT_EQ(c.rope_linear_factor, 2.5f);
+  EXPECT_FLOAT_EQ(c.rope_theta, 500000.0f);
+}
+
+TEST(Config, RopeScalingOtherTypesRejectedByName) {
+  Dir d;
+  json j = llama_config();
+  j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported type dynamic"));
+  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported rope_type llama3"));
+  j["rope_scaling"] = {{"type", "linear"}};
+  EXPECT_THAT(d.error(j), HasSubstr("without factor"));
+}
+
+TEST(Config, RopeParameters) {
+  Dir d;
+  json j = llama_config();
+  j.erase("rope_theta");
+  j.erase("rope_scaling");
+  j["rope_parameters"] = {{"rope_theta", 1000000.0}, {"rope_type", "default"}};
+  ModelConfig c = d.load(j);
+  EXPECT_FLOAT_EQ(c.rope_theta, 1000000.0f);
+  EXPECT_FLOAT_EQ(c.rope_linear_factor, 1.0f);
+
+  j["rope_parameters"] = {{"rope_theta", 20000.0}, {"rope_type", "linear"}, {"factor", 8.0}};
+  c = d.load(j);
+  EXPECT_FLOAT_EQ(c.rope_theta, 20000.0f);
+  EXPECT_FLOAT_EQ(c.rope_linear_factor, 8.0f);
+
+  j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "llama3"}, {"factor", 8.0}};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported rope_type llama3"));
+  j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "yarn"}};
+  EXPECT_THAT(d.error(j), HasSubstr("rope_parameters: unsupported rope_type yarn"));
+}
+
+TEST(Config, EosList) {
+  Dir d;
+  json j = llama_config();
+  j["eos_token_id"] = {128001, 128008, 128009};
+  EXPECT_EQ(d.load(j).eos_ids, (std::vector<int>{128001, 128008, 128009}));
+}
+
+TEST(Config, EosFromGenerationConfigWhenConfigHasNone) {
+  Dir d;
+  json j = llama_config();
+  j.erase("eos_token_id");
+  test::write_text(d.tmp.file("generation_config.json"), R"({"eos_token_id": [7, 9], "bos_token_id": 1})");
+  EXPECT_EQ(d.load(j).eos_ids, (std::vector<int>{7, 9}));
+  j["eos_token_id"] = 5;  // config.json wins
+  EXPECT_EQ(d.load(j).eos_ids, std::vector<int>{5});
+}
+
+TEST(Config, MissingConfigJson) {
+  TempDir tmp;
+  EXPECT_THAT(error_of([&] { load_model_config(tmp.str()); }), HasSubstr("no config.json"));
+  EXPECT_THAT(error_of([&] { load_model_config(tmp.file("absent")); }), HasSubstr("no such directory"));
+}
+
+TEST(Config, InvalidJson) {
+  TempDir tmp;
+  test::write_text(tmp.file("config.json"), "{\"hidden_size\": ");
+  EXPECT_THAT(error_of([&] { load_model_config(tmp.str()); }), HasSubstr("config.json: not valid JSON"));
+}
+
+// ---- quantization config -------------------------------------------------------------------
+
+json gptq_qc() {
+  return {{"quant_method", "gptq"}, {"bits", 4},     {"group_size", 128},
+          {"desc_act", true},       {"sym", true},   {"checkpoint_format", "gptq"},
+          {"damp_percent", 0.1},    {"static_groups", true}};
+}
+
+TEST(QuantConfig, FromConfigJson) {
+  Dir d;
+  json j = llama_config();
+  j["quantization_config"] = gptq_qc();
+  const ModelConfig c = d.load(j);
+  ASSERT_TRUE(c.quant.has_value());
+  EXPECT_EQ(c.quant->bits, 4);
+  EXPECT_EQ(c.quant->group_size, 128);
+  EXPECT_TRUE(c.quant->desc_act);
+  EXPECT_TRUE(c.quant->sym);
+  EXPECT_EQ(c.quant->format, GptqFormat::V1);
+  EXPECT_EQ(c.quant->zero_offset(), 1);
+  EXPECT_FLOAT_EQ(c.quant->damp_percent, 0.1f);
+  EXPECT_TRUE(c.quant->static_groups);
+}
+
+TEST(QuantConfig, FromQuantizeConfigJsonWithBaseName) {
+  Dir d;
+  const json qc = {{"bits", 3}, {"group_size", 64}, {"desc_act", false}, {"sym", false},
+                   {"format", "gptq_v2"}, {"model_file_base_name", "gptq_model-3bit-64g"}};
+  const ModelConfig c = d.load(llama_config(), qc);
+  ASSERT_TRUE(c.quant.has_value());
+  EXPECT_EQ(c.quant->bits, 3);
+  EXPECT_EQ(c.quant->group_size, 64);
+  EXPECT_FALSE(c.quant->sym);
+  EXPECT_EQ(c.quant->format, GptqFormat::V2);
+  EXPECT_EQ(c.quant->zero_offset(), 0);
+  EXPECT_EQ(c.quant->model_file_base_name, "gptq_model-3bit-64g");
+}
+
+TEST(QuantConfig, GroupSizeDefaultsDifferBySource) {
+  const QuantConfig a = parse_quant_config(R"({"bits": 4})", "/m/quantize_config.json");
+  EXPECT_EQ(a.group_size, -1);
+  const QuantConfig b =
+      parse_quant_config(R"({"bits": 4, "quant_method": "gptq"})", "/m/config.json quantization_config");
+  EXPECT_EQ(b.group_size, 128);
+  EXPECT_EQ(parse_quant_config(R"({"bits": 8})", "x", QuantConfigSource::QuantizeConfigJson).group_size, -1);
+  const QuantConfig e = parse_quant_config("{}", "x", QuantConfigSource::QuantizeConfigJson);
+  EXPECT_EQ(e.bits, 4);
+  EXPECT_TRUE(e.sym);
+  EXPECT_FALSE(e.desc_act);
+  EXPECT_EQ(e.format, GptqFormat::V1);
+}
+
+TEST(QuantConfig, MethodAliasAndRequirement) {
+  EXPECT_EQ(parse_quant_config(R"({"method": "gptq", "bits": 2})", "x", QuantConfigSource::ConfigJson).bits, 2);
+  EXPECT_THAT(error_of([] { parse_quant_config(R"({"bits": 4})", "cfg", QuantConfigSource::ConfigJson); }),
+              HasSubstr("cfg: missing quant_method"));
+}
+
+std::string quant_error(const std::string& text) {
+  return error_of([&] { parse_quant_config(text, "/m/config.json quantization_config"); });
+}
+
+TEST(QuantConfig, UnsupportedMethodsAndFormatsNamed) {
+  EXPECT_THAT(quant_error(R"({"quant_method": "awq", "bits": 4})"), HasSubstr("unsupported quant_method awq"));
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "checkpoint_format": "marlin"})"),
+              HasSubstr("unsupported checkpoint_format marlin"));
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "format": "bitblas"})"),
+              HasSubstr("unsupported format bitblas"));
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "checkpoint_format": "gptq_p"})"),
+              HasSubstr("unsupported checkpoint_format gptq_p"));
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "bits": 5})"), HasSubstr("unsupported bits 5"));
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "group_size": 0})"), HasSubstr("group_size 0"));
+}
+
+TEST(QuantConfig, DynamicAndLmHeadRejected) {
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "dynamic": {"-:.*mlp.*": {}}})"),
+              HasSubstr("dynamic"));
+  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "lm_head": true})"), HasSubstr("lm_head"));
+  // Empty or null overrides and lm_head false are what most writers emit.
+  const QuantConfig q = parse_quant_config(
+      R"({"quant_method": "gptq", "dynamic": {}, "lm_head": false, "bits": 8})", "x");
+  EXPECT_EQ(q.bits, 8);
+  EXPECT_EQ(parse_quant_config(R"({"quant_method": "gptq", "dynamic": null})", "x").bits, 4);
+}
+
+TEST(QuantConfig, AwqInConfigJsonRejectedOnLoad) {
+  Dir d;
+  json j = llama_config();
+  j["quantization_config"] = {{"quant_method", "awq"}, {"bits", 4}, {"group_size", 128}};
+  const std::string msg = d.error(j);
+  EXPECT_THAT(msg, HasSubstr("config.json quantization_config: unsupported quant_method awq"));
+}
+
+TEST(QuantConfig, BothFilesMustAgree) {
+  Dir d;
+  json j = llama_config();
+  j["quantization_config"] = gptq_qc();
+  json qc = gptq_qc();
+  qc.erase("quant_method");
+  qc["model_file_base_name"] = "gptq_model-4bit-128g";
+  const ModelConfig c = d.load(j, qc);
+  ASSERT_TRUE(c.quant.has_value());
+  EXPECT_EQ(c.quant->model_file_base_name, "gptq_model-4bit-128g");
+
+  qc["bits"] = 8;
+  EXPECT_THAT(d.error(j, qc),
+              HasSubstr("quantize_config.json and config.json quantization_config disagree on bits: 8 vs 4"));
+  qc = gptq_qc();
+  qc["checkpoint_format"] = "gptq_v2";
+  EXPECT_THAT(d.error(j, qc), HasSubstr("disagree on checkpoint_format: gptq_v2 vs gptq"));
+  qc = gptq_qc();
+  qc["desc_act"] = false;
+  EXPECT_THAT(d.error(j, qc), HasSubstr("disagree on desc_act: false vs true"));
+  qc = gptq_qc();
+  qc.erase("group_size");  // AutoGPTQ's default -1 is not transformers' 128
+  EXPECT_THAT(d.error(j, qc), HasSubstr("disagree on group_size: -1 vs 128"));
+}
+
+TEST(QuantConfig, BadQuantizeConfigFileNamed) {
+  Dir d;
+  EXPECT_THAT(d.error(llama_config(), json{{"bits", 6}}),
+              HasSubstr("quantize_config.json: unsupported bits 6"));
+}
+
+}  // namespace
+}  // namespace kestrel

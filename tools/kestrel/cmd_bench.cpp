@@ -1,0 +1,233 @@
+// kestrel bench: prompt and generation throughput in the manner of llama-bench. Random
+// prompt tokens, one warm-up run, then r repetitions; every generated token is synchronised
+// and read back by the host, as in real generation. Reports mean and standard deviation.
+#include <cmath>
+#include <memory>
+#include <fmt/format.h>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "engine/base/error.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+struct BenchArgs {
+  ModelOptions model;
+  int n_prompt = 512;
+  int n_gen = 128;
+  int reps = 5;
+  std::string output = "md";
+  uint64_t seed = 1234;
+  bool profile = false;
+  DecodeTuning tuning;  // the CUDA decode path's choices (docs/tuning.md)
+  bool gemv_generic = false, no_graph_ranges = false;
+};
+
+struct Stat {
+  double mean = 0, sd = 0;
+};
+
+Stat stats(const std::vector<double>& v) {
+  Stat s;
+  if (v.empty()) return s;
+  for (double x : v) s.mean += x;
+  s.mean /= v.size();
+  if (v.size() > 1) {
+    for (double x : v) s.sd += (x - s.mean) * (x - s.mean);
+    s.sd = std::sqrt(s.sd / (v.size() - 1));
+  }
+  return s;
+}
+
+// "4-bit g128 act-order GPTQ" / "F16".
+std::string describe(const ModelConfig& c) {
+  if (!c.quant) return dtype_name(c.dtype);
+  const QuantConfig& q = *c.quant;
+  return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
+                     q.group_size > 0 ? "g" + std::to_string(q.group_size) : "per-channel",
+                     q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
+}
+
+int64_t count_params(const ModelSpec& s) {
+  const ModelConfig& c = s.config;
+  int64_t per_layer = (int64_t)c.hidden * (c.q_dim() + 2 * c.kv_dim()) + (int64_t)c.q_dim() * c.hidden +
+                      3LL * c.hidden * c.intermediate + 2LL * c.hidden;
+  int64_t p = per_layer * c.n_layers + (int64_t)c.vocab * c.hidden + c.hidden;
+  if (s.lm_head != s.embed) p += (int64_t)c.vocab * c.hidden;
+  return p;
+}
+
+// One decode step, op by op: time, share and achieved bandwidth.
+void print_profile(const std::vector<OpTime>& ops) {
+  if (ops.empty()) {
+    std::cout << "\n(--profile: this device has no per-op timing)\n";
+    return;
+  }
+  double total = 0;
+  for (const OpTime& t : ops) total += t.us;
+  std::cout << fmt::format("\n| {:<22} | {:>8} | {:>9} | {:>6} | {:>9} | {:>8} |\n", "op (one decode step)",
+                           "launches", "us", "share", "MB", "GB/s");
+  std::cout << fmt::format("| {:-<22} | {:->8} | {:->9} | {:->6} | {:->9} | {:->8} |\n", "", "", "", "", "", "");
+  for (const OpTime& t : ops)
+    std::cout << fmt::format("| {:<22} | {:>8} | {:>9.1f} | {:>5.1f}% | {:>9.2f} | {:>8.0f} |\n", t.op,
+                             t.launches, t.us, 100 * t.us / total, t.bytes / 1e6,
+                             t.us > 0 ? t.bytes / (t.us * 1e3) : 0.0);
+  std::cout << fmt::format("| {:<22} | {:>8} | {:>9.1f} | {:>5.1f}% | {:>9} | {:>8} |\n", "total", "", total, 100.0,
+                           "", "");
+}
+
+// Model size and parameter count as llama-bench prints them: MiB and M below a GiB and a
+// billion.
+std::string size_text(uint64_t bytes) {
+  return bytes < (1ull << 30) ? fmt::format("{:.2f} MiB", bytes / 1048576.0)
+                              : fmt::format("{:.2f} GiB", bytes / 1073741824.0);
+}
+std::string params_text(int64_t n) {
+  return n < 1000000000 ? fmt::format("{:.2f} M", n / 1e6) : fmt::format("{:.2f} B", n / 1e9);
+}
+
+int run_bench(BenchArgs a) {
+  if (a.n_prompt == 0 && a.n_gen == 0) throw Error("nothing to measure: -p and -n are both 0");
+  if (a.model.context == 0) a.model.context = a.n_prompt + a.n_gen;
+  a.tuning.gemv_specialized = !a.gemv_generic;
+  a.tuning.graph_ranges = !a.no_graph_ranges;
+  const bool quiet = a.output != "md";
+  LoadedModel m = open_model(a.model, quiet);
+  load_weights(m, a.model, quiet, a.tuning);
+  Session& b = *m.session;
+  const Model& model = *m.model;
+  const int vocab = b.config().vocab;
+  if (a.n_prompt + a.n_gen > b.context_length())
+    throw Error(fmt::format("-p {} plus -n {} exceed the context of {}", a.n_prompt, a.n_gen,
+                            b.context_length()));
+
+  std::mt19937_64 rng(a.seed);
+  std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
+  std::vector<float> logits(vocab);
+  std::vector<double> pp, tg;
+  using clock = std::chrono::steady_clock;
+  for (int rep = -1; rep < a.reps; ++rep) {  // rep -1 is the warm-up
+    std::vector<int> prompt(std::max(a.n_prompt, 1));
+    for (int& t : prompt) t = tok(rng);
+    auto t0 = clock::now();
+    int next = prompt.back();
+    if (a.n_prompt > 0) {
+      b.forward(prompt.data(), a.n_prompt, 0, logits.data());
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      if (rep >= 0) pp.push_back(a.n_prompt / s);
+      next = (int)(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    }
+    if (a.n_gen > 0) {
+      t0 = clock::now();
+      // As `kestrel generate` decodes greedily: each token is read back by the host, and the
+      // device may already run the step it feeds (DecodeRun).
+      std::unique_ptr<DecodeRun> run = b.greedy_run(next, a.n_prompt);
+      for (int i = 0; i < a.n_gen; ++i) next = run->next(i + 1 < a.n_gen);
+      run.reset();
+      const double s = std::chrono::duration<double>(clock::now() - t0).count();
+      if (rep >= 0) tg.push_back(a.n_gen / s);
+    }
+  }
+
+  const ModelConfig& c = b.config();
+  const uint64_t size_bytes = m.spec->files.total_bytes();
+  const int64_t params = count_params(*m.spec);
+  const Stat p = stats(pp), g = stats(tg);
+  const std::string backend = m.device == "cuda" ? "CUDA" : "CPU";
+  if (a.output == "json") {
+    nlohmann::json j;
+    j["model"] = a.model.dir;
+    j["type"] = describe(c);
+    j["size_bytes"] = size_bytes;
+    j["params"] = params;
+    j["backend"] = backend;
+    j["device"] = b.device_name();
+    j["n_prompt"] = a.n_prompt;
+    j["n_gen"] = a.n_gen;
+    j["reps"] = a.reps;
+    j["prompt_tokens_per_s"] = {{"mean", p.mean}, {"sd", p.sd}, {"samples", pp}};
+    j["gen_tokens_per_s"] = {{"mean", g.mean}, {"sd", g.sd}, {"samples", tg}};
+    j["gpu_weight_bytes"] = model.weight_bytes();
+    j["gpu_cache_bytes"] = b.cache_bytes();
+    j["gpu_bytes_after_load"] = model.device_bytes_after_load();
+    j["gpu_bytes_in_use"] = model.device_bytes_in_use();
+    std::cout << j.dump(2) << "\n";
+  } else if (a.output == "csv") {
+    std::cout << "model,type,size_bytes,params,backend,device,test,tokens_per_s_mean,tokens_per_s_sd\n";
+    // Fields with a comma or a quote are quoted (the device name "CPU (reference, fp32)").
+    auto field = [](const std::string& v) {
+      if (v.find_first_of(",\"\n") == std::string::npos) return v;
+      std::string q = "\"";
+      for (char ch : v) q += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+      return q + "\"";
+    };
+    auto row = [&](const std::string& test, Stat s) {
+      std::cout << fmt::format("{},{},{},{},{},{},{},{:.2f},{:.2f}\n", field(a.model.dir),
+                               field(describe(c)), size_bytes, params, backend,
+                               field(b.device_name()), test, s.mean, s.sd);
+    };
+    if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
+    if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+  } else {
+    std::cout << fmt::format("| {:<28} | {:>10} | {:>9} | {:<21} | {:>7} | {:>18} |\n", "model", "size",
+                             "params", "device", "test", "t/s");
+    std::cout << fmt::format("| {:-<28} | {:->10} | {:->9} | {:-<21} | {:->7} | {:->18} |\n", "", "", "", "",
+                             "", "");
+    auto row = [&](const std::string& test, Stat s) {
+      std::cout << fmt::format("| {:<28} | {:>10} | {:>9} | {:<21} | {:>7} | {:>9.2f} ± {:>6.2f} |\n",
+                               describe(c), size_text(size_bytes), params_text(params),
+                               b.device_name(), test, s.mean, s.sd);
+    };
+    if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
+    if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+    if (a.profile) print_profile(b.profile_step(1, a.n_prompt + a.n_gen - 1));
+    if (m.device == "cuda") {
+      const double wk = double(model.weight_bytes() + b.cache_bytes());
+      auto over = [&](size_t used) {
+        return fmt::format("{:.2f} GiB ({:+.1f}% over weights + KV cache)", used / 1073741824.0,
+                           100.0 * (double(used) - wk) / wk);
+      };
+      std::cout << fmt::format("\nGPU memory: weights {:.2f} GiB + KV cache {:.2f} GiB ({} positions)\n",
+                               model.weight_bytes() / 1073741824.0, b.cache_bytes() / 1073741824.0,
+                               b.context_length());
+      std::cout << fmt::format("Device memory taken by the engine: after loading {}, after the "
+                               "prompt runs (prefill scratch) {}\n",
+                               over(model.device_bytes_after_load()), over(model.device_bytes_in_use()));
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<BenchArgs>();
+  CLI::App* cmd = app.add_subcommand("bench", "measure prompt and generation tokens/s");
+  add_model_options(cmd, a->model);
+  cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens (0 = skip)")->check(at_least(0));
+  cmd->add_option("-n,--n-gen", a->n_gen, "generated tokens (0 = skip)")->check(at_least(0));
+  cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")->check(at_least(1));
+  cmd->add_option("-o,--output", a->output, "md, json or csv")->check(CLI::IsMember({"md", "json", "csv"}));
+  cmd->add_option("--seed", a->seed, "seed of the random prompt tokens");
+  cmd->add_flag("--profile", a->profile,
+                "also time each op of one decode step (at the last position) against its bytes");
+  // The CUDA decode path's tuning (models/tuning.h, docs/tuning.md), for comparing choices.
+  cmd->add_option("--att-heads", a->tuning.attention_heads_per_block,
+                  "query heads per decode-attention block under GQA (0 = chosen, 1, 2, 4)")
+      ->check(CLI::IsMember({0, 1, 2, 4}));
+  cmd->add_option("--gemv-warps", a->tuning.gemv_block_warps,
+                  "warps per block of the quantized GEMVs (0 = by shape, 8, 16)")
+      ->check(CLI::IsMember({0, 8, 16}));
+  cmd->add_flag("--gemv-generic", a->gemv_generic,
+                "run the generic quantized GEMV kernel instead of the specialized ones");
+  cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
+                "capture one decode graph for the whole context instead of one per range");
+  cmd->callback([a, &action] { action = [a] { return run_bench(*a); }; });
+}
+
+}  // namespace kestrel::cli

@@ -1,0 +1,298 @@
+// kestrel chat: a conversation in the terminal, in the model's chat format. Replies stream;
+// the K/V of the conversation so far stay in the session's cache, so each turn runs only
+// the tokens after the longest prefix it shares with what the cache holds. With stdin not
+// a terminal it reads messages line by line until EOF and writes only the replies to stdout.
+#include <fmt/format.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
+
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "engine/base/error.h"
+#include "engine/generate.h"
+#include "tokenizer/chat_template.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_sigint(int) { g_interrupted.store(true); }
+
+// SIGINT sets the flag that a reply polls between tokens. Without SA_RESTART a read waiting
+// at the prompt returns, so Ctrl-C there ends the session.
+void install_sigint() {
+  struct sigaction sa {};
+  sa.sa_handler = on_sigint;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+struct ChatArgs {
+  ModelOptions model;
+  int n_predict = -1;
+  SamplingOptions sampling;
+  std::string chat_template = "auto";
+  std::optional<std::string> system;
+  bool quiet = false;
+};
+
+const char* kHelp =
+    "  /help          this list\n"
+    "  /exit          end the session (also Ctrl-D, or Ctrl-C at the prompt)\n"
+    "  /clear         forget the conversation (the system prompt stays)\n"
+    "  /regen         generate the last reply again\n"
+    "  /stats         token counts and speeds of the session\n"
+    "  /system TEXT   set the system prompt (empty: none)\n"
+    "  a line ending in \\ continues on the next line; \"\"\" opens and closes a block\n"
+    "  Ctrl-C during a reply stops it and keeps the conversation\n";
+
+std::string trim(std::string_view s) {
+  const auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  while (!s.empty() && ws(s.front())) s.remove_prefix(1);
+  while (!s.empty() && ws(s.back())) s.remove_suffix(1);
+  return std::string(s);
+}
+
+class ChatSession {
+ public:
+  ChatSession(const ChatArgs& a) : a_(a) {
+    interactive_ = isatty(STDIN_FILENO) != 0;
+    const char* no_color = std::getenv("NO_COLOR");
+    color_ = interactive_ && isatty(STDOUT_FILENO) && !(no_color && *no_color);
+  }
+
+  int run() {
+    m_ = open_model(a_.model, a_.quiet);
+    std::string why;
+    tmpl_.emplace(ChatTemplate::load(a_.model.dir, a_.chat_template, *m_.tok, &why));
+    if (!why.empty()) info("note: " + why);
+    load_weights(m_, a_.model, a_.quiet);
+    perf_.load_ms = m_.load_ms;
+    ctx_ = m_.session->context_length();
+    base_ = resolve_sampling(a_.model.dir, a_.sampling);
+    if (a_.system) msgs_.push_back({"system", *a_.system});
+    if (base_.temperature > 0) info(fmt::format("seed: {}", base_.seed));
+    if (interactive_)
+      info(fmt::format("chatting with {} ({} format, context {}). /help lists the commands, "
+                       "Ctrl-C stops a reply, /exit or Ctrl-D ends.",
+                       a_.model.dir, chat_format_name(tmpl_->format()), ctx_));
+    install_sigint();
+
+    std::string msg;
+    while (read_message(msg)) {
+      if (msg.starts_with("/")) {
+        if (!command(msg)) break;
+        continue;
+      }
+      if (trim(msg).empty()) continue;
+      msgs_.push_back({"user", msg});
+      reply();
+    }
+    if (interactive_) std::cout << "\n";
+    if (!a_.quiet) print_perf(perf_, m_.session->device_name());
+    return 0;
+  }
+
+ private:
+  // A note for the user on stderr (dim on a terminal) unless quiet.
+  void info(const std::string& s) {
+    if (a_.quiet) return;
+    std::cerr << (color_ ? "\033[2m" : "") << s << (color_ ? "\033[0m" : "") << "\n" << std::flush;
+  }
+
+  bool read_line(std::string& line, const char* prompt) {
+    if (interactive_) {
+      std::cout << (color_ ? "\033[1m" : "") << prompt << (color_ ? "\033[0m\033[32m" : "")
+                << std::flush;
+    }
+    const bool ok = static_cast<bool>(std::getline(std::cin, line));
+    if (color_) std::cout << "\033[0m" << std::flush;
+    if (!ok || g_interrupted.load()) return false;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    return true;
+  }
+
+  // One message: a line, lines joined by a trailing backslash, or a """ block. False at the
+  // end of input or on Ctrl-C.
+  bool read_message(std::string& msg) {
+    msg.clear();
+    std::string line;
+    if (!read_line(line, "> ")) return false;
+    if (line == "\"\"\"") {
+      std::vector<std::string> lines;
+      while (read_line(line, "")) {
+        if (line == "\"\"\"") break;
+        lines.push_back(line);
+      }
+      for (size_t i = 0; i < lines.size(); ++i) msg += (i ? "\n" : "") + lines[i];
+      return !g_interrupted.load();
+    }
+    while (!line.empty() && line.back() == '\\') {
+      line.pop_back();
+      msg += line + "\n";
+      if (!read_line(line, "... ")) return !g_interrupted.load() && (msg.pop_back(), true);
+    }
+    msg += line;
+    return true;
+  }
+
+  // Handles a /command; false ends the session.
+  bool command(const std::string& line) {
+    const size_t sp = line.find(' ');
+    const std::string cmd = line.substr(0, sp);
+    const std::string arg = sp == std::string::npos ? "" : trim(line.substr(sp + 1));
+    if (cmd == "/exit" || cmd == "/quit") return false;
+    if (cmd == "/help") {
+      std::cerr << kHelp;
+    } else if (cmd == "/clear") {
+      const bool has_system = !msgs_.empty() && msgs_[0].role == "system";
+      msgs_.resize(has_system ? 1 : 0);
+      info("(conversation cleared)");
+    } else if (cmd == "/regen") {
+      if (msgs_.empty() || msgs_.back().role != "assistant") {
+        info("(no reply to regenerate)");
+      } else {
+        msgs_.pop_back();
+        reply();
+      }
+    } else if (cmd == "/stats") {
+      stats();
+    } else if (cmd == "/system") {
+      const bool has_system = !msgs_.empty() && msgs_[0].role == "system";
+      if (arg.empty()) {
+        if (has_system) msgs_.erase(msgs_.begin());
+        info("(no system prompt)");
+      } else {
+        if (has_system) msgs_[0].content = arg;
+        else msgs_.insert(msgs_.begin(), {"system", arg});
+        info("(system prompt set)");
+      }
+    } else {
+      info("unknown command " + cmd + "; /help lists the commands");
+    }
+    return true;
+  }
+
+  // Drops the oldest exchanges (the system prompt stays) until the conversation and room for
+  // a reply fit the context; false when even the last message alone does not.
+  bool fit(std::vector<int>& ids) {
+    const int room = a_.n_predict > 0 ? std::min(a_.n_predict, ctx_ / 2) : std::max(ctx_ / 4, 1);
+    const size_t first = (!msgs_.empty() && msgs_[0].role == "system") ? 1 : 0;
+    int dropped = 0;
+    ids = tmpl_->tokenize(msgs_, true);
+    while ((int)ids.size() + room > ctx_ && msgs_.size() >= first + 3) {
+      msgs_.erase(msgs_.begin() + first, msgs_.begin() + first + 2);
+      ++dropped;
+      ids = tmpl_->tokenize(msgs_, true);
+    }
+    if (dropped)
+      info(fmt::format("(the conversation outgrew the context of {} tokens: dropped the {} oldest "
+                       "exchange{}; the system prompt stays)",
+                       ctx_, dropped, dropped == 1 ? "" : "s"));
+    return (int)ids.size() < ctx_;
+  }
+
+  void reply() {
+    std::vector<int> ids;
+    if (!fit(ids)) {
+      msgs_.pop_back();
+      std::cerr << fmt::format("kestrel: the message does not fit the context ({} tokens with "
+                               "the system prompt, context {}); shorten it, /system to shorten "
+                               "the system prompt, or raise -c\n",
+                               ids.size(), ctx_);
+      return;
+    }
+    GenerateOptions opt;
+    opt.sampling = base_;
+    opt.sampling.seed = base_.seed + turns_;  // /regen at a temperature draws a new reply
+    opt.max_new_tokens = ctx_ - (int)ids.size();
+    if (a_.n_predict > 0) opt.max_new_tokens = std::min(opt.max_new_tokens, a_.n_predict);
+    opt.stop = a_.sampling.stop;
+    for (const std::string& s : tmpl_->stop_strings()) opt.stop.push_back(s);
+    opt.stop_ids = tmpl_->stop_ids();
+    opt.ignore_eos = a_.sampling.ignore_eos;
+    opt.cancelled = [] { return g_interrupted.load(); };
+
+    bool started = false;  // leading whitespace of a reply is not shown
+    auto stream = [&](std::string_view s) {
+      if (!started) {
+        while (!s.empty() && (s.front() == ' ' || s.front() == '\n')) s.remove_prefix(1);
+        if (s.empty()) return;
+        started = true;
+      }
+      std::cout << s << std::flush;
+    };
+    g_interrupted.store(false);
+    const GenerateResult r = generate_cached(*m_.session, *m_.tok, ids, opt, stream);
+    const bool stopped = g_interrupted.exchange(false);
+    std::cout << "\n" << std::flush;
+    ++turns_;
+    add_result(perf_, r);
+    last_ = r;
+    msgs_.push_back({"assistant", trim(r.text)});
+    if (stopped) info("(reply stopped)");
+    const int n_run = (int)r.prompt_ids.size() - r.n_cached;
+    info(fmt::format("[prompt {} tokens, {:.1f} tok/s | reply {} tokens, {:.1f} tok/s | "
+                     "context {}/{}]",
+                     n_run, r.prompt_ms > 0 ? n_run * 1000.0 / r.prompt_ms : 0.0, r.ids.size(),
+                     r.n_eval > 0 && r.gen_ms > 0 ? r.n_eval * 1000.0 / r.gen_ms : 0.0,
+                     m_.session->cached.size() + 1, ctx_));
+  }
+
+  void stats() {
+    std::string s = fmt::format(
+        "turns {}, messages {}, context {}/{} tokens, {} format, {}\n", turns_, msgs_.size(),
+        m_.session->cached.size(), ctx_, chat_format_name(tmpl_->format()), m_.session->device_name());
+    s += fmt::format("prompt: {} tokens in {:.1f} ms ({:.1f} tok/s)\n", perf_.prompt_tokens,
+                     perf_.prompt_ms,
+                     perf_.prompt_ms > 0 ? perf_.prompt_tokens * 1000.0 / perf_.prompt_ms : 0.0);
+    s += fmt::format("generation: {} tokens, {} runs in {:.1f} ms ({:.1f} tok/s)\n",
+                     perf_.generated, perf_.eval_runs, perf_.eval_ms,
+                     perf_.eval_ms > 0 ? perf_.eval_runs * 1000.0 / perf_.eval_ms : 0.0);
+    if (last_)
+      s += fmt::format("last reply: {} tokens, finish {}\n", last_->ids.size(),
+                       last_->finish_reason);
+    std::cerr << s << std::flush;
+  }
+
+  const ChatArgs& a_;
+  bool interactive_ = false, color_ = false;
+  LoadedModel m_;
+  std::optional<ChatTemplate> tmpl_;
+  int ctx_ = 0;
+  SamplingParams base_;
+  std::vector<ChatMessage> msgs_;
+  int turns_ = 0;
+  Perf perf_;
+  std::optional<GenerateResult> last_;
+};
+
+}  // namespace
+
+void register_chat(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<ChatArgs>();
+  CLI::App* cmd = app.add_subcommand("chat", "talk with a chat model in the terminal");
+  add_model_options(cmd, a->model);
+  cmd->add_option("--template", a->chat_template,
+                  "chat format: auto (from tokenizer_config.json), llama2, mistral, zephyr, "
+                  "chatml, vicuna, raw");
+  cmd->add_option("--system", a->system, "system prompt");
+  cmd->add_option("-n,--n-predict", a->n_predict, "most tokens per reply (-1 = up to the context)")
+      ->check(between(-1, 1 << 30));
+  add_sampling_options(cmd, a->sampling);
+  cmd->add_flag("-q,--quiet", a->quiet, "no notes, statistics or performance block on stderr");
+  cmd->callback([a, &action] {
+    action = [a] {
+      if (a->chat_template != "auto") parse_chat_format(a->chat_template);
+      return ChatSession(*a).run();
+    };
+  });
+}
+
+}  // namespace kestrel::cli

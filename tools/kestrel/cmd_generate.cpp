@@ -1,0 +1,386 @@
+// kestrel generate: one prompt in, text streamed out (or one JSON object with --json); or a
+// JSONL file of prompts in, one JSON result per line out (--batch-file).
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "engine/base/error.h"
+#include "engine/generate.h"
+#include "engine/base/progress.h"
+#include "tokenizer/chat_template.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+using nlohmann::json;
+
+struct GenerateArgs {
+  ModelOptions model;
+  std::string prompt;
+  std::string prompt_file;
+  std::string batch_file;
+  std::string output;
+  int n_predict = 128;
+  SamplingOptions sampling;
+  bool chat = false;
+  std::string chat_template = "auto";
+  std::optional<std::string> system;
+  int logprobs = 0;
+  bool json = false;
+  bool quiet = false;
+};
+
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+// The prompt's ids: the text as it is, or (--chat) a user message in the chat template.
+std::vector<int> prompt_ids(const GenerateArgs& a, const LoadedModel& m,
+                            const std::optional<ChatTemplate>& tmpl, const std::string& prompt) {
+  if (!tmpl) return m.tok->encode(prompt);
+  std::vector<ChatMessage> msgs;
+  if (a.system) msgs.push_back({"system", *a.system});
+  msgs.push_back({"user", prompt});
+  return tmpl->tokenize(msgs, /*add_generation_prompt=*/true);
+}
+
+std::optional<ChatTemplate> chat_template(const GenerateArgs& a, const LoadedModel& m) {
+  if (!a.chat) return std::nullopt;
+  std::string why;
+  ChatTemplate t = ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why);
+  if (!why.empty()) note(a.quiet, "note: " + why);
+  return t;
+}
+
+void check_fits(int n_prompt, int n_predict, int ctx) {
+  if (n_prompt + n_predict > ctx)
+    throw Error("prompt (" + std::to_string(n_prompt) + " tokens) plus " +
+                std::to_string(n_predict) + " new tokens exceed the context of " +
+                std::to_string(ctx) + " tokens; shorten the prompt, lower -n or raise -c");
+}
+
+json logprobs_json(const Tokenizer& tok, const std::vector<Logprobs>& lps) {
+  json out = json::array();
+  for (const Logprobs& lp : lps) {
+    json top = json::array();
+    for (const TokenLogprob& t : lp.top)
+      top.push_back({{"id", t.id}, {"piece", tok.piece(t.id)}, {"logprob", t.logprob}});
+    out.push_back({{"id", lp.chosen.id},
+                   {"piece", tok.piece(lp.chosen.id)},
+                   {"logprob", lp.chosen.logprob},
+                   {"top", top}});
+  }
+  return out;
+}
+
+json timings_json(const GenerateResult& r) {
+  const int n_run = (int)r.prompt_ids.size() - r.n_cached;
+  return {{"prompt_tokens", n_run},
+          {"cached_tokens", r.n_cached},
+          {"prompt_ms", r.prompt_ms},
+          {"prompt_tokens_per_s", r.prompt_ms > 0 ? n_run * 1000.0 / r.prompt_ms : 0.0},
+          {"generated_tokens", r.ids.size()},
+          {"gen_ms", r.gen_ms},
+          {"gen_tokens_per_s", r.n_eval > 0 && r.gen_ms > 0 ? r.n_eval * 1000.0 / r.gen_ms : 0.0},
+          {"sample_ms", r.sample_ms}};
+}
+
+GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemplate>& tmpl) {
+  GenerateOptions opt;
+  opt.max_new_tokens = a.n_predict;
+  opt.sampling = resolve_sampling(a.model.dir, a.sampling);
+  opt.stop = a.sampling.stop;
+  opt.ignore_eos = a.sampling.ignore_eos;
+  opt.logprobs = a.logprobs;
+  if (tmpl) {
+    for (const std::string& s : tmpl->stop_strings()) opt.stop.push_back(s);
+    opt.stop_ids = tmpl->stop_ids();
+  }
+  return opt;
+}
+
+int run_single(const GenerateArgs& a) {
+  std::string prompt = a.prompt;
+  if (!a.prompt_file.empty()) {
+    prompt = read_text_file(a.prompt_file);
+    if (prompt.empty()) throw Error(a.prompt_file + ": the prompt file is empty");
+  }
+  if (prompt.empty()) throw Error("no prompt: give -p TEXT, -f FILE or --batch-file FILE");
+
+  Perf perf;
+  LoadedModel m = open_model(a.model, a.quiet);
+  const std::optional<ChatTemplate> tmpl = chat_template(a, m);
+  const std::vector<int> ids = prompt_ids(a, m, tmpl, prompt);
+  check_fits((int)ids.size(), a.n_predict, context_length(m, a.model));
+  load_weights(m, a.model, a.quiet);
+  perf.load_ms = m.load_ms;
+
+  const GenerateOptions opt = base_options(a, tmpl);
+  if (!a.json && !a.quiet && opt.sampling.temperature > 0)
+    std::cerr << "seed: " << opt.sampling.seed << "\n";
+
+  std::function<void(std::string_view)> stream;
+  if (!a.json) {
+    if (!tmpl) std::cout << prompt;
+    std::cout << std::flush;
+    stream = [](std::string_view s) { std::cout << s << std::flush; };
+  }
+  const GenerateResult r = generate(*m.session, *m.tok, ids, opt, stream);
+  add_result(perf, r);
+
+  if (a.json) {
+    json j;
+    j["model"] = a.model.dir;
+    j["device"] = m.session->device_name();
+    j["prompt_ids"] = r.prompt_ids;
+    j["ids"] = r.ids;
+    j["text"] = r.text;
+    j["finish_reason"] = r.finish_reason;
+    j["seed"] = opt.sampling.seed;
+    j["temperature"] = opt.sampling.temperature;
+    j["timings"] = timings_json(r);
+    j["timings"]["load_ms"] = m.load_ms;
+    if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
+    std::cout << dump(j) << "\n";
+  } else {
+    std::cout << "\n" << std::flush;
+  }
+  if (!a.quiet) print_perf(perf, m.session->device_name());
+  return 0;
+}
+
+// One line of a batch file: a prompt and its own settings, or why it cannot run.
+struct BatchItem {
+  int line = 0;
+  json id;  // echoed back when given
+  std::string prompt;
+  json settings = json::object();
+  std::string error;
+  std::vector<int> ids;
+};
+
+// Parses one non-blank line; sets item.error instead of throwing.
+BatchItem parse_line(const std::string& text, int line) {
+  BatchItem it;
+  it.line = line;
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    it.error = std::string("not valid JSON: ") + e.what();
+    return it;
+  }
+  if (!j.is_object()) {
+    it.error = "expected a JSON object with \"prompt\", found " + std::string(j.type_name());
+    return it;
+  }
+  if (j.contains("id")) it.id = j["id"];
+  auto bad = [&](const std::string& key, const std::string& want) {
+    it.error = fmt::format("\"{}\" must be {}, found {}", key, want, j[key].dump());
+  };
+  for (const auto& [key, v] : j.items()) {
+    if (key == "id") continue;
+    if (key == "prompt") {
+      if (!v.is_string()) {
+        bad(key, "a string");
+        return it;
+      }
+      it.prompt = v.get<std::string>();
+    } else if (key == "n_predict" || key == "max_tokens") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 30))
+        {
+        bad(key, "a positive integer");
+        return it;
+      }
+      it.settings["n_predict"] = v;
+    } else if (key == "temperature") {
+      if (!v.is_number() || v.get<double>() < 0) {
+        bad(key, "a number >= 0");
+        return it;
+      }
+      it.settings[key] = v;
+    } else if (key == "top_k") {
+      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1 << 30))
+        {
+        bad(key, "an integer >= 0");
+        return it;
+      }
+      it.settings[key] = v;
+    } else if (key == "top_p" || key == "min_p") {
+      if (!v.is_number() || v.get<double>() < 0 || v.get<double>() > 1)
+        {
+        bad(key, "a number in [0, 1]");
+        return it;
+      }
+      it.settings[key] = v;
+    } else if (key == "seed") {
+      if (!v.is_number_unsigned()) {
+        bad(key, "a non-negative integer");
+        return it;
+      }
+      it.settings[key] = v;
+    } else if (key == "stop") {
+      json stops = v.is_string() ? json::array({v}) : v;
+      bool ok = stops.is_array();
+      for (const json& s : stops) ok = ok && s.is_string();
+      if (!ok) {
+        bad(key, "a string or a list of strings");
+        return it;
+      }
+      it.settings[key] = stops;
+    } else {
+      it.error = fmt::format("unknown key \"{}\" (known: prompt, n_predict, max_tokens, "
+                             "temperature, top_k, top_p, min_p, seed, stop, id)", key);
+      return it;
+    }
+  }
+  if (!j.contains("prompt")) it.error = "no \"prompt\"";
+  else if (it.prompt.empty()) it.error = "the prompt is empty";
+  return it;
+}
+
+int run_batch(const GenerateArgs& a) {
+  std::ifstream in(a.batch_file, std::ios::binary);
+  if (!in) throw Error(a.batch_file + ": cannot open file");
+  std::vector<BatchItem> items;
+  std::string text;
+  for (int line = 1; std::getline(in, text); ++line) {
+    if (!text.empty() && text.back() == '\r') text.pop_back();
+    if (text.find_first_not_of(" \t") == std::string::npos) continue;
+    items.push_back(parse_line(text, line));
+  }
+  if (items.empty()) throw Error(a.batch_file + ": the batch file has no prompts");
+
+  std::ofstream file;
+  if (!a.output.empty()) {
+    file.open(a.output, std::ios::binary | std::ios::trunc);
+    if (!file) throw Error(a.output + ": cannot write file");
+  }
+  std::ostream& out = a.output.empty() ? std::cout : file;
+  std::vector<std::string> failures;
+  auto fail = [&](BatchItem& it, const std::string& why) {
+    it.error = why;
+    failures.push_back(fmt::format("{}:{}: {}", a.batch_file, it.line, why));
+  };
+  for (BatchItem& it : items)
+    if (!it.error.empty()) {
+      std::cerr << "kestrel: " << a.batch_file << ":" << it.line << ": " << it.error << "\n";
+    }
+
+  Perf perf;
+  LoadedModel m = open_model(a.model, a.quiet);
+  const std::optional<ChatTemplate> tmpl = chat_template(a, m);
+  const int ctx = context_length(m, a.model);
+  int runnable = 0;
+  for (BatchItem& it : items) {
+    if (!it.error.empty()) continue;
+    try {
+      it.ids = prompt_ids(a, m, tmpl, it.prompt);
+      check_fits((int)it.ids.size(), it.settings.value("n_predict", a.n_predict), ctx);
+      ++runnable;
+    } catch (const Error& e) {
+      fail(it, e.what());
+      std::cerr << "kestrel: " << failures.back() << "\n";
+    }
+  }
+  if (runnable > 0) {
+    load_weights(m, a.model, a.quiet);
+    perf.load_ms = m.load_ms;
+  }
+  const GenerateOptions base = base_options(a, tmpl);
+  if (runnable > 0 && !a.quiet && !a.sampling.seed && base.sampling.temperature > 0)
+    std::cerr << "seed: " << base.sampling.seed << "\n";
+
+  Progress bar("prompts", runnable, "prompts", !a.quiet && runnable > 0);
+  int done = 0;
+  const size_t reported = failures.size();
+  for (BatchItem& it : items) {
+    json j;
+    j["line"] = it.line;
+    if (!it.id.is_null()) j["id"] = it.id;
+    if (it.error.empty()) {
+      GenerateOptions opt = base;
+      const json& s = it.settings;
+      opt.max_new_tokens = s.value("n_predict", opt.max_new_tokens);
+      opt.sampling.temperature = s.value("temperature", opt.sampling.temperature);
+      opt.sampling.top_k = s.value("top_k", opt.sampling.top_k);
+      opt.sampling.top_p = s.value("top_p", opt.sampling.top_p);
+      opt.sampling.min_p = s.value("min_p", opt.sampling.min_p);
+      opt.sampling.seed = s.value("seed", opt.sampling.seed);
+      if (s.contains("stop")) {
+        opt.stop = s["stop"].get<std::vector<std::string>>();
+        if (tmpl)
+          for (const std::string& t : tmpl->stop_strings()) opt.stop.push_back(t);
+      }
+      try {
+        const GenerateResult r = generate_cached(*m.session, *m.tok, it.ids, opt);  // prompts sharing a prefix reuse it
+        add_result(perf, r);
+        j["text"] = r.text;
+        j["finish_reason"] = r.finish_reason;
+        j["prompt_tokens"] = r.prompt_ids.size();
+        j["generated_tokens"] = r.ids.size();
+        j["seed"] = opt.sampling.seed;
+        j["timings"] = timings_json(r);
+        if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
+      } catch (const Error& e) {
+        m.session->cached.clear();
+        fail(it, e.what());
+      }
+      bar.update(++done);
+    }
+    if (!it.error.empty()) j["error"] = it.error;
+    out << dump(j) << "\n" << std::flush;
+  }
+  bar.finish();
+  for (size_t i = reported; i < failures.size(); ++i) std::cerr << "kestrel: " << failures[i] << "\n";
+  if (!a.quiet && runnable > 0) print_perf(perf, m.session->device_name());
+
+  int n_failed = 0;
+  for (const BatchItem& it : items) n_failed += !it.error.empty();
+  if (n_failed > 0) {
+    std::cerr << fmt::format("kestrel: {} of {} prompts in {} failed\n", n_failed, items.size(),
+                             a.batch_file);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_generate(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<GenerateArgs>();
+  CLI::App* cmd = app.add_subcommand("generate", "continue a prompt and stream the text");
+  add_model_options(cmd, a->model);
+  auto* p = cmd->add_option("-p,--prompt", a->prompt, "prompt text");
+  auto* f = cmd->add_option("-f,--file", a->prompt_file, "read the prompt from a file")->excludes(p);
+  cmd->add_option("--batch-file", a->batch_file,
+                  "JSONL file: one {\"prompt\": ...} per line, one JSON result per line out")
+      ->excludes(p)
+      ->excludes(f);
+  cmd->add_option("-o,--output", a->output, "with --batch-file: write the results to a file");
+  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(at_least(1));
+  add_sampling_options(cmd, a->sampling);
+  cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
+  cmd->add_option("--template", a->chat_template,
+                  "chat format for --chat: auto, llama2, mistral, zephyr, chatml, vicuna, raw");
+  cmd->add_option("--system", a->system, "system prompt for --chat");
+  cmd->add_option("--logprobs", a->logprobs,
+                  "with --json or --batch-file: top-N log-probabilities of each generated token")
+      ->check(between(0, 100));
+  cmd->add_flag("--json", a->json, "print one JSON object instead of streaming text");
+  cmd->add_flag("-q,--quiet", a->quiet, "no notes, progress or statistics on stderr");
+  cmd->callback([a, &action] {
+    action = [a] {
+      if (a->chat_template != "auto") parse_chat_format(a->chat_template);
+      if (!a->output.empty() && a->batch_file.empty())
+        throw Error("-o FILE goes with --batch-file");
+      return a->batch_file.empty() ? run_single(*a) : run_batch(*a);
+    };
+  });
+}
+
+}  // namespace kestrel::cli

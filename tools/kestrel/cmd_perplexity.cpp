@@ -1,0 +1,85 @@
+// kestrel perplexity: the GPTQ paper's (and llama-perplexity's) protocol. The whole file is
+// tokenized once with BOS at the start only, cut into windows of c tokens (the tail that does not
+// fill a window is dropped), and each window runs from position 0 of an empty cache; within a
+// window the c - 1 next tokens are predicted. perplexity = exp(mean NLL over all of them).
+// The protocol is engine/perplexity.h; on the GPU the log-softmax runs on the device and only
+// one float per token reaches the host.
+#include <fmt/format.h>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "engine/base/error.h"
+#include "engine/perplexity.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+struct PerplexityArgs {
+  ModelOptions model;
+  std::string file;
+  int chunks = 0;  // 0 = every window
+  bool json = false;
+};
+
+int run_perplexity(const PerplexityArgs& a) {
+  ModelOptions mo = a.model;
+  const int window = mo.context > 0 ? mo.context : 2048;
+  if (window < 2) throw Error(fmt::format("-c {}: a window needs at least 2 tokens", window));
+  mo.context = window;
+  const std::string text = read_text_file(a.file);
+  LoadedModel m = load_model(mo, a.json);
+  Session& b = *m.session;
+
+  std::vector<int> tokens = m.tok->encode(text, /*with_specials=*/false);
+  if (m.tok->add_bos()) tokens.insert(tokens.begin(), m.tok->bos_id());
+  PerplexityResult r;
+  try {
+    r = perplexity(b, tokens, window, a.chunks, !a.json);
+  } catch (const Error& e) {
+    throw Error(a.file + ": " + e.what());
+  }
+  const double tokens_per_s = r.seconds > 0 ? (double)(r.windows * window) / r.seconds : 0.0;
+
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = a.model.dir;
+    j["file"] = a.file;
+    j["device"] = b.device_name();
+    j["ctx"] = window;
+    j["windows"] = r.windows;
+    j["windows_available"] = r.windows_available;
+    j["file_tokens"] = r.tokens;
+    j["tokens_scored"] = r.predictions;
+    j["mean_nll"] = r.mean_nll;
+    j["perplexity"] = r.ppl;
+    j["seconds"] = r.seconds;
+    j["tokens_per_s"] = tokens_per_s;
+    std::cout << j.dump(2) << "\n";
+  } else {
+    std::cout << fmt::format(
+        "perplexity: {:.4f} ({} of {} windows of {} tokens, {} predicted; {:.1f} s, {:.0f} tokens/s)\n",
+        r.ppl, r.windows, r.windows_available, window, r.predictions, r.seconds, tokens_per_s);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_perplexity(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<PerplexityArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "perplexity", "perplexity of a text file in windows of -c tokens (default 2048)");
+  add_model_options(cmd, a->model);
+  // Here -c is the window length (and the context the model is loaded with).
+  cmd->get_option("--ctx-size")->description("window length in tokens (0 = 2048)");
+  cmd->add_option("-f,--file", a->file, "text file (tokenized once, BOS at the start)")->required();
+  cmd->add_option("--chunks", a->chunks, "score only the first N windows (0 = all)")
+      ->check(at_least(0));
+  cmd->add_flag("--json", a->json, "print one JSON object instead of a line");
+  cmd->callback([a, &action] { action = [a] { return run_perplexity(*a); }; });
+}
+
+}  // namespace kestrel::cli

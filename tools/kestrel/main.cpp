@@ -1,0 +1,39 @@
+// kestrel: generate, chat, bench, perplexity.
+#include <iostream>
+#include <new>
+
+#include "tools/kestrel/commands.h"
+#include "engine/base/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Kestrel: fast batch-1 inference of GPTQ language models", "kestrel"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "kestrel 0.1.0");
+  std::function<int()> action;
+  kestrel::cli::register_generate(app, action);
+  kestrel::cli::register_bench(app, action);
+  kestrel::cli::register_chat(app, action);
+  kestrel::cli::register_perplexity(app, action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version as CLI11 prints them; a bad command line in one line, exit 1 (as
+    // kestrel-synth and kestrel-quantize do).
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    std::cerr << "kestrel: " << e.what() << "\n";
+    return 1;
+  }
+  try {
+    return action ? action() : 1;
+  } catch (const kestrel::Error& e) {
+    std::cout.flush();
+    std::cerr << "kestrel: " << e.what() << "\n";
+  } catch (const std::bad_alloc&) {
+    std::cout.flush();
+    std::cerr << "kestrel: out of host memory\n";
+  } catch (const std::exception& e) {
+    std::cout.flush();
+    std::cerr << "kestrel: " << e.what() << "\n";
+  }
+  return 1;
+}
