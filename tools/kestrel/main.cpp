@@ -1,8 +1,9 @@
-// kestrel: generate, chat, bench, perplexity.
+// kestrel: generate, chat, bench, perplexity, devices.
 #include <iostream>
 #include <new>
 
 #include "tools/kestrel/commands.h"
+#include "engine/base/device.h"
 #include "engine/base/error.h"
 
 int main(int argc, char** argv) {
@@ -14,6 +15,23 @@ int main(int argc, char** argv) {
   kestrel::cli::register_bench(app, action);
   kestrel::cli::register_chat(app, action);
   kestrel::cli::register_perplexity(app, action);
+  // The GPU Kestrel would use, or why there is none (exit 1): the one check every part of the
+  // project asks (engine/base/device.h), for scripts such as scripts/test.sh.
+  app.add_subcommand("devices", "show the CUDA GPU Kestrel would use, or why there is none")
+      ->callback([&action] {
+        action = [] {
+          const kestrel::CudaStatus s = kestrel::cuda_status();
+          if (!s.usable) {
+            std::cout << s.problem << "\n";
+            return 1;
+          }
+          std::cout << "cuda: " << s.name << " (" << s.device_count << " device"
+                    << (s.device_count == 1 ? "" : "s") << ", driver "
+                    << kestrel::cuda_version_string(s.driver_version) << ", runtime "
+                    << kestrel::cuda_version_string(s.runtime_version) << ")\n";
+          return 0;
+        };
+      });
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
