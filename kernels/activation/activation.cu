@@ -65,8 +65,4 @@ void silu_mul_rows_f16(const __half* gate_up, int rows, int inter, __half* out,
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
-void silu_mul_f16(const __half* gate_up, int inter, __half* out, cudaStream_t stream) {
-  silu_mul_rows_f16(gate_up, 1, inter, out, stream);
-}
-
 }  // namespace kestrel::cuda

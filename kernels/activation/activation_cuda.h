@@ -6,11 +6,9 @@
 
 namespace kestrel::cuda {
 
-// gate_up [2 * inter] = gate | up (the fused gate/up GEMV's output);
-// out [inter] = silu(gate) * up. out may alias gate_up (its gate half).
-void silu_mul_f16(const __half* gate_up, int inter, __half* out, cudaStream_t stream);
-
-// Row-wise: gate_up [rows, 2 * inter], out [rows, inter] (prefill).
+// Row-wise, for the prefill (the decode step does this in its gate|up GEMV's epilogue):
+// gate_up [rows, 2 * inter] = gate | up, out [rows, inter] = silu(gate) * up. With one row, out
+// may alias gate_up (its gate half).
 void silu_mul_rows_f16(const __half* gate_up, int rows, int inter, __half* out,
                        cudaStream_t stream);
 
