@@ -410,11 +410,12 @@ void LlamaCudaSession::release() {
 }
 
 // A short prompt through the prefill at load, as llama.cpp warms up: the first use of cuBLASLt
-// (its handle, the modules of its kernels) otherwise lands on the first prompt, 170-230 ms of
-// a 12-token one on the H200 (`kestrel generate`, 1.1B). Its K/V at positions 0.. is written
-// again by the first real prompt; its memory is the prefill's scratch, which that prompt takes
-// anyway (after_load_bytes_, the decode path's share, is measured before). Where the scratch
-// does not fit, loading still succeeds, as before: the first prompt reports it.
+// (its handle, the modules of its kernels) otherwise lands on the first prompt, where it costs
+// more than the prompt itself (docs/performance.md). It runs in the model's first session: its
+// K/V at positions 0.. is written again by the first real prompt; its memory is the prefill's
+// scratch, which that prompt takes anyway (after_load_bytes_, the decode path's share, is
+// measured before). Where the scratch does not fit, opening the session still succeeds: the
+// first prompt reports it.
 void LlamaCuda::warm_up(LlamaCudaSession& q) {
   const int n = std::min(cuda::kGemmMinRows, q.q_.ctx);
   if (n < 2) return;

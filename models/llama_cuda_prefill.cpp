@@ -119,24 +119,20 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
 
 // The prefill's scratch within the GPU memory target (weights + KV cache + 5%) where that costs
 // the prompt little. The decode path took its part at load (device memory in use then, beyond
-// the weights and the cache); the prefill gets the rest of the 5%, in this order: one
-// dequantized weight slice (fixed, 32 MiB), the chunk's activations (prefill_chunk_rows), then
-// cuBLASLt's workspace, up to 32 MiB, from what is left (prefill_workspace_bytes; on the 1.1B's
-// linears no workspace at all measured as fast, kestrel-bench-gemm --shape 1b). Chunks are
-// never cut below 512 tokens (one 512-token prompt in one pass), and the slice never below 32
-// MiB: each chunk dequantizes every weight again, and smaller slices leave SMs idle in their
-// GEMMs (1.1B, 512 tokens: a layer's linears 0.138 ms with 32 MiB slices, 0.155 with 16, 0.215
-// with 8). A model too small for that to fit in 5% (the 1.1B: 0.74 GB, 37 MB) goes over it
-// rather than lose most of its prompt speed: measured on the H200, its whole scratch cut to fit
-// (256-token chunks, a 5 MiB slice, a 2 MiB workspace) ran pp512 at 28-36 thousand tokens/s
-// against 122 thousand.
+// the weights); the prefill gets the rest of the 5%, in this order: one dequantized weight
+// slice (fixed, 32 MiB), the chunk's activations (prefill_chunk_rows), then cuBLASLt's
+// workspace, up to 32 MiB, from what is left (prefill_workspace_bytes; small linears run as
+// fast without one). Chunks are never cut below 512 tokens (one 512-token prompt in one pass),
+// and the slice never below 32 MiB: each chunk dequantizes every weight again, and smaller
+// slices leave SMs idle in their GEMMs. A model too small for that to fit in 5% goes over it
+// rather than lose most of its prompt speed (the figures: docs/performance.md).
 LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(const GpuSequence& q, int max_rows) const {
   const size_t cache_bytes = 2ull * cfg_.n_layers * q.ctx * cfg_.kv_dim() * sizeof(__half);
   const size_t base = weight_bytes_ + cache_bytes;
   const size_t decode = scratch_bytes_;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
-  // modules of its kernels and of the prefill's): without it a 7B at 1600 positions measured
-  // +5.1% after its 1536-token prompt.
+  // modules of its kernels and of the prefill's), which would otherwise push a long prompt's
+  // footprint over the target.
   const size_t runtime = size_t(16) << 20;
   const size_t taken = decode + runtime +
                        dequant_scratch_elems(w_.layers, max_rows) * sizeof(__half) +
