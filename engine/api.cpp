@@ -45,15 +45,11 @@ auto guarded(F&& f) -> decltype(f()) {
 
 Model Model::load(const std::string& dir, const LoadOptions& o) {
   return guarded([&] {
-    LoadOptions opt = o;
     kestrel::LoadOptions lo;
-    lo.device = resolve_device(opt.device);
-    lo.quiet = opt.quiet;
+    lo.device = resolve_device(o.device);
+    lo.quiet = o.quiet;
     auto impl = std::make_shared<Impl>(Impl{load_model_spec(dir), Tokenizer::load(dir), nullptr});
-    if (impl->tok.vocab_size() > impl->spec.config.vocab)
-      throw kestrel::Error(dir + ": the tokenizer has " + std::to_string(impl->tok.vocab_size()) +
-                           " pieces but config.json vocab_size is " +
-                           std::to_string(impl->spec.config.vocab));
+    impl->tok.check_fits(impl->spec.config.vocab, dir);
     impl->model = kestrel::load_model(impl->spec, lo);
     return Model(std::move(impl));
   });

@@ -34,6 +34,25 @@ namespace {
 
 std::string mb(size_t bytes) { return fmt::format("{:.0f} MiB", bytes / 1048576.0); }
 
+// cudaMalloc, the allocation recorded in `owned` (its owner frees it); where it fails, one
+// DeviceError: "out of GPU memory: <bytes> more needed<for_what>, <free> free of <total>
+// (<CUDA's reason>)<hint>".
+void* device_alloc(size_t bytes, std::vector<void*>& owned, const std::string& for_what = "",
+                   const std::string& hint = "") {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    throw DeviceError(fmt::format("out of GPU memory: {} more needed{}, {} free of {} ({}){}",
+                                  mb(bytes), for_what, mb(free_b), mb(total_b),
+                                  cudaGetErrorString(err), hint));
+  }
+  owned.push_back(p);
+  return p;
+}
+
 // Tensor data as fp16 bits (converting BF16/F32), for upload.
 std::vector<uint16_t> as_f16(const TensorInfo& t) {
   std::vector<uint16_t> out(t.numel());
@@ -232,19 +251,7 @@ struct GpuLoader {
   }
 };
 
-void* LlamaCuda::alloc(size_t bytes) {
-  void* p = nullptr;
-  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
-    throw DeviceError(fmt::format("out of GPU memory: {} more needed, {} free of {} ({})",
-                                  mb(bytes), mb(free_b), mb(total_b), cudaGetErrorString(err)));
-  }
-  allocations_.push_back(p);
-  return p;
-}
+void* LlamaCuda::alloc(size_t bytes) { return device_alloc(bytes, allocations_); }
 
 void* LlamaCuda::arena_alloc(size_t bytes) {
   const size_t take = align256(bytes);
@@ -370,23 +377,13 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
       ctx = (int)fits;
     }
     q_.ctx = ctx;
-    cache_bytes_ = per_pos * ctx;
+    q_.cache_bytes = per_pos * ctx;
     auto alloc = [&](size_t bytes) {
-      void* p = nullptr;
-      const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
-      if (err != cudaSuccess) {
-        cudaGetLastError();
-        size_t f = 0, t = 0;
-        cudaMemGetInfo(&f, &t);
-        throw DeviceError(fmt::format("out of GPU memory: {} more needed for a context of {}, {} free "
-                                      "of {}; use -c N",
-                                      mb(bytes), ctx, mb(f), mb(t)));
-      }
-      allocations_.push_back(p);
-      return p;
+      return device_alloc(bytes, allocations_, fmt::format(" for a context of {}", ctx),
+                          "; use -c N");
     };
-    q_.key_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
-    q_.value_cache = static_cast<__half*>(alloc(cache_bytes_ / 2));
+    q_.key_cache = static_cast<__half*>(alloc(q_.cache_bytes / 2));
+    q_.value_cache = static_cast<__half*>(alloc(q_.cache_bytes / 2));
     q_.att_workspace =
         static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim)));
     cuda::attention_workspace_reset(q_.att_workspace, ctx, c.n_heads, c.head_dim, m.stream_);
@@ -649,7 +646,7 @@ void LlamaCuda::mark(const char* op, double bytes, cudaStream_t s) {
 }
 
 std::vector<OpTime> LlamaCuda::profile_step(LlamaCudaSession& q, int token, int pos) {
-  set_step_input(q.q_, token, pos);
+  set_step_input(q, token, pos);
   StepProfile prof;
   profile_pos_ = pos;
   KESTREL_CUDA_CHECK(cudaEventCreate(&prof.start));
@@ -733,17 +730,16 @@ void LlamaCudaSession::check_position(int pos) const {
                 fmt::format("position {} is past the context of {}", pos, q_.ctx));
 }
 
-void LlamaCuda::set_step_input(const GpuSequence& q, int token, int pos) {
+void LlamaCuda::set_step_input(const LlamaCudaSession& q, int token, int pos) {
   KESTREL_CHECK(token >= 0 && token < cfg_.vocab,
                 fmt::format("token id {} is outside the vocabulary ({})", token, cfg_.vocab));
-  KESTREL_CHECK(pos >= 0 && pos < q.ctx,
-                fmt::format("position {} is past the context of {}", pos, q.ctx));
+  q.check_position(pos);
   host_io_[0] = token;
   host_io_[1] = pos;
 }
 
 void LlamaCuda::step(LlamaCudaSession& q, int token, int pos, Head head) {
-  set_step_input(q.q_, token, pos);
+  set_step_input(q, token, pos);
   KESTREL_CUDA_CHECK(cudaGraphLaunch(q.graph(pos, head), stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
@@ -780,7 +776,7 @@ class LlamaCuda::ChainedRun final : public DecodeRun {
   ChainedRun(LlamaCudaSession& q, int token, int pos, const TopKSampling* sampling)
       : q_(q), m_(q.m_), pos0_(pos), sampled_(sampling != nullptr) {
     LlamaCuda& m = m_;
-    m.set_step_input(q.q_, token, pos);
+    m.set_step_input(q, token, pos);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.token, m.host_io_, 2 * sizeof(int),
                                        cudaMemcpyHostToDevice, m.stream_));
     if (sampling) {

@@ -109,6 +109,7 @@ struct GpuRunState {
 // workspace, which is sized by the context.
 struct GpuSequence {
   int ctx = 0;                   // positions the cache holds
+  size_t cache_bytes = 0;        // of key_cache and value_cache together
   __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
   __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
   float* att_workspace = nullptr;
@@ -195,7 +196,7 @@ class LlamaCuda final : public Model {
   // Runs one step through the graph for `head`; returns when the result is on the host.
   void step(LlamaCudaSession& q, int token, int pos, Head head);
   // A step's token and position, checked, into host_io_ (which the graphs copy from).
-  void set_step_input(const GpuSequence& q, int token, int pos);
+  void set_step_input(const LlamaCudaSession& q, int token, int pos);
 
   // Events recorded after each op while profiling (nullptr otherwise: graphs carry none).
   struct StepProfile;
@@ -237,7 +238,7 @@ class LlamaCudaSession final : public Session {
   ~LlamaCudaSession() override;
 
   int context_length() const override { return q_.ctx; }
-  size_t cache_bytes() const override { return cache_bytes_; }
+  size_t cache_bytes() const override { return q_.cache_bytes; }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
     m_.forward(*this, tokens, n, pos, logits, all_logits);
   }
@@ -266,7 +267,6 @@ class LlamaCudaSession final : public Session {
 
   LlamaCuda& m_;
   GpuSequence q_;
-  size_t cache_bytes_ = 0;
   std::vector<void*> allocations_;
   std::vector<int> range_end_;           // each range's end (exclusive), the last q_.ctx
   std::vector<cudaGraphExec_t> graphs_;  // [range][head]

@@ -393,4 +393,10 @@ std::string StreamDecoder::flush() {
   return out;
 }
 
+void Tokenizer::check_fits(int model_vocab, const std::string& dir) const {
+  if (vocab_size() > model_vocab)
+    throw Error(dir + ": tokenizer.model has " + std::to_string(vocab_size()) +
+                " pieces but config.json vocab_size is " + std::to_string(model_vocab));
+}
+
 }  // namespace kestrel

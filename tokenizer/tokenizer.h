@@ -29,6 +29,9 @@ class Tokenizer {
   std::string decode(const std::vector<int>& ids) const;
 
   int vocab_size() const;          // number of pieces
+  // Throws kestrel::Error (naming `dir`) when the pieces do not fit a model's vocabulary of
+  // `model_vocab` ids (config.json's vocab_size): some ids would index past its embedding.
+  void check_fits(int model_vocab, const std::string& dir) const;
   int bos_id() const { return bos_id_; }
   const std::vector<int>& eos_ids() const { return eos_ids_; }
   bool is_eos(int id) const;

@@ -171,6 +171,8 @@ TEST_F(Cli, BadCommandLinesGetOneLine) {
       {" generate --device cpu" + m + " -p hi --json --logprobs 101", "--logprobs: must be between 0 and 100"},
       {" bench --device cpu" + m + " -r 0", "--repetitions: must be at least 1, got 0"},
       {" bench --device cpu" + m + " -n -3", "--n-gen: must be at least 0, got -3"},
+      {" bench --device cpu" + m + " --att-heads 3", "--att-heads: 3 not in {0,1,2,4}"},
+      {" bench --device cpu" + m + " --gemv-warps 12", "--gemv-warps: 12 not in {0,8,16}"},
       {" perplexity --device cpu" + m + " -f x.txt --chunks -1", "--chunks: must be at least 0"},
       {" generate --device cpu" + m + " -p hi --no-such-flag", "--no-such-flag"},
       {" generate -p hi", "--model"},

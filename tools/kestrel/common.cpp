@@ -73,9 +73,7 @@ LoadedModel open_model(const ModelOptions& o, bool quiet) {
   m.spec = std::make_unique<ModelSpec>(load_model_spec(o.dir));
   for (const std::string& w : m.spec->warnings) note(quiet, "warning: " + w);
   const ModelConfig& c = m.spec->config;
-  if (m.tok->vocab_size() > c.vocab)
-    throw Error(o.dir + ": tokenizer.model has " + std::to_string(m.tok->vocab_size()) +
-                " pieces but config.json vocab_size is " + std::to_string(c.vocab));
+  m.tok->check_fits(c.vocab, o.dir);
   if (o.context > c.max_pos)
     note(quiet, "warning: context " + std::to_string(o.context) +
                     " is longer than the model was trained for (" + std::to_string(c.max_pos) + ")");
