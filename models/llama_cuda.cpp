@@ -334,7 +334,10 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
     KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
 
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // The weights and indices went up with cudaMemcpy on the legacy stream, which stream_ (non-
+  // blocking) does not wait for, and a pageable copy may return before it lands: the whole
+  // device, not only stream_, is done before the first step.
+  KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   const size_t in_use = device_bytes_in_use();
   scratch_bytes_ = in_use > weight_bytes_ ? in_use - weight_bytes_ : 0;
   after_load_bytes_ = in_use;

@@ -175,6 +175,21 @@ DeviceBuffer upload(const std::vector<T>& v) {
   return b;
 }
 
+// A created stream, as the engine uses: the kernels launch with programmatic dependent launch
+// there. Such a stream does not wait for the legacy stream, on which upload() copies and
+// cudaMemset poisons (a pageable cudaMemcpy may return before its copy lands, and cudaMemset
+// on device memory is asynchronous), so the device is synchronised before it is handed out.
+struct EngineStream {
+  cudaStream_t s = nullptr;
+  EngineStream() {
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~EngineStream() { cudaStreamDestroy(s); }
+  EngineStream(const EngineStream&) = delete;
+  EngineStream& operator=(const EngineStream&) = delete;
+};
+
 // Runs y = W x (+ residual) on the GPU; y is poisoned with NaN first.
 template <class Launch>
 std::vector<float> run(int64_t N, const std::vector<uint16_t>& x,
@@ -193,14 +208,12 @@ std::vector<float> run(int64_t N, const std::vector<uint16_t>& x,
       res = dr.as<__half>();
     }
   }
-  // A created stream, as the engine uses: the kernels launch with programmatic dependent
-  // launch there.
-  cudaStream_t st = nullptr;
-  KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-  launch(dx.as<__half>(), dy.as<__half>(), res, st);
-  KESTREL_CUDA_CHECK(cudaGetLastError());
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
-  KESTREL_CUDA_CHECK(cudaStreamDestroy(st));
+  {
+    const EngineStream st;
+    launch(dx.as<__half>(), dy.as<__half>(), res, st.s);
+    KESTREL_CUDA_CHECK(cudaGetLastError());
+    KESTREL_CUDA_CHECK(cudaStreamSynchronize(st.s));
+  }
   std::vector<uint16_t> yh(N);
   KESTREL_CUDA_CHECK(cudaMemcpy(yh.data(), dy.get(), N * 2, cudaMemcpyDeviceToHost));
   return to_float(yh);
@@ -608,15 +621,16 @@ TEST(GemvEpilogue, IndexedStoreFeedsThePermutedInput) {
         const std::vector<uint16_t> x = random_x(H, rng);
         DeviceBuffer dx = upload(x), didx = upload(idx);
         DeviceBuffer h(I * 2), hp(I * 2), y(Nd * 2), yp(Nd * 2);
-        cudaStream_t st = nullptr;
-        KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-        cuda::gemv(gu, dx.as<__half>(), h.as<__half>(), nullptr, st, {}, {true});
-        cuda::gemv(d, h.as<__half>(), y.as<__half>(), nullptr, st);
-        cuda::gemv(gu, dx.as<__half>(), hp.as<__half>(), nullptr, st, {},
-                   {true, didx.as<int32_t>()});
-        cuda::gemv(dv, hp.as<__half>(), yp.as<__half>(), nullptr, st);
-        KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
-        KESTREL_CUDA_CHECK(cudaStreamDestroy(st));
+        {
+          const EngineStream es;
+          const cudaStream_t st = es.s;
+          cuda::gemv(gu, dx.as<__half>(), h.as<__half>(), nullptr, st, {}, {true});
+          cuda::gemv(d, h.as<__half>(), y.as<__half>(), nullptr, st);
+          cuda::gemv(gu, dx.as<__half>(), hp.as<__half>(), nullptr, st, {},
+                     {true, didx.as<int32_t>()});
+          cuda::gemv(dv, hp.as<__half>(), yp.as<__half>(), nullptr, st);
+          KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
+        }
         std::vector<uint16_t> hh(I), hph(I), yh(Nd), yph(Nd);
         KESTREL_CUDA_CHECK(cudaMemcpy(hh.data(), h.get(), I * 2, cudaMemcpyDeviceToHost));
         KESTREL_CUDA_CHECK(cudaMemcpy(hph.data(), hp.get(), I * 2, cudaMemcpyDeviceToHost));
@@ -676,13 +690,13 @@ TEST(GemvEpilogue, ResidualReadAndStoredThroughIndexes) {
     for (int64_t i = 0; i < c.N; ++i) r_nat[i] = r[ri[i]];
     DeviceBuffer dx = upload(x), dr = upload(r), drn = upload(r_nat), doi = upload(oi),
                  dri = upload(ri), y(c.N * 2), yi(c.N * 2);
-    cudaStream_t st = nullptr;
-    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cuda::gemv(w, dx.as<__half>(), y.as<__half>(), drn.as<__half>(), st);
-    cuda::gemv(w, dx.as<__half>(), yi.as<__half>(), dr.as<__half>(), st, {},
-               {false, doi.as<int32_t>(), dri.as<int32_t>()});
-    KESTREL_CUDA_CHECK(cudaStreamSynchronize(st));
-    KESTREL_CUDA_CHECK(cudaStreamDestroy(st));
+    {
+      const EngineStream es;
+      cuda::gemv(w, dx.as<__half>(), y.as<__half>(), drn.as<__half>(), es.s);
+      cuda::gemv(w, dx.as<__half>(), yi.as<__half>(), dr.as<__half>(), es.s, {},
+                 {false, doi.as<int32_t>(), dri.as<int32_t>()});
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(es.s));
+    }
     std::vector<uint16_t> yh(c.N), yih(c.N);
     KESTREL_CUDA_CHECK(cudaMemcpy(yh.data(), y.get(), c.N * 2, cudaMemcpyDeviceToHost));
     KESTREL_CUDA_CHECK(cudaMemcpy(yih.data(), yi.get(), c.N * 2, cudaMemcpyDeviceToHost));
