@@ -4,20 +4,18 @@
 //   (+ residual)
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured as a CUDA graph (one per range of positions:
-// capture_graphs) and replayed per token; the host writes two ints and reads one back. Greedy
+// models/gpu/graphs.h) and replayed per token; the host writes two ints and reads one back. Greedy
 // runs (ChainedRun) chain the steps on the device: the argmax writes the next step's token and
 // position itself, so the next step is queued before the host has read the token.
 #include "models/llama_cuda.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
 
 #include "engine/base/device.h"
 #include "engine/base/error.h"
-#include "engine/base/progress.h"
 #include "kernels/activation/activation_cuda.h"
 #include "kernels/attention/attention_cuda.h"
 #include "kernels/common/cuda_utils.h"
@@ -26,242 +24,9 @@
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/sampling/argmax_cuda.h"
 #include "kernels/sampling/sample_cuda.h"
-#include "models/host_gptq.h"
+#include "models/gpu/act_order.h"
 
 namespace kestrel {
-
-namespace {
-
-std::string mb(size_t bytes) { return fmt::format("{:.0f} MiB", bytes / 1048576.0); }
-
-// cudaMalloc, the allocation recorded in `owned` (its owner frees it); where it fails, one
-// DeviceError: "out of GPU memory: <bytes> more needed<for_what>, <free> free of <total>
-// (<CUDA's reason>)<hint>".
-void* device_alloc(size_t bytes, std::vector<void*>& owned, const std::string& for_what = "",
-                   const std::string& hint = "") {
-  void* p = nullptr;
-  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 16));
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    size_t free_b = 0, total_b = 0;
-    cudaMemGetInfo(&free_b, &total_b);
-    throw DeviceError(fmt::format("out of GPU memory: {} more needed{}, {} free of {} ({}){}",
-                                  mb(bytes), for_what, mb(free_b), mb(total_b),
-                                  cudaGetErrorString(err), hint));
-  }
-  owned.push_back(p);
-  return p;
-}
-
-// Tensor data as fp16 bits (converting BF16/F32), for upload.
-std::vector<uint16_t> as_f16(const TensorInfo& t) {
-  std::vector<uint16_t> out(t.numel());
-  if (t.dtype == DType::F16) {
-    std::memcpy(out.data(), t.data, t.nbytes);
-  } else {
-    const std::vector<float> f = to_float(t);
-    for (size_t i = 0; i < f.size(); ++i) out[i] = float_to_half(f[i]);
-  }
-  return out;
-}
-
-// Can these GPTQ linears run as one GEMV over their concatenated outputs?
-bool fusable(const std::vector<const LinearSpec*>& parts) {
-  const LinearSpec& a = *parts[0];
-  for (const LinearSpec* p : parts) {
-    if (!p->quantized || p->K != a.K || p->bits != a.bits || p->group_size != a.group_size ||
-        p->zero_offset != a.zero_offset || (p->g_idx == nullptr) != (a.g_idx == nullptr))
-      return false;
-    if (p->g_idx && std::memcmp(p->g_idx->data, a.g_idx->data, a.g_idx->nbytes) != 0) return false;
-  }
-  return true;
-}
-
-bool all_dense(const std::vector<const LinearSpec*>& parts) {
-  for (const LinearSpec* p : parts)
-    if (p->quantized) return false;
-  return true;
-}
-
-// Copies v to device memory at `cursor` and moves the cursor past it; returns where it went.
-const int32_t* upload_at(int32_t*& cursor, const std::vector<int32_t>& v) {
-  KESTREL_CUDA_CHECK(
-      cudaMemcpy(cursor, v.data(), v.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
-  cursor += v.size();
-  return cursor - v.size();
-}
-
-size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
-
-// Whether gemv_prepare keeps zero points for these fusable parts: not when all are equal, as in
-// every symmetric checkpoint (1.6% of a 4-bit g128 weight's bytes, which the weights'
-// allocation would otherwise hold unused). Reads the parts' qzeros only.
-bool keeps_zero_points(const std::vector<const LinearSpec*>& parts) {
-  std::vector<std::vector<uint32_t>> qzeros;
-  qzeros.reserve(parts.size());
-  std::vector<gptq::GptqView> views;
-  for (const LinearSpec* p : parts) {
-    if (!p->qzeros) return true;
-    qzeros.push_back(p->qzeros->copy_as<uint32_t>());
-    views.push_back(format_view(*p));
-    views.back().qzeros = qzeros.back().data();
-  }
-  return !cuda::gemv_zero_points_uniform(views);
-}
-
-// The linears of a layer as the engine fuses them, in GpuLayer's order: qkv, o, gate|up, down.
-// (The loader and the bound on its memory must group them alike.)
-std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls) {
-  return {{{&ls.q, &ls.k, &ls.v}, {&ls.o}, {&ls.gate, &ls.up}, {&ls.down}}};
-}
-
-// Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
-// format and whether it keeps zero points), their FP16 rows, or each part on its own.
-size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
-  int64_t N = 0;
-  for (const LinearSpec* p : parts) N += p->N;
-  const LinearSpec& a = *parts[0];
-  if (fusable(parts))
-    return align256(cuda::gemv_device_bytes_bound(a.bits, a.group_size, N, a.K,
-                                                  a.g_idx != nullptr, keeps_zero_points(parts)));
-  if (all_dense(parts)) return align256((size_t)N * a.K * sizeof(__half));
-  size_t total = 0;
-  for (const LinearSpec* p : parts) total += linear_bound({p});
-  return total;
-}
-
-// Device bytes of every weight the loader uploads, each piece 256-byte aligned.
-size_t weights_bound(const ModelSpec& spec) {
-  auto tensor = [](const TensorInfo* t) { return t ? align256(t->numel() * sizeof(__half)) : 0; };
-  size_t total = tensor(spec.embed) + tensor(spec.final_norm) +
-                 (spec.lm_head != spec.embed ? tensor(spec.lm_head) : 0);
-  for (const LayerSpec& ls : spec.layers) {
-    total += tensor(ls.input_norm) + tensor(ls.post_norm);
-    for (const auto& parts : layer_linears(ls)) total += linear_bound(parts);
-  }
-  return total;
-}
-
-}  // namespace
-
-std::vector<const GpuLinear*> GpuLinear::leaves() const {
-  if (parts.empty()) return {this};
-  std::vector<const GpuLinear*> out;
-  for (const GpuLinear& p : parts) out.push_back(&p);
-  return out;
-}
-
-double GpuLinear::bytes_moved() const {
-  double b = 0;
-  for (const GpuLinear& p : parts) b += p.bytes_moved();
-  if (!parts.empty()) return b;
-  return quantized ? (double)q.bytes_moved() : (double)N * K * sizeof(__half) + (K + 2.0 * N) * sizeof(__half);
-}
-
-void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
-                    cuda::GemvInput in, cuda::GemvEpilogue out) const {
-  if (!parts.empty()) {
-    if (out.silu_mul)
-      throw Error("GpuLinear::run: the SiLU epilogue needs one fused [gate | up] weight");
-    int64_t n0 = 0;  // each part into its columns; the input op (RMSNorm) runs in each
-    for (const GpuLinear& p : parts) {
-      p.run(x, y + n0, residual ? residual + n0 : nullptr, s, in, out);
-      n0 += p.N;
-    }
-  } else if (quantized)
-    cuda::gemv(q, x, y, residual, s, in, out);
-  else if (out.silu_mul)
-    throw Error("GpuLinear::run: the SiLU epilogue needs a quantized [gate | up] weight");
-  else
-    cuda::gemv_f16(dense, x, y, N, K, residual, s, {}, in);
-}
-
-// Streams the checkpoint's tensors to the GPU, one at a time, counting bytes for the bar.
-struct GpuLoader {
-  LlamaCuda& m;
-  Progress bar;
-  double done = 0;
-
-  __half* upload(const TensorInfo& t) {
-    const std::vector<uint16_t> h = as_f16(t);
-    auto* d = static_cast<__half*>(m.arena_alloc(h.size() * 2));
-    KESTREL_CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-    m.weight_bytes_ += h.size() * 2;
-    advance(t.nbytes);
-    return d;
-  }
-
-  void advance(size_t bytes) { bar.update(done += bytes / 1048576.0); }
-
-  // Several linears with the same input, fused along N where their formats agree (GPTQ) or
-  // all are FP16; otherwise each on its own (GpuLinear::parts), so that GPTQ weights stay
-  // quantized and keep their own act-order permutations.
-  GpuLinear linear(const std::vector<const LinearSpec*>& parts) {
-    if (!fusable(parts) && !all_dense(parts)) {
-      GpuLinear out;
-      out.K = parts[0]->K;
-      for (const LinearSpec* p : parts) {
-        out.parts.push_back(linear({p}));
-        out.N += p->N;
-        out.bytes += out.parts.back().bytes;
-      }
-      return out;
-    }
-    GpuLinear out;
-    out.K = parts[0]->K;
-    for (const LinearSpec* p : parts) {
-      out.N += p->N;
-      if (p->bias)
-        throw Error(p->name + ".bias: the CUDA engine does not run linear biases; use --device cpu");
-    }
-    size_t src_bytes = 0;
-    for (const LinearSpec* p : parts)
-      for (const TensorInfo* t : {p->weight, p->qweight, p->qzeros, p->scales, p->g_idx})
-        if (t) src_bytes += t->nbytes;
-
-    if (fusable(parts)) {
-      std::vector<HostGptq> host;
-      host.reserve(parts.size());
-      for (const LinearSpec* p : parts) host.emplace_back(*p);
-      std::vector<gptq::GptqView> views;
-      for (const HostGptq& h : host) views.push_back(h.view);
-      out.quantized = true;
-      out.q = cuda::gemv_prepare(views, m.stream_, m.arena_ + m.arena_used_,
-                                 m.arena_size_ - m.arena_used_);
-      m.arena_alloc(out.q.device_bytes);  // what it took
-      out.q.launch.block_warps = m.tuning_.gemv_block_warps;
-      out.q.launch.specialized = m.tuning_.gemv_specialized;
-      KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
-      out.bytes = out.q.device_bytes;
-    } else {
-      // Dense FP16 rows, concatenated.
-      std::vector<uint16_t> rows;
-      rows.reserve((size_t)out.N * out.K);
-      for (const LinearSpec* p : parts) {
-        const std::vector<uint16_t> h = as_f16(*p->weight);
-        rows.insert(rows.end(), h.begin(), h.end());
-      }
-      out.dense = static_cast<__half*>(m.arena_alloc(rows.size() * 2));
-      KESTREL_CUDA_CHECK(cudaMemcpy(out.dense, rows.data(), rows.size() * 2, cudaMemcpyHostToDevice));
-      out.bytes = rows.size() * 2;
-    }
-    m.weight_bytes_ += out.bytes;
-    advance(src_bytes);
-    return out;
-  }
-};
-
-void* LlamaCuda::alloc(size_t bytes) { return device_alloc(bytes, allocations_); }
-
-void* LlamaCuda::arena_alloc(size_t bytes) {
-  const size_t take = align256(bytes);
-  if (arena_used_ + take > arena_size_)  // weights_bound undercounted: a bug, not the user's
-    throw Error(fmt::format("internal: the weights need more than the {} sized for them",
-                            mb(arena_size_)));
-  void* p = arena_ + arena_used_;
-  arena_used_ += take;
-  return p;
-}
 
 LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
     : cfg_(spec.config), tuning_(tuning) {
@@ -279,8 +44,8 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
     const bool known = cudaMemGetInfo(&f, &t) == cudaSuccess && t > 0;
     cudaGetLastError();
     throw DeviceError(fmt::format("out of GPU memory: {}too little to start (the weights alone need {})",
-                                  known ? mb(f) + " free of " + mb(t) + ", " : "",
-                                  mb(weights_bound(spec))));
+                                  known ? mib(f) + " free of " + mib(t) + ", " : "",
+                                  mib(gpu_weights_bound(spec))));
   }
   KESTREL_CUDA_CHECK(stream_err);
   {
@@ -289,44 +54,25 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
   }
 
   // Weights, streamed tensor by tensor into one allocation.
-  arena_size_ = weights_bound(spec);
-  arena_ = static_cast<char*>(alloc(arena_size_));
-  {
-    GpuLoader L{*this, Progress("loading", spec.files.total_bytes() / 1048576.0, "MiB", !quiet)};
-    w_.embed = L.upload(*spec.embed);
-    w_.final_norm = L.upload(*spec.final_norm);
-    w_.lm_head = spec.lm_head == spec.embed ? w_.embed : L.upload(*spec.lm_head);
-    for (const LayerSpec& ls : spec.layers) {
-      GpuLayer g;
-      g.input_norm = L.upload(*ls.input_norm);
-      g.post_norm = L.upload(*ls.post_norm);
-      const auto lin = layer_linears(ls);
-      g.qkv = L.linear(lin[0]);
-      g.o = L.linear(lin[1]);
-      g.gate_up = L.linear(lin[2]);
-      g.down = L.linear(lin[3]);
-      w_.layers.push_back(g);
-    }
-    L.bar.finish();
-  }
-  permute_down_inputs();
-  permute_residual_stream();
+  arena_.reserve(mem_, gpu_weights_bound(spec));
+  w_ = load_gpu_weights(spec, tuning_, arena_, stream_, quiet, weight_bytes_);
+  plan_act_order(w_, cfg_, mem_, stream_);
 
   // Activations.
-  int* io = static_cast<int*>(alloc(4 * sizeof(int)));
+  int* io = mem_.alloc_n<int>(4);
   s_.token = io;
   s_.pos = io + 1;
   s_.next = io + 2;
-  auto halves = [&](size_t n) { return static_cast<__half*>(alloc(n * sizeof(__half))); };
+  auto halves = [&](size_t n) { return mem_.alloc_n<__half>(n); };
   s_.x = halves(c.hidden);
   if (w_.embed_perm) s_.x2 = halves(c.hidden);
   s_.qkv = halves(c.q_dim() + 2 * c.kv_dim());
   s_.att = halves(c.q_dim());
   s_.gate_up = halves(2 * (size_t)c.intermediate);
   s_.logits = halves(c.vocab);
-  s_.logits_f32 = static_cast<float*>(alloc(c.vocab * sizeof(float)));
-  s_.sampling = static_cast<TopKSampling*>(alloc(sizeof(TopKSampling)));
-  s_.sample_workspace = alloc(cuda::sample_top_k_workspace_bytes());
+  s_.logits_f32 = mem_.alloc_n<float>(c.vocab);
+  s_.sampling = mem_.alloc_n<TopKSampling>(1);
+  s_.sample_workspace = mem_.alloc(cuda::sample_top_k_workspace_bytes());
   cuda::sample_top_k_workspace_reset(s_.sample_workspace, stream_);
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_io_, 5 * sizeof(int)));
   KESTREL_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&host_io_dev_), host_io_, 0));
@@ -374,7 +120,7 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
       if (fits < 16)
         throw DeviceError(fmt::format("out of GPU memory: the weights use {}, {} is left, too little "
                                       "for the {} of scratch kept free and a KV cache",
-                                      mb(m.weight_bytes_), mb(free_b), mb(reserve)));
+                                      mib(m.weight_bytes_), mib(free_b), mib(reserve)));
       if (!quiet)
         fmt::print(stderr, "note: GPU memory is short: context reduced from {} to {} tokens\n", ctx, fits);
       ctx = (int)fits;
@@ -382,15 +128,16 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
     q_.ctx = ctx;
     q_.cache_bytes = per_pos * ctx;
     auto alloc = [&](size_t bytes) {
-      return device_alloc(bytes, allocations_, fmt::format(" for a context of {}", ctx),
-                          "; use -c N");
+      return mem_.alloc(bytes, fmt::format(" for a context of {}", ctx), "; use -c N");
     };
     q_.key_cache = static_cast<__half*>(alloc(q_.cache_bytes / 2));
     q_.value_cache = static_cast<__half*>(alloc(q_.cache_bytes / 2));
     q_.att_workspace =
         static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim)));
     cuda::attention_workspace_reset(q_.att_workspace, ctx, c.n_heads, c.head_dim, m.stream_);
-    m.capture_graphs(*this);
+    graphs_.capture(ctx, m.tuning_.graph_ranges, LlamaCuda::kHeads, m.stream_, [&](int head, int bound) {
+      m.record_step(q_, m.stream_, (LlamaCuda::Head)head, bound);
+    });
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
   } catch (...) {
     release();
@@ -401,12 +148,9 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
 LlamaCudaSession::~LlamaCudaSession() { release(); }
 
 void LlamaCudaSession::release() {
-  if (!allocations_.empty()) cudaStreamSynchronize(m_.stream_);
-  for (cudaGraphExec_t g : graphs_)
-    if (g) cudaGraphExecDestroy(g);
+  if (!mem_.empty()) cudaStreamSynchronize(m_.stream_);
   graphs_.clear();
-  for (void* p : allocations_) cudaFree(p);
-  allocations_.clear();
+  mem_.free_all();
 }
 
 // A short prompt through the prefill at load, as llama.cpp warms up: the first use of cuBLASLt
@@ -440,104 +184,11 @@ LlamaCuda::~LlamaCuda() {
   prefill_.reset();
   for (cudaEvent_t e : chain_done_)
     if (e) cudaEventDestroy(e);
-  for (void* p : allocations_) cudaFree(p);
+  if (stream_) cudaStreamSynchronize(stream_);
+  mem_.free_all();  // the weights sit in its arena: the GEMV weights own no memory of their own
   if (host_io_) cudaFreeHost(host_io_);
   if (host_logits_) cudaFreeHost(host_logits_);
-  for (GpuLayer& l : w_.layers)
-    for (GpuLinear* lin : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      if (lin->quantized) cuda::gemv_free(lin->q);
-      for (GpuLinear& p : lin->parts)
-        if (p.quantized) cuda::gemv_free(p.q);
-    }
   if (stream_) cudaStreamDestroy(stream_);
-}
-
-// Act-order down weights gather their x through the permutation in every block (K = 11008 on
-// a 7B: 44 KB of indices per block); the gate|up GEMV before writes x in that order instead
-// (GpuLayer::down_x_index).
-void LlamaCuda::permute_down_inputs() {
-  auto wants = [&](const GpuLayer& g) {
-    return g.gate_up.can_silu_epilogue() && g.down.quantized && g.down.q.has_perm;
-  };
-  size_t n = 0;
-  for (const GpuLayer& g : w_.layers)
-    if (wants(g)) n += (size_t)g.down.K;
-  if (n == 0) return;
-  auto* d = static_cast<int32_t*>(alloc(n * sizeof(int32_t)));
-  for (GpuLayer& g : w_.layers) {
-    if (!wants(g)) continue;
-    g.down_x_index = upload_at(d, cuda::gemv_input_index(g.down.q, stream_));
-    g.down_x_permuted = g.down;
-    g.down_x_permuted.q = cuda::gemv_input_permuted(g.down.q);
-  }
-}
-
-// Act-order models: the decode step keeps the residual stream in the permutation of the GEMV
-// that reads it next (GpuLayer::StreamOrder), so that the qkv and gate|up GEMVs stage x as it
-// is, without a gather; o and down read their residual through one index and store through
-// another. All layers or none, as each down writes the next layer's order: every linear
-// quantized and fused, qkv and gate|up act-order. Where o has act-order too, attention stores
-// its output in o's permutation.
-void LlamaCuda::permute_residual_stream() {
-  if (w_.layers.empty()) return;
-  auto single = [](const GpuLinear& l) { return l.quantized && l.parts.empty(); };
-  for (const GpuLayer& g : w_.layers)
-    if (!single(g.qkv) || !single(g.o) || !single(g.gate_up) || !single(g.down) ||
-        !g.qkv.q.has_perm || !g.gate_up.q.has_perm)
-      return;
-  const int64_t H = cfg_.hidden;
-  const size_t n = w_.layers.size();
-  // Per layer where each element of x sits before qkv (a) and before gate|up (b): idx[i] is
-  // the position of element i (gemv_input_index), so x'[idx[i]] = x[i].
-  std::vector<std::vector<int32_t>> a(n), b(n);
-  for (size_t l = 0; l < n; ++l) {
-    a[l] = cuda::gemv_input_index(w_.layers[l].qkv.q, stream_);
-    b[l] = cuda::gemv_input_index(w_.layers[l].gate_up.q, stream_);
-  }
-  std::vector<int32_t> natural(H), embed_perm(H);
-  for (int64_t i = 0; i < H; ++i) {
-    natural[i] = (int32_t)i;
-    embed_perm[a[0][i]] = (int32_t)i;  // out[j] = row[embed_perm[j]]
-  }
-  auto* d = static_cast<int32_t*>(alloc((2 * n + 2) * H * sizeof(int32_t)));
-  const int64_t Q = cfg_.q_dim();
-  size_t n_att = 0;  // layers whose o has act-order: attention stores in its permutation
-  for (const GpuLayer& g : w_.layers) n_att += g.o.q.has_perm;
-  auto* d_att = n_att ? static_cast<int32_t*>(alloc(n_att * Q * sizeof(int32_t))) : nullptr;
-  auto* dn = static_cast<__half*>(alloc(2 * n * H * sizeof(__half)));
-  auto put_norm = [&](const __half* norm, const std::vector<int32_t>& idx) {
-    std::vector<uint16_t> h(H), p(H);
-    KESTREL_CUDA_CHECK(cudaMemcpy(h.data(), norm, H * sizeof(__half), cudaMemcpyDeviceToHost));
-    for (int64_t i = 0; i < H; ++i) p[idx[i]] = h[i];
-    KESTREL_CUDA_CHECK(cudaMemcpy(dn, p.data(), H * sizeof(__half), cudaMemcpyHostToDevice));
-    dn += H;
-    return dn - H;
-  };
-  std::vector<const int32_t*> da(n), db(n);
-  for (size_t l = 0; l < n; ++l) {
-    da[l] = upload_at(d, a[l]);
-    db[l] = upload_at(d, b[l]);
-  }
-  const int32_t* d_natural = upload_at(d, natural);
-  w_.embed_perm = upload_at(d, embed_perm);
-  for (size_t l = 0; l < n; ++l) {
-    GpuLayer& g = w_.layers[l];
-    GpuLayer::StreamOrder& o = g.order;
-    o.on = true;
-    o.input_norm = put_norm(g.input_norm, a[l]);
-    o.post_norm = put_norm(g.post_norm, b[l]);
-    o.qkv = cuda::gemv_input_permuted(g.qkv.q);
-    o.gate_up = cuda::gemv_input_permuted(g.gate_up.q);
-    o.o = g.o.q;
-    if (g.o.q.has_perm) {
-      o.att_out = upload_at(d_att, cuda::gemv_input_index(g.o.q, stream_));
-      o.o = cuda::gemv_input_permuted(g.o.q);
-    }
-    o.o_residual = da[l];
-    o.o_out = db[l];
-    o.down_residual = db[l];
-    o.down_out = l + 1 < n ? da[l + 1] : d_natural;
-  }
 }
 
 void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound) {
@@ -553,7 +204,7 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
     cuda::embedding_permuted_f16(w_.embed, s_.token, c.hidden, w_.embed_perm, s_.x, s);
   else
     cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
-  mark("embedding", 2 * c.hidden * h2, s);
+  profiler_.mark("embedding", 2 * c.hidden * h2, s);
   for (int l = 0; l < c.n_layers; ++l) {
     const GpuLayer& L = w_.layers[l];
     __half* k_cache = q.key_cache + l * kv_layer;    // [ctx, kv_dim]
@@ -567,7 +218,7 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
       cuda::gemv(O.qkv, s_.x, s_.qkv, nullptr, s, {O.input_norm, c.rms_eps});
     else
       L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
-    mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
+    profiler_.mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
     // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
     // rotates as it reads qkv and merges the chunks in the last block of each head range
     // (under L.order, storing its output in o's act-order permutation).
@@ -575,12 +226,12 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
                                     c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
                                     c.rope_linear_factor, q.att_workspace, s_.att, s,
                                     O.att_out, ctx_bound, tuning_.attention_heads_per_block);
-    mark("rope + kv write + attention", profile_ ? 2.0 * (profile_pos_ + 1) * c.kv_dim() * h2 : 0, s);
+    profiler_.mark("rope + kv write + attention", profiler_.on() ? 2.0 * (profiler_.pos() + 1) * c.kv_dim() * h2 : 0, s);
     if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's
       cuda::gemv(O.o, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
     else
       L.o.run(s_.att, s_.x, s_.x, s);
-    mark("gemv o (+residual)", L.o.bytes_moved(), s);
+    profiler_.mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
     // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x); the norm runs inside
     // the gate|up GEMV, SiLU * up in its epilogue (quantized) or in the down GEMV's staging.
@@ -592,28 +243,28 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
         cuda::gemv(O.gate_up, s_.x2, s_.gate_up, nullptr, s, {O.post_norm, c.rms_eps}, silu);
       else
         L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps}, silu);
-      mark("rms_norm + gemv gate|up + silu*up", L.gate_up.bytes_moved(), s);
+      profiler_.mark("rms_norm + gemv gate|up + silu*up", L.gate_up.bytes_moved(), s);
       const GpuLinear& down = L.down_x_index ? L.down_x_permuted : L.down;
       if (O.on)  // x = Wdown h + x2, x2 read in gate|up's order, x stored in the next qkv's
         cuda::gemv(down.q, s_.gate_up, s_.x, s_.x2, s, {}, {false, O.down_out, O.down_residual});
       else
         down.run(s_.gate_up, s_.x, s_.x, s);
-      mark("gemv down (+res)", down.bytes_moved(), s);
+      profiler_.mark("gemv down (+res)", down.bytes_moved(), s);
     } else {
       L.gate_up.run(s_.x, s_.gate_up, nullptr, s, {L.post_norm, c.rms_eps});  // [gate | up]
-      mark("rms_norm + gemv gate|up", L.gate_up.bytes_moved(), s);
+      profiler_.mark("rms_norm + gemv gate|up", L.gate_up.bytes_moved(), s);
       L.down.run(s_.gate_up, s_.x, s_.x, s, {nullptr, 0.f, /*silu_mul=*/true});
-      mark("silu*up + gemv down (+res)", L.down.bytes_moved(), s);
+      profiler_.mark("silu*up + gemv down (+res)", L.down.bytes_moved(), s);
     }
   }
   if (head == Head::None) return;
 
   cuda::gemv_f16(w_.lm_head, s_.x, s_.logits, c.vocab, c.hidden, nullptr, s, {},
                  {w_.final_norm, c.rms_eps});  // [vocab] = lm_head rmsnorm(x)
-  mark("rms_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
+  profiler_.mark("rms_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
   if (head == Head::Argmax) {
     cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
-    mark("argmax", c.vocab * h2, s);
+    profiler_.mark("argmax", c.vocab * h2, s);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_io_ + 2, s_.next, sizeof(int), cudaMemcpyDeviceToHost, s));
   } else if (chained) {
     // s_.token and s_.pos are adjacent: the token feeds the next step and tells the host.
@@ -621,10 +272,10 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
     if (sampled) {
       cuda::sample_top_k_f16(s_.logits, c.vocab, s_.sampling, s_.sample_workspace, s_.next, s,
                              s_.token, slot);
-      mark("top-k sampling", c.vocab * h2, s);
+      profiler_.mark("top-k sampling", c.vocab * h2, s);
     } else {
       cuda::argmax_f16(s_.logits, c.vocab, s_.next, s, s_.token, slot);
-      mark("argmax", c.vocab * h2, s);
+      profiler_.mark("argmax", c.vocab * h2, s);
     }
   } else {
     cuda::half_to_float(s_.logits, s_.logits_f32, c.vocab, s);
@@ -633,99 +284,11 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
   }
 }
 
-struct LlamaCuda::StepProfile {
-  cudaEvent_t start = nullptr;
-  std::vector<std::pair<std::string, double>> ops;  // name, bytes
-  std::vector<cudaEvent_t> events;
-};
-
-void LlamaCuda::mark(const char* op, double bytes, cudaStream_t s) {
-  if (!profile_) return;
-  cudaEvent_t e;
-  KESTREL_CUDA_CHECK(cudaEventCreate(&e));
-  KESTREL_CUDA_CHECK(cudaEventRecordWithFlags(e, s, cudaEventRecordExternal));
-  profile_->ops.emplace_back(op, bytes);
-  profile_->events.push_back(e);
-}
-
 std::vector<OpTime> LlamaCuda::profile_step(LlamaCudaSession& q, int token, int pos) {
   set_step_input(q, token, pos);
-  StepProfile prof;
-  profile_pos_ = pos;
-  KESTREL_CUDA_CHECK(cudaEventCreate(&prof.start));
-  // Captured as a graph with an event node after every op, so that the step runs as in
-  // decoding (no host launch gaps), and replayed twice: the second replay is timed.
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  profile_ = &prof;
-  KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  try {
-    KESTREL_CUDA_CHECK(cudaEventRecordWithFlags(prof.start, stream_, cudaEventRecordExternal));
-    record_step(q.q_, stream_, Head::Argmax, q.range_end_[q.graph_range(pos)]);
-  } catch (...) {
-    profile_ = nullptr;
-    cudaStreamEndCapture(stream_, &graph);
-    if (graph) cudaGraphDestroy(graph);
-    throw;
-  }
-  profile_ = nullptr;
-  KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-  cudaGraphDestroy(graph);
-  KESTREL_CUDA_CHECK(err);
-  for (int i = 0; i < 2; ++i) KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  cudaGraphExecDestroy(exec);
-  std::vector<OpTime> out;
-  cudaEvent_t prev = prof.start;
-  for (size_t i = 0; i < prof.ops.size(); ++i) {
-    float ms = 0;
-    KESTREL_CUDA_CHECK(cudaEventElapsedTime(&ms, prev, prof.events[i]));
-    prev = prof.events[i];
-    auto it = std::find_if(out.begin(), out.end(), [&](const OpTime& t) { return t.op == prof.ops[i].first; });
-    if (it == out.end()) it = out.insert(out.end(), OpTime{prof.ops[i].first});
-    it->launches += 1;
-    it->us += ms * 1000.0;
-    it->bytes += prof.ops[i].second;
-  }
-  cudaEventDestroy(prof.start);
-  for (cudaEvent_t e : prof.events) cudaEventDestroy(e);
-  return out;
-}
-
-// Attention's grid covers the positions its graph may be replayed at; blocks past the position
-// exit at once but each is still launched, and the blocks per query head (heads_per_block in
-// kernels/attention/attention.cu) are best chosen by the context's length. So the step is
-// captured once per range of positions, each range twice the last: 3 ranges at 2,048
-// positions, 4 at 4,096, 9 at 131,072 (7 graphs each). The range's end is a position bound
-// only: a graph reads its token and position from device memory like the others.
-void LlamaCuda::capture_graphs(LlamaCudaSession& q) {
-  const int ctx = q.q_.ctx;
-  q.range_end_.clear();
-  for (int end = 512; end < ctx && tuning_.graph_ranges; end *= 2) q.range_end_.push_back(end);
-  q.range_end_.push_back(ctx);
-  q.graphs_.assign(q.range_end_.size() * kHeads, nullptr);
-  for (size_t r = 0; r < q.range_end_.size(); ++r)
-    for (Head h : {Head::None, Head::Argmax, Head::Logits, Head::Chain0, Head::Chain1,
-                   Head::Sample0, Head::Sample1}) {
-      cudaGraph_t graph = nullptr;
-      KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      try {
-        record_step(q.q_, stream_, h, q.range_end_[r]);
-      } catch (...) {
-        cudaStreamEndCapture(stream_, &graph);
-        if (graph) cudaGraphDestroy(graph);
-        throw;
-      }
-      KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-      const cudaError_t err = cudaGraphInstantiate(&q.graphs_[r * kHeads + (int)h], graph, 0);
-      cudaGraphDestroy(graph);
-      KESTREL_CUDA_CHECK(err);
-    }
-}
-
-int LlamaCudaSession::graph_range(int pos) const {
-  return (int)(std::upper_bound(range_end_.begin(), range_end_.end(), pos) - range_end_.begin());
+  return profiler_.profile(stream_, pos, [&] {
+    record_step(q.q_, stream_, Head::Argmax, q.graphs_.bound(pos));
+  });
 }
 
 void LlamaCudaSession::check_position(int pos) const {

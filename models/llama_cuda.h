@@ -10,82 +10,15 @@
 #include <string>
 #include <vector>
 
+#include "models/gpu/graphs.h"
+#include "models/gpu/memory.h"
+#include "models/gpu/profiler.h"
+#include "models/gpu/weights.h"
+#include "models/io/model_spec.h"
 #include "models/model.h"
 #include "models/tuning.h"
-#include "models/io/model_spec.h"
-#include "kernels/gemv/gemv.h"
 
 namespace kestrel {
-
-// One linear layer on the GPU, or several fused along N (q|k|v, gate|up): GPTQ parts run as
-// one fused dequant-GEMV; dense FP16 parts as one FP16 GEMV over concatenated rows.
-struct GpuLinear {
-  int64_t N = 0, K = 0;
-  bool quantized = false;
-  cuda::GemvWeight q;         // quantized
-  __half* dense = nullptr;    // [N, K] FP16, dense
-  // Linears of one input that could not be fused (GPTQ formats or act-order permutations that
-  // differ): each keeps its own format and runs into its columns of y, one after the other.
-  // Neither q nor dense is set then.
-  std::vector<GpuLinear> parts;
-  size_t bytes = 0;
-
-  // Bytes one run moves through device memory (weights, x, y).
-  double bytes_moved() const;
-  // y [N] = W x (+ residual [N]; y may alias residual)
-  // `in` fuses the op before the linear (RMSNorm, SiLU * up) into its staging of x; `out` the
-  // op after it (quantized only: see can_silu_epilogue).
-  void run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
-           cuda::GemvInput in = {}, cuda::GemvEpilogue out = {}) const;
-  // Whether run can apply SiLU(gate) * up in its epilogue (a quantized fused [gate | up]).
-  bool can_silu_epilogue() const { return quantized; }
-  // The single linears that make it up: itself, or its parts.
-  std::vector<const GpuLinear*> leaves() const;
-};
-
-struct GpuLayer {
-  __half* input_norm = nullptr;  // [hidden]
-  __half* post_norm = nullptr;   // [hidden]
-  GpuLinear qkv;                 // [q_dim + 2 * kv_dim, hidden]
-  GpuLinear o;                   // [hidden, q_dim]
-  GpuLinear gate_up;             // [2 * intermediate, hidden]
-  GpuLinear down;                // [hidden, intermediate]
-  // Act-order down weights (quantized gate|up): the decode step's gate|up GEMV stores SiLU *
-  // up at down_x_index (cuda::gemv_input_index), so that down_x_permuted (down's memory, no
-  // permutation) stages its x without a gather. nullptr otherwise.
-  const int32_t* down_x_index = nullptr;  // [intermediate]
-  GpuLinear down_x_permuted;
-  // Act-order models (LlamaCuda::permute_residual_stream): the decode step keeps the residual
-  // stream in the act-order permutation of the GEMV that reads it next, so that qkv and gate|up
-  // stage x without a gather: x before qkv in qkv's permutation, after o in gate|up's, after
-  // down in the next layer's qkv's (natural after the last layer). o and down read the
-  // residual through one index and store through another, into the other buffer. Unset
-  // (order.on false) otherwise.
-  struct StreamOrder {
-    bool on = false;
-    const __half* input_norm = nullptr;  // [hidden] input_norm in qkv's permutation
-    const __half* post_norm = nullptr;   // [hidden] post_norm in gate|up's
-    cuda::GemvWeight qkv, gate_up;       // gemv_input_permuted views of qkv and gate|up
-    // o's input, attention's output, stored in o's permutation where o has one (att_out, and
-    // o its gemv_input_permuted view); else att_out nullptr and o is o's weight.
-    const int32_t* att_out = nullptr;    // [q_dim]
-    cuda::GemvWeight o;
-    const int32_t* o_residual = nullptr;     // [hidden] where o reads its row i's residual
-    const int32_t* o_out = nullptr;          // [hidden] where o stores row i
-    const int32_t* down_residual = nullptr;  // [hidden]
-    const int32_t* down_out = nullptr;       // [hidden]
-  } order;
-};
-
-struct GpuWeights {
-  __half* embed = nullptr;       // [vocab, hidden]
-  // [hidden]: the decode step's embedding row in layer 0's qkv permutation (GpuLayer::order);
-  // nullptr = natural order.
-  const int32_t* embed_perm = nullptr;
-  __half* final_norm = nullptr;  // [hidden]
-  __half* lm_head = nullptr;     // [vocab, hidden] (== embed when tied)
-  std::vector<GpuLayer> layers;
-};
 
 // Activations of one token, all FP16 on the device: the model's scratch, which its sessions
 // share as they take turns.
@@ -181,28 +114,15 @@ class LlamaCuda final : public Model {
   std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
   int prefill_chunk_ = 2048;
 
-  // Sets GpuLayer::down_x_index and down_x_permuted for act-order down weights (at load).
-  void permute_down_inputs();
-  void permute_residual_stream();
   // Enqueues one decode step over sequence q (the token and position are read from device
   // memory; all heads but the chained ones first copy them from host_io_) for positions
   // below ctx_bound.
   void record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound);
-  // A sequence's decode graphs: one per head for each range of positions, [0, 512),
-  // [512, 1024), [1024, 2048), ... up to its context, each with attention's grid sized for
-  // its range's end (one range when tuning_.graph_ranges is off).
-  void capture_graphs(LlamaCudaSession& q);
   void warm_up(LlamaCudaSession& q);  // one short prefill (cuBLASLt's first use)
   // Runs one step through the graph for `head`; returns when the result is on the host.
   void step(LlamaCudaSession& q, int token, int pos, Head head);
   // A step's token and position, checked, into host_io_ (which the graphs copy from).
   void set_step_input(const LlamaCudaSession& q, int token, int pos);
-
-  // Events recorded after each op while profiling (nullptr otherwise: graphs carry none).
-  struct StepProfile;
-  StepProfile* profile_ = nullptr;
-  int profile_pos_ = 0;
-  void mark(const char* op, double bytes, cudaStream_t s);
 
   ModelConfig cfg_;
   DecodeTuning tuning_;
@@ -211,22 +131,17 @@ class LlamaCuda final : public Model {
   size_t free_at_start_ = 0, after_load_bytes_ = 0;  // device_bytes_* (cudaMemGetInfo)
   size_t scratch_bytes_ = 0;  // the decode step's scratch and buffers, measured at load
   bool warmed_up_ = false;
+  DeviceMemory mem_;     // the weights' arena, the act-order indices, the step's scratch
+  DeviceArena arena_;    // the weights
   GpuWeights w_;
   GpuRunState s_;
-  std::vector<void*> allocations_;
+  StepProfiler profiler_;
   cudaStream_t stream_ = nullptr;
   int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next, [3..4] chain slots
   int* host_io_dev_ = nullptr;    // host_io_ as the device addresses it
   cudaEvent_t chain_done_[2] = {nullptr, nullptr};  // the chained step of each slot is done
   class ChainedRun;
   float* host_logits_ = nullptr;  // pinned [vocab]
-
-  void* alloc(size_t bytes);
-  // Every weight lives in one allocation sized before loading (cudaMalloc rounds each
-  // allocation up to 2 MiB pages): a bump arena, 256-byte aligned pieces.
-  char* arena_ = nullptr;
-  size_t arena_size_ = 0, arena_used_ = 0;
-  void* arena_alloc(size_t bytes);
 };
 
 // A sequence on the GPU: its KV cache and attention workspace (allocated here, freed with the
@@ -260,16 +175,12 @@ class LlamaCudaSession final : public Session {
   friend class LlamaCuda;
   void release();                      // the graphs and the device memory, once
   void check_position(int pos) const;  // throws Error past the context
-  int graph_range(int pos) const;      // the range of position pos (an index of range_end_)
-  cudaGraphExec_t graph(int pos, LlamaCuda::Head head) const {
-    return graphs_[(size_t)graph_range(pos) * LlamaCuda::kHeads + (int)head];
-  }
+  cudaGraphExec_t graph(int pos, LlamaCuda::Head head) const { return graphs_.get(pos, (int)head); }
 
   LlamaCuda& m_;
   GpuSequence q_;
-  std::vector<void*> allocations_;
-  std::vector<int> range_end_;           // each range's end (exclusive), the last q_.ctx
-  std::vector<cudaGraphExec_t> graphs_;  // [range][head]
+  DeviceMemory mem_;
+  DecodeGraphs graphs_;  // per range of positions and head, bound to q_
 };
 
 }  // namespace kestrel

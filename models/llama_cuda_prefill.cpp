@@ -33,7 +33,7 @@ struct LlamaCuda::PrefillState {
   explicit PrefillState(cuda::GemmMemory mem) : gemm(mem) {}
   int rows = 0;                    // chunk capacity in tokens
   cuda::GemmRunner gemm;
-  std::vector<void*> buffers;
+  DeviceMemory mem;
   int* tokens = nullptr;           // [rows]
   int* targets = nullptr;          // [rows]
   float* nll = nullptr;            // [rows]
@@ -47,21 +47,8 @@ struct LlamaCuda::PrefillState {
   float* logits = nullptr;         // [rows, vocab] or [1, vocab] until all rows are wanted
   int logits_rows = 0;
 
-  ~PrefillState() {
-    for (void* p : buffers) cudaFree(p);
-  }
   // Allocates or throws DeviceError (the caller retries with fewer rows).
-  void* take(size_t bytes) {
-    void* p = nullptr;
-    const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 256));
-    if (err != cudaSuccess) {
-      cudaGetLastError();
-      throw DeviceError(fmt::format("out of GPU memory for the prefill scratch ({} MiB)",
-                                    bytes >> 20));
-    }
-    buffers.push_back(p);
-    return p;
-  }
+  void* take(size_t bytes) { return mem.alloc(bytes, " for the prefill scratch"); }
 };
 
 void LlamaCuda::PrefillDeleter::operator()(PrefillState* p) const { delete p; }

@@ -80,17 +80,6 @@ std::string opt_string(const json& j, const char* key, const std::string& where,
   return v->get<std::string>();
 }
 
-// eos_token_id: one id or a list of ids.
-std::vector<int> parse_eos(const json& v, const std::string& where) {
-  std::vector<int> ids;
-  if (v.is_array()) {
-    for (const json& x : v) ids.push_back(to_int(x, "eos_token_id", where));
-  } else {
-    ids.push_back(to_int(v, "eos_token_id", where));
-  }
-  return ids;
-}
-
 QuantConfig parse_quant_json(const json& j, const std::string& where, QuantConfigSource source) {
   KESTREL_CHECK(j.is_object(), fmt::format("{}: not a JSON object", where));
   QuantConfig q;
@@ -226,13 +215,7 @@ ModelConfig load_model_config(const std::string& dir) {
   KESTREL_CHECK(archs->is_array() && !archs->empty(),
                 fmt::format("{}: architectures must be a non-empty list, found {}", where, archs->dump()));
   for (const json& a : *archs) {
-    if (a == "LlamaForCausalLM") {
-      c.arch = Arch::Llama;
-    } else if (a == "MistralForCausalLM") {
-      c.arch = Arch::Mistral;
-    } else {
-      continue;
-    }
+    if (a != "LlamaForCausalLM" && a != "MistralForCausalLM") continue;
     c.architecture = a.get<std::string>();
     break;
   }
@@ -283,7 +266,6 @@ ModelConfig load_model_config(const std::string& dir) {
   c.tie_embeddings = opt_bool(j, "tie_word_embeddings", where, false);
   c.attention_bias = opt_bool(j, "attention_bias", where, false);
   c.mlp_bias = opt_bool(j, "mlp_bias", where, false);
-  c.bos_id = opt_int(j, "bos_token_id", where, 1);
 
   const char* dtype_key = field(j, "torch_dtype") ? "torch_dtype" : "dtype";
   const std::string dtype = opt_string(j, dtype_key, where, "float16");
@@ -296,16 +278,6 @@ ModelConfig load_model_config(const std::string& dir) {
   } else {
     throw Error(fmt::format("{}: unsupported {} {} (supported: float16, bfloat16, float32)", where,
                             dtype_key, dtype));
-  }
-
-  if (const json* eos = field(j, "eos_token_id")) {
-    c.eos_ids = parse_eos(*eos, where);
-  } else {
-    const fs::path gen = fs::path(dir) / "generation_config.json";
-    if (fs::is_regular_file(gen, ec)) {
-      const json g = read_json_object(gen);
-      if (const json* geos = field(g, "eos_token_id")) c.eos_ids = parse_eos(*geos, gen.string());
-    }
   }
 
   // Quantization: AutoGPTQ's quantize_config.json and/or transformers' quantization_config.

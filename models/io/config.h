@@ -1,5 +1,6 @@
 // Hyperparameters of a model, parsed and validated once from a Hugging Face model directory
-// (config.json, quantize_config.json / quantization_config, generation_config.json).
+// (config.json, quantize_config.json / quantization_config). The tokenizer reads its own
+// special-token ids (tokenizer/tokenizer.h).
 // Raw JSON never travels past the loader: everything downstream sees these structs.
 #pragma once
 
@@ -10,8 +11,6 @@
 #include "engine/base/dtype.h"
 
 namespace kestrel {
-
-enum class Arch { Llama, Mistral };
 
 // GPTQ checkpoint zero-point convention (../docs: `checkpoint_format`).
 enum class GptqFormat { V1 /* "gptq": zeros stored minus one */, V2 /* "gptq_v2": as is */ };
@@ -30,7 +29,6 @@ struct QuantConfig {
 };
 
 struct ModelConfig {
-  Arch arch = Arch::Llama;
   std::string architecture;  // as written in config.json, e.g. "LlamaForCausalLM"
   int hidden = 0;            // hidden_size
   int intermediate = 0;      // intermediate_size
@@ -47,9 +45,6 @@ struct ModelConfig {
   bool tie_embeddings = false;
   bool attention_bias = false;  // q/k/v(/o) carry a bias
   bool mlp_bias = false;
-  int bos_id = 1;
-  std::vector<int> eos_ids;     // eos_token_id may be a list; from generation_config.json when
-                                // config.json has none; empty when neither names one
   DType dtype = DType::F16;     // torch_dtype / dtype: F16 or BF16 (F32 accepted)
   std::optional<QuantConfig> quant;  // absent = unquantized model
 

@@ -558,7 +558,7 @@ std::vector<int> sample_windows(const fs::path& dir, int windows, uint32_t seed)
   std::vector<float> logits(vocab);
   std::vector<double> p(vocab);
   for (int w = 0; w < windows; ++w) {
-    int token = spec.config.bos_id;
+    int token = 1;  // synth models' BOS
     for (int pos = 0; pos < 128; ++pos) {
       ids.push_back(token);
       m->forward_token(token, pos, logits.data());

@@ -48,7 +48,6 @@ struct Dir {
 TEST(Config, LlamaFields) {
   Dir d;
   const ModelConfig c = d.load(llama_config());
-  EXPECT_EQ(c.arch, Arch::Llama);
   EXPECT_EQ(c.architecture, "LlamaForCausalLM");
   EXPECT_EQ(c.hidden, 256);
   EXPECT_EQ(c.intermediate, 688);
@@ -64,8 +63,6 @@ TEST(Config, LlamaFields) {
   EXPECT_EQ(c.max_pos, 2048);
   EXPECT_EQ(c.vocab, 32000);
   EXPECT_FALSE(c.tie_embeddings);
-  EXPECT_EQ(c.bos_id, 1);
-  EXPECT_EQ(c.eos_ids, std::vector<int>{2});
   EXPECT_EQ(c.dtype, DType::F16);
   EXPECT_EQ(c.sliding_window, 0);
   EXPECT_FALSE(c.attention_bias);
@@ -81,7 +78,6 @@ TEST(Config, MistralWithSlidingWindowAndBf16) {
   j["tie_word_embeddings"] = true;
   j["attention_bias"] = true;
   const ModelConfig c = d.load(j);
-  EXPECT_EQ(c.arch, Arch::Mistral);
   EXPECT_EQ(c.sliding_window, 4096);
   EXPECT_EQ(c.dtype, DType::BF16);
   EXPECT_TRUE(c.tie_embeddings);
@@ -216,23 +212,6 @@ TEST(Config, RopeParameters) {
   EXPECT_THAT(d.error(j), HasSubstr("unsupported rope_type llama3"));
   j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "yarn"}};
   EXPECT_THAT(d.error(j), HasSubstr("rope_parameters: unsupported rope_type yarn"));
-}
-
-TEST(Config, EosList) {
-  Dir d;
-  json j = llama_config();
-  j["eos_token_id"] = {128001, 128008, 128009};
-  EXPECT_EQ(d.load(j).eos_ids, (std::vector<int>{128001, 128008, 128009}));
-}
-
-TEST(Config, EosFromGenerationConfigWhenConfigHasNone) {
-  Dir d;
-  json j = llama_config();
-  j.erase("eos_token_id");
-  test::write_text(d.tmp.file("generation_config.json"), R"({"eos_token_id": [7, 9], "bos_token_id": 1})");
-  EXPECT_EQ(d.load(j).eos_ids, (std::vector<int>{7, 9}));
-  j["eos_token_id"] = 5;  // config.json wins
-  EXPECT_EQ(d.load(j).eos_ids, std::vector<int>{5});
 }
 
 TEST(Config, MissingConfigJson) {

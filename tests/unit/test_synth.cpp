@@ -1,6 +1,7 @@
 // kestrel-synth: the directories it writes load with load_model_spec, hold GPTQ tensors in
 // the documented layout with the intended weight statistics, and are reproducible.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <sentencepiece_processor.h>
 #include <unistd.h>
 
@@ -129,8 +130,10 @@ TEST_F(SynthTest, TinyFp16HasTheTinyShapeAndIntendedScales) {
   EXPECT_EQ(c.vocab, tokenizer_pieces());
   EXPECT_FLOAT_EQ(c.rms_eps, 1e-5f);
   EXPECT_FLOAT_EQ(c.rope_theta, 10000.0f);
-  EXPECT_EQ(c.bos_id, 1);
-  EXPECT_EQ(c.eos_ids, std::vector<int>{2});
+  // The special ids, which the tokenizer reads from config.json.
+  const nlohmann::json raw = nlohmann::json::parse(std::ifstream(o.out + "/config.json"));
+  EXPECT_EQ(raw.at("bos_token_id"), 1);
+  EXPECT_EQ(raw.at("eos_token_id"), 2);
   EXPECT_EQ(c.dtype, DType::F16);
   EXPECT_FALSE(c.tie_embeddings);
   EXPECT_FALSE(c.quant.has_value());

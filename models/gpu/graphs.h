@@ -1,0 +1,47 @@
+// CUDA graphs of the decode step: capture, and the set a sequence replays.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <vector>
+
+namespace kestrel {
+
+// Captures what `record` enqueues on s (thread-local capture mode) and instantiates it. Where
+// record throws, the capture is ended and discarded and the exception passes on.
+cudaGraphExec_t capture_graph(cudaStream_t s, const std::function<void()>& record);
+
+// A sequence's decode graphs: one per head for each range of positions, [0, 512),
+// [512, 1024), [1024, 2048), ... up to its context (or one range for all).
+//
+// Attention's grid covers the positions its graph may be replayed at; blocks past the position
+// exit at once but each is still launched, and the blocks per query head are best chosen by the
+// context's length. So the step is captured once per range, each range twice the last: 3
+// ranges at 2,048 positions, 4 at 4,096, 9 at 131,072. A range's end is a bound only: every
+// graph reads its token and position from device memory.
+class DecodeGraphs {
+ public:
+  DecodeGraphs() = default;
+  DecodeGraphs(const DecodeGraphs&) = delete;
+  DecodeGraphs& operator=(const DecodeGraphs&) = delete;
+  ~DecodeGraphs() { clear(); }
+
+  // record(head, bound) enqueues the step for `head` (0 .. heads - 1) at positions below
+  // `bound`. Replaces what was captured before.
+  void capture(int ctx, bool ranges, int heads, cudaStream_t s,
+               const std::function<void(int head, int bound)>& record);
+  cudaGraphExec_t get(int pos, int head) const { return graphs_[(size_t)range(pos) * heads_ + head]; }
+  // The bound of pos's range (the end of the range, exclusive).
+  int bound(int pos) const { return range_end_[range(pos)]; }
+  // Destroys the graphs (none may be running).
+  void clear();
+
+ private:
+  int range(int pos) const;
+  int heads_ = 0;
+  std::vector<int> range_end_;           // each range's end, the last the context
+  std::vector<cudaGraphExec_t> graphs_;  // [range][head]
+};
+
+}  // namespace kestrel
