@@ -1,5 +1,7 @@
-// The Llama family (LlamaForCausalLM, MistralForCausalLM) on the CPU reference ops, in fp32.
-// This is Kestrel's reference engine (`--device cpu`) and the oracle of the CUDA forward.
+// The decoder families (models/io/family.h: Llama, Mistral, Qwen2, Qwen3, OPT) on the CPU
+// reference ops, in fp32: one forward whose blocks (norm, positions, q/k norm, MLP, biases) the
+// config chooses. This is Kestrel's reference engine (`--device cpu`) and the oracle of the
+// CUDA forward.
 #pragma once
 
 #include <cstdint>
@@ -42,10 +44,12 @@ struct CpuLinear {
 struct CpuLayer {
   std::vector<float> input_norm;  // [hidden]
   std::vector<float> post_norm;   // [hidden]
+  std::vector<float> input_norm_bias, post_norm_bias;  // [hidden] LayerNorm; else empty
   CpuLinear q;                    // [n_heads * head_dim, hidden]
   CpuLinear k, v;                 // [n_kv_heads * head_dim, hidden]
   CpuLinear o;                    // [hidden, n_heads * head_dim]
-  CpuLinear gate, up;             // [intermediate, hidden]
+  std::vector<float> q_norm, k_norm;  // [head_dim] per-head RMSNorm of q and k; else empty
+  CpuLinear gate, up;             // [intermediate, hidden]; no gate in a ReLU MLP (up = fc1)
   CpuLinear down;                 // [hidden, intermediate]
 };
 
@@ -65,7 +69,9 @@ struct LayerTaps {
 
 struct CpuWeights {
   std::vector<float> embed;       // [vocab, hidden]
+  std::vector<float> positions;   // [max_pos + offset, hidden] learned positions; else empty
   std::vector<float> final_norm;  // [hidden]
+  std::vector<float> final_norm_bias;  // [hidden] LayerNorm; else empty
   CpuLinear lm_head;              // [vocab, hidden] (a copy of embed when tied)
   std::vector<CpuLayer> layers;
 };
@@ -114,9 +120,10 @@ class LlamaCpu final : public Model {
   // i attends causally over cache positions up to pos0+i (Mistral's window applied).
   void layer_forward(CpuRunState& s, int layer, float* x, int T, int pos0,
                      const LayerTaps* taps = nullptr) const;
-  // x [T, hidden] = the embedding rows of tokens[0..T).
-  void embed(const int* tokens, int T, float* x) const;
-  // logits [T, vocab] = lm_head(rmsnorm(x)), x [T, hidden].
+  // x [T, hidden] = the embedding rows of tokens[0..T) (plus the learned rows of positions
+  // pos0 .. pos0 + T - 1 where the family has them).
+  void embed(const int* tokens, int T, int pos0, float* x) const;
+  // logits [T, vocab] = lm_head(norm(x)), x [T, hidden].
   void head_forward(const float* x, int T, float* logits) const;
   // The weights of decoder layer l, to read or to replace (the quantizer swaps in quantized
   // linears, or a whole layer loaded with load_layer()).
@@ -128,9 +135,16 @@ class LlamaCpu final : public Model {
  private:
   void forward_batch(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
                      float* all_logits) const;
+  // y [rows, hidden] = the family's norm (RMSNorm, or LayerNorm with bias b) of x.
+  void norm(const float* x, const std::vector<float>& w, const std::vector<float>& b, int rows,
+            float* y) const;
+  // q [n_heads, head_dim] and k [n_kv_heads, head_dim] of one position: the per-head norms
+  // (Qwen3) and RoPE where the family has them.
+  void position_qk(const CpuLayer& L, float* q, float* k, int pos) const;
 
   ModelConfig cfg_;
   CpuWeights w_;
+  std::vector<float> inv_freq_;  // RoPE's frequencies [head_dim / 2] (rope_inv_freq)
 };
 
 // A sequence on the CPU reference: its activations and KV cache.

@@ -1,4 +1,4 @@
-// The Llama forward pass on the CPU reference ops, one token at a time, in fp32.
+// The decoder forward pass on the CPU reference ops, one token at a time, in fp32.
 #include "models/llama.h"
 
 #include <algorithm>
@@ -65,8 +65,14 @@ void CpuLinear::forward(const float* x, int64_t M, float* y) const {
 }
 
 LlamaCpu::LlamaCpu(const ModelSpec& spec) : cfg_(spec.config) {
+  const ModelConfig& c = cfg_;
   w_.embed = to_float(*spec.embed);
+  if (spec.positions) w_.positions = to_float(*spec.positions);
   w_.final_norm = to_float(*spec.final_norm);
+  if (spec.final_norm_bias) w_.final_norm_bias = to_float(*spec.final_norm_bias);
+  inv_freq_ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_linear_factor, c.rope_llama3.factor,
+                            c.rope_llama3.low_freq_factor, c.rope_llama3.high_freq_factor,
+                            c.rope_llama3.original_max_pos);
   LinearSpec head;
   head.name = "lm_head";
   head.N = cfg_.vocab;
@@ -101,30 +107,47 @@ std::unique_ptr<LlamaCpuSession> LlamaCpu::new_cpu_session(int context) {
 
 std::unique_ptr<Session> LlamaCpu::new_session(int context, bool) { return new_cpu_session(context); }
 
+void LlamaCpu::norm(const float* x, const std::vector<float>& w, const std::vector<float>& b,
+                    int rows, float* y) const {
+  if (cfg_.norm == NormKind::Layer)
+    layer_norm_ref(x, w.data(), b.data(), cfg_.rms_eps, rows, cfg_.hidden, y);
+  else
+    rms_norm_ref(x, w.data(), cfg_.rms_eps, rows, cfg_.hidden, y);
+}
+
+void LlamaCpu::position_qk(const CpuLayer& L, float* q, float* k, int pos) const {
+  const ModelConfig& c = cfg_;
+  if (c.qk_norm) {  // RMSNorm over each head, one weight of head_dim shared by the heads
+    rms_norm_ref(q, L.q_norm.data(), c.rms_eps, c.n_heads, c.head_dim, q);
+    rms_norm_ref(k, L.k_norm.data(), c.rms_eps, c.n_kv_heads, c.head_dim, k);
+  }
+  if (c.positions == PositionKind::Rope) {
+    rope_ref(q, c.n_heads, c.head_dim, pos, inv_freq_.data());
+    rope_ref(k, c.n_kv_heads, c.head_dim, pos, inv_freq_.data());
+  }
+}
+
 void LlamaCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {
   const ModelConfig& c = cfg_;
   const int hidden = c.hidden, kv_dim = c.kv_dim();
-  KESTREL_CHECK(token >= 0 && token < c.vocab,
-                "token id " + std::to_string(token) + " is outside the vocabulary (" +
-                    std::to_string(c.vocab) + ")");
   KESTREL_CHECK(pos >= 0 && pos < st.ctx, "position " + std::to_string(pos) +
                                              " is past the context of " + std::to_string(st.ctx));
 
-  // x [hidden] = embed[token]
-  std::copy_n(&w_.embed[(size_t)token * hidden], hidden, st.x.begin());
+  // x [hidden] = embed[token] (+ the learned row of pos)
+  embed(&token, 1, pos, st.x.data());
 
   for (int l = 0; l < c.n_layers; ++l) {
     const CpuLayer& L = w_.layers[l];
     float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
     float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
 
-    // Attention block: xb = rmsnorm(x); q, k, v = xb Wq, xb Wk, xb Wv; RoPE on q and k.
-    rms_norm_ref(st.x.data(), L.input_norm.data(), c.rms_eps, 1, hidden, st.xb.data());
+    // Attention block: xb = norm(x); q, k, v = xb Wq, xb Wk, xb Wv (+ biases); per-head norms
+    // and RoPE on q and k.
+    norm(st.x.data(), L.input_norm, L.input_norm_bias, 1, st.xb.data());
     L.q.forward(st.xb.data(), 1, st.q.data());
     L.k.forward(st.xb.data(), 1, st.k.data());
     L.v.forward(st.xb.data(), 1, st.v.data());
-    rope_ref(st.q.data(), c.n_heads, c.head_dim, pos, c.rope_theta, c.rope_linear_factor);
-    rope_ref(st.k.data(), c.n_kv_heads, c.head_dim, pos, c.rope_theta, c.rope_linear_factor);
+    position_qk(L, st.q.data(), st.k.data(), pos);
     std::copy(st.k.begin(), st.k.end(), k_cache + (size_t)pos * kv_dim);
     std::copy(st.v.begin(), st.v.end(), v_cache + (size_t)pos * kv_dim);
 
@@ -137,17 +160,22 @@ void LlamaCpu::forward_token(CpuRunState& st, int token, int pos, float* logits)
     L.o.forward(st.att.data(), 1, st.proj.data());
     for (int i = 0; i < hidden; ++i) st.x[i] += st.proj[i];
 
-    // MLP block: x += (silu(xb Wgate) * (xb Wup)) Wdown, xb = rmsnorm(x)
-    rms_norm_ref(st.x.data(), L.post_norm.data(), c.rms_eps, 1, hidden, st.xb.data());
-    L.gate.forward(st.xb.data(), 1, st.gate.data());
+    // MLP block, xb = norm(x): x += (silu(xb Wgate) * (xb Wup)) Wdown, or (ReLU MLP)
+    // x += relu(xb Wfc1) Wfc2.
+    norm(st.x.data(), L.post_norm, L.post_norm_bias, 1, st.xb.data());
     L.up.forward(st.xb.data(), 1, st.up.data());
-    silu_mul_ref(st.gate.data(), st.up.data(), c.intermediate, st.gate.data());
-    L.down.forward(st.gate.data(), 1, st.proj.data());
+    if (c.mlp == MlpKind::GatedSiLU) {
+      L.gate.forward(st.xb.data(), 1, st.gate.data());
+      silu_mul_ref(st.gate.data(), st.up.data(), c.intermediate, st.up.data());
+    } else {
+      relu_ref(st.up.data(), c.intermediate);
+    }
+    L.down.forward(st.up.data(), 1, st.proj.data());
     for (int i = 0; i < hidden; ++i) st.x[i] += st.proj[i];
   }
 
-  // logits [vocab] = rmsnorm(x) Wlm_head
-  rms_norm_ref(st.x.data(), w_.final_norm.data(), c.rms_eps, 1, hidden, st.xb.data());
+  // logits [vocab] = norm(x) Wlm_head
+  norm(st.x.data(), w_.final_norm, w_.final_norm_bias, 1, st.xb.data());
   w_.lm_head.forward(st.xb.data(), 1, logits);
 }
 

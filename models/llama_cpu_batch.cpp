@@ -1,4 +1,4 @@
-// The Llama forward pass over many tokens at once, in fp32 on the CPU: the same ops as the
+// The decoder forward pass over many tokens at once, in fp32 on the CPU: the same ops as the
 // per-token forward_token() in llama_cpu.cpp, with the dense products (linears, attention
 // scores and the weighted sum of values) done by BLAS sgemm. It serves prompt prefill,
 // perplexity over long texts and the quantizer's calibration, where the per-token path's
@@ -85,13 +85,18 @@ void CpuLinear::forward_batch(const float* x, int64_t M, float* y, int64_t ldy) 
 
 CpuLayer LlamaCpu::load_layer(const LayerSpec& ls) {
   CpuLayer l;
+  auto opt = [](const TensorInfo* t) { return t ? to_float(*t) : std::vector<float>(); };
   l.input_norm = to_float(*ls.input_norm);
   l.post_norm = to_float(*ls.post_norm);
+  l.input_norm_bias = opt(ls.input_norm_bias);
+  l.post_norm_bias = opt(ls.post_norm_bias);
   l.q = CpuLinear::load(ls.q);
   l.k = CpuLinear::load(ls.k);
   l.v = CpuLinear::load(ls.v);
   l.o = CpuLinear::load(ls.o);
-  l.gate = CpuLinear::load(ls.gate);
+  l.q_norm = opt(ls.q_norm);
+  l.k_norm = opt(ls.k_norm);
+  if (!ls.gate.name.empty()) l.gate = CpuLinear::load(ls.gate);
   l.up = CpuLinear::load(ls.up);
   l.down = CpuLinear::load(ls.down);
   return l;
@@ -106,20 +111,25 @@ const CpuLayer& LlamaCpu::layer(int l) const {
   return w_.layers[l];
 }
 
-void LlamaCpu::embed(const int* tokens, int T, float* x) const {
+void LlamaCpu::embed(const int* tokens, int T, int pos0, float* x) const {
   const int hidden = cfg_.hidden;
   for (int i = 0; i < T; ++i) {
     KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab,
                   "token id " + std::to_string(tokens[i]) + " is outside the vocabulary (" +
                       std::to_string(cfg_.vocab) + ")");
-    std::copy_n(&w_.embed[(size_t)tokens[i] * hidden], hidden, x + (size_t)i * hidden);
+    float* row = x + (size_t)i * hidden;
+    std::copy_n(&w_.embed[(size_t)tokens[i] * hidden], hidden, row);
+    if (!w_.positions.empty()) {
+      const float* p = &w_.positions[(size_t)(pos0 + i + cfg_.position_offset) * hidden];
+      for (int j = 0; j < hidden; ++j) row[j] += p[j];
+    }
   }
 }
 
 void LlamaCpu::head_forward(const float* x, int T, float* logits) const {
   const int hidden = cfg_.hidden;
   std::vector<float> xb((size_t)T * hidden);  // [T, hidden]
-  rms_norm_ref(x, w_.final_norm.data(), cfg_.rms_eps, T, hidden, xb.data());
+  norm(x, w_.final_norm, w_.final_norm_bias, T, xb.data());
   w_.lm_head.forward_batch(xb.data(), T, logits, cfg_.vocab);
 }
 
@@ -147,17 +157,15 @@ void LlamaCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
   std::vector<float> att((size_t)T * q_dim);     // [T, q_dim] attention output
   std::vector<float> proj((size_t)T * hidden);   // [T, hidden] output of o_proj / down_proj
 
-  // Attention block: xb = rmsnorm(x); q, k, v side by side in each row of qkv.
-  rms_norm_ref(x, L.input_norm.data(), c.rms_eps, T, hidden, xb.data());
+  // Attention block: xb = norm(x); q, k, v side by side in each row of qkv.
+  norm(x, L.input_norm, L.input_norm_bias, T, xb.data());
   if (tap(LinearGroup::QKV, xb.data(), hidden)) return;
   L.q.forward_batch(xb.data(), T, qkv.data(), qkv_dim);
   L.k.forward_batch(xb.data(), T, qkv.data() + q_dim, qkv_dim);
   L.v.forward_batch(xb.data(), T, qkv.data() + q_dim + kv_dim, qkv_dim);
   for (int i = 0; i < T; ++i) {
     float* row = qkv.data() + (size_t)i * qkv_dim;
-    // q's heads and k's heads are contiguous in the row, and RoPE treats every head alike.
-    rope_ref(row, c.n_heads + c.n_kv_heads, c.head_dim, pos0 + i, c.rope_theta,
-             c.rope_linear_factor);
+    position_qk(L, row, row + q_dim, pos0 + i);
     std::copy_n(row + q_dim, kv_dim, k_cache + (size_t)(pos0 + i) * kv_dim);
     std::copy_n(row + q_dim + kv_dim, kv_dim, v_cache + (size_t)(pos0 + i) * kv_dim);
   }
@@ -168,15 +176,21 @@ void LlamaCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
   L.o.forward_batch(att.data(), T, proj.data(), hidden);
   for (size_t i = 0; i < proj.size(); ++i) x[i] += proj[i];
 
-  // MLP block: x += (silu(xb Wgate) * (xb Wup)) Wdown, xb = rmsnorm(x)
-  rms_norm_ref(x, L.post_norm.data(), c.rms_eps, T, hidden, xb.data());
+  // MLP block, xb = norm(x): x += (silu(xb Wgate) * (xb Wup)) Wdown, or (ReLU MLP)
+  // x += relu(xb Wfc1) Wfc2.
+  norm(x, L.post_norm, L.post_norm_bias, T, xb.data());
   if (tap(LinearGroup::GateUp, xb.data(), hidden)) return;
-  std::vector<float> gate((size_t)T * inter), up((size_t)T * inter);  // [T, intermediate]
-  L.gate.forward_batch(xb.data(), T, gate.data(), inter);
+  std::vector<float> up((size_t)T * inter);  // [T, intermediate]
   L.up.forward_batch(xb.data(), T, up.data(), inter);
-  silu_mul_ref(gate.data(), up.data(), (int64_t)T * inter, gate.data());
-  if (tap(LinearGroup::Down, gate.data(), inter)) return;
-  L.down.forward_batch(gate.data(), T, proj.data(), hidden);
+  if (c.mlp == MlpKind::GatedSiLU) {
+    std::vector<float> gate((size_t)T * inter);
+    L.gate.forward_batch(xb.data(), T, gate.data(), inter);
+    silu_mul_ref(gate.data(), up.data(), (int64_t)T * inter, up.data());
+  } else {
+    relu_ref(up.data(), (int64_t)T * inter);
+  }
+  if (tap(LinearGroup::Down, up.data(), inter)) return;
+  L.down.forward_batch(up.data(), T, proj.data(), hidden);
   for (size_t i = 0; i < proj.size(); ++i) x[i] += proj[i];
 }
 
@@ -184,7 +198,7 @@ void LlamaCpu::forward_batch(CpuRunState& st, const int* tokens, int n, int pos,
                              float* all_logits) const {
   const size_t hidden = cfg_.hidden, vocab = cfg_.vocab;
   std::vector<float> x(n * hidden);  // [n, hidden] residual stream
-  embed(tokens, n, x.data());
+  embed(tokens, n, pos, x.data());
   for (int l = 0; l < cfg_.n_layers; ++l) layer_forward(st, l, x.data(), n, pos);
   if (all_logits) {
     head_forward(x.data(), n, all_logits);

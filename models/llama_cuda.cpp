@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "engine/base/device.h"
 #include "engine/base/error.h"
@@ -28,15 +29,28 @@
 
 namespace kestrel {
 
+std::string cuda_unsupported(const ModelConfig& c) {
+  std::vector<std::string> why;
+  if (c.norm == NormKind::Layer) why.push_back("LayerNorm");
+  if (c.mlp == MlpKind::ReLU) why.push_back("a ReLU MLP");
+  if (c.positions == PositionKind::Learned) why.push_back("learned positions");
+  if (c.qk_norm) why.push_back("q/k norms");
+  if (c.rope_llama3.factor > 0) why.push_back("llama3 rope scaling");
+  if (c.qkv_bias || c.o_bias || c.mlp_bias) why.push_back("linear biases");
+  if (c.head_dim != 64 && c.head_dim != 128) why.push_back(fmt::format("head_dim {} (64 or 128)", c.head_dim));
+  if (why.empty()) return "";
+  return fmt::format("the CUDA engine does not run {} ({}) yet; use --device cpu", c.architecture,
+                     fmt::join(why, ", "));
+}
+
 LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
     : cfg_(spec.config), tuning_(tuning) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   device_name_ = st.name;
   const ModelConfig& c = cfg_;
-  if (c.head_dim != 64 && c.head_dim != 128)
-    throw Error(fmt::format("{}: head_dim {} is not supported by the CUDA engine (64 or 128); use --device cpu",
-                            spec.dir, c.head_dim));
+  if (const std::string why = cuda_unsupported(c); !why.empty())
+    throw Error(fmt::format("{}: {}", spec.dir, why));
   // The first call that needs device memory: where even that fails, say so as any shortage.
   const cudaError_t stream_err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
   if (stream_err == cudaErrorMemoryAllocation) {

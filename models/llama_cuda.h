@@ -56,6 +56,10 @@ int prefill_chunk_rows(size_t base, size_t taken, size_t row_bytes, int max_rows
 // chunk's activations too), at most `most`, in whole MiB; 0 when nothing is left.
 size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most);
 
+// Why the CUDA engine cannot run a model of this config ("" when it can): the blocks of the
+// families it does not run yet, named for the user.
+std::string cuda_unsupported(const ModelConfig& c);
+
 class LlamaCudaSession;
 
 class LlamaCuda final : public Model {

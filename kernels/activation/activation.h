@@ -10,5 +10,7 @@ void silu_mul_ref(const float* gate, const float* up, int64_t n, float* out);
 
 // In-place numerically stable softmax over n values.
 void softmax_ref(float* x, int64_t n);
+// x = max(x, 0), in place (OPT's MLP).
+void relu_ref(float* x, int64_t n);
 
 }  // namespace kestrel

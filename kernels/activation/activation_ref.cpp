@@ -27,4 +27,8 @@ void softmax_ref(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= inv;
 }
 
+void relu_ref(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] > 0.0f ? x[i] : 0.0f;
+}
+
 }  // namespace kestrel

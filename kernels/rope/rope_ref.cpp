@@ -14,14 +14,41 @@
 
 namespace kestrel {
 
-void rope_ref(float* x, int n_heads, int head_dim, int64_t pos, float theta, float linear_factor) {
+std::vector<float> rope_inv_freq(int head_dim, float theta, float linear_factor,
+                                 float llama3_factor, float low_freq_factor,
+                                 float high_freq_factor, int original_max_pos) {
   KESTREL_CHECK(head_dim > 0 && head_dim % 2 == 0,
-                "rope_ref: head_dim must be positive and even, got " + std::to_string(head_dim));
+                "rope: head_dim must be positive and even, got " + std::to_string(head_dim));
+  const int half = head_dim / 2;
+  std::vector<float> f(half);
+  for (int i = 0; i < half; ++i) {
+    f[i] = 1.0f / std::pow(theta, (float)(2 * i) / (float)head_dim);
+    f[i] /= linear_factor;
+  }
+  if (llama3_factor > 0) {
+    // transformers' _compute_llama3_parameters, in float32 as it runs there.
+    const float pi = 3.14159265358979323846f;
+    const float low_wavelen = (float)original_max_pos / low_freq_factor;
+    const float high_wavelen = (float)original_max_pos / high_freq_factor;
+    for (float& x : f) {
+      const float wavelen = 2 * pi / x;
+      const float scaled = wavelen > low_wavelen ? x / llama3_factor : x;
+      if (wavelen < high_wavelen || wavelen > low_wavelen) {
+        x = scaled;
+      } else {
+        const float smooth = ((float)original_max_pos / wavelen - low_freq_factor) /
+                             (high_freq_factor - low_freq_factor);
+        x = (1 - smooth) * scaled / llama3_factor + smooth * scaled;
+      }
+    }
+  }
+  return f;
+}
+
+void rope_ref(float* x, int n_heads, int head_dim, int64_t pos, const float* inv_freq) {
   const int half = head_dim / 2;
   for (int i = 0; i < half; ++i) {
-    float inv_freq = 1.0f / std::pow(theta, (float)(2 * i) / (float)head_dim);
-    inv_freq /= linear_factor;
-    const float angle = (float)pos * inv_freq;
+    const float angle = (float)pos * inv_freq[i];
     const float c = std::cos(angle), s = std::sin(angle);
     for (int h = 0; h < n_heads; ++h) {
       float* xh = x + (int64_t)h * head_dim;
@@ -31,6 +58,11 @@ void rope_ref(float* x, int n_heads, int head_dim, int64_t pos, float theta, flo
       xh[i + half] = x2 * c + x1 * s;
     }
   }
+}
+
+void rope_ref(float* x, int n_heads, int head_dim, int64_t pos, float theta, float linear_factor) {
+  const std::vector<float> f = rope_inv_freq(head_dim, theta, linear_factor);
+  rope_ref(x, n_heads, head_dim, pos, f.data());
 }
 
 }  // namespace kestrel

@@ -28,8 +28,27 @@ struct QuantConfig {
   int zero_offset() const { return format == GptqFormat::V1 ? 1 : 0; }
 };
 
+// The blocks a family's decoder layer is made of (models/io/family.h names them per family).
+enum class NormKind { RMS /* RMSNorm, weight */, Layer /* LayerNorm, weight and bias */ };
+enum class MlpKind { GatedSiLU /* down(silu(gate x) * up x) */, ReLU /* fc2(relu(fc1 x)) */ };
+enum class PositionKind { Rope /* rotary, on q and k */, Learned /* a table added to the embedding */ };
+
+// Llama 3's rope_scaling (rope_type "llama3"): long wavelengths divided by factor, short ones
+// kept, those between blended.
+struct RopeLlama3 {
+  float factor = 0;  // 0 = not used
+  float low_freq_factor = 1, high_freq_factor = 4;
+  int original_max_pos = 8192;
+};
+
 struct ModelConfig {
   std::string architecture;  // as written in config.json, e.g. "LlamaForCausalLM"
+  std::string family;        // the family it chose: llama, mistral, qwen2, qwen3, opt
+  NormKind norm = NormKind::RMS;
+  MlpKind mlp = MlpKind::GatedSiLU;
+  PositionKind positions = PositionKind::Rope;
+  int position_offset = 0;   // Learned: row of position p is p + offset (OPT: 2)
+  bool qk_norm = false;      // Qwen3: RMSNorm over each head of q and k before RoPE
   int hidden = 0;            // hidden_size
   int intermediate = 0;      // intermediate_size
   int n_layers = 0;          // num_hidden_layers
@@ -42,9 +61,11 @@ struct ModelConfig {
   float rms_eps = 1e-6f;     // rms_norm_eps
   float rope_theta = 10000.0f;
   float rope_linear_factor = 1.0f;  // linear rope_scaling: positions are divided by this
+  RopeLlama3 rope_llama3;
   bool tie_embeddings = false;
-  bool attention_bias = false;  // q/k/v(/o) carry a bias
-  bool mlp_bias = false;
+  bool qkv_bias = false;     // q, k, v carry a bias (Llama's attention_bias, Qwen2, OPT)
+  bool o_bias = false;       // o carries one (Llama's attention_bias, OPT)
+  bool mlp_bias = false;     // the MLP's linears do (Llama's mlp_bias, OPT)
   DType dtype = DType::F16;     // torch_dtype / dtype: F16 or BF16 (F32 accepted)
   std::optional<QuantConfig> quant;  // absent = unquantized model
 

@@ -1,5 +1,7 @@
 #include "models/io/model_spec.h"
 
+#include "models/io/family.h"
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -152,32 +154,46 @@ ModelSpec load_model_spec(const std::string& dir) {
   spec.files = ModelFiles::open(dir, base);
   const ModelFiles& f = spec.files;
 
+  const TensorNames& n = family_of(c).names;
   const int64_t hidden = c.hidden, vocab = c.vocab, inter = c.intermediate;
-  spec.embed = float_tensor(f.get("model.embed_tokens.weight"), {vocab, hidden});
-  spec.final_norm = float_tensor(f.get("model.norm.weight"), {hidden});
+  const bool layer_norm = c.norm == NormKind::Layer;
+  // A norm's weight [hidden] (and, for LayerNorm, its bias).
+  auto norm = [&](const std::string& name, int64_t width, const TensorInfo*& weight,
+                  const TensorInfo*& bias) {
+    weight = float_tensor(f.get(name + ".weight"), {width});
+    if (layer_norm) bias = float_tensor(f.get(name + ".bias"), {width});
+  };
+  spec.embed = float_tensor(f.get(n.embed + ".weight"), {vocab, hidden});
+  if (c.positions == PositionKind::Learned)
+    spec.positions = float_tensor(f.get(n.positions + ".weight"), {c.max_pos + c.position_offset, hidden});
+  norm(n.final_norm, hidden, spec.final_norm, spec.final_norm_bias);
+  const TensorInfo* head = f.find(n.lm_head + ".weight");
   if (c.tie_embeddings) {
-    spec.lm_head = spec.embed;
+    spec.lm_head = spec.embed;  // a saved copy of the tied weight, if any, is the same
   } else {
-    const TensorInfo* head = f.find("lm_head.weight");
-    KESTREL_CHECK(head, fmt::format("{}: missing tensor lm_head.weight (tie_word_embeddings is "
-                                    "false)", dir));
+    KESTREL_CHECK(head, fmt::format("{}: missing tensor {}.weight (tie_word_embeddings is false)",
+                                    dir, n.lm_head));
     spec.lm_head = float_tensor(*head, {vocab, hidden});
   }
 
   SpecReader r{c, f, spec.warnings};
   spec.layers.resize(c.n_layers);
   for (int i = 0; i < c.n_layers; ++i) {
-    const std::string p = fmt::format("model.layers.{}.", i);
+    const std::string p = fmt::format("{}{}.", n.layer, i);
     LayerSpec& L = spec.layers[i];
-    L.input_norm = float_tensor(f.get(p + "input_layernorm.weight"), {hidden});
-    L.post_norm = float_tensor(f.get(p + "post_attention_layernorm.weight"), {hidden});
-    L.q = r.linear(p + "self_attn.q_proj", c.q_dim(), hidden, c.attention_bias);
-    L.k = r.linear(p + "self_attn.k_proj", c.kv_dim(), hidden, c.attention_bias);
-    L.v = r.linear(p + "self_attn.v_proj", c.kv_dim(), hidden, c.attention_bias);
-    L.o = r.linear(p + "self_attn.o_proj", hidden, c.q_dim(), c.attention_bias);
-    L.gate = r.linear(p + "mlp.gate_proj", inter, hidden, c.mlp_bias);
-    L.up = r.linear(p + "mlp.up_proj", inter, hidden, c.mlp_bias);
-    L.down = r.linear(p + "mlp.down_proj", hidden, inter, c.mlp_bias);
+    norm(p + n.input_norm, hidden, L.input_norm, L.input_norm_bias);
+    norm(p + n.post_norm, hidden, L.post_norm, L.post_norm_bias);
+    L.q = r.linear(p + n.q, c.q_dim(), hidden, c.qkv_bias);
+    L.k = r.linear(p + n.k, c.kv_dim(), hidden, c.qkv_bias);
+    L.v = r.linear(p + n.v, c.kv_dim(), hidden, c.qkv_bias);
+    L.o = r.linear(p + n.o, hidden, c.q_dim(), c.o_bias);
+    if (c.qk_norm) {
+      L.q_norm = float_tensor(f.get(p + n.q_norm + ".weight"), {c.head_dim});
+      L.k_norm = float_tensor(f.get(p + n.k_norm + ".weight"), {c.head_dim});
+    }
+    if (c.mlp == MlpKind::GatedSiLU) L.gate = r.linear(p + n.gate, inter, hidden, c.mlp_bias);
+    L.up = r.linear(p + n.up, inter, hidden, c.mlp_bias);
+    L.down = r.linear(p + n.down, hidden, inter, c.mlp_bias);
   }
   r.finish();
   return spec;

@@ -36,11 +36,18 @@ struct LinearSpec {
   bool act_order = false;  // g_idx is not k / group_size
 };
 
+// The tensors a decoder layer of any family may have; those its family lacks stay null
+// (or, for a linear, with no name).
 struct LayerSpec {
   const TensorInfo* input_norm = nullptr;  // [hidden]
   const TensorInfo* post_norm = nullptr;   // [hidden]
+  const TensorInfo* input_norm_bias = nullptr;  // [hidden] LayerNorm
+  const TensorInfo* post_norm_bias = nullptr;   // [hidden] LayerNorm
   LinearSpec q, k, v, o;                   // q [q_dim, hidden], k/v [kv_dim, hidden], o [hidden, q_dim]
-  LinearSpec gate, up, down;               // gate/up [inter, hidden], down [hidden, inter]
+  const TensorInfo* q_norm = nullptr;      // [head_dim] Qwen3
+  const TensorInfo* k_norm = nullptr;      // [head_dim]
+  LinearSpec gate, up, down;               // gate/up [inter, hidden], down [hidden, inter]; no
+                                           // gate in a ReLU MLP (up = fc1, down = fc2)
 };
 
 struct ModelSpec {
@@ -48,7 +55,9 @@ struct ModelSpec {
   ModelConfig config;
   ModelFiles files;
   const TensorInfo* embed = nullptr;       // [vocab, hidden]
+  const TensorInfo* positions = nullptr;   // [max_pos + offset, hidden] learned positions
   const TensorInfo* final_norm = nullptr;  // [hidden]
+  const TensorInfo* final_norm_bias = nullptr;  // [hidden] LayerNorm
   const TensorInfo* lm_head = nullptr;     // [vocab, hidden]; == embed when tied
   std::vector<LayerSpec> layers;
   // Non-fatal findings to show the user, e.g. a file labelled gptq that holds v2 zeros.

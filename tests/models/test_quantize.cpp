@@ -506,7 +506,7 @@ TEST(BatchedForward, TapsSeeEachGroupsInput) {
   std::vector<int> tokens(T);
   std::iota(tokens.begin(), tokens.end(), 5);
   std::vector<float> x((size_t)T * c.hidden), full;
-  engine_model.embed(tokens.data(), T, x.data());
+  engine_model.embed(tokens.data(), T, 0, x.data());
   const std::vector<float> x0 = x;
   std::vector<int> seen_k(4, 0);
   std::vector<std::vector<float>> inputs(4);

@@ -367,7 +367,7 @@ TEST(LayerForwardRows, TapsAndOutputMatchTheCpuLayer) {
   std::vector<int> tokens(T);
   for (int i = 0; i < T; ++i) tokens[i] = (i * 37 + 5) % c.vocab;
   std::vector<float> x((size_t)T * c.hidden);
-  cpu_model.embed(tokens.data(), T, x.data());
+  cpu_model.embed(tokens.data(), T, 0, x.data());
   // The GPU's input is the same embedding rounded to fp16 (the model's own fp16 values).
   const std::vector<float> x0 = x;
   std::vector<std::vector<float>> cpu_in(4);

@@ -65,7 +65,13 @@ TEST(Config, LlamaFields) {
   EXPECT_FALSE(c.tie_embeddings);
   EXPECT_EQ(c.dtype, DType::F16);
   EXPECT_EQ(c.sliding_window, 0);
-  EXPECT_FALSE(c.attention_bias);
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias);
+  EXPECT_EQ(c.family, "llama");
+  EXPECT_EQ(c.norm, NormKind::RMS);
+  EXPECT_EQ(c.mlp, MlpKind::GatedSiLU);
+  EXPECT_EQ(c.positions, PositionKind::Rope);
+  EXPECT_FALSE(c.qk_norm);
   EXPECT_FALSE(c.quant.has_value());
 }
 
@@ -81,7 +87,9 @@ TEST(Config, MistralWithSlidingWindowAndBf16) {
   EXPECT_EQ(c.sliding_window, 4096);
   EXPECT_EQ(c.dtype, DType::BF16);
   EXPECT_TRUE(c.tie_embeddings);
-  EXPECT_TRUE(c.attention_bias);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_TRUE(c.o_bias);
+  EXPECT_EQ(c.family, "mistral");
 }
 
 TEST(Config, DefaultsWhenOptionalFieldsAbsent) {
@@ -150,8 +158,10 @@ TEST(Config, MissingAndNonPositiveFields) {
 TEST(Config, UnsupportedArchitectureNamed) {
   Dir d;
   json j = llama_config();
-  j["architectures"] = {"Qwen2ForCausalLM"};
-  EXPECT_THAT(d.error(j), HasSubstr("unsupported architectures [\"Qwen2ForCausalLM\"]"));
+  j["architectures"] = {"GemmaForCausalLM"};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported architectures [\"GemmaForCausalLM\"] (supported: "
+                                    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                    "Qwen3ForCausalLM, OPTForCausalLM)"));
   j.erase("architectures");
   EXPECT_THAT(d.error(j), HasSubstr("missing architectures"));
 }
@@ -187,8 +197,8 @@ TEST(Config, RopeScalingOtherTypesRejectedByName) {
   json j = llama_config();
   j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};
   EXPECT_THAT(d.error(j), HasSubstr("unsupported type dynamic"));
-  j["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
-  EXPECT_THAT(d.error(j), HasSubstr("unsupported rope_type llama3"));
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported rope_type yarn (supported: default, linear, llama3)"));
   j["rope_scaling"] = {{"type", "linear"}};
   EXPECT_THAT(d.error(j), HasSubstr("without factor"));
 }
@@ -208,10 +218,115 @@ TEST(Config, RopeParameters) {
   EXPECT_FLOAT_EQ(c.rope_theta, 20000.0f);
   EXPECT_FLOAT_EQ(c.rope_linear_factor, 8.0f);
 
-  j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "llama3"}, {"factor", 8.0}};
-  EXPECT_THAT(d.error(j), HasSubstr("unsupported rope_type llama3"));
   j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "yarn"}};
   EXPECT_THAT(d.error(j), HasSubstr("rope_parameters: unsupported rope_type yarn"));
+}
+
+// Llama 3.1's rope_scaling, as its config.json writes it.
+TEST(Config, RopeScalingLlama3) {
+  Dir d;
+  json j = llama_config();
+  j["rope_scaling"] = {{"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}, {"rope_type", "llama3"}};
+  ModelConfig c = d.load(j);
+  EXPECT_FLOAT_EQ(c.rope_llama3.factor, 8.0f);
+  EXPECT_FLOAT_EQ(c.rope_llama3.low_freq_factor, 1.0f);
+  EXPECT_FLOAT_EQ(c.rope_llama3.high_freq_factor, 4.0f);
+  EXPECT_EQ(c.rope_llama3.original_max_pos, 8192);
+  EXPECT_FLOAT_EQ(c.rope_linear_factor, 1.0f);
+  j["rope_scaling"]["high_freq_factor"] = 0.5;
+  EXPECT_THAT(d.error(j), HasSubstr("low_freq_factor < high_freq_factor"));
+  j.erase("rope_scaling");
+  j["rope_parameters"] = {{"rope_theta", 500000.0}, {"rope_type", "llama3"}, {"factor", 32.0},
+                          {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                          {"original_max_position_embeddings", 8192}};
+  c = d.load(j);
+  EXPECT_FLOAT_EQ(c.rope_llama3.factor, 32.0f);
+  EXPECT_FLOAT_EQ(c.rope_theta, 500000.0f);
+}
+
+// Qwen2.5-7B-Instruct's config.json, shortened: biases on q, k, v only; the window it carries
+// is off (use_sliding_window false) and a window that is on is refused.
+TEST(Config, Qwen2) {
+  Dir d;
+  json j = llama_config();
+  j["architectures"] = {"Qwen2ForCausalLM"};
+  j["rope_theta"] = 1000000.0;
+  j["sliding_window"] = 131072;
+  j["use_sliding_window"] = false;
+  j["max_window_layers"] = 28;
+  j["tie_word_embeddings"] = true;
+  ModelConfig c = d.load(j);
+  EXPECT_EQ(c.family, "qwen2");
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias);
+  EXPECT_FALSE(c.mlp_bias);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_TRUE(c.tie_embeddings);
+  EXPECT_FLOAT_EQ(c.rope_theta, 1e6f);
+  j["use_sliding_window"] = true;
+  EXPECT_THAT(d.error(j), HasSubstr("use_sliding_window true"));
+  j["use_sliding_window"] = false;
+  j["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+  EXPECT_THAT(d.error(j), HasSubstr("unsupported type yarn"));
+}
+
+TEST(Config, Qwen3) {
+  Dir d;
+  json j = llama_config();
+  j["architectures"] = {"Qwen3ForCausalLM"};
+  j["head_dim"] = 128;  // independent of hidden / heads (256 / 8 = 32)
+  j["attention_bias"] = false;
+  const ModelConfig c = d.load(j);
+  EXPECT_EQ(c.family, "qwen3");
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.q_dim(), 1024);
+  EXPECT_FALSE(c.qkv_bias);
+}
+
+// facebook/opt-125m's config.json.
+json opt_config() {
+  return {{"architectures", {"OPTForCausalLM"}}, {"activation_function", "relu"},
+          {"do_layer_norm_before", true}, {"enable_bias", true}, {"ffn_dim", 3072},
+          {"hidden_size", 768}, {"layer_norm_elementwise_affine", true},
+          {"max_position_embeddings", 2048}, {"num_attention_heads", 12},
+          {"num_hidden_layers", 12}, {"torch_dtype", "float16"}, {"vocab_size", 50272},
+          {"word_embed_proj_dim", 768}, {"bos_token_id", 2}, {"eos_token_id", 2}};
+}
+
+TEST(Config, Opt) {
+  Dir d;
+  json j = opt_config();
+  const ModelConfig c = d.load(j);
+  EXPECT_EQ(c.family, "opt");
+  EXPECT_EQ(c.hidden, 768);
+  EXPECT_EQ(c.intermediate, 3072);
+  EXPECT_EQ(c.n_kv_heads, 12);
+  EXPECT_EQ(c.head_dim, 64);
+  EXPECT_EQ(c.norm, NormKind::Layer);
+  EXPECT_FLOAT_EQ(c.rms_eps, 1e-5f);
+  EXPECT_EQ(c.mlp, MlpKind::ReLU);
+  EXPECT_EQ(c.positions, PositionKind::Learned);
+  EXPECT_EQ(c.position_offset, 2);
+  EXPECT_TRUE(c.qkv_bias && c.o_bias && c.mlp_bias);
+  EXPECT_TRUE(c.tie_embeddings);
+}
+
+TEST(Config, OptVariantsRefused) {
+  Dir d;
+  json j = opt_config();
+  j["do_layer_norm_before"] = false;  // OPT-350m
+  EXPECT_THAT(d.error(j), HasSubstr("do_layer_norm_before false"));
+  j = opt_config();
+  j["word_embed_proj_dim"] = 512;
+  EXPECT_THAT(d.error(j), HasSubstr("word_embed_proj_dim 512 differs from hidden_size 768"));
+  j = opt_config();
+  j["activation_function"] = "gelu";
+  EXPECT_THAT(d.error(j), HasSubstr("activation_function gelu is not supported"));
+  j = opt_config();
+  j.erase("ffn_dim");
+  EXPECT_THAT(d.error(j), HasSubstr("missing ffn_dim"));
 }
 
 TEST(Config, MissingConfigJson) {

@@ -176,6 +176,7 @@ void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
     for (const Group& g : groups())
       for (const Member& m : g.members) {
         const LinearSpec& s = ls.*m.spec;
+        if (s.name.empty()) continue;  // not in this family (OPT has no gate)
         if (s.quantized)
           throw Error(fmt::format("{}: {} is already quantized", spec.dir, s.name));
         if ((s.K * bits) % 32 != 0 || (s.N * bits) % 32 != 0)
@@ -277,7 +278,7 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
 
   const size_t win = (size_t)o.seqlen * cfg.hidden;
   std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
-  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, &X[s * win]);
+  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, 0, &X[s * win]);
   std::vector<float> x(win);  // one window, rerun from X for each group
 
   for (int l = 0; l < cfg.n_layers; ++l) {
@@ -289,7 +290,7 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
     for (const Group& g : groups()) {
       const auto t_fwd = Clock::now();
       double hess = 0;
-      Hessian hessian((ls.*(g.members[0].spec)).K);
+      Hessian hessian((ls.*(g.members.back().spec)).K);  // the last member is in every family
       LayerTaps taps;
       taps.input = [&](LinearGroup id, const float* in, int T, int) {
         if (id != g.id) return;
@@ -309,6 +310,7 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
       for (const Member& m : g.members) {
         const auto t_lin = Clock::now();
         const LinearSpec& s = ls.*m.spec;
+        if (s.name.empty()) continue;
         CpuLinear& lin = engine.layer(0).*m.linear;
         const QuantizedLinear q =
             o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), o.gptq, s.name.c_str())

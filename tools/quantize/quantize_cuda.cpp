@@ -74,18 +74,8 @@ void upload_f16(const TensorInfo& t, __half* dst, cudaStream_t s) {
 
 // What the GPU forward cannot run, refused before any work starts.
 void check_gpu_model(const ModelSpec& spec) {
-  const ModelConfig& c = spec.config;
-  if (c.head_dim != 64 && c.head_dim != 128)
-    throw Error(fmt::format("{}: head_dim {} is not supported by the CUDA forward (64 or 128); "
-                            "use --device cpu",
-                            spec.dir, c.head_dim));
-  for (const LayerSpec& ls : spec.layers)
-    for (const Group& g : groups())
-      for (auto m : g.members)
-        if ((ls.*m).bias)
-          throw Error(fmt::format("{}.bias: the CUDA forward does not run linear biases; use "
-                                  "--device cpu",
-                                  (ls.*m).name));
+  if (const std::string why = cuda_unsupported(spec.config); !why.empty())
+    throw Error(fmt::format("{}: {}", spec.dir, why));
 }
 
 // Pairs of events around each Hessian update of a group's pass, summed once the pass is done.

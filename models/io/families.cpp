@@ -1,0 +1,244 @@
+// The model families Kestrel runs: for each, how config.json describes it (read into
+// ModelConfig, with the variants it does not run refused in one line) and its tensor names.
+#include <fmt/format.h>
+
+#include "engine/base/error.h"
+#include "models/io/family.h"
+#include "models/io/json_fields.h"
+
+namespace kestrel {
+
+using namespace json_fields;
+
+namespace {
+
+void positive(const std::string& where, const char* key, int v) {
+  KESTREL_CHECK(v > 0, fmt::format("{}: {} = {} must be positive", where, key, v));
+}
+
+// rope_scaling (transformers 4) or rope_parameters (transformers 5): default, linear, llama3.
+void read_rope(const json& j, const std::string& where, ModelConfig& c) {
+  c.rope_theta = opt_float(j, "rope_theta", where, 10000.0f);
+  const json* rp = field(j, "rope_parameters");
+  const json* rs = rp ? rp : field(j, "rope_scaling");
+  if (rs) {
+    const std::string w = where + (rp ? " rope_parameters" : " rope_scaling");
+    KESTREL_CHECK(rs->is_object(), fmt::format("{}: not an object", w));
+    if (rp) c.rope_theta = opt_float(*rp, "rope_theta", w, c.rope_theta);
+    const char* type_key = field(*rs, "rope_type") ? "rope_type" : "type";
+    const std::string type = opt_string(*rs, type_key, w, rp ? "default" : "");
+    KESTREL_CHECK(!type.empty(), fmt::format("{}: missing type", w));
+    auto factor = [&] {
+      KESTREL_CHECK(field(*rs, "factor"), fmt::format("{}: {} {} without factor", w, type_key, type));
+      const float f = opt_float(*rs, "factor", w, 1.0f);
+      KESTREL_CHECK(f > 0, fmt::format("{}: rope scaling factor {} must be positive", w, f));
+      return f;
+    };
+    if (type == "linear") {
+      c.rope_linear_factor = factor();
+    } else if (type == "llama3") {
+      RopeLlama3& r = c.rope_llama3;
+      r.factor = factor();
+      r.low_freq_factor = opt_float(*rs, "low_freq_factor", w, 1.0f);
+      r.high_freq_factor = opt_float(*rs, "high_freq_factor", w, 4.0f);
+      r.original_max_pos = opt_int(*rs, "original_max_position_embeddings", w, 8192);
+      KESTREL_CHECK(r.high_freq_factor > r.low_freq_factor && r.low_freq_factor > 0 &&
+                        r.original_max_pos > 0,
+                    fmt::format("{}: llama3 needs 0 < low_freq_factor < high_freq_factor and a "
+                                "positive original_max_position_embeddings", w));
+    } else if (type != "default") {
+      throw Error(fmt::format("{}: unsupported {} {} (supported: default, linear, llama3)", w,
+                              type_key, type));
+    }
+  }
+  KESTREL_CHECK(c.rope_theta > 0, fmt::format("{}: rope_theta {} must be positive", where, c.rope_theta));
+}
+
+// The shape shared by the Llama-like families: hidden, heads (GQA), head_dim, RMSNorm, RoPE.
+void read_llama_shape(const json& j, const std::string& where, ModelConfig& c) {
+  c.hidden = req_int(j, "hidden_size", where);
+  c.intermediate = req_int(j, "intermediate_size", where);
+  c.n_layers = req_int(j, "num_hidden_layers", where);
+  c.n_heads = req_int(j, "num_attention_heads", where);
+  c.vocab = req_int(j, "vocab_size", where);
+  c.max_pos = req_int(j, "max_position_embeddings", where);
+  positive(where, "hidden_size", c.hidden);
+  positive(where, "intermediate_size", c.intermediate);
+  positive(where, "num_hidden_layers", c.n_layers);
+  positive(where, "num_attention_heads", c.n_heads);
+  positive(where, "vocab_size", c.vocab);
+  positive(where, "max_position_embeddings", c.max_pos);
+
+  c.n_kv_heads = opt_int(j, "num_key_value_heads", where, c.n_heads);
+  positive(where, "num_key_value_heads", c.n_kv_heads);
+  KESTREL_CHECK(c.n_heads % c.n_kv_heads == 0,
+                fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                            where, c.n_heads, c.n_kv_heads));
+  if (field(j, "head_dim")) {
+    c.head_dim = req_int(j, "head_dim", where);
+    positive(where, "head_dim", c.head_dim);
+  } else {
+    KESTREL_CHECK(c.hidden % c.n_heads == 0,
+                  fmt::format("{}: hidden_size {} is not a multiple of num_attention_heads {} (and "
+                              "no head_dim is given)", where, c.hidden, c.n_heads));
+    c.head_dim = c.hidden / c.n_heads;
+  }
+  // Rotary embeddings rotate pairs of dimensions.
+  KESTREL_CHECK(c.head_dim % 2 == 0, fmt::format("{}: head_dim {} must be even", where, c.head_dim));
+
+  c.rms_eps = opt_float(j, "rms_norm_eps", where, 1e-6f);
+  KESTREL_CHECK(c.rms_eps > 0, fmt::format("{}: rms_norm_eps {} must be positive", where, c.rms_eps));
+  read_rope(j, where, c);
+  c.tie_embeddings = opt_bool(j, "tie_word_embeddings", where, false);
+}
+
+void read_window(const json& j, const std::string& where, ModelConfig& c) {
+  c.sliding_window = opt_int(j, "sliding_window", where, 0);
+  KESTREL_CHECK(c.sliding_window >= 0,
+                fmt::format("{}: sliding_window {} must not be negative", where, c.sliding_window));
+}
+
+// Qwen's configs carry sliding_window with use_sliding_window false: the window is off.
+void refuse_qwen_window(const json& j, const std::string& where) {
+  KESTREL_CHECK(!opt_bool(j, "use_sliding_window", where, false),
+                fmt::format("{}: use_sliding_window true (Qwen's per-layer window) is not supported", where));
+}
+
+void read_llama(const json& j, const std::string& where, ModelConfig& c) {
+  read_llama_shape(j, where, c);
+  read_window(j, where, c);
+  c.qkv_bias = c.o_bias = opt_bool(j, "attention_bias", where, false);
+  c.mlp_bias = opt_bool(j, "mlp_bias", where, false);
+}
+
+void read_qwen2(const json& j, const std::string& where, ModelConfig& c) {
+  read_llama_shape(j, where, c);
+  refuse_qwen_window(j, where);
+  c.qkv_bias = true;  // Qwen2's q, k, v always carry biases, o none
+}
+
+void read_qwen3(const json& j, const std::string& where, ModelConfig& c) {
+  read_llama_shape(j, where, c);
+  refuse_qwen_window(j, where);
+  c.qkv_bias = c.o_bias = opt_bool(j, "attention_bias", where, false);
+  c.qk_norm = true;
+}
+
+// OPT (pre-LayerNorm variants): LayerNorm with bias, biases on every linear, learned positions
+// offset by 2, a ReLU MLP, lm_head tied to the embedding.
+void read_opt(const json& j, const std::string& where, ModelConfig& c) {
+  c.hidden = req_int(j, "hidden_size", where);
+  c.intermediate = req_int(j, "ffn_dim", where);
+  c.n_layers = req_int(j, "num_hidden_layers", where);
+  c.n_heads = req_int(j, "num_attention_heads", where);
+  c.vocab = req_int(j, "vocab_size", where);
+  c.max_pos = req_int(j, "max_position_embeddings", where);
+  positive(where, "hidden_size", c.hidden);
+  positive(where, "ffn_dim", c.intermediate);
+  positive(where, "num_hidden_layers", c.n_layers);
+  positive(where, "num_attention_heads", c.n_heads);
+  positive(where, "vocab_size", c.vocab);
+  positive(where, "max_position_embeddings", c.max_pos);
+  KESTREL_CHECK(c.hidden % c.n_heads == 0,
+                fmt::format("{}: hidden_size {} is not a multiple of num_attention_heads {}", where,
+                            c.hidden, c.n_heads));
+  c.n_kv_heads = c.n_heads;
+  c.head_dim = c.hidden / c.n_heads;
+  KESTREL_CHECK(opt_bool(j, "do_layer_norm_before", where, true),
+                fmt::format("{}: do_layer_norm_before false (OPT-350m's post-LayerNorm) is not supported", where));
+  const int proj = opt_int(j, "word_embed_proj_dim", where, c.hidden);
+  KESTREL_CHECK(proj == c.hidden,
+                fmt::format("{}: word_embed_proj_dim {} differs from hidden_size {} (a projected "
+                            "embedding) and is not supported", where, proj, c.hidden));
+  const std::string act = opt_string(j, "activation_function", where, "relu");
+  KESTREL_CHECK(act == "relu", fmt::format("{}: activation_function {} is not supported (relu)", where, act));
+  KESTREL_CHECK(opt_bool(j, "layer_norm_elementwise_affine", where, true),
+                fmt::format("{}: layer_norm_elementwise_affine false is not supported", where));
+  c.qkv_bias = c.o_bias = c.mlp_bias = opt_bool(j, "enable_bias", where, true);
+  c.norm = NormKind::Layer;
+  c.rms_eps = 1e-5f;  // OPT's LayerNorm epsilon (torch's default)
+  c.mlp = MlpKind::ReLU;
+  c.positions = PositionKind::Learned;
+  c.position_offset = 2;
+  c.tie_embeddings = opt_bool(j, "tie_word_embeddings", where, true);
+}
+
+TensorNames opt_names() {
+  TensorNames n;
+  n.embed = "model.decoder.embed_tokens";
+  n.positions = "model.decoder.embed_positions";
+  n.final_norm = "model.decoder.final_layer_norm";
+  n.layer = "model.decoder.layers.";
+  n.input_norm = "self_attn_layer_norm";
+  n.post_norm = "final_layer_norm";
+  n.o = "self_attn.out_proj";
+  n.gate = "";
+  n.up = "fc1";
+  n.down = "fc2";
+  return n;
+}
+
+TensorNames qwen3_names() {
+  TensorNames n;
+  n.q_norm = "self_attn.q_norm";
+  n.k_norm = "self_attn.k_norm";
+  return n;
+}
+
+struct Entry {
+  Family family;
+  void (*read)(const json& j, const std::string& where, ModelConfig& c);
+};
+
+const std::vector<Entry>& families() {
+  static const std::vector<Entry> all = {
+      {{"llama", "LlamaForCausalLM", {}}, read_llama},
+      {{"mistral", "MistralForCausalLM", {}}, read_llama},
+      {{"qwen2", "Qwen2ForCausalLM", {}}, read_qwen2},
+      {{"qwen3", "Qwen3ForCausalLM", qwen3_names()}, read_qwen3},
+      {{"opt", "OPTForCausalLM", opt_names()}, read_opt},
+  };
+  return all;
+}
+
+const Entry* find_entry(const std::string& architecture) {
+  for (const Entry& e : families())
+    if (e.family.architecture == architecture) return &e;
+  return nullptr;
+}
+
+}  // namespace
+
+const Family* find_family(const std::string& architecture) {
+  const Entry* e = find_entry(architecture);
+  return e ? &e->family : nullptr;
+}
+
+const Family& family_of(const ModelConfig& c) {
+  const Family* f = find_family(c.architecture);
+  KESTREL_CHECK(f, fmt::format("internal: no family for {}", c.architecture));
+  return *f;
+}
+
+std::string supported_architectures() {
+  std::string out;
+  for (const Entry& e : families()) out += (out.empty() ? "" : ", ") + e.family.architecture;
+  return out;
+}
+
+void read_family_config(const json& j, const std::string& where, ModelConfig& c) {
+  const json* archs = field(j, "architectures");
+  KESTREL_CHECK(archs, fmt::format("{}: missing architectures", where));
+  KESTREL_CHECK(archs->is_array() && !archs->empty(),
+                fmt::format("{}: architectures must be a non-empty list, found {}", where, archs->dump()));
+  const Entry* entry = nullptr;
+  for (const json& a : *archs)
+    if (a.is_string() && (entry = find_entry(a.get<std::string>()))) break;
+  KESTREL_CHECK(entry, fmt::format("{}: unsupported architectures {} (supported: {})", where,
+                                   archs->dump(), supported_architectures()));
+  c.architecture = entry->family.architecture;
+  c.family = entry->family.name;
+  entry->read(j, where, c);
+}
+
+}  // namespace kestrel

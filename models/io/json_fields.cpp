@@ -1,0 +1,78 @@
+#include "models/io/json_fields.h"
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <limits>
+
+#include "engine/base/error.h"
+
+namespace kestrel::json_fields {
+
+namespace fs = std::filesystem;
+
+// Reads a JSON file that must hold an object.
+json read_json_object(const fs::path& path) {
+  const std::string p = path.string();
+  std::ifstream in(path);
+  KESTREL_CHECK(in, fmt::format("{}: cannot open", p));
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw Error(fmt::format("{}: not valid JSON (error at byte {})", p, e.byte));
+  }
+  KESTREL_CHECK(j.is_object(), fmt::format("{}: holds a JSON {}, not an object", p, j.type_name()));
+  return j;
+}
+
+// A field that is absent or null counts as absent: transformers writes null for unset options.
+const json* field(const json& j, const char* key) {
+  auto it = j.find(key);
+  return (it == j.end() || it->is_null()) ? nullptr : &*it;
+}
+
+int to_int(const json& v, const char* key, const std::string& where) {
+  KESTREL_CHECK(v.is_number_integer(),
+                fmt::format("{}: {} must be an integer, found {}", where, key, v.dump()));
+  const int64_t x = v.get<int64_t>();
+  KESTREL_CHECK(x >= std::numeric_limits<int>::min() && x <= std::numeric_limits<int>::max(),
+                fmt::format("{}: {} = {} is out of range", where, key, x));
+  return (int)x;
+}
+
+int req_int(const json& j, const char* key, const std::string& where) {
+  const json* v = field(j, key);
+  KESTREL_CHECK(v, fmt::format("{}: missing {}", where, key));
+  return to_int(*v, key, where);
+}
+
+int opt_int(const json& j, const char* key, const std::string& where, int def) {
+  const json* v = field(j, key);
+  return v ? to_int(*v, key, where) : def;
+}
+
+float opt_float(const json& j, const char* key, const std::string& where, float def) {
+  const json* v = field(j, key);
+  if (!v) return def;
+  KESTREL_CHECK(v->is_number(), fmt::format("{}: {} must be a number, found {}", where, key, v->dump()));
+  return v->get<float>();
+}
+
+bool opt_bool(const json& j, const char* key, const std::string& where, bool def) {
+  const json* v = field(j, key);
+  if (!v) return def;
+  KESTREL_CHECK(v->is_boolean(), fmt::format("{}: {} must be true or false, found {}", where, key,
+                                             v->dump()));
+  return v->get<bool>();
+}
+
+std::string opt_string(const json& j, const char* key, const std::string& where,
+                       const std::string& def) {
+  const json* v = field(j, key);
+  if (!v) return def;
+  KESTREL_CHECK(v->is_string(), fmt::format("{}: {} must be a string, found {}", where, key, v->dump()));
+  return v->get<std::string>();
+}
+
+}  // namespace kestrel::json_fields
