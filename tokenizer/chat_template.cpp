@@ -168,6 +168,10 @@ std::vector<ChatSegment> render_chat(ChatFormat f, const std::vector<ChatMessage
   return out;
 }
 
+bool is_template_file(const std::string& name) {
+  return name.find('/') != std::string::npos || name.ends_with(".jinja");
+}
+
 std::string segments_text(const std::vector<ChatSegment>& segments) {
   std::string s;
   for (const ChatSegment& g : segments) s += g.text;
@@ -204,7 +208,45 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
       }
     }
   }
-  if (name != "auto") return ChatTemplate(parse_chat_format(name), tok, std::move(added));
+  // bos_token / eos_token: a string or an AddedToken object ({"content": ...}).
+  auto token_text = [&](const char* key) -> std::string {
+    if (!cfg.is_object() || !cfg.contains(key)) return "";
+    const auto& t = cfg[key];
+    if (t.is_string()) return t.get<std::string>();
+    if (t.is_object() && t.contains("content") && t["content"].is_string())
+      return t["content"].get<std::string>();
+    return "";
+  };
+  auto from_jinja = [&](const std::string& source, const std::string& where) {
+    ChatTemplate t(ChatFormat::raw, tok, added);
+    try {
+      t.jinja_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source));
+    } catch (const Error& e) {
+      if (const auto f = detect_chat_format(source)) {
+        if (note)
+          *note = fmt::format("{}: chat_template not rendered ({}); using the built-in format {}",
+                              where, e.what(), chat_format_name(*f));
+        return ChatTemplate(*f, tok, added);
+      }
+      throw Error(fmt::format("{}: chat_template: {}; pass --template NAME ({})", where, e.what(),
+                              known_names()));
+    }
+    t.jinja_source_ = source;
+    t.bos_text_ = token_text("bos_token");
+    t.eos_text_ = token_text("eos_token");
+    return t;
+  };
+  if (name != "auto") {
+    // A .jinja file, or a built-in format.
+    if (is_template_file(name)) {
+      std::ifstream in(name, std::ios::binary);
+      KESTREL_CHECK(in && fs::is_regular_file(name, ec),
+                    fmt::format("--template {}: no such template file", name));
+      const std::string source((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      return from_jinja(source, name);
+    }
+    return ChatTemplate(parse_chat_format(name), tok, std::move(added));
+  }
 
   // chat_template: a Jinja string, or a list of {name, template} where "default" is the chat one.
   std::string source;
@@ -226,12 +268,57 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
                           path.string());
     return ChatTemplate(ChatFormat::raw, tok, std::move(added));
   }
-  const auto f = detect_chat_format(source);
-  if (!f)
-    throw Error(fmt::format("{}: chat_template is none of the formats Kestrel knows ({}); pass "
-                            "--template NAME",
-                            path.string(), known_names()));
-  return ChatTemplate(*f, tok, std::move(added));
+  return from_jinja(source, path.string());
+}
+
+std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
+                                 bool add_generation_prompt) const {
+  if (!jinja_) return segments_text(render_chat(format_, messages, add_generation_prompt));
+  jinja::Json msgs = jinja::Json::array();
+  for (const ChatMessage& m : messages) msgs.push_back({{"role", m.role}, {"content", m.content}});
+  // What transformers passes: the messages, the generation prompt flag, the special tokens'
+  // text; tools none (their parts stay inert), thinking left to the template's default.
+  const jinja::Json context = {{"messages", msgs},
+                               {"add_generation_prompt", add_generation_prompt},
+                               {"bos_token", bos_text_},
+                               {"eos_token", eos_text_},
+                               {"tools", nullptr}};
+  try {
+    return jinja_->render(context);
+  } catch (const jinja::TemplateException& e) {
+    throw Error("the model's chat template refuses this conversation: " + e.message());
+  }
+}
+
+std::vector<ChatSegment> ChatTemplate::split_specials(const std::string& text) const {
+  // The strings to find: every added token and the tokenizer's BOS/EOS text.
+  std::vector<std::string> specials;
+  for (const auto& [t, id] : added_)
+    if (!t.empty()) specials.push_back(t);
+  for (const std::string& t : {bos_text_, eos_text_})
+    if (!t.empty() && special_id(t) >= 0) specials.push_back(t);
+  std::sort(specials.begin(), specials.end(),
+            [](const std::string& a, const std::string& b) { return a.size() > b.size(); });
+  std::vector<ChatSegment> out;
+  size_t i = 0, plain = 0;
+  while (i < text.size()) {
+    const std::string* hit = nullptr;
+    for (const std::string& t : specials)
+      if (text.compare(i, t.size(), t) == 0) {
+        hit = &t;
+        break;
+      }
+    if (!hit) {
+      ++i;
+      continue;
+    }
+    if (i > plain) out.push_back({text.substr(plain, i - plain), false});
+    out.push_back({*hit, true});
+    i += hit->size();
+    plain = i;
+  }
+  if (plain < text.size()) out.push_back({text.substr(plain), false});
+  return out;
 }
 
 int ChatTemplate::special_id(const std::string& text) const {
@@ -242,6 +329,10 @@ int ChatTemplate::special_id(const std::string& text) const {
 }
 
 std::vector<int> ChatTemplate::tokenize(const std::vector<ChatSegment>& segments) const {
+  return encode(segments, /*add_bos=*/true);
+}
+
+std::vector<int> ChatTemplate::encode(const std::vector<ChatSegment>& segments, bool add_bos) const {
   std::vector<int> ids;
   std::string pending;  // text (and specials the tokenizer lacks) not yet encoded
   auto flush = [&] {
@@ -260,17 +351,33 @@ std::vector<int> ChatTemplate::tokenize(const std::vector<ChatSegment>& segments
     }
   }
   flush();
-  if (tok_->add_bos() && tok_->bos_id() >= 0 && (ids.empty() || ids.front() != tok_->bos_id()))
+  if (add_bos && tok_->add_bos() && tok_->bos_id() >= 0 && (ids.empty() || ids.front() != tok_->bos_id()))
     ids.insert(ids.begin(), tok_->bos_id());
   return ids;
 }
 
 std::vector<int> ChatTemplate::tokenize(const std::vector<ChatMessage>& messages,
                                         bool add_generation_prompt) const {
+  // A model's own template writes its BOS itself where it has one: nothing is added, as
+  // transformers' apply_chat_template(tokenize=True) adds nothing.
+  if (jinja_) return encode(split_specials(render(messages, add_generation_prompt)), false);
   return tokenize(render_chat(format_, messages, add_generation_prompt));
 }
 
 std::vector<int> ChatTemplate::stop_ids() const {
+  if (jinja_) {
+    // The end-of-turn tokens of today's templates that this one writes and the tokenizer has
+    // (EOS ends a reply anyway).
+    std::vector<int> out;
+    for (const char* t : {"<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                          "<|endoftext|>", "</s>"}) {
+      const int id = special_id(t);
+      if (id >= 0 && jinja_source_.find(t) != std::string::npos &&
+          std::find(out.begin(), out.end(), id) == out.end())
+        out.push_back(id);
+    }
+    return out;
+  }
   if (format_ == ChatFormat::chatml) {
     const int id = special_id("<|im_end|>");
     if (id >= 0) return {id};
@@ -279,6 +386,7 @@ std::vector<int> ChatTemplate::stop_ids() const {
 }
 
 std::vector<std::string> ChatTemplate::stop_strings() const {
+  if (jinja_) return {};
   if (format_ == ChatFormat::chatml && special_id("<|im_end|>") < 0) return {"<|im_end|>"};
   return {};
 }

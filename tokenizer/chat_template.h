@@ -1,6 +1,11 @@
 // Chat formats: a conversation rendered the way a chat model was trained to read it, and
 // tokenized with the format's special tokens as their ids (never as literal text).
 //
+// By default the model's own Jinja chat_template (tokenizer_config.json) is rendered by the
+// interpreter in jinja.h, exactly as transformers' apply_chat_template renders it. The
+// built-in formats below are for models without one (--template NAME) and the fallback where a
+// template uses what the interpreter does not support:
+//
 // Each format reproduces the Jinja chat_template its models ship in tokenizer_config.json
 // (rendered by transformers' apply_chat_template), spelled out here for a conversation of an
 // optional system message and then user and assistant turns alternating:
@@ -22,11 +27,13 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "tokenizer/jinja.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
@@ -47,6 +54,9 @@ struct ChatSegment {
 };
 
 std::string_view chat_format_name(ChatFormat f);
+// Whether --template names a Jinja file (a path, or a name ending in .jinja) rather than a
+// built-in format.
+bool is_template_file(const std::string& name);
 // "llama2", "mistral", "zephyr", "chatml", "vicuna", "raw"; throws kestrel::Error naming the
 // known formats otherwise.
 ChatFormat parse_chat_format(std::string_view name);
@@ -67,14 +77,21 @@ std::string segments_text(const std::vector<ChatSegment>& segments);
 // A model's chat format bound to its tokenizer's special tokens.
 class ChatTemplate {
  public:
-  // `name` is a format name or "auto": the format of <dir>/tokenizer_config.json's
-  // chat_template. With no chat_template at all, "auto" is raw and `note` says so (a base
-  // model); a chat_template that matches no known format is an error suggesting --template.
+  // `name` is "auto" (the model's chat_template from <dir>/tokenizer_config.json, rendered by
+  // the Jinja interpreter), a built-in format name, or a path to a .jinja file. With no
+  // chat_template at all, "auto" is raw and `note` says so (a base model). A template the
+  // interpreter refuses falls back to the built-in format it is recognised as (with a note),
+  // else it is an error naming the construct and suggesting --template.
   static ChatTemplate load(const std::string& dir, const std::string& name, const Tokenizer& tok,
                            std::string* note = nullptr);
   ChatTemplate(ChatFormat f, const Tokenizer& tok, std::map<std::string, int> added_tokens = {});
 
+  // A built-in format, or raw while a Jinja template is in use (is_jinja).
   ChatFormat format() const { return format_; }
+  bool is_jinja() const { return jinja_ != nullptr; }
+  // The rendered prompt, special tokens as their text. Throws kestrel::Error where the
+  // template refuses the conversation (its raise_exception message).
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
   std::vector<int> tokenize(const std::vector<ChatMessage>& messages,
                             bool add_generation_prompt) const;
   std::vector<int> tokenize(const std::vector<ChatSegment>& segments) const;
@@ -85,9 +102,15 @@ class ChatTemplate {
 
  private:
   int special_id(const std::string& text) const;  // -1 when the tokenizer has no such token
+  // Rendered text cut into text and the special tokens it spells (longest match first).
+  std::vector<ChatSegment> split_specials(const std::string& text) const;
+  std::vector<int> encode(const std::vector<ChatSegment>& segments, bool add_bos) const;
   ChatFormat format_;
   const Tokenizer* tok_;
   std::map<std::string, int> added_;  // tokenizer_config.json's added_tokens_decoder
+  std::shared_ptr<const jinja::Template> jinja_;  // the model's own template, when used
+  std::string jinja_source_;
+  std::string bos_text_, eos_text_;  // bos_token / eos_token as the template sees them
 };
 
 }  // namespace kestrel

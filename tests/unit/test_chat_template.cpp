@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "engine/base/error.h"
@@ -210,30 +211,86 @@ TEST_F(ChatTokenize, ChatMLMarkersUseAddedTokensOrStayText) {
   EXPECT_TRUE(added.stop_strings().empty());
 }
 
-TEST_F(ChatTokenize, LoadDetectsFromTokenizerConfig) {
+// The model's own template, rendered by the Jinja interpreter, gives the ids of the built-in
+// format written by hand from it: two independent renderings of one format. The built-in
+// formats without BOS in the template prepend the tokenizer's BOS (as llama.cpp does); the
+// model's template adds nothing it does not write (as transformers' apply_chat_template).
+TEST_F(ChatTokenize, LoadRendersTheModelsTemplate) {
+  const std::vector<ChatMessage> no_system(kConversation.begin() + 1, kConversation.end());
+  struct Case {
+    const char* jinja;
+    ChatFormat format;
+    const std::vector<ChatMessage>* messages;
+    bool builtin_adds_bos;
+  };
+  const std::map<std::string, int> im = {{"<|im_start|>", 9000}, {"<|im_end|>", 9001}};
+  for (const Case& c : {Case{kLlama2Jinja, ChatFormat::llama2, &kConversation, false},
+                        Case{kMistralJinja, ChatFormat::mistral, &no_system, false},
+                        Case{kZephyrJinja, ChatFormat::zephyr, &kConversation, true},
+                        Case{kChatmlJinja, ChatFormat::chatml, &kConversation, true},
+                        Case{kVicunaJinja, ChatFormat::vicuna, &kConversation, true}}) {
+    SCOPED_TRACE(std::string(chat_format_name(c.format)));
+    nlohmann::json added = nlohmann::json::object();
+    if (c.format == ChatFormat::chatml)
+      for (const auto& [t, id] : im) added[std::to_string(id)] = {{"content", t}, {"special", true}};
+    write_config({{"chat_template", c.jinja}, {"added_tokens_decoder", added}});
+    const ChatTemplate t = ChatTemplate::load(dir_->string(), "auto", *tok_);
+    EXPECT_TRUE(t.is_jinja());
+    const ChatTemplate builtin(c.format, *tok_, c.format == ChatFormat::chatml ? im : std::map<std::string, int>{});
+    for (bool gen : {true, false}) {
+      if (!gen && (c.format == ChatFormat::llama2 || c.format == ChatFormat::mistral)) continue;  // no generation prompt in these
+      std::vector<int> want = builtin.tokenize(*c.messages, gen);
+      if (c.builtin_adds_bos) want.erase(want.begin());
+      EXPECT_EQ(t.tokenize(*c.messages, gen), want) << t.render(*c.messages, gen);
+    }
+  }
+  // ChatML's end of turn is a stop id.
+  write_config({{"chat_template", kChatmlJinja},
+                {"added_tokens_decoder", {{"9001", {{"content", "<|im_end|>"}, {"special", true}}}}}});
+  EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_).stop_ids(), std::vector<int>{9001});
+}
+
+TEST_F(ChatTokenize, LoadChoosesTemplates) {
   write_config({{"chat_template", kZephyrJinja}});
-  EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_).format(), ChatFormat::zephyr);
   // An explicit name wins over the template.
   EXPECT_EQ(ChatTemplate::load(dir_->string(), "vicuna", *tok_).format(), ChatFormat::vicuna);
+  EXPECT_FALSE(ChatTemplate::load(dir_->string(), "vicuna", *tok_).is_jinja());
   // The list form: the "default" entry.
   write_config({{"chat_template", nlohmann::json::array({{{"name", "tool_use"}, {"template", kPhi3Jinja}},
-                                                         {{"name", "default"}, {"template", kChatmlJinja}}})},
-                {"added_tokens_decoder", {{"9000", {{"content", "<|im_end|>"}, {"special", true}}}}}});
-  const ChatTemplate t = ChatTemplate::load(dir_->string(), "auto", *tok_);
-  EXPECT_EQ(t.format(), ChatFormat::chatml);
-  EXPECT_EQ(t.stop_ids(), std::vector<int>{9000});
-  // Unknown template: an error that names the file and suggests --template.
-  write_config({{"chat_template", kPhi3Jinja}});
+                                                         {{"name", "default"}, {"template", kChatmlJinja}}})}});
+  EXPECT_NE(ChatTemplate::load(dir_->string(), "auto", *tok_).render({{"user", "Hi"}}, true)
+                .find("<|im_start|>assistant\n"),
+            std::string::npos);
+  // A template file given with --template.
+  const fs::path file = *dir_ / "phi3.jinja";
+  std::ofstream(file) << kPhi3Jinja;
+  EXPECT_EQ(ChatTemplate::load(dir_->string(), file.string(), *tok_).render({{"user", "Hi"}}, true),
+            "<|user|>\nHi<|end|>\n<|assistant|>\n");
+  // A template the interpreter refuses: the built-in format it is recognised as, with a note;
+  // one it does not recognise either is an error naming the construct and --template.
+  write_config({{"chat_template", std::string(kZephyrJinja) + "{% include 'x' %}"}});
+  std::string note;
+  EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_, &note).format(), ChatFormat::zephyr);
+  EXPECT_NE(note.find("include"), std::string::npos) << note;
+  write_config({{"chat_template", "{% include 'x' %}"}});
   try {
     ChatTemplate::load(dir_->string(), "auto", *tok_);
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("tokenizer_config.json"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("include"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("--template"), std::string::npos);
+  }
+  // A conversation the template refuses: its own message.
+  write_config({{"chat_template", kMistralJinja}});
+  try {
+    ChatTemplate::load(dir_->string(), "auto", *tok_).tokenize(kConversation, true);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Conversation roles must alternate"), std::string::npos) << e.what();
   }
   // No template: raw, with a note.
   write_config(nlohmann::json::object());
-  std::string note;
   EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_, &note).format(), ChatFormat::raw);
   EXPECT_NE(note.find("raw"), std::string::npos);
 }

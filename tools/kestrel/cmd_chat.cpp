@@ -280,8 +280,8 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
   CLI::App* cmd = app.add_subcommand("chat", "talk with a chat model in the terminal");
   add_model_options(cmd, a->model);
   cmd->add_option("--template", a->chat_template,
-                  "chat format: auto (from tokenizer_config.json), llama2, mistral, zephyr, "
-                  "chatml, vicuna, raw");
+                  "chat template: auto (the model's own, from tokenizer_config.json), a .jinja "
+                  "file, or a built-in format: llama2, mistral, zephyr, chatml, vicuna, raw");
   cmd->add_option("--system", a->system, "system prompt");
   cmd->add_option("-n,--n-predict", a->n_predict, "most tokens per reply (-1 = up to the context)")
       ->check(between(-1, 1 << 30));
@@ -289,7 +289,8 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
   cmd->add_flag("-q,--quiet", a->quiet, "no notes, statistics or performance block on stderr");
   cmd->callback([a, &action] {
     action = [a] {
-      if (a->chat_template != "auto") parse_chat_format(a->chat_template);
+      if (!is_template_file(a->chat_template) && a->chat_template != "auto")
+        parse_chat_format(a->chat_template);
       return ChatSession(*a).run();
     };
   });

@@ -366,7 +366,8 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
   add_sampling_options(cmd, a->sampling);
   cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
   cmd->add_option("--template", a->chat_template,
-                  "chat format for --chat: auto, llama2, mistral, zephyr, chatml, vicuna, raw");
+                  "chat template for --chat: auto (the model's own), a .jinja file, llama2, "
+                  "mistral, zephyr, chatml, vicuna, raw");
   cmd->add_option("--system", a->system, "system prompt for --chat");
   cmd->add_option("--logprobs", a->logprobs,
                   "with --json or --batch-file: top-N log-probabilities of each generated token")
@@ -375,7 +376,8 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
   cmd->add_flag("-q,--quiet", a->quiet, "no notes, progress or statistics on stderr");
   cmd->callback([a, &action] {
     action = [a] {
-      if (a->chat_template != "auto") parse_chat_format(a->chat_template);
+      if (!is_template_file(a->chat_template) && a->chat_template != "auto")
+        parse_chat_format(a->chat_template);
       if (!a->output.empty() && a->batch_file.empty())
         throw Error("-o FILE goes with --batch-file");
       return a->batch_file.empty() ? run_single(*a) : run_batch(*a);
