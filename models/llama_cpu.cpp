@@ -70,9 +70,7 @@ LlamaCpu::LlamaCpu(const ModelSpec& spec) : cfg_(spec.config) {
   if (spec.positions) w_.positions = to_float(*spec.positions);
   w_.final_norm = to_float(*spec.final_norm);
   if (spec.final_norm_bias) w_.final_norm_bias = to_float(*spec.final_norm_bias);
-  inv_freq_ = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_linear_factor, c.rope_llama3.factor,
-                            c.rope_llama3.low_freq_factor, c.rope_llama3.high_freq_factor,
-                            c.rope_llama3.original_max_pos);
+  inv_freq_ = rope_inv_freq(c.head_dim, c.rope_scaling());
   LinearSpec head;
   head.name = "lm_head";
   head.N = cfg_.vocab;

@@ -34,9 +34,7 @@ std::string cuda_unsupported(const ModelConfig& c) {
   if (c.norm == NormKind::Layer) why.push_back("LayerNorm");
   if (c.mlp == MlpKind::ReLU) why.push_back("a ReLU MLP");
   if (c.positions == PositionKind::Learned) why.push_back("learned positions");
-  if (c.qk_norm) why.push_back("q/k norms");
-  if (c.rope_llama3.factor > 0) why.push_back("llama3 rope scaling");
-  if (c.qkv_bias || c.o_bias || c.mlp_bias) why.push_back("linear biases");
+  if (c.o_bias || c.mlp_bias) why.push_back("biases on o or the MLP");
   if (c.head_dim != 64 && c.head_dim != 128) why.push_back(fmt::format("head_dim {} (64 or 128)", c.head_dim));
   if (why.empty()) return "";
   return fmt::format("the CUDA engine does not run {} ({}) yet; use --device cpu", c.architecture,
@@ -228,17 +226,22 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
     // the qkv GEMV as it stages x. Under L.order, x is in qkv's act-order permutation (and the
     // norm weights with it), so that qkv stages it without a gather.
     const GpuLayer::StreamOrder& O = L.order;
-    if (O.on)
-      cuda::gemv(O.qkv, s_.x, s_.qkv, nullptr, s, {O.input_norm, c.rms_eps});
+    if (O.on)  // (+ the q|k|v biases, as the GEMV's residual)
+      cuda::gemv(O.qkv, s_.x, s_.qkv, L.qkv.bias, s, {O.input_norm, c.rms_eps});
     else
       L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
     profiler_.mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
+    if (c.qk_norm) {  // Qwen3: RMSNorm over each head of q and k, before RoPE
+      cuda::head_rms_norm_f16(s_.qkv, c.q_dim() + 2 * c.kv_dim(), 1, c.n_heads, c.n_kv_heads,
+                              c.head_dim, L.q_norm, L.k_norm, c.rms_eps, s);
+      profiler_.mark("q/k head norms", 0, s);
+    }
     // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
     // rotates as it reads qkv and merges the chunks in the last block of each head range
     // (under L.order, storing its output in o's act-order permutation).
     cuda::attention_decode_rope_f16(s_.qkv, k_cache, v_cache, s_.pos, q.ctx, c.sliding_window,
-                                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta,
-                                    c.rope_linear_factor, q.att_workspace, s_.att, s,
+                                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(),
+                                    q.att_workspace, s_.att, s,
                                     O.att_out, ctx_bound, tuning_.attention_heads_per_block);
     profiler_.mark("rope + kv write + attention", profiler_.on() ? 2.0 * (profiler_.pos() + 1) * c.kv_dim() * h2 : 0, s);
     if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's

@@ -162,9 +162,14 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
   cuda::rms_norm_f16(x, L.input_norm, c.rms_eps, T, c.hidden, b.xb, s);
   if (tap(LinearGroup::QKV, b.xb, c.hidden)) return;
-  run_linear(gemm, L.qkv, b.xb, T, b.qkv, nullptr, b.weights, s);  // [T, q | k | v]
+  // [T, q | k | v] (+ the q|k|v biases, laid down first and accumulated onto as a residual)
+  if (L.qkv.bias) cuda::broadcast_rows_f16(L.qkv.bias, T, qkv_n, b.qkv, qkv_n, s);
+  run_linear(gemm, L.qkv, b.xb, T, b.qkv, L.qkv.bias ? b.qkv : nullptr, b.weights, s);
+  if (c.qk_norm)  // Qwen3: RMSNorm over each head of q and k, before RoPE
+    cuda::head_rms_norm_f16(b.qkv, qkv_n, T, c.n_heads, c.n_kv_heads, c.head_dim, L.q_norm,
+                            L.k_norm, c.rms_eps, s);
   cuda::rope_kv_write_rows_f16(b.qkv, qkv_n, T, pos0, k_cache, v_cache, c.n_heads, c.n_kv_heads,
-                               c.head_dim, c.rope_theta, c.rope_linear_factor, s);
+                               c.head_dim, c.rope_scaling(), s);
   cuda::attention_prefill_f16(b.qkv, qkv_n, k_cache, v_cache, pos0, T, c.sliding_window,
                               c.n_heads, c.n_kv_heads, c.head_dim, b.att, s);  // [T, q_dim]
   if (tap(LinearGroup::O, b.att, c.q_dim())) return;

@@ -25,14 +25,15 @@ PROMPT = [5, 17, 300, 42, 42, 7, 99, 250, 3, 61, 128, 200, 11, 12, 13, 310, 77, 
           8, 150, 271, 33]
 NEW_TOKENS = 24
 
-common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+# head_dim 64 or 128 (the CUDA engine's), grouped-query attention (2 heads, 1 KV head).
+common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
               bos_token_id=1, eos_token_id=2)
 
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(common, rms_norm_eps=1e-5, rope_theta=10000.0)),
     "llama3": (transformers.LlamaConfig, dict(
-        common, rms_norm_eps=1e-5, head_dim=32, tie_word_embeddings=True,
+        common, rms_norm_eps=1e-5, head_dim=128, tie_word_embeddings=True,
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                           high_freq_factor=4.0, original_max_position_embeddings=64),
         rope_theta=500000.0)),
@@ -40,13 +41,13 @@ FAMILIES = {
                                                  rope_theta=10000.0)),
     "qwen2": (transformers.Qwen2Config, dict(common, rms_norm_eps=1e-6, rope_theta=1000000.0,
                                              tie_word_embeddings=True, use_sliding_window=False)),
-    "qwen3": (transformers.Qwen3Config, dict(common, rms_norm_eps=1e-6, head_dim=32,
+    "qwen3": (transformers.Qwen3Config, dict(common, rms_norm_eps=1e-6, head_dim=128,
                                              rope_theta=1000000.0, tie_word_embeddings=False,
                                              attention_bias=False, use_sliding_window=False)),
-    "opt": (transformers.OPTConfig, dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96,
-                                         num_hidden_layers=2, num_attention_heads=4,
+    "opt": (transformers.OPTConfig, dict(vocab_size=VOCAB, hidden_size=128, ffn_dim=192,
+                                         num_hidden_layers=2, num_attention_heads=2,
                                          max_position_embeddings=128, do_layer_norm_before=True,
-                                         word_embed_proj_dim=64, enable_bias=True,
+                                         word_embed_proj_dim=128, enable_bias=True,
                                          activation_function="relu", bos_token_id=2,
                                          eos_token_id=2, pad_token_id=1)),
 }

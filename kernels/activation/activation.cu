@@ -3,6 +3,7 @@
 // aligned, else one per element. Reads 4 * inter bytes and writes 2 * inter per row.
 #include "kernels/activation/activation_cuda.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -62,6 +63,28 @@ void silu_mul_rows_f16(const __half* gate_up, int rows, int inter, __half* out,
   } else {
     silu_mul_kernel<false><<<grid, kThreads, 0, stream>>>(gate_up, inter, out);
   }
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+__global__ void broadcast_rows_kernel(const __half* v, int64_t n, __half* y, int64_t ldy) {
+  __half* row = y + (int64_t)blockIdx.y * ldy;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    row[i] = v[i];
+}
+
+}  // namespace
+
+void broadcast_rows_f16(const __half* v, int rows, int64_t n, __half* y, int64_t ldy,
+                        cudaStream_t stream) {
+  KESTREL_CHECK(rows >= 0 && rows <= 65535 && n > 0 && ldy >= n,
+                "broadcast_rows_f16: bad shape rows " + std::to_string(rows) + ", n " +
+                    std::to_string(n) + ", ldy " + std::to_string(ldy));
+  if (rows == 0) return;
+  const dim3 grid((unsigned)std::min<int64_t>((n + kThreads - 1) / kThreads, 64), rows);
+  broadcast_rows_kernel<<<grid, kThreads, 0, stream>>>(v, n, y, ldy);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

@@ -4,6 +4,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace kestrel::cuda {
 
 // Row-wise, for the prefill (the decode step does this in its gate|up GEMV's epilogue):
@@ -11,5 +13,10 @@ namespace kestrel::cuda {
 // may alias gate_up (its gate half).
 void silu_mul_rows_f16(const __half* gate_up, int rows, int inter, __half* out,
                        cudaStream_t stream);
+
+// y [rows, n] (rows ldy halves apart) = v [n] in every row: a bias laid down before a GEMM
+// that accumulates onto y (its residual), which adds the bias without an epilogue of its own.
+void broadcast_rows_f16(const __half* v, int rows, int64_t n, __half* y, int64_t ldy,
+                        cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -667,12 +667,12 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
 
 void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
-                               int n_kv_heads, int head_dim, float theta, float linear_factor,
+                               int n_kv_heads, int head_dim, const RopeScaling& rope,
                                float* workspace, __half* out, cudaStream_t stream,
                                const int32_t* out_index, int ctx_bound,
                                int heads_per_block) {
   const rope_detail::InvFreq inv_freq =
-      rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, theta, linear_factor);
+      rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, rope);
   attention_decode<true>(qkv, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
                          n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
                          ctx_bound, heads_per_block, "attention_decode_rope_f16");

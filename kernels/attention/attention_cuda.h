@@ -10,6 +10,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/rope/rope.h"
+
 namespace kestrel::cuda {
 
 // Positions per block (a chunk) in a grid over ctx_bound positions at head_dim: 32 at 128 and 64
@@ -54,7 +56,7 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
 // it stages its x without a gather).
 void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
-                               int n_kv_heads, int head_dim, float theta, float linear_factor,
+                               int n_kv_heads, int head_dim, const RopeScaling& rope,
                                float* workspace, __half* out, cudaStream_t stream,
                                const int32_t* out_index = nullptr, int ctx_bound = 0,
                                int heads_per_block = 0);

@@ -179,4 +179,51 @@ void layer_norm_f16(const __half* x, const __half* w, const __half* b, float eps
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+// One warp per head of one row: each lane holds head_dim / 32 values (at most 8), reduces the
+// sum of squares across the warp and writes what it read (fp32 product, one rounding).
+__global__ void head_rms_norm_kernel(__half* qkv, int64_t ld, int n_heads, int n_heads_all,
+                                     int head_dim, const __half* q_w, const __half* k_w,
+                                     float eps) {
+  const int head = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (head >= n_heads_all) return;
+  __half* p = qkv + (int64_t)blockIdx.y * ld + (int64_t)head * head_dim;
+  const __half* w = head < n_heads ? q_w : k_w;
+  float v[8];
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int i = lane + 32 * j;
+    v[j] = i < head_dim ? __half2float(p[i]) : 0.0f;
+    ss += v[j] * v[j];
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = rsqrtf(ss / (float)head_dim + eps);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int i = lane + 32 * j;
+    if (i < head_dim) p[i] = __float2half_rn(v[j] * inv * __half2float(w[i]));
+  }
+}
+
+}  // namespace
+
+void head_rms_norm_f16(__half* qkv, int64_t ld, int rows, int n_heads, int n_kv_heads,
+                       int head_dim, const __half* q_w, const __half* k_w, float eps,
+                       cudaStream_t stream) {
+  KESTREL_CHECK(rows >= 0 && rows <= 65535 && n_heads > 0 && n_kv_heads >= 0 && head_dim > 0 &&
+                    head_dim <= 256 && ld >= (int64_t)(n_heads + n_kv_heads) * head_dim,
+                "head_rms_norm_f16: bad shape rows " + std::to_string(rows) + ", heads " +
+                    std::to_string(n_heads) + "+" + std::to_string(n_kv_heads) + ", head_dim " +
+                    std::to_string(head_dim) + ", ld " + std::to_string(ld));
+  if (rows == 0) return;
+  constexpr int kWarps = 4;
+  const int heads = n_heads + n_kv_heads;
+  const dim3 grid((heads + kWarps - 1) / kWarps, rows);
+  head_rms_norm_kernel<<<grid, kWarps * 32, 0, stream>>>(qkv, ld, n_heads, heads, head_dim, q_w,
+                                                         k_w, eps);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace kestrel::cuda

@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace kestrel::cuda {
 
 // y = x / sqrt(mean(x^2) + eps) * w ; x, y [rows, n] (y may alias x), w [n].
@@ -14,5 +16,13 @@ void rms_norm_f16(const __half* x, const __half* w, float eps, int rows, int n, 
 // y = (x - mean) / sqrt(var + eps) * w + b ; b [n] may be nullptr; y may alias x.
 void layer_norm_f16(const __half* x, const __half* w, const __half* b, float eps, int rows, int n,
                     __half* y, cudaStream_t stream);
+
+// Qwen3's per-head norms, in place: in each of `rows` rows of qkv (ld halves apart, q heads
+// [n_heads, head_dim] then k heads [n_kv_heads, head_dim]), every q head becomes
+// rms_norm(head) * q_w and every k head rms_norm(head) * k_w (q_w, k_w [head_dim]); v is not
+// touched. The oracle is rms_norm_ref over each head. head_dim even and <= 256.
+void head_rms_norm_f16(__half* qkv, int64_t ld, int rows, int n_heads, int n_kv_heads,
+                       int head_dim, const __half* q_w, const __half* k_w, float eps,
+                       cudaStream_t stream);
 
 }  // namespace kestrel::cuda

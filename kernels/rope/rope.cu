@@ -31,9 +31,9 @@ __global__ void rope_kv_write_kernel(__half* qkv, __half* k_cache, __half* v_cac
 }  // namespace
 
 void rope_kv_write_f16(__half* qkv, __half* k_cache, __half* v_cache, const int* d_pos,
-                       int n_heads, int n_kv_heads, int head_dim, float theta,
-                       float linear_factor, cudaStream_t stream) {
-  const InvFreq inv_freq = make_inv_freq("rope_kv_write_f16", head_dim, theta, linear_factor);
+                       int n_heads, int n_kv_heads, int head_dim, const RopeScaling& rope,
+                       cudaStream_t stream) {
+  const InvFreq inv_freq = make_inv_freq("rope_kv_write_f16", head_dim, rope);
   KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0,
                 "rope_kv_write_f16: bad head counts n_heads " + std::to_string(n_heads) +
                     ", n_kv_heads " + std::to_string(n_kv_heads));

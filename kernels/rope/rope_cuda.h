@@ -5,6 +5,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/rope/rope.h"
+
 namespace kestrel::cuda {
 
 // qkv [q_dim + 2 * kv_dim] = q [n_heads, head_dim] | k [n_kv_heads, head_dim] | v [likewise],
@@ -14,7 +16,7 @@ namespace kestrel::cuda {
 // every step unchanged; the caller guarantees 0 <= *d_pos < max_ctx (the engine checks the
 // position on the host before each step). head_dim even and <= 256, else kestrel::Error.
 void rope_kv_write_f16(__half* qkv, __half* k_cache, __half* v_cache, const int* d_pos,
-                       int n_heads, int n_kv_heads, int head_dim, float theta,
-                       float linear_factor, cudaStream_t stream);
+                       int n_heads, int n_kv_heads, int head_dim, const RopeScaling& rope,
+                       cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -2,8 +2,8 @@
 // (rope.cu, one token at *d_pos) and the prefill kernel (rope_rows.cu, T tokens): both compute
 // bitwise the same values. Device code: include from .cu files only.
 //
-// Frequencies are computed on the host, in float, in exactly transformers' order
-// (inv_freq = 1 / theta^(2i/d), then / linear_factor), and passed by value. The angle is one
+// Frequencies are computed on the host by the reference's rope_inv_freq (rope.h: float, in
+// exactly transformers' order, with the model's scaling), and passed by value. The angle is one
 // float product, float(pos) * inv_freq[i], as in transformers; sincosf (full range reduction,
 // <= 2 ulp; the build never uses --use_fast_math) stays accurate at thousands of radians.
 #pragma once
@@ -14,6 +14,7 @@
 #include <string>
 
 #include "engine/base/error.h"
+#include "kernels/rope/rope.h"
 
 namespace kestrel::cuda::rope_detail {
 
@@ -24,15 +25,13 @@ struct InvFreq {
   float v[kMaxHalf];
 };
 
-inline InvFreq make_inv_freq(const char* who, int head_dim, float theta, float linear_factor) {
+inline InvFreq make_inv_freq(const char* who, int head_dim, const RopeScaling& rope) {
   KESTREL_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim / 2 <= kMaxHalf,
                 std::string(who) + ": head_dim must be even and at most " +
                     std::to_string(2 * kMaxHalf) + ", got " + std::to_string(head_dim));
   InvFreq f{};
-  for (int i = 0; i < head_dim / 2; ++i) {
-    f.v[i] = 1.0f / std::pow(theta, (float)(2 * i) / (float)head_dim);
-    f.v[i] /= linear_factor;
-  }
+  const std::vector<float> table = rope_inv_freq(head_dim, rope);
+  for (int i = 0; i < head_dim / 2; ++i) f.v[i] = table[i];
   return f;
 }
 

@@ -14,18 +14,19 @@
 
 namespace kestrel {
 
-std::vector<float> rope_inv_freq(int head_dim, float theta, float linear_factor,
-                                 float llama3_factor, float low_freq_factor,
-                                 float high_freq_factor, int original_max_pos) {
+std::vector<float> rope_inv_freq(int head_dim, const RopeScaling& r) {
   KESTREL_CHECK(head_dim > 0 && head_dim % 2 == 0,
                 "rope: head_dim must be positive and even, got " + std::to_string(head_dim));
   const int half = head_dim / 2;
   std::vector<float> f(half);
   for (int i = 0; i < half; ++i) {
-    f[i] = 1.0f / std::pow(theta, (float)(2 * i) / (float)head_dim);
-    f[i] /= linear_factor;
+    f[i] = 1.0f / std::pow(r.theta, (float)(2 * i) / (float)head_dim);
+    f[i] /= r.linear_factor;
   }
-  if (llama3_factor > 0) {
+  if (r.llama3_factor > 0) {
+    const float llama3_factor = r.llama3_factor, low_freq_factor = r.low_freq_factor;
+    const float high_freq_factor = r.high_freq_factor;
+    const int original_max_pos = r.original_max_pos;
     // transformers' _compute_llama3_parameters, in float32 as it runs there.
     const float pi = 3.14159265358979323846f;
     const float low_wavelen = (float)original_max_pos / low_freq_factor;
@@ -61,7 +62,7 @@ void rope_ref(float* x, int n_heads, int head_dim, int64_t pos, const float* inv
 }
 
 void rope_ref(float* x, int n_heads, int head_dim, int64_t pos, float theta, float linear_factor) {
-  const std::vector<float> f = rope_inv_freq(head_dim, theta, linear_factor);
+  const std::vector<float> f = rope_inv_freq(head_dim, RopeScaling{theta, linear_factor});
   rope_ref(x, n_heads, head_dim, pos, f.data());
 }
 

@@ -27,8 +27,8 @@ __global__ void rope_kv_write_rows_kernel(__half* qkv, int64_t row_stride, int p
 
 void rope_kv_write_rows_f16(__half* qkv, int64_t row_stride, int T, int pos0, __half* k_cache,
                             __half* v_cache, int n_heads, int n_kv_heads, int head_dim,
-                            float theta, float linear_factor, cudaStream_t stream) {
-  const InvFreq inv_freq = make_inv_freq("rope_kv_write_rows_f16", head_dim, theta, linear_factor);
+                            const RopeScaling& rope, cudaStream_t stream) {
+  const InvFreq inv_freq = make_inv_freq("rope_kv_write_rows_f16", head_dim, rope);
   KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && T >= 1 && pos0 >= 0 && T <= 65535,
                 "rope_kv_write_rows_f16: bad sizes n_heads " + std::to_string(n_heads) +
                     ", n_kv_heads " + std::to_string(n_kv_heads) + ", T " + std::to_string(T) +

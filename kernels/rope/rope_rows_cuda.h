@@ -8,6 +8,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/rope/rope.h"
+
 namespace kestrel::cuda {
 
 // qkv [T, row_stride]: row t = q [n_heads, head_dim] | k [n_kv_heads, head_dim] | v [likewise]
@@ -17,6 +19,6 @@ namespace kestrel::cuda {
 // pos0 + T <= max_ctx. head_dim even and <= 256, T >= 1, else kestrel::Error.
 void rope_kv_write_rows_f16(__half* qkv, int64_t row_stride, int T, int pos0, __half* k_cache,
                             __half* v_cache, int n_heads, int n_kv_heads, int head_dim,
-                            float theta, float linear_factor, cudaStream_t stream);
+                            const RopeScaling& rope, cudaStream_t stream);
 
 }  // namespace kestrel::cuda

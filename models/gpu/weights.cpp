@@ -67,7 +67,7 @@ std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls)
 
 // Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
 // format and whether it keeps zero points), their FP16 rows, or each part on its own.
-size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
+size_t weights_bound(const std::vector<const LinearSpec*>& parts) {
   int64_t N = 0;
   for (const LinearSpec* p : parts) N += p->N;
   const LinearSpec& a = *parts[0];
@@ -76,8 +76,15 @@ size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
                                                   a.g_idx != nullptr, keeps_zero_points(parts)));
   if (all_dense(parts)) return align256((size_t)N * a.K * sizeof(__half));
   size_t total = 0;
-  for (const LinearSpec* p : parts) total += linear_bound({p});
+  for (const LinearSpec* p : parts) total += weights_bound({p});
   return total;
+}
+
+// The same with the parts' biases, one fp16 vector over the concatenated outputs.
+size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
+  int64_t N = 0;
+  for (const LinearSpec* p : parts) N += p->N;
+  return weights_bound(parts) + (parts[0]->bias ? align256((size_t)N * sizeof(__half)) : 0);
 }
 
 }  // namespace
@@ -87,7 +94,7 @@ size_t gpu_weights_bound(const ModelSpec& spec) {
   size_t total = tensor(spec.embed) + tensor(spec.final_norm) +
                  (spec.lm_head != spec.embed ? tensor(spec.lm_head) : 0);
   for (const LayerSpec& ls : spec.layers) {
-    total += tensor(ls.input_norm) + tensor(ls.post_norm);
+    total += tensor(ls.input_norm) + tensor(ls.post_norm) + tensor(ls.q_norm) + tensor(ls.k_norm);
     for (const auto& parts : layer_linears(ls)) total += linear_bound(parts);
   }
   return total;
@@ -109,6 +116,12 @@ double GpuLinear::bytes_moved() const {
 
 void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
                     cuda::GemvInput in, cuda::GemvEpilogue out) const {
+  if (bias) {
+    // The bias enters as the GEMV's residual: y = W x + bias.
+    if (residual || out.silu_mul)
+      throw Error("GpuLinear::run: a bias goes with neither a residual nor the SiLU epilogue");
+    residual = bias;
+  }
   if (!parts.empty()) {
     if (out.silu_mul)
       throw Error("GpuLinear::run: the SiLU epilogue needs one fused [gate | up] weight");
@@ -150,12 +163,28 @@ struct GpuLoader {
   // Several linears with the same input, fused along N where their formats agree (GPTQ) or
   // all are FP16; otherwise each on its own (GpuLinear::parts), so that GPTQ weights stay
   // quantized and keep their own act-order permutations.
+  // Their biases, where they have them, as one vector [N] over the concatenated outputs.
   GpuLinear linear(const std::vector<const LinearSpec*>& parts) {
+    GpuLinear out = weights(parts);
+    if (!parts[0]->bias) return out;
+    std::vector<uint16_t> b;
+    for (const LinearSpec* p : parts) {
+      KESTREL_CHECK(p->bias, fmt::format("{}: has no bias where {} has one", p->name, parts[0]->name));
+      const std::vector<uint16_t> h = as_f16(*p->bias);
+      b.insert(b.end(), h.begin(), h.end());
+    }
+    out.bias = static_cast<__half*>(arena.take(b.size() * 2));
+    KESTREL_CUDA_CHECK(cudaMemcpy(out.bias, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+    bytes += b.size() * 2;
+    return out;
+  }
+
+  GpuLinear weights(const std::vector<const LinearSpec*>& parts) {
     if (!fusable(parts) && !all_dense(parts)) {
       GpuLinear out;
       out.K = parts[0]->K;
       for (const LinearSpec* p : parts) {
-        out.parts.push_back(linear({p}));
+        out.parts.push_back(weights({p}));
         out.N += p->N;
         out.bytes += out.parts.back().bytes;
       }
@@ -163,11 +192,7 @@ struct GpuLoader {
     }
     GpuLinear out;
     out.K = parts[0]->K;
-    for (const LinearSpec* p : parts) {
-      out.N += p->N;
-      if (p->bias)
-        throw Error(p->name + ".bias: the CUDA engine does not run linear biases; use --device cpu");
-    }
+    for (const LinearSpec* p : parts) out.N += p->N;
     size_t src_bytes = 0;
     for (const LinearSpec* p : parts)
       for (const TensorInfo* t : {p->weight, p->qweight, p->qzeros, p->scales, p->g_idx})
@@ -217,6 +242,8 @@ GpuWeights load_gpu_weights(const ModelSpec& spec, const DecodeTuning& tuning, D
     GpuLayer g;
     g.input_norm = L.upload(*ls.input_norm);
     g.post_norm = L.upload(*ls.post_norm);
+    if (ls.q_norm) g.q_norm = L.upload(*ls.q_norm);
+    if (ls.k_norm) g.k_norm = L.upload(*ls.k_norm);
     const auto lin = layer_linears(ls);
     g.qkv = L.linear(lin[0]);
     g.o = L.linear(lin[1]);

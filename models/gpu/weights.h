@@ -26,11 +26,12 @@ struct GpuLinear {
   // differ): each keeps its own format and runs into its columns of y, one after the other.
   // Neither q nor dense is set then.
   std::vector<GpuLinear> parts;
+  __half* bias = nullptr;     // [N] over all parts (q|k|v biases), or nullptr
   size_t bytes = 0;
 
   // Bytes one run moves through device memory (weights, x, y).
   double bytes_moved() const;
-  // y [N] = W x (+ residual [N]; y may alias residual)
+  // y [N] = W x (+ residual [N]; y may alias residual), or W x + bias (no residual then)
   // `in` fuses the op before the linear (RMSNorm, SiLU * up) into its staging of x; `out` the
   // op after it (quantized only: see can_silu_epilogue).
   void run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
@@ -44,6 +45,8 @@ struct GpuLinear {
 struct GpuLayer {
   __half* input_norm = nullptr;  // [hidden]
   __half* post_norm = nullptr;   // [hidden]
+  __half* q_norm = nullptr;      // [head_dim] Qwen3's per-head norms, or nullptr
+  __half* k_norm = nullptr;      // [head_dim]
   GpuLinear qkv;                 // [q_dim + 2 * kv_dim, hidden]
   GpuLinear o;                   // [hidden, q_dim]
   GpuLinear gate_up;             // [2 * intermediate, hidden]

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/base/dtype.h"
+#include "kernels/rope/rope.h"
 
 namespace kestrel {
 
@@ -70,6 +71,10 @@ struct ModelConfig {
   std::optional<QuantConfig> quant;  // absent = unquantized model
 
   int q_dim() const { return n_heads * head_dim; }
+  RopeScaling rope_scaling() const {
+    return {rope_theta, rope_linear_factor, rope_llama3.factor, rope_llama3.low_freq_factor,
+            rope_llama3.high_freq_factor, rope_llama3.original_max_pos};
+  }
   int kv_dim() const { return n_kv_heads * head_dim; }
 };
 

@@ -23,6 +23,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/support/gpu.h"
@@ -177,11 +178,69 @@ INSTANTIATE_TEST_SUITE_P(Shapes, NormCuda,
                                   std::to_string(info.param.n);
                          });
 
+// Qwen3's per-head norms in place on q|k|v rows with padding between rows (ld): q and k heads
+// normalised by rms_norm_ref per head, v and the padding untouched.
+struct HeadNormShape {
+  int rows, n_heads, n_kv, head_dim;
+};
+
+class HeadNormCuda : public ::testing::TestWithParam<HeadNormShape> {};
+
+TEST_P(HeadNormCuda, MatchesReferencePerHead) {
+  KESTREL_REQUIRE_GPU();
+  const auto [rows, n_heads, n_kv, hd] = GetParam();
+  const int64_t width = (int64_t)(n_heads + 2 * n_kv) * hd, ld = width + 8;
+  const auto x = random_half((size_t)rows * ld, -3.0f, 3.0f, 61);
+  const auto qw = random_half(hd, 0.5f, 1.5f, 62), kw = random_half(hd, 0.5f, 1.5f, 63);
+  std::vector<float> ref = widen(x);
+  for (int r = 0; r < rows; ++r) {
+    float* row = ref.data() + (size_t)r * ld;
+    rms_norm_ref(row, widen(qw).data(), 1e-6f, n_heads, hd, row);
+    rms_norm_ref(row + (size_t)n_heads * hd, widen(kw).data(), 1e-6f, n_kv, hd, row + (size_t)n_heads * hd);
+  }
+  Dev<uint16_t> dx(x), dqw(qw), dkw(kw);
+  cuda::head_rms_norm_f16(dx.half(), ld, rows, n_heads, n_kv, hd, dqw.half(), dkw.half(), 1e-6f,
+                          nullptr);
+  const auto got = dx.download();
+  expect_close(widen(got), ref, kTol, "head_rms_norm_f16");
+  for (int r = 0; r < rows; ++r)  // v and the padding: bit for bit
+    for (int64_t i = (int64_t)(n_heads + n_kv) * hd; i < ld; ++i)
+      ASSERT_EQ(got[(size_t)r * ld + i], x[(size_t)r * ld + i]) << r << " " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, HeadNormCuda,
+                         ::testing::Values(HeadNormShape{1, 32, 8, 128}, HeadNormShape{3, 4, 2, 64},
+                                           HeadNormShape{70, 6, 1, 128}, HeadNormShape{2, 3, 3, 96},
+                                           HeadNormShape{1, 2, 1, 256}, HeadNormShape{5, 5, 1, 16}),
+                         [](const auto& info) {
+                           const auto& p = info.param;
+                           return "rows" + std::to_string(p.rows) + "_h" + std::to_string(p.n_heads) +
+                                  "_kv" + std::to_string(p.n_kv) + "_hd" + std::to_string(p.head_dim);
+                         });
+
+// A bias laid into rows of a wider buffer: every row equal to it, the rest untouched.
+TEST(BroadcastRowsCuda, FillsEveryRowAndNothingElse) {
+  KESTREL_REQUIRE_GPU();
+  for (const auto& [rows, n, ld] : {std::tuple{1, 1, 1}, {3, 7, 9}, {70, 4608, 4608}, {5, 1000, 1003}}) {
+    const auto v = random_half(n, -1.0f, 1.0f, 71);
+    Dev<uint16_t> dv(v), dy((size_t)rows * ld);
+    dy.poison();
+    const auto before = dy.download();
+    cuda::broadcast_rows_f16(dv.half(), rows, n, dy.half(), ld, nullptr);
+    const auto got = dy.download();
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < ld; ++i)
+        ASSERT_EQ(got[(size_t)r * ld + i], i < n ? v[i] : before[(size_t)r * ld + i]) << r << " " << i;
+  }
+}
+
 // ---- rope + KV write ----
 
 struct RopeCase {
   int head_dim, n_heads, n_kv_heads, pos;
   float theta, factor;
+  float llama3 = 0;  // Llama 3's scaling factor (original 8192 positions); 0 = none
+  RopeScaling scaling() const { return {theta, factor, llama3, 1.0f, 4.0f, 8192}; }
 };
 
 class RopeCuda : public ::testing::TestWithParam<RopeCase> {};
@@ -194,15 +253,16 @@ TEST_P(RopeCuda, RotatesQKAndWritesCacheRow) {
   const auto qkv = random_half((size_t)q_dim + 2 * kv_dim, -2.0f, 2.0f, 31 + c.pos);
 
   std::vector<float> q_ref = widen(qkv, 0, q_dim), k_ref = widen(qkv, q_dim, kv_dim);
-  rope_ref(q_ref.data(), c.n_heads, c.head_dim, c.pos, c.theta, c.factor);
-  rope_ref(k_ref.data(), c.n_kv_heads, c.head_dim, c.pos, c.theta, c.factor);
+  const std::vector<float> freqs = rope_inv_freq(c.head_dim, c.scaling());
+  rope_ref(q_ref.data(), c.n_heads, c.head_dim, c.pos, freqs.data());
+  rope_ref(k_ref.data(), c.n_kv_heads, c.head_dim, c.pos, freqs.data());
 
   Dev<uint16_t> dqkv(qkv), dk((size_t)max_ctx * kv_dim), dv((size_t)max_ctx * kv_dim);
   Dev<int> dpos(std::vector<int>{c.pos});
   dk.poison();
   dv.poison();
   cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), c.n_heads, c.n_kv_heads,
-                          c.head_dim, c.theta, c.factor, nullptr);
+                          c.head_dim, c.scaling(), nullptr);
 
   const auto got = dqkv.download();
   expect_close(widen(got, 0, q_dim), q_ref, kTol, "rotated q");
@@ -232,6 +292,8 @@ std::vector<RopeCase> rope_cases() {
       for (const int pos : {0, 1, 4095})
         for (const float factor : {1.0f, 2.0f}) cases.push_back({hd, h, kv, pos, 10000.0f, factor});
   cases.push_back({128, 32, 8, 4095, 500000.0f, 8.0f});  // Llama-3 theta
+  cases.push_back({128, 32, 8, 4095, 500000.0f, 1.0f, 8.0f});   // Llama 3.1's scaling
+  cases.push_back({64, 32, 8, 100000, 500000.0f, 1.0f, 32.0f});  // Llama 3.2's, far out
   return cases;
 }
 
@@ -242,7 +304,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RopeCuda, ::testing::ValuesIn(rope_cases()),
                                   std::to_string(p.n_heads) + "_kv" +
                                   std::to_string(p.n_kv_heads) + "_pos" + std::to_string(p.pos) +
                                   "_theta" + std::to_string((int)p.theta) + "_f" +
-                                  std::to_string((int)p.factor);
+                                  std::to_string((int)p.factor) +
+                                  (p.llama3 > 0 ? "_llama3x" + std::to_string((int)p.llama3) : "");
                          });
 
 // ---- decode attention ----
@@ -399,8 +462,8 @@ TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), n_heads, n_kv, hd, theta,
-                          factor, stream);
+  cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), n_heads, n_kv, hd,
+                          RopeScaling{theta, factor}, stream);
   cuda::attention_decode_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), max_ctx, window,
                              n_heads, n_kv, hd, ws.get(), dout.half(), stream);
   KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
@@ -452,7 +515,8 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
                  std::to_string(c.max_ctx));
     const int max_ctx = c.max_ctx, steps = 200;
     const int q_dim = c.n_heads * c.hd, kv_dim = c.n_kv * c.hd, qkv_dim = q_dim + 2 * kv_dim;
-    const float theta = 500000.0f, factor = 2.0f;
+    // Llama 3's scaling, its medium band inside head_dim's frequencies.
+    const RopeScaling rope{500000.0f, 1.0f, 8.0f, 1.0f, 4.0f, 256};
     Dev<uint16_t> dqkv(qkv_dim), dqkv2(qkv_dim), dk((size_t)max_ctx * kv_dim),
         dv((size_t)max_ctx * kv_dim), dk2((size_t)max_ctx * kv_dim),
         dv2((size_t)max_ctx * kv_dim), dout(q_dim), dout2(q_dim), dout3(q_dim);
@@ -475,15 +539,15 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
     cudaGraphExec_t exec;
     KESTREL_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     cuda::rope_kv_write_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), c.n_heads, c.n_kv, c.hd,
-                            theta, factor, stream);
+                            rope, stream);
     cuda::attention_decode_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
                                c.n_heads, c.n_kv, c.hd, ws.get(), dout.half(), stream);
     cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
-                                    c.window, c.n_heads, c.n_kv, c.hd, theta, factor, ws2.get(),
+                                    c.window, c.n_heads, c.n_kv, c.hd, rope, ws2.get(),
                                     dout2.half(), stream);
     // The same again (it rewrites the same cache row): its output through the index.
     cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
-                                    c.window, c.n_heads, c.n_kv, c.hd, theta, factor, ws3.get(),
+                                    c.window, c.n_heads, c.n_kv, c.hd, rope, ws3.get(),
                                     dout3.half(), stream, didx.get());
     KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));

@@ -298,7 +298,7 @@ TEST(RopeRows, MatchesReferenceAndDecodeKernel) {
   KESTREL_CUDA_CHECK(cudaMemset(kc.get(), 0, ctx * kv_dim * 2));
   KESTREL_CUDA_CHECK(cudaMemset(vc.get(), 0, ctx * kv_dim * 2));
   cuda::rope_kv_write_rows_f16(d_rows.as<__half>(), stride, T, pos0, kc.as<__half>(),
-                               vc.as<__half>(), H, KVH, D, theta, factor, nullptr);
+                               vc.as<__half>(), H, KVH, D, RopeScaling{theta, factor}, nullptr);
   const std::vector<uint16_t> rows = download<uint16_t>(d_rows, qkv.size());
   const std::vector<uint16_t> kcache = download<uint16_t>(kc, ctx * kv_dim);
   const std::vector<uint16_t> vcache = download<uint16_t>(vc, ctx * kv_dim);
@@ -313,7 +313,7 @@ TEST(RopeRows, MatchesReferenceAndDecodeKernel) {
     DeviceBuffer one = upload(qkv.data() + (size_t)t * stride, qkv_n * 2);
     KESTREL_CUDA_CHECK(cudaMemcpy(dpos.get(), &pos, sizeof(int), cudaMemcpyHostToDevice));
     cuda::rope_kv_write_f16(one.as<__half>(), kc2.as<__half>(), vc2.as<__half>(), dpos.as<int>(),
-                            H, KVH, D, theta, factor, nullptr);
+                            H, KVH, D, RopeScaling{theta, factor}, nullptr);
     const std::vector<uint16_t> r = download<uint16_t>(one, qkv_n);
     std::copy(r.begin(), r.end(), dec_rows.begin() + (size_t)t * stride);
   }

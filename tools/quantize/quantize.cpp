@@ -316,7 +316,9 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
             o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), o.gptq, s.name.c_str())
                                : rtn_quantize(lin.w.data(), s.N, s.K, o.gptq);
         LinearReport r{s.name, s.N, s.K, relative_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data()), 0};
+        std::vector<float> bias = std::move(lin.bias);  // kept as it is (not quantized)
         lin = to_cpu_linear(parts.add(s, q));  // later groups and layers see the quantized linear
+        lin.bias = std::move(bias);
         r.seconds = seconds_since(t_lin);
         lines.push_back(r);
       }

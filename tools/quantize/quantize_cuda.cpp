@@ -74,8 +74,13 @@ void upload_f16(const TensorInfo& t, __half* dst, cudaStream_t s) {
 
 // What the GPU forward cannot run, refused before any work starts.
 void check_gpu_model(const ModelSpec& spec) {
-  if (const std::string why = cuda_unsupported(spec.config); !why.empty())
+  const ModelConfig& c = spec.config;
+  if (const std::string why = cuda_unsupported(c); !why.empty())
     throw Error(fmt::format("{}: {}", spec.dir, why));
+  // The calibration's layers carry neither biases nor q/k norms (below).
+  if (c.qkv_bias || c.qk_norm)
+    throw Error(fmt::format("{}: the GPU quantizer does not run {} yet (q/k/v biases or q/k "
+                            "norms); use --device cpu", spec.dir, c.architecture));
 }
 
 // Pairs of events around each Hessian update of a group's pass, summed once the pass is done.
