@@ -18,7 +18,7 @@ namespace kestrel::api {
 
 struct Model::Impl {
   ModelSpec spec;
-  Tokenizer tok;
+  std::unique_ptr<Tokenizer> tok;
   std::unique_ptr<kestrel::Model> model;
 };
 
@@ -49,7 +49,7 @@ Model Model::load(const std::string& dir, const LoadOptions& o) {
     lo.device = resolve_device(o.device);
     lo.quiet = o.quiet;
     auto impl = std::make_shared<Impl>(Impl{load_model_spec(dir), Tokenizer::load(dir), nullptr});
-    impl->tok.check_fits(impl->spec.config.vocab, dir);
+    impl->tok->check_fits(impl->spec.config.vocab, dir);
     impl->model = kestrel::load_model(impl->spec, lo);
     return Model(std::move(impl));
   });
@@ -61,11 +61,11 @@ int Model::max_context() const { return impl_->spec.config.max_pos; }
 int Model::vocab_size() const { return impl_->spec.config.vocab; }
 
 std::vector<int> Model::tokenize(std::string_view text, bool add_special) const {
-  return guarded([&] { return impl_->tok.encode(std::string(text), add_special); });
+  return guarded([&] { return impl_->tok->encode(std::string(text), add_special); });
 }
 
 std::string Model::detokenize(const std::vector<int>& ids) const {
-  return guarded([&] { return impl_->tok.decode(ids); });
+  return guarded([&] { return impl_->tok->decode(ids); });
 }
 
 std::unique_ptr<Session> Model::new_session(int context) const {
@@ -79,7 +79,7 @@ std::unique_ptr<Session> Model::new_session(int context) const {
 
 PerplexityResult Model::perplexity(std::string_view text, int window, int64_t max_windows) const {
   return guarded([&] {
-    const std::vector<int> ids = impl_->tok.encode(std::string(text), /*with_specials=*/true);
+    const std::vector<int> ids = impl_->tok->encode(std::string(text), /*with_specials=*/true);
     std::unique_ptr<kestrel::Session> s = impl_->model->new_session(window, /*quiet=*/true);
     const kestrel::PerplexityResult r = kestrel::perplexity(*s, ids, window, max_windows, false);
     return PerplexityResult{r.ppl, r.tokens, r.windows, r.seconds};
@@ -94,7 +94,7 @@ int Session::context_length() const { return impl_->session->context_length(); }
 GenerateResult Session::generate(std::string_view prompt, const GenerateOptions& o,
                                  const std::function<void(std::string_view)>& on_text) {
   return guarded([&] {
-    return generate(impl_->model->tok.encode(std::string(prompt), /*with_specials=*/true), o,
+    return generate(impl_->model->tok->encode(std::string(prompt), /*with_specials=*/true), o,
                     on_text);
   });
 }
@@ -113,7 +113,7 @@ GenerateResult Session::generate(const std::vector<int>& prompt_ids, const Gener
     g.stop = o.stop;
     g.ignore_eos = o.ignore_eos;
     const kestrel::GenerateResult r =
-        generate_cached(*impl_->session, impl_->model->tok, prompt_ids, g, on_text);
+        generate_cached(*impl_->session, *impl_->model->tok, prompt_ids, g, on_text);
     GenerateResult out;
     out.text = r.text;
     out.ids = r.ids;

@@ -2,8 +2,9 @@
 # Installs Kestrel's build dependencies from Debian/Ubuntu packages. The CUDA 13 toolkit is
 # expected at /usr/local/cuda (NVIDIA's installer or packages).
 set -euo pipefail
-pkgs=(cmake ninja-build g++ pkg-config libsentencepiece-dev nlohmann-json3-dev libfmt-dev
-      libcli11-dev libgtest-dev libgmock-dev libopenblas-dev liblapacke-dev)
+pkgs=(cmake ninja-build g++ pkg-config libsentencepiece-dev libpcre2-dev libutf8proc-dev
+      nlohmann-json3-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev libopenblas-dev
+      liblapacke-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -85,7 +85,8 @@ class Perplexity : public ::testing::Test {
   // The protocol, independently: returns {perplexity, windows}.
   static std::pair<double, int> expected(int window, int max_windows) {
     const ModelSpec spec = load_model_spec(dir_->string());
-    const Tokenizer tok = Tokenizer::load(dir_->string());
+    const std::unique_ptr<Tokenizer> owned = Tokenizer::load(dir_->string());
+    const Tokenizer& tok = *owned;
     std::ifstream in(*text_);
     const std::string text((std::istreambuf_iterator<char>(in)), {});
     std::vector<int> ids = tok.encode(text, false);

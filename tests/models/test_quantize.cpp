@@ -576,7 +576,7 @@ class EndToEnd : public ::testing::Test {
     fp16_ = new fs::path(synth_model("e2e_fp16", 2, 5));
     sampled_ = new std::vector<int>(sample_windows(*fp16_, 24, 1));
     calib_ = new fs::path(temp_dir("e2e_calib.txt"));
-    std::ofstream(*calib_) << Tokenizer::load(fp16_->string()).decode(*sampled_);
+    std::ofstream(*calib_) << Tokenizer::load(fp16_->string())->decode(*sampled_);
   }
   static void TearDownTestSuite() {
     fs::remove_all(*fp16_);

@@ -17,7 +17,7 @@ class TinyTokenizerSuite : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = new std::filesystem::path(
         write_tiny_model({"fp16", "fp16", 16, 0, false, false, "gptq"}, /*seed=*/0, /*n_layers=*/1));
-    tok_ = new Tokenizer(Tokenizer::load(dir_->string()));
+    tok_ = Tokenizer::load(dir_->string()).release();
   }
   static void TearDownTestSuite() {
     delete tok_;

@@ -10,5 +10,6 @@ void register_generate(CLI::App& app, std::function<int()>& action);
 void register_bench(CLI::App& app, std::function<int()>& action);
 void register_chat(CLI::App& app, std::function<int()>& action);
 void register_perplexity(CLI::App& app, std::function<int()>& action);
+void register_tokenize(CLI::App& app, std::function<int()>& action);
 
 }  // namespace kestrel::cli

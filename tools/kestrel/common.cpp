@@ -69,7 +69,7 @@ LoadedModel open_model(const ModelOptions& o, bool quiet) {
   LoadedModel m;
   m.device = device_key(resolve_device(o.device));
 
-  m.tok = std::make_unique<Tokenizer>(Tokenizer::load(o.dir));
+  m.tok = Tokenizer::load(o.dir);
   m.spec = std::make_unique<ModelSpec>(load_model_spec(o.dir));
   for (const std::string& w : m.spec->warnings) note(quiet, "warning: " + w);
   const ModelConfig& c = m.spec->config;

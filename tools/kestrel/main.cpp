@@ -1,4 +1,4 @@
-// kestrel: generate, chat, bench, perplexity, devices.
+// kestrel: generate, chat, bench, perplexity, tokenize, devices.
 #include <iostream>
 #include <new>
 
@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_bench(app, action);
   kestrel::cli::register_chat(app, action);
   kestrel::cli::register_perplexity(app, action);
+  kestrel::cli::register_tokenize(app, action);
   // The GPU Kestrel would use, or why there is none (exit 1): the one check every part of the
   // project asks (engine/base/device.h), for scripts such as scripts/test.sh.
   app.add_subcommand("devices", "show the CUDA GPU Kestrel would use, or why there is none")

@@ -203,9 +203,9 @@ void write_config(const QuantizeOptions& o) {
 }
 
 void copy_tokenizer_files(const QuantizeOptions& o) {
-  for (const char* name : {"tokenizer.model", "tokenizer.json", "tokenizer_config.json",
-                           "special_tokens_map.json", "added_tokens.json",
-                           "generation_config.json"}) {
+  for (const char* name : {"tokenizer.model", "tokenizer.json", "vocab.json", "merges.txt",
+                           "tokenizer_config.json", "special_tokens_map.json",
+                           "added_tokens.json", "generation_config.json"}) {
     const fs::path src = fs::path(o.model_dir) / name, dst = fs::path(o.out_dir) / name;
     if (!fs::exists(src)) continue;
     // A read-only source (a shared model folder) must not leave a file a rerun cannot replace.
@@ -360,8 +360,8 @@ QuantizeReport quantize_model(const QuantizeOptions& o) {
   const ModelConfig& cfg = spec.config;
   const int zero_offset = o.gptq.sym ? 1 : 0;  // asymmetric zeros may be 0: gptq_v2
 
-  const Tokenizer tok = Tokenizer::load(o.model_dir);
-  const std::vector<int> ids = tok.encode(read_file(o.calib_file, "calibration text"));
+  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(o.model_dir);
+  const std::vector<int> ids = tok->encode(read_file(o.calib_file, "calibration text"));
   const auto windows = calibration_windows(ids, o.nsamples, o.seqlen, o.seed, o.calib_file);
 
   fs::create_directories(o.out_dir);

