@@ -222,14 +222,13 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
     try {
       t.jinja_ = std::make_shared<const jinja::Template>(jinja::Template::parse(source));
     } catch (const Error& e) {
-      if (const auto f = detect_chat_format(source)) {
-        if (note)
-          *note = fmt::format("{}: chat_template not rendered ({}); using the built-in format {}",
-                              where, e.what(), chat_format_name(*f));
-        return ChatTemplate(*f, tok, added);
-      }
-      throw Error(fmt::format("{}: chat_template: {}; pass --template NAME ({})", where, e.what(),
-                              known_names()));
+      // Where the template is one of the built-in formats, say which; the user chooses.
+      const auto f = detect_chat_format(source);
+      throw Error(fmt::format(
+          "{}: chat_template: {}; {}", where, e.what(),
+          f ? fmt::format("it looks like the {0} format: pass --template {0}", chat_format_name(*f))
+            : fmt::format("pass --template with a built-in format ({}) or a .jinja file",
+                          known_names())));
     }
     t.jinja_source_ = source;
     t.bos_text_ = token_text("bos_token");
@@ -334,6 +333,14 @@ std::vector<int> ChatTemplate::tokenize(const std::vector<ChatSegment>& segments
 
 std::vector<int> ChatTemplate::encode(const std::vector<ChatSegment>& segments, bool add_bos) const {
   std::vector<int> ids;
+  if (tok_->kind() != "sentencepiece") {
+    // The BPE tokenizer matches added tokens in text itself, as transformers does (with their
+    // lstrip/rstrip and the pre-tokenizer's view of where a text starts): the whole text.
+    ids = tok_->encode(segments_text(segments), /*with_specials=*/false);
+    if (add_bos && tok_->add_bos() && tok_->bos_id() >= 0 && (ids.empty() || ids.front() != tok_->bos_id()))
+      ids.insert(ids.begin(), tok_->bos_id());
+    return ids;
+  }
   std::string pending;  // text (and specials the tokenizer lacks) not yet encoded
   auto flush = [&] {
     if (pending.empty()) return;
@@ -354,6 +361,16 @@ std::vector<int> ChatTemplate::encode(const std::vector<ChatSegment>& segments, 
   if (add_bos && tok_->add_bos() && tok_->bos_id() >= 0 && (ids.empty() || ids.front() != tok_->bos_id()))
     ids.insert(ids.begin(), tok_->bos_id());
   return ids;
+}
+
+std::vector<int> ChatTemplate::tokenize_as_written(const std::vector<ChatMessage>& messages,
+                                                   bool add_generation_prompt) const {
+  if (jinja_) return tokenize(messages, add_generation_prompt);
+  return encode(render_chat(format_, messages, add_generation_prompt), /*add_bos=*/false);
+}
+
+std::string ChatTemplate::describe() const {
+  return jinja_ ? "the model's own template" : fmt::format("{} format", chat_format_name(format_));
 }
 
 std::vector<int> ChatTemplate::tokenize(const std::vector<ChatMessage>& messages,

@@ -80,8 +80,8 @@ class ChatTemplate {
   // `name` is "auto" (the model's chat_template from <dir>/tokenizer_config.json, rendered by
   // the Jinja interpreter), a built-in format name, or a path to a .jinja file. With no
   // chat_template at all, "auto" is raw and `note` says so (a base model). A template the
-  // interpreter refuses falls back to the built-in format it is recognised as (with a note),
-  // else it is an error naming the construct and suggesting --template.
+  // interpreter refuses is an error naming the construct and line, and suggesting --template
+  // (with the built-in format the template looks like, where it looks like one).
   static ChatTemplate load(const std::string& dir, const std::string& name, const Tokenizer& tok,
                            std::string* note = nullptr);
   ChatTemplate(ChatFormat f, const Tokenizer& tok, std::map<std::string, int> added_tokens = {});
@@ -94,6 +94,13 @@ class ChatTemplate {
   std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
   std::vector<int> tokenize(const std::vector<ChatMessage>& messages,
                             bool add_generation_prompt) const;
+  // The ids of what the template writes and nothing else, as transformers'
+  // apply_chat_template(tokenize=True) gives them: tokenize() without the BOS a built-in
+  // format without one in its text gets in front (as llama.cpp adds it when generating).
+  std::vector<int> tokenize_as_written(const std::vector<ChatMessage>& messages,
+                                       bool add_generation_prompt) const;
+  // "the model's own template" or "<name> format", for messages.
+  std::string describe() const;
   std::vector<int> tokenize(const std::vector<ChatSegment>& segments) const;
   // What ends a reply besides EOS: end-of-turn tokens as ids when the tokenizer has them,
   // as stop strings when it does not.

@@ -4,6 +4,8 @@
 // generate and chat on model directories whose only tokenizer is a tokenizer.json.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -160,6 +162,26 @@ TEST(TokenizerJsonModel, Llama3Tokenizer) {
                        " -p 'Hello world' -n 4 --temp 0 --ignore-eos --json");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(json::parse(r.out)["prompt_ids"], json({128000, 9906, 1917}));
+  // Its own chat template (Llama 3.1's, from tokenizer_config.json): generate --chat prompts
+  // with the ids tokenize --messages prints, which begin with <|begin_of_text|> and
+  // <|start_header_id|> and close the user's turn with <|eot_id|>; chat runs on it.
+  const fs::path msgs = write_file("llama3_msgs.json", R"([{"role": "user", "content": "hi"}])");
+  const Result chat = run(kKestrel + " generate --device cpu -m " + dir.string() +
+                          " --chat -p hi -n 2 --temp 0 --ignore-eos --json");
+  ASSERT_EQ(chat.code, 0) << chat.err;
+  const Result tokens = run(kKestrel + " tokenize -m " + dir.string() + " --messages " +
+                            msgs.string() + " --json");
+  ASSERT_EQ(tokens.code, 0) << tokens.err;
+  const json ids = json::parse(chat.out)["prompt_ids"];
+  EXPECT_EQ(ids, json::parse(tokens.out)["ids"]);
+  ASSERT_GE(ids.size(), 3u);
+  EXPECT_EQ(ids[0], 128000);
+  EXPECT_EQ(ids[1], 128006);
+  EXPECT_NE(std::find(ids.begin(), ids.end(), json(128009)), ids.end());
+  const fs::path in = write_file("llama3_chat_in.txt", "hello\n");
+  const Result talk = run(kKestrel + " chat --device cpu -m " + dir.string() + " --temp 0 -n 2 < " +
+                          in.string());
+  EXPECT_EQ(talk.code, 0) << talk.err;
   // A vocabulary larger than the model's is refused before the weights load.
   const fs::path small = model_with_tokenizer_json("llama3_small", real_tokenizer("llama3"), 1024);
   expect_one_line_error(run(kKestrel + " generate --device cpu -m " + small.string() + " -p hi"),

@@ -13,6 +13,7 @@
 #include "tokenizer/chat_template.h"
 #include "tests/support/tiny_tokenizer_suite.h"
 
+#include "tests/support/test_loader_util.h"
 #include "tests/support/test_util.h"
 
 namespace fs = std::filesystem;
@@ -266,20 +267,20 @@ TEST_F(ChatTokenize, LoadChoosesTemplates) {
   std::ofstream(file) << kPhi3Jinja;
   EXPECT_EQ(ChatTemplate::load(dir_->string(), file.string(), *tok_).render({{"user", "Hi"}}, true),
             "<|user|>\nHi<|end|>\n<|assistant|>\n");
-  // A template the interpreter refuses: the built-in format it is recognised as, with a note;
-  // one it does not recognise either is an error naming the construct and --template.
-  write_config({{"chat_template", std::string(kZephyrJinja) + "{% include 'x' %}"}});
-  std::string note;
-  EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_, &note).format(), ChatFormat::zephyr);
-  EXPECT_NE(note.find("include"), std::string::npos) << note;
-  write_config({{"chat_template", "{% include 'x' %}"}});
-  try {
-    ChatTemplate::load(dir_->string(), "auto", *tok_);
-    FAIL() << "no error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("tokenizer_config.json"), std::string::npos);
-    EXPECT_NE(std::string(e.what()).find("include"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("--template"), std::string::npos);
+  // A template the interpreter refuses: an error naming the construct, the file and
+  // --template, with the built-in format it looks like where it looks like one.
+  for (const auto& [source, hint] :
+       {std::pair<std::string, std::string>{std::string(kZephyrJinja) + "{% include 'x' %}", "--template zephyr"},
+        {"{% include 'x' %}", "--template with a built-in format"}}) {
+    write_config({{"chat_template", source}});
+    try {
+      ChatTemplate::load(dir_->string(), "auto", *tok_);
+      FAIL() << "no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tokenizer_config.json"), std::string::npos);
+      EXPECT_NE(std::string(e.what()).find("include"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(hint), std::string::npos) << e.what();
+    }
   }
   // A conversation the template refuses: its own message.
   write_config({{"chat_template", kMistralJinja}});
@@ -291,8 +292,42 @@ TEST_F(ChatTokenize, LoadChoosesTemplates) {
   }
   // No template: raw, with a note.
   write_config(nlohmann::json::object());
+  std::string note;
   EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_, &note).format(), ChatFormat::raw);
   EXPECT_NE(note.find("raw"), std::string::npos);
+}
+
+// A byte-level BPE model with Phi-3's template, whose markers strip the whitespace after them
+// (rstrip): the chat ids are the ids of the rendered text as the tokenizer encodes it, which
+// is how transformers' apply_chat_template tokenizes (added tokens matched in the text, with
+// their lstrip/rstrip), and the newline after each marker is not a token of its own.
+TEST(ChatTemplateBpe, RenderedTextIsTokenizedWhole) {
+  kestrel::test::TempDir dir;
+  nlohmann::json tj = nlohmann::json::parse(
+      std::ifstream(std::string(KESTREL_TOKENIZER_FIXTURES) + "/byte_level/tokenizer.json"));
+  int next = 0;
+  for (const auto& [piece, id] : tj["model"]["vocab"].items()) next = std::max(next, id.get<int>() + 1);
+  for (auto& t : tj["added_tokens"]) {
+    next = std::max(next, t["id"].get<int>() + 1);
+    if (t["content"] == "<|end|>") t["rstrip"] = true;
+  }
+  for (const char* marker : {"<|user|>", "<|assistant|>"})
+    tj["added_tokens"].push_back({{"id", next++}, {"content", marker}, {"single_word", false},
+                                  {"lstrip", false}, {"rstrip", true}, {"normalized", false},
+                                  {"special", true}});
+  std::ofstream(dir.file("tokenizer.json")) << tj.dump();
+  std::ofstream(dir.file("tokenizer_config.json")) << nlohmann::json{{"chat_template", kPhi3Jinja}}.dump();
+  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(dir.str());
+  const ChatTemplate t = ChatTemplate::load(dir.str(), "auto", *tok);
+  const std::vector<ChatMessage> conv = {{"user", "Hi there"}, {"assistant", "Hello"}, {"user", "Bye"}};
+  const std::string text = t.render(conv, true);
+  EXPECT_EQ(text, "<|user|>\nHi there<|end|>\n<|assistant|>\nHello<|end|>\n<|user|>\nBye<|end|>\n<|assistant|>\n");
+  const std::vector<int> ids = t.tokenize(conv, true);
+  EXPECT_EQ(ids, tok->encode(text, false));
+  // rstrip: "\n" after a marker is swallowed by it, so the text between markers encodes alone.
+  const std::vector<int> hi = tok->encode("Hi there", false);
+  ASSERT_GE(ids.size(), hi.size() + 1);
+  EXPECT_TRUE(std::equal(hi.begin(), hi.end(), ids.begin() + 1));
 }
 
 }  // namespace

@@ -79,9 +79,9 @@ class ChatSession {
     if (a_.system) msgs_.push_back({"system", *a_.system});
     if (base_.temperature > 0) info(fmt::format("seed: {}", base_.seed));
     if (interactive_)
-      info(fmt::format("chatting with {} ({} format, context {}). /help lists the commands, "
+      info(fmt::format("chatting with {} ({}, context {}). /help lists the commands, "
                        "Ctrl-C stops a reply, /exit or Ctrl-D ends.",
-                       a_.model.dir, chat_format_name(tmpl_->format()), ctx_));
+                       a_.model.dir, tmpl_->describe(), ctx_));
     install_sigint();
 
     std::string msg;
@@ -247,8 +247,8 @@ class ChatSession {
 
   void stats() {
     std::string s = fmt::format(
-        "turns {}, messages {}, context {}/{} tokens, {} format, {}\n", turns_, msgs_.size(),
-        m_.session->cached.size(), ctx_, chat_format_name(tmpl_->format()), m_.session->device_name());
+        "turns {}, messages {}, context {}/{} tokens, {}, {}\n", turns_, msgs_.size(),
+        m_.session->cached.size(), ctx_, tmpl_->describe(), m_.session->device_name());
     s += fmt::format("prompt: {} tokens in {:.1f} ms ({:.1f} tok/s)\n", perf_.prompt_tokens,
                      perf_.prompt_ms,
                      perf_.prompt_ms > 0 ? perf_.prompt_tokens * 1000.0 / perf_.prompt_ms : 0.0);

@@ -53,31 +53,13 @@ std::vector<ChatMessage> read_messages(const std::string& path) {
 }
 
 // The conversation's ids with the generation prompt, as transformers' apply_chat_template
-// tokenizes the rendered template: no BOS but what the template writes. A model's own (Jinja)
-// template is tokenized that way; for the built-in formats ChatTemplate::tokenize adds the
-// tokenizer's BOS in front of those that do not write one (as llama.cpp does when generating),
-// so that one is taken off again.
+// tokenizes the rendered template: no BOS but what the template writes.
 std::vector<int> conversation_ids(const TokenizeArgs& a, const Tokenizer& tok) {
   const std::vector<ChatMessage> messages = read_messages(a.messages);
   std::string why;
   const ChatTemplate tmpl = ChatTemplate::load(a.dir, a.chat_template, tok, &why);
   if (!why.empty()) std::cerr << "kestrel: note: " << why << "\n";
-  if (tmpl.is_jinja()) return tmpl.tokenize(messages, /*add_generation_prompt=*/true);
-  const std::vector<ChatSegment> segments =
-      render_chat(tmpl.format(), messages, /*add_generation_prompt=*/true);
-  std::vector<int> ids = tmpl.tokenize(segments);
-  if (tok.add_bos() && !ids.empty() && ids.front() == tok.bos_id() && !segments.empty()) {
-    const ChatSegment& first = segments.front();
-    bool written = false;
-    if (first.special) {
-      written = tok.piece_to_id(first.text) == tok.bos_id();
-    } else {
-      const std::vector<int> head = tok.encode(first.text, /*with_specials=*/false);
-      written = !head.empty() && head.front() == tok.bos_id();
-    }
-    if (!written) ids.erase(ids.begin());
-  }
-  return ids;
+  return tmpl.tokenize_as_written(messages, /*add_generation_prompt=*/true);
 }
 
 int run_tokenize(const TokenizeArgs& a) {
