@@ -381,6 +381,65 @@ TEST_F(SynthTest, ExplicitDimensionsOverrideTheShape) {
   EXPECT_EQ(spec.layers[0].down.K, 352);
 }
 
+// Every family's tiny model, FP16 and GPTQ: the loader reads it as that family, with the
+// family's blocks and tensors (models/io/family.h), and Mistral's tiny window crosses short tests.
+TEST_F(SynthTest, EveryFamilyLoadsAsItself) {
+  for (const std::string arch : {"llama", "llama3", "mistral", "qwen2", "qwen3", "opt"})
+    for (const std::string dtype : {"fp16", "gptq"}) {
+      SCOPED_TRACE(arch + " " + dtype);
+      SynthOptions o = tiny("arch_" + arch + "_" + dtype);
+      o.arch = arch;
+      o.dtype = dtype;
+      synth::write_model(o);
+      const ModelSpec spec = load_model_spec(o.out);
+      const ModelConfig& c = spec.config;
+      EXPECT_EQ(c.family, arch == "llama3" ? "llama" : arch);
+      EXPECT_EQ(c.quant.has_value(), dtype == "gptq");
+      const LayerSpec& l = spec.layers[0];
+      EXPECT_EQ(l.q.bias != nullptr, arch == "qwen2" || arch == "opt");
+      EXPECT_EQ(l.o.bias != nullptr, arch == "opt");
+      EXPECT_EQ(l.q_norm != nullptr, arch == "qwen3");
+      EXPECT_EQ(l.gate.name.empty(), arch == "opt");
+      EXPECT_EQ(spec.positions != nullptr, arch == "opt");
+      EXPECT_EQ(l.input_norm_bias != nullptr, arch == "opt");
+      EXPECT_EQ(c.rope_llama3.factor > 0, arch == "llama3");
+      EXPECT_EQ(c.sliding_window, arch == "mistral" ? 32 : 0);
+      EXPECT_EQ(c.tie_embeddings, arch == "opt");
+    }
+}
+
+// The real shapes of today's families, as their config.json writes them (written FP16 at a
+// single layer and a small vocabulary to stay quick; the shape's other dimensions stay).
+TEST_F(SynthTest, RealFamilyShapes) {
+  struct Want {
+    const char* shape;
+    const char* family;
+    int hidden, inter, heads, kv_heads, head_dim;
+  };
+  for (const Want& w : {Want{"llama3-8b", "llama", 4096, 14336, 32, 8, 128},
+                        Want{"llama3.2-1b", "llama", 2048, 8192, 32, 8, 64},
+                        Want{"qwen2.5-7b", "qwen2", 3584, 18944, 28, 4, 128},
+                        Want{"qwen3-8b", "qwen3", 4096, 12288, 32, 8, 128},
+                        Want{"opt-6.7b", "opt", 4096, 16384, 32, 32, 128}}) {
+    SCOPED_TRACE(w.shape);
+    SynthOptions o = tiny(std::string("shape_") + w.shape);
+    o.shape = w.shape;
+    o.n_layers = 1;
+    o.vocab = 1024;
+    synth::write_model(o);
+    const ModelConfig c = load_model_spec(o.out).config;
+    EXPECT_EQ(c.family, w.family);
+    EXPECT_EQ(c.hidden, w.hidden);
+    EXPECT_EQ(c.intermediate, w.inter);
+    EXPECT_EQ(c.n_heads, w.heads);
+    EXPECT_EQ(c.n_kv_heads, w.kv_heads);
+    EXPECT_EQ(c.head_dim, w.head_dim);
+    EXPECT_EQ(c.rope_llama3.factor, std::string(w.shape) == "llama3.2-1b" ? 32.0f
+                                    : std::string(w.shape) == "llama3-8b"  ? 8.0f
+                                                                           : 0.0f);
+  }
+}
+
 // A bigger shape keeps its own vocab; ids past the small trained tokenizer are padding.
 TEST_F(SynthTest, ShapeVocabStaysWhenLargerThanTheTokenizer) {
   SynthOptions o = tiny("1b_small");

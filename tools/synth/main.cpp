@@ -1,4 +1,4 @@
-// kestrel-synth: writes a Hugging Face Llama model directory with random weights, for tests,
+// kestrel-synth: writes a Hugging Face model directory with random weights, for tests,
 // demos and benchmarks at real shapes. A thin command line over kestrel::synth::write_model.
 #include <exception>
 #include <iostream>
@@ -9,9 +9,15 @@
 
 int main(int argc, char** argv) {
   kestrel::synth::SynthOptions o;
-  CLI::App app{"kestrel-synth: writes a Hugging Face Llama model directory with random weights"};
+  CLI::App app{"kestrel-synth: writes a Hugging Face model directory with random weights"};
   app.add_option("--out", o.out, "Output directory (created)")->required();
-  app.add_option("--shape", o.shape, "tiny | 1b | 7b | 13b | custom")->capture_default_str();
+  app.add_option("--shape", o.shape,
+                 "tiny | 1b | 7b | 13b | llama3-8b | llama3.2-1b | qwen2.5-7b | qwen3-8b | "
+                 "opt-6.7b | custom")->capture_default_str();
+  app.add_option("--arch", o.arch,
+                 "llama | llama3 | mistral | qwen2 | qwen3 | opt (default: the shape's family)");
+  app.add_option("--sliding-window", o.sliding_window,
+                 "Mistral's attention window (default 32 at the tiny shape, else 4096)");
   app.add_option("--hidden", o.hidden, "hidden_size (overrides the shape)");
   app.add_option("--intermediate", o.intermediate, "intermediate_size");
   app.add_option("--layers", o.n_layers, "num_hidden_layers");

@@ -1,4 +1,4 @@
-// Random Llama checkpoints at real shapes.
+// Random checkpoints of every family Kestrel runs (models/io/family.h), at real shapes.
 //
 // Scaling (why the model stays finite in fp16 and decodes with clear winners):
 //   embedding std 1; RMSNorm weights 1 + N(0, 0.02); q/k/v/gate/up std 1/sqrt(K) so their
@@ -41,6 +41,7 @@
 
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
+#include "models/io/family.h"
 #include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
 #include "tools/synth/corpus.h"
@@ -68,18 +69,66 @@ struct Dims {
   int kv_dim() const { return n_kv_heads * head_dim; }
 };
 
+// What a family's checkpoint holds beyond the shape: its config names and blocks.
+struct Arch {
+  std::string name, architecture, model_type;
+  bool layer_norm = false, relu = false, learned_positions = false;
+  bool qkv_bias = false, o_bias = false, mlp_bias = false, qk_norm = false;
+  float rope_theta = 10000.0f;
+  float llama3_factor = 0;  // Llama 3's rope scaling (original 8192 positions)
+  bool window = false;      // Mistral's sliding window
+};
+
+Arch arch_named(const std::string& name) {
+  Arch a;
+  a.name = name;
+  if (name == "llama" || name == "llama3") {
+    a.architecture = "LlamaForCausalLM", a.model_type = "llama";
+    if (name == "llama3") a.rope_theta = 500000.0f, a.llama3_factor = 8.0f;
+  } else if (name == "mistral") {
+    a.architecture = "MistralForCausalLM", a.model_type = "mistral", a.window = true;
+  } else if (name == "qwen2") {
+    a.architecture = "Qwen2ForCausalLM", a.model_type = "qwen2", a.rope_theta = 1e6f;
+    a.qkv_bias = true;
+  } else if (name == "qwen3") {
+    a.architecture = "Qwen3ForCausalLM", a.model_type = "qwen3", a.rope_theta = 1e6f;
+    a.qk_norm = true;
+  } else if (name == "opt") {
+    a.architecture = "OPTForCausalLM", a.model_type = "opt";
+    a.layer_norm = a.relu = a.learned_positions = true;
+    a.qkv_bias = a.o_bias = a.mlp_bias = true;
+  } else {
+    throw Error(fmt::format("unknown --arch {} (known: llama, llama3, mistral, qwen2, qwen3, opt)", name));
+  }
+  return a;
+}
+
+struct Preset {
+  Dims d;
+  const char* arch = "llama";
+  bool tied = false;
+  float llama3_factor = 0;  // overrides the family's
+};
+
 // Shapes of real models. vocab 0 = the tokenizer's size; head_dim (0) = hidden / heads.
-Dims preset(const std::string& shape) {
-  if (shape == "tiny") return {256, 768, 4, 4, 2, 0, 0, 2048};
-  if (shape == "1b") return {2048, 5632, 22, 32, 4, 0, 32000, 2048};     // TinyLlama 1.1B
-  if (shape == "7b") return {4096, 11008, 32, 32, 32, 0, 32000, 4096};   // Llama-2-7B
-  if (shape == "13b") return {5120, 13824, 40, 40, 40, 0, 32000, 4096};  // Llama-2-13B
+Preset preset(const std::string& shape) {
+  if (shape == "tiny") return {{256, 768, 4, 4, 2, 0, 0, 2048}};
+  if (shape == "1b") return {{2048, 5632, 22, 32, 4, 0, 32000, 2048}};     // TinyLlama 1.1B
+  if (shape == "7b") return {{4096, 11008, 32, 32, 32, 0, 32000, 4096}};   // Llama-2-7B
+  if (shape == "13b") return {{5120, 13824, 40, 40, 40, 0, 32000, 4096}};  // Llama-2-13B
+  if (shape == "llama3-8b") return {{4096, 14336, 32, 32, 8, 128, 128256, 131072}, "llama3"};
+  if (shape == "llama3.2-1b")
+    return {{2048, 8192, 16, 32, 8, 64, 128256, 131072}, "llama3", true, 32.0f};
+  if (shape == "qwen2.5-7b") return {{3584, 18944, 28, 28, 4, 128, 152064, 32768}, "qwen2"};
+  if (shape == "qwen3-8b") return {{4096, 12288, 36, 32, 8, 128, 151936, 40960}, "qwen3"};
+  if (shape == "opt-6.7b") return {{4096, 16384, 32, 32, 32, 128, 50272, 2048}, "opt", true};
   if (shape == "custom") return {};
-  throw Error(fmt::format("unknown --shape {} (known: tiny, 1b, 7b, 13b, custom)", shape));
+  throw Error(fmt::format("unknown --shape {} (known: tiny, 1b, 7b, 13b, llama3-8b, llama3.2-1b, "
+                          "qwen2.5-7b, qwen3-8b, opt-6.7b, custom)", shape));
 }
 
 Dims resolve_dims(const SynthOptions& o, int tokenizer_pieces) {
-  Dims d = preset(o.shape);
+  Dims d = preset(o.shape).d;
   const auto apply = [](int& field, int value, const char* flag) {
     KESTREL_CHECK(value >= 0, fmt::format("{} {} must be positive", flag, value));
     if (value > 0) field = value;
@@ -97,10 +146,10 @@ Dims resolve_dims(const SynthOptions& o, int tokenizer_pieces) {
     if (!d.n_kv_heads) d.n_kv_heads = d.n_heads;
     if (!d.max_pos) d.max_pos = 2048;
   }
+  KESTREL_CHECK(o.head_dim >= 0, fmt::format("--head-dim {} must be positive", o.head_dim));
   if (o.head_dim > 0) {
     d.head_dim = o.head_dim;
-  } else {
-    KESTREL_CHECK(o.head_dim == 0, fmt::format("--head-dim {} must be positive", o.head_dim));
+  } else if (d.head_dim == 0) {
     KESTREL_CHECK(d.hidden % d.n_heads == 0,
                   fmt::format("hidden {} is not a multiple of heads {}: give --head-dim", d.hidden,
                               d.n_heads));
@@ -315,6 +364,9 @@ void fill_scales(uint8_t* dst, const QuantLinear& q) {
 struct Plan {
   SynthOptions opt;
   Dims d;
+  Arch arch;
+  bool tied = false;     // embedding shared with the output head
+  int window = 0;        // Mistral's sliding window, else 0
   int threads = 1;
   int64_t params = 0;
 };
@@ -364,32 +416,54 @@ void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, cons
 
 void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
   const Dims& d = plan->d;
+  const Arch& a = plan->arch;
+  const TensorNames& n = find_family(a.architecture)->names;
   const int64_t H = d.hidden, I = d.intermediate, Q = d.q_dim(), KV = d.kv_dim(), V = d.vocab;
   const float in_std = 1.0f / std::sqrt((float)H);
+  int64_t params = 0;
+  auto dense = [&](const std::string& name, std::vector<int64_t> shape, DenseInit init) {
+    int64_t numel = 1;
+    for (int64_t x : shape) numel *= x;
+    params += numel;
+    add_dense(w, plan, name, std::move(shape), init);
+  };
+  // A norm's weight near 1 (and LayerNorm's bias near 0).
+  auto norm = [&](const std::string& name, int64_t width) {
+    dense(name + ".weight", {width}, {1.0f, 0.02f});
+    if (a.layer_norm) dense(name + ".bias", {width}, {0.0f, 0.02f});
+  };
+  // A linear (dense or GPTQ) and its bias, small enough not to shift the activations' scale.
+  auto linear = [&](const std::string& name, const std::string& input, int64_t N, int64_t K,
+                    float std, bool bias) {
+    add_linear(w, plan, name, input, N, K, std);
+    params += N * K;
+    if (bias) dense(name + ".bias", {N}, {0.0f, 0.1f});
+  };
   // With tied embeddings the embedding is also the output head: scale it for the logits.
   const DenseInit head{0.0f, kLogitStd / std::sqrt((float)H), kHeadRowSpread, H};
-  add_dense(w, plan, "model.embed_tokens.weight", {V, H},
-            plan->opt.tie_embeddings ? head : DenseInit{0.0f, 1.0f});
+  dense(n.embed + ".weight", {V, H}, plan->tied ? head : DenseInit{0.0f, 1.0f});
+  if (a.learned_positions)  // OPT's table, rows offset by 2
+    dense(n.positions + ".weight", {d.max_pos + 2, H}, {0.0f, 0.1f});
   for (int l = 0; l < d.n_layers; ++l) {
-    const std::string pre = fmt::format("model.layers.{}.", l);
-    add_dense(w, plan, pre + "input_layernorm.weight", {H}, {1.0f, 0.02f});
+    const std::string pre = fmt::format("{}{}.", n.layer, l);
+    norm(pre + n.input_norm, H);
     const std::string attn_in = pre + "self_attn.input", mlp_in = pre + "mlp.input";
-    add_linear(w, plan, pre + "self_attn.q_proj", attn_in, Q, H, in_std);
-    add_linear(w, plan, pre + "self_attn.k_proj", attn_in, KV, H, in_std);
-    add_linear(w, plan, pre + "self_attn.v_proj", attn_in, KV, H, in_std);
-    add_linear(w, plan, pre + "self_attn.o_proj", pre + "self_attn.o_proj", H, Q,
-               0.5f / std::sqrt((float)Q));
-    add_dense(w, plan, pre + "post_attention_layernorm.weight", {H}, {1.0f, 0.02f});
-    add_linear(w, plan, pre + "mlp.gate_proj", mlp_in, I, H, in_std);
-    add_linear(w, plan, pre + "mlp.up_proj", mlp_in, I, H, in_std);
-    add_linear(w, plan, pre + "mlp.down_proj", pre + "mlp.down_proj", H, I,
-               0.5f / std::sqrt((float)I));
+    linear(pre + n.q, attn_in, Q, H, in_std, a.qkv_bias);
+    linear(pre + n.k, attn_in, KV, H, in_std, a.qkv_bias);
+    linear(pre + n.v, attn_in, KV, H, in_std, a.qkv_bias);
+    if (a.qk_norm) {
+      dense(pre + n.q_norm + ".weight", {d.head_dim}, {1.0f, 0.02f});
+      dense(pre + n.k_norm + ".weight", {d.head_dim}, {1.0f, 0.02f});
+    }
+    linear(pre + n.o, pre + n.o, H, Q, 0.5f / std::sqrt((float)Q), a.o_bias);
+    norm(pre + n.post_norm, H);
+    if (!a.relu) linear(pre + n.gate, mlp_in, I, H, in_std, a.mlp_bias);
+    linear(pre + n.up, mlp_in, I, H, in_std, a.mlp_bias);
+    linear(pre + n.down, pre + n.down, H, I, 0.5f / std::sqrt((float)I), a.mlp_bias);
   }
-  add_dense(w, plan, "model.norm.weight", {H}, {1.0f, 0.02f});
-  if (!plan->opt.tie_embeddings)
-    add_dense(w, plan, "lm_head.weight", {V, H}, head);
-  plan->params = V * H * (plan->opt.tie_embeddings ? 1 : 2) + H +
-                 d.n_layers * (2 * H + 2 * H * Q + 2 * H * KV + 3 * H * I);
+  norm(n.final_norm, H);
+  if (!plan->tied) dense(n.lm_head + ".weight", {V, H}, head);
+  plan->params = params;
 }
 
 // ---- files --------------------------------------------------------------------------------
@@ -422,27 +496,56 @@ ojson quant_json(const SynthOptions& o) {
                {"true_sequential", true}};
 }
 
-ojson config_json(const SynthOptions& o, const Dims& d, int bos, int eos) {
-  ojson c = {{"architectures", {"LlamaForCausalLM"}},
-             {"model_type", "llama"},
-             {"hidden_size", d.hidden},
-             {"intermediate_size", d.intermediate},
-             {"num_hidden_layers", d.n_layers},
-             {"num_attention_heads", d.n_heads},
-             {"num_key_value_heads", d.n_kv_heads},
-             {"head_dim", d.head_dim},
-             {"hidden_act", "silu"},
-             {"max_position_embeddings", d.max_pos},
-             {"vocab_size", d.vocab},
-             {"rms_norm_eps", 1e-5},
-             {"rope_theta", 10000.0},
-             {"attention_bias", false},
-             {"mlp_bias", false},
-             {"tie_word_embeddings", o.tie_embeddings},
-             {"bos_token_id", bos},
-             {"eos_token_id", eos},
-             {"torch_dtype", "float16"},
-             {"use_cache", true}};
+ojson config_json(const Plan& p, int bos, int eos) {
+  const SynthOptions& o = p.opt;
+  const Dims& d = p.d;
+  const Arch& a = p.arch;
+  ojson c;
+  if (a.name == "opt") {
+    c = {{"architectures", {a.architecture}},
+         {"model_type", a.model_type},
+         {"hidden_size", d.hidden},
+         {"ffn_dim", d.intermediate},
+         {"num_hidden_layers", d.n_layers},
+         {"num_attention_heads", d.n_heads},
+         {"max_position_embeddings", d.max_pos},
+         {"vocab_size", d.vocab},
+         {"word_embed_proj_dim", d.hidden},
+         {"do_layer_norm_before", true},
+         {"activation_function", "relu"},
+         {"enable_bias", true},
+         {"layer_norm_elementwise_affine", true},
+         {"tie_word_embeddings", true}};
+  } else {
+    c = {{"architectures", {a.architecture}},
+         {"model_type", a.model_type},
+         {"hidden_size", d.hidden},
+         {"intermediate_size", d.intermediate},
+         {"num_hidden_layers", d.n_layers},
+         {"num_attention_heads", d.n_heads},
+         {"num_key_value_heads", d.n_kv_heads},
+         {"head_dim", d.head_dim},
+         {"hidden_act", "silu"},
+         {"max_position_embeddings", d.max_pos},
+         {"vocab_size", d.vocab},
+         {"rms_norm_eps", 1e-5},
+         {"rope_theta", a.rope_theta},
+         {"tie_word_embeddings", p.tied}};
+    if (a.llama3_factor > 0)
+      c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", a.llama3_factor},
+                           {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                           {"original_max_position_embeddings", 8192}};
+    if (a.window) c["sliding_window"] = p.window;
+    if (a.name == "qwen2" || a.name == "qwen3") c["use_sliding_window"] = false;
+    if (a.name != "qwen2") {
+      c["attention_bias"] = false;
+      if (a.name == "llama" || a.name == "llama3") c["mlp_bias"] = false;
+    }
+  }
+  c["bos_token_id"] = bos;
+  c["eos_token_id"] = eos;
+  c["torch_dtype"] = "float16";
+  c["use_cache"] = true;
   if (o.dtype == "gptq") c["quantization_config"] = quant_json(o);
   return c;
 }
@@ -476,7 +579,9 @@ void write_model(const SynthOptions& opt) {
   const auto t0 = std::chrono::steady_clock::now();
   KESTREL_CHECK(!opt.out.empty(), "no output directory (--out)");
   validate_quant(opt);
-  preset(opt.shape);  // an unknown shape fails before any work
+  const Preset pre = preset(opt.shape);  // an unknown shape fails before any work
+  Arch arch = arch_named(opt.arch.empty() ? pre.arch : opt.arch);
+  if (pre.llama3_factor > 0 && arch.llama3_factor > 0) arch.llama3_factor = pre.llama3_factor;
 
   // Tokenizer first: its size is the vocab of shapes that do not fix one.
   std::string tok_bytes;
@@ -496,6 +601,15 @@ void write_model(const SynthOptions& opt) {
   auto plan = std::make_shared<Plan>();
   plan->opt = opt;
   plan->d = resolve_dims(opt, sp.GetPieceSize());
+  plan->arch = arch;
+  if (arch.name == "opt" && opt.n_kv_heads == 0) plan->d.n_kv_heads = plan->d.n_heads;  // MHA
+  plan->tied = opt.tie_embeddings || pre.tied || arch.name == "opt";
+  if (arch.window)
+    plan->window = opt.sliding_window >= 0 ? opt.sliding_window : opt.shape == "tiny" ? 32 : 4096;
+  KESTREL_CHECK(arch.name != "opt" || plan->d.n_kv_heads == plan->d.n_heads,
+                "--arch opt has no grouped-query attention: --kv-heads must equal --heads");
+  KESTREL_CHECK(arch.name != "opt" || plan->d.head_dim * plan->d.n_heads == plan->d.hidden,
+                "--arch opt needs heads * head_dim = hidden");
   if (opt.dtype == "gptq") validate_packing(plan->d, opt.bits);
   plan->threads = opt.threads > 0 ? opt.threads : (int)std::max(1u, std::thread::hardware_concurrency());
   const Dims& d = plan->d;
@@ -512,7 +626,7 @@ void write_model(const SynthOptions& opt) {
   KESTREL_CHECK(fs::is_directory(dir), fmt::format("{}: cannot create output directory: {}",
                                                    dir.string(), ec ? ec.message() : "not a directory"));
 
-  write_text(dir / "config.json", config_json(opt, d, bos, eos).dump(2) + "\n");
+  write_text(dir / "config.json", config_json(*plan, bos, eos).dump(2) + "\n");
   if (opt.dtype == "gptq") write_text(dir / "quantize_config.json", quant_json(opt).dump(2) + "\n");
   write_text(dir / "generation_config.json",
              ojson{{"bos_token_id", bos}, {"eos_token_id", eos}, {"do_sample", false},
@@ -540,9 +654,9 @@ void write_model(const SynthOptions& opt) {
           ? "fp16"
           : fmt::format("gptq {}-bit group {} {}{} {}", opt.bits, opt.group_size,
                         opt.asym ? "asym" : "sym", opt.act_order ? " act-order" : "", opt.format);
-  std::cout << fmt::format("kestrel-synth: {} {} (hidden {}, {} layers, vocab {}): {} params, {} "
+  std::cout << fmt::format("kestrel-synth: {} {} {} (hidden {}, {} layers, vocab {}): {} params, {} "
                            "-> {} in {:.1f} s\n",
-                           opt.shape, quant, d.hidden, d.n_layers, d.vocab,
+                           opt.shape, arch.name, quant, d.hidden, d.n_layers, d.vocab,
                            human_count((double)plan->params), human_bytes((double)writer.total_bytes()),
                            dir.string(), secs);
 }

@@ -7,7 +7,13 @@
 namespace kestrel::synth {
 
 struct SynthOptions {
-  std::string shape = "tiny";  // tiny | 1b | 7b | 13b | custom (explicit dims below)
+  // tiny | 1b | 7b | 13b (Llama 2 era) | llama3-8b | llama3.2-1b | qwen2.5-7b | qwen3-8b |
+  // opt-6.7b | custom (explicit dims below)
+  std::string shape = "tiny";
+  // The family's blocks and names: llama | llama3 | mistral | qwen2 | qwen3 | opt; empty = the
+  // shape's own (llama for tiny, 1b, 7b, 13b, custom).
+  std::string arch;
+  int sliding_window = -1;     // Mistral's window; -1 = 32 at the tiny shape, else 4096
   // Explicit dimensions override the shape's when > 0.
   int hidden = 0, intermediate = 0, n_layers = 0, n_heads = 0, n_kv_heads = 0, vocab = 0,
       max_pos = 0, head_dim = 0;
