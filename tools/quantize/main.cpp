@@ -47,13 +47,11 @@ int main(int argc, char** argv) {
       throw kestrel::Error(fmt::format("--device must be cpu, cuda or auto, got {}", device));
     if (o.model_dir.empty() || o.calib_file.empty() || o.out_dir.empty())
       throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required");
-    if (device != "cpu") {
+    if (device == "cuda") {
       const kestrel::CudaStatus st = kestrel::cuda_status();
-      if (device == "cuda" && !st.usable)
-        throw kestrel::DeviceError(st.problem + "; run with --device cpu");
-      device = st.usable ? "cuda" : "cpu";
+      if (!st.usable) throw kestrel::DeviceError(st.problem + "; run with --device cpu");
     }
-    o.device = device;
+    o.device = device;  // auto: chosen once the model is read (quantize_model)
     o.progress = !quiet;
     const kestrel::quant::QuantizeReport r = kestrel::quant::quantize_model(o);
     if (!quiet) {
@@ -63,7 +61,7 @@ int main(int argc, char** argv) {
       std::cerr << fmt::format("kestrel-quantize: wrote {} ({} linears, mean rel. error {:.3e}) "
                                "in {:.1f} s on {} (calibration forward {:.1f} s, Hessians {:.1f} s, "
                                "quantize {:.1f} s, write {:.1f} s)\n",
-                               o.out_dir, r.linears.size(), mean, r.seconds, o.device,
+                               o.out_dir, r.linears.size(), mean, r.seconds, r.device,
                                r.forward_seconds, r.hessian_seconds, r.quantize_seconds,
                                r.write_seconds);
     }

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "engine/base/device.h"
 #include "engine/base/error.h"
 #include "models/io/model_spec.h"
 #include "engine/base/progress.h"
@@ -156,8 +157,8 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--method must be gptq or rtn, got {}", o.method));
   if (o.method == "rtn" && o.gptq.act_order)
     throw Error("--act-order applies to --method gptq only (rtn has no column order)");
-  if (o.device != "cpu" && o.device != "cuda")
-    throw Error(fmt::format("--device must be cpu or cuda, got {}", o.device));
+  if (o.device != "cpu" && o.device != "cuda" && o.device != "auto")
+    throw Error(fmt::format("--device must be cpu, cuda or auto, got {}", o.device));
   if (o.nsamples <= 0) throw Error(fmt::format("--nsamples must be positive, got {}", o.nsamples));
   if (o.seqlen <= 0) throw Error(fmt::format("--seqlen must be positive, got {}", o.seqlen));
   if (o.out_dir.empty()) throw Error("--out is required");
@@ -352,11 +353,18 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
   return out;
 }
 
-QuantizeReport quantize_model(const QuantizeOptions& o) {
+QuantizeReport quantize_model(const QuantizeOptions& opts) {
+  QuantizeOptions o = opts;
   const auto t_start = Clock::now();
   check_options(o);
   const ModelSpec spec = load_model_spec(o.model_dir);
   check_model(spec, o);
+  if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
+    const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
+    o.device = why.empty() ? "cuda" : "cpu";
+    if (!why.empty() && why != "no GPU" && o.progress)
+      std::fprintf(stderr, "kestrel-quantize: note: on the CPU: %s\n", why.c_str());
+  }
   const ModelConfig& cfg = spec.config;
   const int zero_offset = o.gptq.sym ? 1 : 0;  // asymmetric zeros may be 0: gptq_v2
 
@@ -369,6 +377,7 @@ QuantizeReport quantize_model(const QuantizeOptions& o) {
   PackedParts parts(scratch, zero_offset);
 
   QuantizeReport report;
+  report.device = o.device;
   report.calib_tokens = (int64_t)ids.size();
   const bool tty = isatty(fileno(stderr)) != 0;
   Progress bar(fmt::format("{} {}-bit ({})", o.method, o.gptq.bits, o.device), cfg.n_layers,

@@ -30,7 +30,9 @@ struct QuantizeOptions {
   int seqlen = 2048;            // tokens per window
   uint64_t seed = 0;            // window draw
   bool progress = true;         // progress bar and per-layer lines on stderr
-  std::string device = "cpu";   // cpu | cuda (where the forward, Hessians and GPTQ run)
+  // cpu | cuda | auto (where the forward, Hessians and GPTQ run; auto: the GPU where it is
+  // usable and runs the family's calibration forward)
+  std::string device = "cpu";
 };
 
 struct LinearReport {
@@ -47,6 +49,7 @@ struct QuantizeReport {
   // Summed over the layers: calibration forward passes, Hessian accumulation, quantization
   // of the linears (factor, GPTQ/RTN, errors); then the checkpoint writer.
   double forward_seconds = 0, hessian_seconds = 0, quantize_seconds = 0, write_seconds = 0;
+  std::string device;        // where it ran: cpu or cuda (--device auto chooses)
 };
 
 // Draws `nsamples` windows of `seqlen` tokens from `ids` (start uniform in

@@ -72,15 +72,24 @@ void upload_f16(const TensorInfo& t, __half* dst, cudaStream_t s) {
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));  // h goes out of scope
 }
 
-// What the GPU forward cannot run, refused before any work starts.
-void check_gpu_model(const ModelSpec& spec) {
+}  // namespace
+
+std::string cuda_quantize_unsupported(const ModelSpec& spec) {
   const ModelConfig& c = spec.config;
-  if (const std::string why = cuda_unsupported(c); !why.empty())
-    throw Error(fmt::format("{}: {}", spec.dir, why));
+  if (std::string why = cuda_unsupported(c); !why.empty()) return why;
   // The calibration's layers carry neither biases nor q/k norms (below).
   if (c.qkv_bias || c.qk_norm)
-    throw Error(fmt::format("{}: the GPU quantizer does not run {} yet (q/k/v biases or q/k "
-                            "norms); use --device cpu", spec.dir, c.architecture));
+    return fmt::format("the GPU quantizer does not run {} (q/k/v biases or q/k norms) yet; use "
+                       "--device cpu", c.architecture);
+  return "";
+}
+
+namespace {
+
+// What the GPU forward cannot run, refused before any work starts.
+void check_gpu_model(const ModelSpec& spec) {
+  if (const std::string why = cuda_quantize_unsupported(spec); !why.empty())
+    throw Error(fmt::format("{}: {}", spec.dir, why));
 }
 
 // Pairs of events around each Hessian update of a group's pass, summed once the pass is done.

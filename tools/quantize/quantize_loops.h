@@ -36,5 +36,7 @@ using LayerDone =
 void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
                           const std::vector<std::vector<int>>& windows, const SaveLinear& save,
                           const LayerDone& done);
+// Why the GPU loop cannot quantize this model ("" when it can).
+std::string cuda_quantize_unsupported(const ModelSpec& spec);
 
 }  // namespace kestrel::quant
