@@ -30,15 +30,16 @@
 namespace kestrel {
 
 std::string cuda_unsupported(const ModelConfig& c) {
-  std::vector<std::string> why;
-  if (c.norm == NormKind::Layer) why.push_back("LayerNorm");
-  if (c.mlp == MlpKind::ReLU) why.push_back("a ReLU MLP");
-  if (c.positions == PositionKind::Learned) why.push_back("learned positions");
-  if (c.o_bias || c.mlp_bias) why.push_back("biases on o or the MLP");
-  if (c.head_dim != 64 && c.head_dim != 128) why.push_back(fmt::format("head_dim {} (64 or 128)", c.head_dim));
+  std::string why;
+  if (c.head_dim != 64 && c.head_dim != 128) why = fmt::format("head_dim {} (64 or 128)", c.head_dim);
+  // The decode step pairs LayerNorm with the ReLU MLP and its biases (OPT), RMSNorm with the
+  // gated SiLU MLP and no biases past q/k/v (Llama, Mistral, Qwen).
+  else if ((c.norm == NormKind::Layer) != (c.mlp == MlpKind::ReLU))
+    why = "a norm and MLP that no family it runs pairs";
+  else if (c.norm == NormKind::RMS && (c.o_bias || c.mlp_bias))
+    why = "biases on o or the MLP with RMSNorm";
   if (why.empty()) return "";
-  return fmt::format("the CUDA engine does not run {} ({}) yet; use --device cpu", c.architecture,
-                     fmt::join(why, ", "));
+  return fmt::format("the CUDA engine does not run {} ({}); use --device cpu", c.architecture, why);
 }
 
 LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
@@ -77,6 +78,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
   s_.next = io + 2;
   auto halves = [&](size_t n) { return mem_.alloc_n<__half>(n); };
   s_.x = halves(c.hidden);
+  if (c.norm == NormKind::Layer) s_.xb = halves(c.hidden);
   if (w_.embed_perm) s_.x2 = halves(c.hidden);
   s_.qkv = halves(c.q_dim() + 2 * c.kv_dim());
   s_.att = halves(c.q_dim());
@@ -212,25 +214,39 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
   if (!chained)
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(s_.token, host_io_, 2 * sizeof(int), cudaMemcpyHostToDevice, s));
 
-  if (w_.embed_perm)  // x [hidden] in layer 0's qkv permutation
+  const bool layer_norm = c.norm == NormKind::Layer;
+  if (w_.positions)  // x = embed[token] + positions[pos + offset] (OPT)
+    cuda::embedding_positions_f16(w_.embed, w_.positions + (size_t)c.position_offset * c.hidden,
+                                  s_.token, s_.pos, 1, c.hidden, s_.x, s);
+  else if (w_.embed_perm)  // x [hidden] in layer 0's qkv permutation
     cuda::embedding_permuted_f16(w_.embed, s_.token, c.hidden, w_.embed_perm, s_.x, s);
   else
     cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
   profiler_.mark("embedding", 2 * c.hidden * h2, s);
+  // LayerNorm families: the bias of the last residual GEMV (o, fc2), which the GEMV leaves out
+  // (its residual slot is taken), is added to x by the LayerNorm that reads x next.
+  const __half* pending_bias = nullptr;
   for (int l = 0; l < c.n_layers; ++l) {
     const GpuLayer& L = w_.layers[l];
     __half* k_cache = q.key_cache + l * kv_layer;    // [ctx, kv_dim]
     __half* v_cache = q.value_cache + l * kv_layer;  // [ctx, kv_dim]
 
-    // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x))); the RMSNorm runs inside
-    // the qkv GEMV as it stages x. Under L.order, x is in qkv's act-order permutation (and the
-    // norm weights with it), so that qkv stages it without a gather.
+    // Attention block: x += Wo attention(rope(Wqkv norm(x) + b)). RMSNorm runs inside the qkv
+    // GEMV as it stages x; under L.order, x is in qkv's act-order permutation (and the norm
+    // weights with it), so that qkv stages it without a gather. LayerNorm runs on its own, into
+    // xb. The q|k|v biases enter as the GEMV's residual.
     const GpuLayer::StreamOrder& O = L.order;
-    if (O.on)  // (+ the q|k|v biases, as the GEMV's residual)
+    if (layer_norm) {
+      cuda::add_layer_norm_f16(s_.x, pending_bias, L.input_norm, L.input_norm_bias, c.rms_eps, 1,
+                               c.hidden, s_.xb, s);
+      profiler_.mark("layer_norm", 3.0 * c.hidden * h2, s);
+      L.qkv.run(s_.xb, s_.qkv, L.qkv.bias, s);
+    } else if (O.on) {
       cuda::gemv(O.qkv, s_.x, s_.qkv, L.qkv.bias, s, {O.input_norm, c.rms_eps});
-    else
-      L.qkv.run(s_.x, s_.qkv, nullptr, s, {L.input_norm, c.rms_eps});  // [q_dim | kv_dim | kv_dim]
-    profiler_.mark("rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
+    } else {
+      L.qkv.run(s_.x, s_.qkv, L.qkv.bias, s, {L.input_norm, c.rms_eps});  // [q | k | v]
+    }
+    profiler_.mark(layer_norm ? "gemv qkv" : "rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
     if (c.qk_norm) {  // Qwen3: RMSNorm over each head of q and k, before RoPE
       cuda::head_rms_norm_f16(s_.qkv, c.q_dim() + 2 * c.kv_dim(), 1, c.n_heads, c.n_kv_heads,
                               c.head_dim, L.q_norm, L.k_norm, c.rms_eps, s);
@@ -250,9 +266,19 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
       L.o.run(s_.att, s_.x, s_.x, s);
     profiler_.mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
-    // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x); the norm runs inside
-    // the gate|up GEMV, SiLU * up in its epilogue (quantized) or in the down GEMV's staging.
-    if (L.gate_up.can_silu_epilogue()) {
+    // MLP block, xb = norm(x): x += Wdown (silu(Wgate xb) * Wup xb), or (ReLU) x += Wfc2
+    // relu(Wfc1 xb + b1) (+ b2, pending). RMSNorm runs inside the gate|up GEMV, SiLU * up in its
+    // epilogue (quantized) or in the down GEMV's staging, as ReLU in fc2's.
+    if (c.mlp == MlpKind::ReLU) {
+      cuda::add_layer_norm_f16(s_.x, L.o.bias, L.post_norm, L.post_norm_bias, c.rms_eps, 1,
+                               c.hidden, s_.xb, s);
+      profiler_.mark("layer_norm", 3.0 * c.hidden * h2, s);
+      L.gate_up.run(s_.xb, s_.gate_up, L.gate_up.bias, s);  // fc1 [intermediate] + b1
+      profiler_.mark("gemv fc1", L.gate_up.bytes_moved(), s);
+      L.down.run(s_.gate_up, s_.x, s_.x, s, {nullptr, 0.f, false, /*relu=*/true});
+      profiler_.mark("relu + gemv fc2 (+res)", L.down.bytes_moved(), s);
+      pending_bias = L.down.bias;
+    } else if (L.gate_up.can_silu_epilogue()) {
       // SiLU(gate) * up in the gate|up GEMV's epilogue: down stages plain x [intermediate].
       // Under act-order, stored in down's permutation (GpuLayer::down_x_index).
       const cuda::GemvEpilogue silu{/*silu_mul=*/true, L.down_x_index};
@@ -276,9 +302,16 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
   }
   if (head == Head::None) return;
 
-  cuda::gemv_f16(w_.lm_head, s_.x, s_.logits, c.vocab, c.hidden, nullptr, s, {},
-                 {w_.final_norm, c.rms_eps});  // [vocab] = lm_head rmsnorm(x)
-  profiler_.mark("rms_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
+  if (layer_norm) {  // [vocab] = lm_head layernorm(x + pending bias)
+    cuda::add_layer_norm_f16(s_.x, pending_bias, w_.final_norm, w_.final_norm_bias, c.rms_eps, 1,
+                             c.hidden, s_.xb, s);
+    cuda::gemv_f16(w_.lm_head, s_.xb, s_.logits, c.vocab, c.hidden, nullptr, s);
+    profiler_.mark("layer_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
+  } else {
+    cuda::gemv_f16(w_.lm_head, s_.x, s_.logits, c.vocab, c.hidden, nullptr, s, {},
+                   {w_.final_norm, c.rms_eps});  // [vocab] = lm_head rmsnorm(x)
+    profiler_.mark("rms_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
+  }
   if (head == Head::Argmax) {
     cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
     profiler_.mark("argmax", c.vocab * h2, s);

@@ -159,8 +159,12 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
     return taps->stop_after == g;
   };
 
-  // Attention block: x += Wo attention(rope(Wqkv rmsnorm(x)))
-  cuda::rms_norm_f16(x, L.input_norm, c.rms_eps, T, c.hidden, b.xb, s);
+  // Attention block: x += Wo attention(rope(Wqkv norm(x) + b)) (+ bo)
+  const bool layer_norm = c.norm == NormKind::Layer;
+  if (layer_norm)
+    cuda::layer_norm_f16(x, L.input_norm, L.input_norm_bias, c.rms_eps, T, c.hidden, b.xb, s);
+  else
+    cuda::rms_norm_f16(x, L.input_norm, c.rms_eps, T, c.hidden, b.xb, s);
   if (tap(LinearGroup::QKV, b.xb, c.hidden)) return;
   // [T, q | k | v] (+ the q|k|v biases, laid down first and accumulated onto as a residual)
   if (L.qkv.bias) cuda::broadcast_rows_f16(L.qkv.bias, T, qkv_n, b.qkv, qkv_n, s);
@@ -175,9 +179,25 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   if (tap(LinearGroup::O, b.att, c.q_dim())) return;
   run_linear(gemm, L.o, b.att, T, x, x, b.weights, s);
 
-  // MLP block: x += Wdown (silu(Wgate xb) * Wup xb), xb = rmsnorm(x)
-  cuda::rms_norm_f16(x, L.post_norm, c.rms_eps, T, c.hidden, b.xb, s);
+  // MLP block, xb = norm(x + bo): x += Wdown (silu(Wgate xb) * Wup xb), or (ReLU)
+  // x += Wfc2 relu(Wfc1 xb + b1) + b2
+  if (layer_norm)
+    cuda::add_layer_norm_f16(x, L.o.bias, L.post_norm, L.post_norm_bias, c.rms_eps, T, c.hidden,
+                             b.xb, s);
+  else
+    cuda::rms_norm_f16(x, L.post_norm, c.rms_eps, T, c.hidden, b.xb, s);
   if (tap(LinearGroup::GateUp, b.xb, c.hidden)) return;
+  if (c.mlp == MlpKind::ReLU) {
+    // fc1 into the gate|up buffer (xb, which it reads, shares act's)
+    const int64_t inter = c.intermediate;
+    cuda::broadcast_rows_f16(L.gate_up.bias, T, inter, b.gate_up, inter, s);
+    run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, b.gate_up, b.weights, s);  // [T, inter] + b1
+    cuda::relu_f16(b.gate_up, (int64_t)T * inter, s);
+    if (tap(LinearGroup::Down, b.gate_up, c.intermediate)) return;
+    run_linear(gemm, L.down, b.gate_up, T, x, x, b.weights, s);
+    cuda::add_rows_f16(x, c.hidden, L.down.bias, T, c.hidden, s);  // + b2
+    return;
+  }
   run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, nullptr, b.weights, s);  // [T, gate | up]
   cuda::silu_mul_rows_f16(b.gate_up, T, c.intermediate, b.act, s);
   if (tap(LinearGroup::Down, b.act, c.intermediate)) return;
@@ -233,11 +253,23 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
 
   const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   cudaStream_t s = stream_;
+  // xb [rows, hidden] = the final norm of x [rows, hidden]
+  auto final_norm = [&](const __half* x, int rows, __half* xb) {
+    if (c.norm == NormKind::Layer)
+      cuda::layer_norm_f16(x, w_.final_norm, w_.final_norm_bias, c.rms_eps, rows, c.hidden, xb, s);
+    else
+      cuda::rms_norm_f16(x, w_.final_norm, c.rms_eps, rows, c.hidden, xb, s);
+  };
   for (int c0 = 0; c0 < n; c0 += S.rows) {
     const int T = std::min(S.rows, n - c0);
     const int p0 = pos + c0;
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.tokens, tokens + c0, T * sizeof(int), cudaMemcpyHostToDevice, s));
-    cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
+    if (w_.positions)  // x [T, hidden] = embedding + learned positions (OPT)
+      cuda::embedding_positions_f16(
+          w_.embed, w_.positions + (size_t)(p0 + c.position_offset) * c.hidden, S.tokens,
+          nullptr, T, c.hidden, S.x, s);
+    else
+      cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
 
     const LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
     for (int l = 0; l < c.n_layers; ++l)
@@ -247,7 +279,7 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
     // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
     const bool last = c0 + T == n;
     if (want_rows) {
-      cuda::rms_norm_f16(S.x, w_.final_norm, c.rms_eps, T, c.hidden, S.xb, s);
+      final_norm(S.x, T, S.xb);
       S.gemm.gemm_f32(S.xb, w_.lm_head, T, c.vocab, c.hidden, S.logits, s);  // [T, vocab]
       if (nll) {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.targets, targets + c0, T * sizeof(int),
@@ -263,7 +295,7 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
                                            vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
     } else if (last && logits) {
       const __half* x_last = S.x + (size_t)(T - 1) * c.hidden;
-      cuda::rms_norm_f16(x_last, w_.final_norm, c.rms_eps, 1, c.hidden, S.xb, s);
+      final_norm(x_last, 1, S.xb);
       S.gemm.gemm_f32(S.xb, w_.lm_head, 1, c.vocab, c.hidden, S.logits, s);  // [1, vocab]
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, S.logits, vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
     }

@@ -88,4 +88,40 @@ void broadcast_rows_f16(const __half* v, int rows, int64_t n, __half* y, int64_t
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+
+__global__ void add_rows_kernel(__half* y, int64_t ldy, const __half* v, int64_t n) {
+  __half* row = y + (int64_t)blockIdx.y * ldy;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    row[i] = __float2half_rn(__half2float(row[i]) + __half2float(v[i]));
+}
+
+__global__ void relu_kernel(__half* x, int64_t n) {
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    x[i] = __hgt(x[i], __float2half(0.0f)) ? x[i] : __float2half(0.0f);
+}
+
+}  // namespace
+
+void add_rows_f16(__half* y, int64_t ldy, const __half* v, int rows, int64_t n,
+                  cudaStream_t stream) {
+  KESTREL_CHECK(rows >= 0 && rows <= 65535 && n > 0 && ldy >= n,
+                "add_rows_f16: bad shape rows " + std::to_string(rows) + ", n " +
+                    std::to_string(n) + ", ldy " + std::to_string(ldy));
+  if (rows == 0) return;
+  const dim3 grid((unsigned)std::min<int64_t>((n + kThreads - 1) / kThreads, 64), rows);
+  add_rows_kernel<<<grid, kThreads, 0, stream>>>(y, ldy, v, n);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void relu_f16(__half* x, int64_t n, cudaStream_t stream) {
+  KESTREL_CHECK(n >= 0, "relu_f16: negative size " + std::to_string(n));
+  if (n == 0) return;
+  const unsigned blocks = (unsigned)std::min<int64_t>((n + kThreads - 1) / kThreads, 4096);
+  relu_kernel<<<blocks, kThreads, 0, stream>>>(x, n);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace kestrel::cuda

@@ -19,4 +19,13 @@ void silu_mul_rows_f16(const __half* gate_up, int rows, int inter, __half* out,
 void broadcast_rows_f16(const __half* v, int rows, int64_t n, __half* y, int64_t ldy,
                         cudaStream_t stream);
 
+// y [rows, n] (rows ldy halves apart) += v [n] in every row: a bias added after a GEMM that
+// has already used its residual (OPT's fc2 in the prefill).
+void add_rows_f16(__half* y, int64_t ldy, const __half* v, int rows, int64_t n,
+                  cudaStream_t stream);
+
+// x [n] = max(x, 0) in place (OPT's MLP in the prefill; the decode step applies it while the
+// fc2 GEMV stages its input, GemvInput::relu).
+void relu_f16(__half* x, int64_t n, cudaStream_t stream);
+
 }  // namespace kestrel::cuda

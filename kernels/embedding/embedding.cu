@@ -29,6 +29,20 @@ __global__ void embedding_kernel(const __half* __restrict__ table, const int* __
   }
 }
 
+// Row i of out = table row tokens[i] + positions row (*pos0 + i) (pos0 nullptr: row i): the
+// fp32 sum of the two fp16 values, rounded once, as an fp16 addition gives it.
+__global__ void embedding_positions_kernel(const __half* __restrict__ table,
+                                           const __half* __restrict__ positions,
+                                           const int* __restrict__ tokens,
+                                           const int* __restrict__ pos0, int hidden,
+                                           __half* __restrict__ out) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= hidden) return;
+  const int row = blockIdx.y, p = (pos0 ? *pos0 : 0) + row;
+  const float e = __half2float(table[(size_t)tokens[row] * hidden + j]);
+  out[(size_t)row * hidden + j] = __float2half_rn(e + __half2float(positions[(size_t)p * hidden + j]));
+}
+
 // out[j] = table[token][perm[j]]: one thread per element (a decode step's one row).
 __global__ void embedding_permuted_kernel(const __half* __restrict__ table,
                                           const int* __restrict__ token, int hidden,
@@ -62,6 +76,19 @@ void embedding_tokens_f16(const __half* table, const int* d_tokens, int n, int h
 void embedding_f16(const __half* table, const int* d_token, int hidden, __half* out,
                    cudaStream_t stream) {
   embedding_tokens_f16(table, d_token, 1, hidden, out, stream);
+}
+
+void embedding_positions_f16(const __half* table, const __half* positions, const int* d_tokens,
+                             const int* d_pos0, int n, int hidden, __half* out,
+                             cudaStream_t stream) {
+  KESTREL_CHECK(n >= 0 && n <= 65535 && hidden > 0 && positions,
+                "embedding_positions_f16: bad shape n " + std::to_string(n) + ", hidden " +
+                    std::to_string(hidden) + " or no position table");
+  if (n == 0) return;
+  const dim3 grid((hidden + kThreads - 1) / kThreads, n);
+  embedding_positions_kernel<<<grid, kThreads, 0, stream>>>(table, positions, d_tokens, d_pos0,
+                                                            hidden, out);
+  KESTREL_CUDA_CHECK_LAUNCH();
 }
 
 void embedding_permuted_f16(const __half* table, const int* d_token, int hidden,

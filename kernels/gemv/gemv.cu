@@ -128,7 +128,7 @@ namespace {
 
 // The flags of a call, or kDynamic where no specialized kernel covers it.
 int spec_of(const KParams& p) {
-  if (p.zeros || p.silu_mul) return kDynamic;
+  if (p.zeros || p.silu_mul || p.relu) return kDynamic;
   const int ops = (p.norm_w ? kNorm : 0) | (p.residual ? kResidual : 0) |
                   (p.silu_pair ? kSiluPair : 0) | (p.res_index ? kIndexed : 0);
   switch (ops) {
@@ -352,10 +352,12 @@ GemvLaunch plan_quant_launch(int bits, int group_size, GemvLaunch hint) {
 using namespace gemv_detail;
 
 void set_input(KParams& p, const GemvInput& in) {
-  if (in.norm_w && in.silu_mul) throw Error("gemv: one fused input op at a time (norm or silu_mul)");
+  if ((in.norm_w != nullptr) + in.silu_mul + in.relu > 1)
+    throw Error("gemv: one fused input op at a time (norm, silu_mul or relu)");
   p.norm_w = in.norm_w;
   p.eps = in.eps;
   p.silu_mul = in.silu_mul;
+  p.relu = in.relu;
 }
 
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,

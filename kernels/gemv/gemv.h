@@ -123,11 +123,14 @@ GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
 // saves a kernel launch and a round trip of x through memory:
 //   norm_w:   x <- RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w [K])
 //   silu_mul: x holds [gate | up], 2K values: x <- silu(gate) * up
+//   relu:     x <- max(x, 0) (OPT's MLP: fc2 stages fc1's output)
 // Each computes what the stand-alone kernel does (fp32 math, the staged value rounded to fp16).
+// One at a time.
 struct GemvInput {
   const __half* norm_w = nullptr;
   float eps = 0.f;
   bool silu_mul = false;
+  bool relu = false;
 };
 
 // The op after a GEMV, fused into its epilogue (saves the next kernel staging 2N values and

@@ -41,6 +41,7 @@ struct KParams {
   const __half* norm_w;  // nullptr = no norm
   float eps;
   bool silu_mul;
+  bool relu;             // x <- max(x, 0)
   // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
   // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
   int silu_pair;
@@ -461,13 +462,14 @@ __device__ float input_inv_rms(const KParams& p, bool vec) {
 // The fused input op on 8 values: raw = x, other = the norm weights (RMSNorm) or up (SiLU).
 __device__ __forceinline__ uint4 apply_input8(const KParams& p, uint4 raw, uint4 other,
                                               float inv_rms) {
-  if (!p.norm_w && !p.silu_mul) return raw;
+  if (!p.norm_w && !p.silu_mul && !p.relu) return raw;
   uint32_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 a = __half22float2(h2(word(raw, j))), b = __half22float2(h2(word(other, j)));
-    const __half2 r = p.norm_w ? __floats2half2_rn(a.x * inv_rms * b.x, a.y * inv_rms * b.y)
-                               : __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y));
+    const __half2 r = p.norm_w     ? __floats2half2_rn(a.x * inv_rms * b.x, a.y * inv_rms * b.y)
+                      : p.silu_mul ? __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y))
+                                   : __floats2half2_rn(fmaxf(a.x, 0.0f), fmaxf(a.y, 0.0f));
     memcpy(&out[j], &r, 4);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
@@ -483,7 +485,7 @@ __device__ __forceinline__ uint4 input_other8(const KParams& p, int k) {
 // x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
 __device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) {
   const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
-  if (!p.norm_w && !p.silu_mul) return raw;
+  if (!p.norm_w && !p.silu_mul && !p.relu) return raw;
   return apply_input8(p, raw, input_other8(p, k), inv_rms);
 }
 
@@ -491,6 +493,7 @@ __device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms)
   const float a = __half2float(__ldcg(p.x + k));
   if (p.norm_w) return __float2half_rn(a * inv_rms * __half2float(__ldg(p.norm_w + k)));
   if (p.silu_mul) return __float2half_rn(silu_times(a, __half2float(__ldcg(p.x + p.K + k))));
+  if (p.relu) return __float2half_rn(fmaxf(a, 0.0f));
   return __float2half_rn(a);
 }
 
@@ -810,6 +813,7 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
   if constexpr (kSpec != kDynamic) {
     p.zeros = nullptr;
     p.silu_mul = false;
+    p.relu = false;
     if constexpr (kSpec & kPerm) __builtin_assume(p.perm != nullptr); else p.perm = nullptr;
     if constexpr (kSpec & kNorm) __builtin_assume(p.norm_w != nullptr); else p.norm_w = nullptr;
     if constexpr (kSpec & kResidual) __builtin_assume(p.residual != nullptr);

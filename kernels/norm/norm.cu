@@ -92,14 +92,27 @@ __global__ void rms_norm_kernel(const __half* x, const __half* w, float eps, int
 }
 
 template <bool kVec>
-__global__ void layer_norm_kernel(const __half* x, const __half* w, const __half* b, float eps,
-                                  int n, __half* y) {
+__global__ void layer_norm_kernel(__half* x, const __half* add, const __half* w, const __half* b,
+                                  float eps, int n, __half* y) {
   using R = Row<kVec>;
   constexpr int W = R::kWidth;
   __shared__ float scratch[32];
-  const __half* xr = x + (size_t)blockIdx.x * n;
+  __half* xr = x + (size_t)blockIdx.x * n;
   __half* yr = y + (size_t)blockIdx.x * n;
   const int n_items = n / W;
+
+  // x += add first (rounded to fp16, as the residual stream is kept); each thread reads back
+  // only what it wrote, in the passes below.
+  if (add != nullptr) {
+    for (int i = threadIdx.x; i < n_items; i += blockDim.x) {
+      float v[W], a[W];
+      R::load(xr, i, v);
+      R::load(add, i, a);
+#pragma unroll
+      for (int j = 0; j < W; ++j) v[j] += a[j];
+      R::store(xr, i, v);
+    }
+  }
 
   float sum = 0.0f;
   for (int i = threadIdx.x; i < n_items; i += blockDim.x) {
@@ -165,18 +178,25 @@ void rms_norm_f16(const __half* x, const __half* w, float eps, int rows, int n, 
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
-void layer_norm_f16(const __half* x, const __half* w, const __half* b, float eps, int rows, int n,
-                    __half* y, cudaStream_t stream) {
+void add_layer_norm_f16(__half* x, const __half* add, const __half* w, const __half* b, float eps,
+                        int rows, int n, __half* y, cudaStream_t stream) {
   check_shape("layer_norm_f16", rows, n);
   if (rows == 0) return;
-  const bool vec = n % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(b) && aligned16(y);
+  const bool vec = n % 8 == 0 && aligned16(x) && aligned16(add) && aligned16(w) && aligned16(b) &&
+                   aligned16(y);
   const int threads = threads_for(vec ? n / 8 : n);
   if (vec) {
-    layer_norm_kernel<true><<<rows, threads, 0, stream>>>(x, w, b, eps, n, y);
+    layer_norm_kernel<true><<<rows, threads, 0, stream>>>(x, add, w, b, eps, n, y);
   } else {
-    layer_norm_kernel<false><<<rows, threads, 0, stream>>>(x, w, b, eps, n, y);
+    layer_norm_kernel<false><<<rows, threads, 0, stream>>>(x, add, w, b, eps, n, y);
   }
   KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void layer_norm_f16(const __half* x, const __half* w, const __half* b, float eps, int rows, int n,
+                    __half* y, cudaStream_t stream) {
+  // Without an addition x is only read.
+  add_layer_norm_f16(const_cast<__half*>(x), nullptr, w, b, eps, rows, n, y, stream);
 }
 
 namespace {

@@ -17,6 +17,12 @@ void rms_norm_f16(const __half* x, const __half* w, float eps, int rows, int n, 
 void layer_norm_f16(const __half* x, const __half* w, const __half* b, float eps, int rows, int n,
                     __half* y, cudaStream_t stream);
 
+// The same after x += add (add [n], every row; x [rows, n] written back, rounded to fp16): a
+// residual stream's pending bias (OPT's o and fc2 biases, left out of their residual GEMVs)
+// added where the stream is normalised anyway. y must not alias x.
+void add_layer_norm_f16(__half* x, const __half* add, const __half* w, const __half* b, float eps,
+                        int rows, int n, __half* y, cudaStream_t stream);
+
 // Qwen3's per-head norms, in place: in each of `rows` rows of qkv (ld halves apart, q heads
 // [n_heads, head_dim] then k heads [n_kv_heads, head_dim]), every q head becomes
 // rms_norm(head) * q_w and every k head rms_norm(head) * k_w (q_w, k_w [head_dim]); v is not

@@ -21,6 +21,9 @@ struct RopeScaling {
   float llama3_factor = 0.0f;
   float low_freq_factor = 1.0f, high_freq_factor = 4.0f;
   int original_max_pos = 8192;
+  // false: every frequency 0, so the rotation is the identity, bit for bit (a family with
+  // learned positions runs the RoPE kernels unchanged).
+  bool rotate = true;
 };
 
 // The frequencies [head_dim / 2], in float32 in transformers' order of operations.

@@ -19,6 +19,7 @@ std::vector<float> rope_inv_freq(int head_dim, const RopeScaling& r) {
                 "rope: head_dim must be positive and even, got " + std::to_string(head_dim));
   const int half = head_dim / 2;
   std::vector<float> f(half);
+  if (!r.rotate) return f;  // zeros: angle 0, cos 1, sin 0
   for (int i = 0; i < half; ++i) {
     f[i] = 1.0f / std::pow(r.theta, (float)(2 * i) / (float)head_dim);
     f[i] /= r.linear_factor;

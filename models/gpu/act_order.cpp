@@ -108,6 +108,9 @@ void permute_residual_stream(GpuWeights& w, const ModelConfig& c, DeviceMemory& 
 }  // namespace
 
 void plan_act_order(GpuWeights& w, const ModelConfig& c, DeviceMemory& mem, cudaStream_t s) {
+  // Both plans hang on RMSNorm fused into the GEMVs' staging and on the SiLU epilogue; a
+  // LayerNorm or ReLU family stages natural-order inputs.
+  if (c.norm != NormKind::RMS || c.mlp != MlpKind::GatedSiLU) return;
   permute_down_inputs(w, mem, s);
   permute_residual_stream(w, c, mem, s);
 }

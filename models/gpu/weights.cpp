@@ -61,8 +61,11 @@ bool keeps_zero_points(const std::vector<const LinearSpec*>& parts) {
 
 // The linears of a layer as the engine fuses them, in GpuLayer's order: qkv, o, gate|up, down.
 // (The loader and the bound on its memory must group them alike.)
+// A ReLU MLP (no gate) has fc1 alone in the gate|up slot.
 std::array<std::vector<const LinearSpec*>, 4> layer_linears(const LayerSpec& ls) {
-  return {{{&ls.q, &ls.k, &ls.v}, {&ls.o}, {&ls.gate, &ls.up}, {&ls.down}}};
+  std::vector<const LinearSpec*> mlp_in = {&ls.up};
+  if (!ls.gate.name.empty()) mlp_in.insert(mlp_in.begin(), &ls.gate);
+  return {{{&ls.q, &ls.k, &ls.v}, {&ls.o}, mlp_in, {&ls.down}}};
 }
 
 // Device bytes the loader places for these linears: a fused GPTQ weight (bounded from its
@@ -91,10 +94,12 @@ size_t linear_bound(const std::vector<const LinearSpec*>& parts) {
 
 size_t gpu_weights_bound(const ModelSpec& spec) {
   auto tensor = [](const TensorInfo* t) { return t ? align256(t->numel() * sizeof(__half)) : 0; };
-  size_t total = tensor(spec.embed) + tensor(spec.final_norm) +
+  size_t total = tensor(spec.embed) + tensor(spec.final_norm) + tensor(spec.final_norm_bias) +
+                 tensor(spec.positions) +
                  (spec.lm_head != spec.embed ? tensor(spec.lm_head) : 0);
   for (const LayerSpec& ls : spec.layers) {
-    total += tensor(ls.input_norm) + tensor(ls.post_norm) + tensor(ls.q_norm) + tensor(ls.k_norm);
+    total += tensor(ls.input_norm) + tensor(ls.post_norm) + tensor(ls.q_norm) + tensor(ls.k_norm) +
+             tensor(ls.input_norm_bias) + tensor(ls.post_norm_bias);
     for (const auto& parts : layer_linears(ls)) total += linear_bound(parts);
   }
   return total;
@@ -116,12 +121,6 @@ double GpuLinear::bytes_moved() const {
 
 void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
                     cuda::GemvInput in, cuda::GemvEpilogue out) const {
-  if (bias) {
-    // The bias enters as the GEMV's residual: y = W x + bias.
-    if (residual || out.silu_mul)
-      throw Error("GpuLinear::run: a bias goes with neither a residual nor the SiLU epilogue");
-    residual = bias;
-  }
   if (!parts.empty()) {
     if (out.silu_mul)
       throw Error("GpuLinear::run: the SiLU epilogue needs one fused [gate | up] weight");
@@ -237,11 +236,15 @@ GpuWeights load_gpu_weights(const ModelSpec& spec, const DecodeTuning& tuning, D
   GpuWeights w;
   w.embed = L.upload(*spec.embed);
   w.final_norm = L.upload(*spec.final_norm);
+  if (spec.final_norm_bias) w.final_norm_bias = L.upload(*spec.final_norm_bias);
+  if (spec.positions) w.positions = L.upload(*spec.positions);
   w.lm_head = spec.lm_head == spec.embed ? w.embed : L.upload(*spec.lm_head);
   for (const LayerSpec& ls : spec.layers) {
     GpuLayer g;
     g.input_norm = L.upload(*ls.input_norm);
     g.post_norm = L.upload(*ls.post_norm);
+    if (ls.input_norm_bias) g.input_norm_bias = L.upload(*ls.input_norm_bias);
+    if (ls.post_norm_bias) g.post_norm_bias = L.upload(*ls.post_norm_bias);
     if (ls.q_norm) g.q_norm = L.upload(*ls.q_norm);
     if (ls.k_norm) g.k_norm = L.upload(*ls.k_norm);
     const auto lin = layer_linears(ls);

@@ -26,12 +26,14 @@ struct GpuLinear {
   // differ): each keeps its own format and runs into its columns of y, one after the other.
   // Neither q nor dense is set then.
   std::vector<GpuLinear> parts;
-  __half* bias = nullptr;     // [N] over all parts (q|k|v biases), or nullptr
+  // [N] over all parts (q|k|v biases), or nullptr. run() does not add it: callers pass it as
+  // the residual where there is none, or add it where the stream is next normalised.
+  __half* bias = nullptr;
   size_t bytes = 0;
 
   // Bytes one run moves through device memory (weights, x, y).
   double bytes_moved() const;
-  // y [N] = W x (+ residual [N]; y may alias residual), or W x + bias (no residual then)
+  // y [N] = W x (+ residual [N]; y may alias residual)
   // `in` fuses the op before the linear (RMSNorm, SiLU * up) into its staging of x; `out` the
   // op after it (quantized only: see can_silu_epilogue).
   void run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
@@ -45,11 +47,13 @@ struct GpuLinear {
 struct GpuLayer {
   __half* input_norm = nullptr;  // [hidden]
   __half* post_norm = nullptr;   // [hidden]
+  __half* input_norm_bias = nullptr;  // [hidden] LayerNorm's, or nullptr
+  __half* post_norm_bias = nullptr;   // [hidden]
   __half* q_norm = nullptr;      // [head_dim] Qwen3's per-head norms, or nullptr
   __half* k_norm = nullptr;      // [head_dim]
   GpuLinear qkv;                 // [q_dim + 2 * kv_dim, hidden]
   GpuLinear o;                   // [hidden, q_dim]
-  GpuLinear gate_up;             // [2 * intermediate, hidden]
+  GpuLinear gate_up;             // [2 * intermediate, hidden]; a ReLU MLP's fc1 [intermediate, hidden]
   GpuLinear down;                // [hidden, intermediate]
   // Act-order down weights (quantized gate|up): the decode step's gate|up GEMV stores SiLU *
   // up at down_x_index (cuda::gemv_input_index), so that down_x_permuted (down's memory, no
@@ -84,6 +88,8 @@ struct GpuWeights {
   // nullptr = natural order.
   const int32_t* embed_perm = nullptr;
   __half* final_norm = nullptr;  // [hidden]
+  __half* final_norm_bias = nullptr;  // [hidden] LayerNorm's, or nullptr
+  __half* positions = nullptr;   // [max_pos + offset, hidden] learned positions, or nullptr
   __half* lm_head = nullptr;     // [vocab, hidden] (== embed when tied)
   std::vector<GpuLayer> layers;
 };

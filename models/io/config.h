@@ -73,7 +73,8 @@ struct ModelConfig {
   int q_dim() const { return n_heads * head_dim; }
   RopeScaling rope_scaling() const {
     return {rope_theta, rope_linear_factor, rope_llama3.factor, rope_llama3.low_freq_factor,
-            rope_llama3.high_freq_factor, rope_llama3.original_max_pos};
+            rope_llama3.high_freq_factor, rope_llama3.original_max_pos,
+            positions == PositionKind::Rope};
   }
   int kv_dim() const { return n_kv_heads * head_dim; }
 };

@@ -443,12 +443,17 @@ TEST(GemvResidual, AddsResidualSeparateAndAliased) {
 // ---- Fused input ops --------------------------------------------------------------------------
 
 // x as the GEMV stages it after the fused op: the CPU reference op, rounded to fp16.
+enum class InputOp { RmsNorm, SiluMul, Relu };
+
 std::vector<float> fused_input(const std::vector<uint16_t>& x, int64_t K, const std::vector<uint16_t>& norm_w,
-                               float eps, bool silu) {
+                               float eps, InputOp op) {
   const std::vector<float> xf = to_float(x);
   std::vector<float> out(K);
-  if (silu) {
+  if (op == InputOp::SiluMul) {
     silu_mul_ref(xf.data(), xf.data() + K, K, out.data());
+  } else if (op == InputOp::Relu) {
+    out.assign(xf.begin(), xf.begin() + K);
+    relu_ref(out.data(), K);
   } else {
     const std::vector<float> wf = to_float(norm_w);
     rms_norm_ref(xf.data(), wf.data(), eps, 1, K, out.data());
@@ -457,19 +462,20 @@ std::vector<float> fused_input(const std::vector<uint16_t>& x, int64_t K, const 
   return out;
 }
 
-TEST(GemvInputOps, RmsNormAndSiluMulFusedIntoStaging) {
+TEST(GemvInputOps, RmsNormSiluMulAndReluFusedIntoStaging) {
   KESTREL_REQUIRE_GPU();
   std::mt19937 rng(51);
   for (bool act : {false, true})
-    for (bool silu : {false, true})
+    for (InputOp op : {InputOp::RmsNorm, InputOp::SiluMul, InputOp::Relu})
       for (int64_t K : {96, 4096, 11008}) {  // 11008: over 48 KB of shared memory
+        const bool silu = op == InputOp::SiluMul;
         Format f;
         f.bits = 4;
         f.group_size = 32;
         f.act_order = act;
         const int64_t n = 33;
         const Linear L = random_linear(f, round_up(n, 32), K, rng);
-        const std::string what = describe(f, n, K) + (silu ? " silu*up" : " rmsnorm");
+        const std::string what = describe(f, n, K) + (silu ? " silu*up" : op == InputOp::Relu ? " relu" : " rmsnorm");
         SCOPED_TRACE(what);
         Packed P = pack(L, n);
         GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
@@ -477,11 +483,13 @@ TEST(GemvInputOps, RmsNormAndSiluMulFusedIntoStaging) {
         std::vector<uint16_t> norm_w = random_x(K, rng);
         const float eps = 1e-5f;
         double terms2 = 0;
-        const std::vector<float> ref = reference(L, n, fused_input(x, K, norm_w, eps, silu), &terms2);
+        const std::vector<float> ref = reference(L, n, fused_input(x, K, norm_w, eps, op), &terms2);
         DeviceBuffer dnw = upload(norm_w);
         cuda::GemvInput in;
         if (silu)
           in.silu_mul = true;
+        else if (op == InputOp::Relu)
+          in.relu = true;
         else
           in = {dnw.as<__half>(), eps, false};
         const std::vector<float> y =
@@ -495,7 +503,7 @@ TEST(GemvInputOps, RmsNormAndSiluMulFusedIntoStaging) {
         std::vector<uint16_t> W(n * K);
         std::normal_distribution<float> d(0.f, 0.02f);
         for (auto& v : W) v = float_to_half(d(rng));
-        const std::vector<float> xe = fused_input(x, K, norm_w, eps, silu);
+        const std::vector<float> xe = fused_input(x, K, norm_w, eps, op);
         std::vector<float> ref16(n);
         matmul_f16w_ref(xe.data(), W.data(), nullptr, 1, n, K, ref16.data());
         double t2 = 0;
@@ -815,7 +823,7 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
               // rounding errors by the other's value, which kTol does not bound.
               double terms2 = 0;
               std::vector<float> ref =
-                  reference(L, n, norm ? fused_input(x, K, norm_w, 1e-5f, false) : to_float(x),
+                  reference(L, n, norm ? fused_input(x, K, norm_w, 1e-5f, InputOp::RmsNorm) : to_float(x),
                             &terms2);
               if (res)
                 for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);

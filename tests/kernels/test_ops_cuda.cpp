@@ -218,6 +218,50 @@ INSTANTIATE_TEST_SUITE_P(Shapes, HeadNormCuda,
                                   "_kv" + std::to_string(p.n_kv) + "_hd" + std::to_string(p.head_dim);
                          });
 
+// OPT's pending bias added to the residual stream by the LayerNorm that reads it: x += add
+// (written back, rounded to fp16), y = layer_norm_ref of the new x.
+TEST_P(NormCuda, AddLayerNormAddsThenNormalises) {
+  KESTREL_REQUIRE_GPU();
+  const auto [rows, n] = GetParam();
+  const auto x = random_half((size_t)rows * n, 2.0f, 6.0f, 24);
+  const auto add = random_half(n, -1.0f, 1.0f, 25);
+  const auto w = random_half(n, -2.0f, 2.0f, 26), b = random_half(n, -1.0f, 1.0f, 27);
+  std::vector<float> x_ref = widen(x);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < n; ++i) {
+      float& v = x_ref[(size_t)r * n + i];
+      v = half_to_float(float_to_half(v + half_to_float(add[i])));
+    }
+  std::vector<float> ref(x.size());
+  layer_norm_ref(x_ref.data(), widen(w).data(), widen(b).data(), 1e-5f, rows, n, ref.data());
+  Dev<uint16_t> dx(x), dadd(add), dw(w), db(b), dy(x.size());
+  dy.poison();
+  cuda::add_layer_norm_f16(dx.half(), dadd.half(), dw.half(), db.half(), 1e-5f, rows, n, dy.half(),
+                           nullptr);
+  EXPECT_EQ(widen(dx.download()), x_ref);  // the stream, bit for bit
+  expect_close(widen(dy.download()), ref, kTol, "add_layer_norm_f16");
+}
+
+TEST(ElementwiseCuda, AddRowsAndRelu) {
+  KESTREL_REQUIRE_GPU();
+  for (const auto& [rows, n, ld] : {std::tuple{1, 1, 1}, {3, 7, 9}, {70, 4096, 4096}, {5, 1000, 1003}}) {
+    const auto y = random_half((size_t)rows * ld, -2.0f, 2.0f, 81), v = random_half(n, -1.0f, 1.0f, 82);
+    Dev<uint16_t> dy(y), dv(v);
+    cuda::add_rows_f16(dy.half(), ld, dv.half(), rows, n, nullptr);
+    const auto got = dy.download();
+    for (int r = 0; r < rows; ++r)
+      for (int i = 0; i < ld; ++i) {
+        const size_t at = (size_t)r * ld + i;
+        const uint16_t want = i < n ? float_to_half(half_to_float(y[at]) + half_to_float(v[i])) : y[at];
+        ASSERT_EQ(got[at], want) << r << " " << i;
+      }
+    cuda::relu_f16(dy.half(), (int64_t)rows * ld, nullptr);
+    std::vector<float> ref = widen(got);
+    relu_ref(ref.data(), (int64_t)ref.size());
+    EXPECT_EQ(widen(dy.download()), ref);
+  }
+}
+
 // A bias laid into rows of a wider buffer: every row equal to it, the rest untouched.
 TEST(BroadcastRowsCuda, FillsEveryRowAndNothingElse) {
   KESTREL_REQUIRE_GPU();
@@ -621,6 +665,32 @@ INSTANTIATE_TEST_SUITE_P(Shapes, SiluMulCuda,
                          });
 
 // ---- embedding ----
+
+// OPT's learned positions: token row + position row (*d_pos0 + i, or i), one fp16 rounding.
+TEST(EmbeddingCuda, AddsLearnedPositions) {
+  KESTREL_REQUIRE_GPU();
+  const int vocab = 50, hidden = 72, rows = 40;
+  const auto table = random_half((size_t)vocab * hidden, -1.0f, 1.0f, 91);
+  const auto positions = random_half((size_t)rows * hidden, -1.0f, 1.0f, 92);
+  const std::vector<int> tokens = {3, 49, 0, 7};
+  Dev<uint16_t> dt(table), dp(positions), dout(tokens.size() * hidden);
+  Dev<int> dtok(tokens), dpos(std::vector<int>{5});
+  auto expect_rows = [&](int first_pos) {
+    const auto got = dout.download();
+    for (size_t t = 0; t < tokens.size(); ++t)
+      for (int j = 0; j < hidden; ++j) {
+        const float e = half_to_float(table[(size_t)tokens[t] * hidden + j]);
+        const float p = half_to_float(positions[(size_t)(first_pos + t) * hidden + j]);
+        ASSERT_EQ(got[t * hidden + j], float_to_half(e + p)) << t << " " << j;
+      }
+  };
+  cuda::embedding_positions_f16(dt.half(), dp.half(), dtok.get(), dpos.get(), (int)tokens.size(),
+                                hidden, dout.half(), nullptr);
+  expect_rows(5);
+  cuda::embedding_positions_f16(dt.half(), dp.half() + 2 * hidden, dtok.get(), nullptr,
+                                (int)tokens.size(), hidden, dout.half(), nullptr);
+  expect_rows(2);
+}
 
 TEST(EmbeddingCuda, CopiesRowsExactly) {
   KESTREL_REQUIRE_GPU();
