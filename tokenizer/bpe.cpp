@@ -6,9 +6,9 @@
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
-#include "tokenizer/json_fields.h"
-#include "tokenizer/tokenizer_file.h"
 #include "tokenizer/special_tokens.h"
+#include "tokenizer/tokenizer_file.h"
+#include "tokenizer/tokenizer_json.h"
 #include "tokenizer/utf8.h"
 
 namespace kestrel {
@@ -22,20 +22,6 @@ constexpr uint8_t kUsed = 1;     // some token has this id
 constexpr uint8_t kSpecial = 2;  // a special added token: skipped by decode
 constexpr uint8_t kAdded = 4;    // an added token
 
-// A token of GPT-2's byte alphabet as the bytes it stands for; false when a character is
-// outside the alphabet (such a token can never come out of a byte-level word).
-bool to_bytes(std::string_view token, std::string& out) {
-  out.clear();
-  for (size_t i = 0; i < token.size();) {
-    size_t len = 0;
-    const int b = utf8::char_to_byte(utf8::decode_char(token.substr(i), &len));
-    if (b < 0) return false;
-    out += static_cast<char>(b);
-    i += len;
-  }
-  return true;
-}
-
 // The model's vocabulary and merges in its own alphabet: for a byte-level tokenizer, bytes.
 // Tokens and merges that use characters outside the byte alphabet cannot occur in a byte-level
 // word and are left out of the model (their ids still decode).
@@ -44,12 +30,24 @@ void to_model_alphabet(std::vector<std::pair<std::string, int>>& vocab,
   std::string a, b;
   size_t k = 0;
   for (auto& [token, id] : vocab)
-    if (to_bytes(token, a)) vocab[k++] = {a, id};
+    if (utf8::byte_level_to_bytes(token, a)) vocab[k++] = {a, id};
   vocab.resize(k);
   k = 0;
   for (auto& [l, r] : merges)
-    if (to_bytes(l, a) && to_bytes(r, b)) merges[k++] = {a, b};
+    if (utf8::byte_level_to_bytes(l, a) && utf8::byte_level_to_bytes(r, b)) merges[k++] = {a, b};
   merges.resize(k);
+}
+
+// Token ids leave gaps (removed tokens, reserved ranges), but an id far past the number of
+// tokens a file defines is a broken file: honouring it would size the id tables by it
+// (gigabytes for an id near 2^30) before failing.
+size_t id_limit(size_t tokens) { return 2 * tokens + 65536; }
+
+void check_id_limit(int id, const std::string& token, size_t tokens, const std::string& file) {
+  KESTREL_CHECK(static_cast<size_t>(id) < id_limit(tokens),
+                fmt::format("{}: token \"{}\" has id {}, far past the {} tokens the tokenizer "
+                            "defines",
+                            file, token, id, tokens));
 }
 
 // The ids a post-processor puts before and after a single text.
@@ -60,7 +58,9 @@ struct Template {
 Template read_post_processor(const json& j, const std::string& where) {
   Template t;
   if (j.is_null()) return t;
-  const std::string type = j.value("type", std::string());
+  KESTREL_CHECK(j.is_object(),
+                fmt::format("{}: post_processor must be an object, found {}", where, j.dump()));
+  const std::string type = tokenizer_json::type_of(j);
   const std::string ctx = where + ": post_processor " + type;
   if (type == "Sequence") {
     KESTREL_CHECK(j.contains("processors") && j["processors"].is_array(),
@@ -75,29 +75,41 @@ Template read_post_processor(const json& j, const std::string& where) {
     // Offsets only.
   } else if (type == "TemplateProcessing") {
     KESTREL_CHECK(j.contains("single") && j["single"].is_array(), ctx + " needs a list \"single\"");
-    const json specials = j.value("special_tokens", json::object());
+    static const json kNoSpecials = json::object();
+    const auto sp = j.find("special_tokens");
+    const json& specials = sp == j.end() || sp->is_null() ? kNoSpecials : *sp;
+    KESTREL_CHECK(specials.is_object(),
+                  fmt::format("{}: special_tokens must be an object, found {}", ctx,
+                              specials.dump()));
     bool after = false;
     for (const json& piece : j["single"]) {
-      if (piece.contains("Sequence")) {
+      if (piece.is_object() && piece.contains("Sequence")) {
         after = true;
         continue;
       }
-      KESTREL_CHECK(piece.contains("SpecialToken") && piece["SpecialToken"].contains("id"),
-                    fmt::format("{}: unknown template piece {}", ctx, piece.dump()));
+      KESTREL_CHECK(piece.is_object() && piece.contains("SpecialToken") &&
+                        piece["SpecialToken"].is_object() &&
+                        piece["SpecialToken"].contains("id") &&
+                        piece["SpecialToken"]["id"].is_string(),
+                    fmt::format("{}: template piece {} is neither {{\"Sequence\": ...}} nor "
+                                "{{\"SpecialToken\": {{\"id\": \"...\"}}}}",
+                                ctx, piece.dump()));
       const std::string name = piece["SpecialToken"]["id"].get<std::string>();
-      KESTREL_CHECK(specials.contains(name) && specials[name].contains("ids") &&
-                        specials[name]["ids"].is_array(),
+      KESTREL_CHECK(specials.contains(name) && specials[name].is_object() &&
+                        specials[name].contains("ids") && specials[name]["ids"].is_array(),
                     fmt::format("{}: special token \"{}\" has no ids in special_tokens", ctx,
                                 name));
       for (const json& id : specials[name]["ids"])
-        (after ? t.suffix : t.prefix).push_back(id.get<int>());
+        (after ? t.suffix : t.prefix)
+            .push_back(tokenizer_json::token_id(
+                id, fmt::format("special_tokens[\"{}\"].ids", name), ctx));
     }
   } else if (type == "RobertaProcessing" || type == "BertProcessing") {
     KESTREL_CHECK(j.contains("cls") && j.contains("sep") && j["cls"].is_array() &&
                       j["sep"].is_array() && j["cls"].size() == 2 && j["sep"].size() == 2,
                   ctx + " needs \"cls\" and \"sep\" as [token, id]");
-    t.prefix = {j["cls"][1].get<int>()};
-    t.suffix = {j["sep"][1].get<int>()};
+    t.prefix = {tokenizer_json::token_id(j["cls"][1], "cls[1]", ctx)};
+    t.suffix = {tokenizer_json::token_id(j["sep"][1], "sep[1]", ctx)};
   } else {
     throw Error(fmt::format("{}: post_processor {} is not supported (Kestrel reads "
                             "TemplateProcessing, ByteLevel, RobertaProcessing, BertProcessing and "
@@ -148,6 +160,17 @@ class BpeStream final : public DecodeStream {
 };
 
 std::unique_ptr<BpeTokenizer> BpeTokenizer::load_tokenizer_json(const std::string& dir) {
+  const std::string where = (fs::path(dir) / "tokenizer.json").string();
+  // The readers check each field's type; this catches any nlohmann error they let through, so
+  // that a malformed file is still one line naming it.
+  try {
+    return read_tokenizer_json(dir);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{}: malformed tokenizer ({})", where, e.what()));
+  }
+}
+
+std::unique_ptr<BpeTokenizer> BpeTokenizer::read_tokenizer_json(const std::string& dir) {
   const fs::path path = fs::path(dir) / "tokenizer.json";
   const std::string where = path.string();
   TokenizerFile file = read_tokenizer_file(path, {"model", "vocab"}, {"model", "merges"});
@@ -162,17 +185,14 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::load_tokenizer_json(const std::strin
   };
   const json& model = field(j, "model");
   KESTREL_CHECK(model.is_object(), fmt::format("{}: no \"model\"", where));
-  const std::string type = model.value("type", std::string("BPE"));
+  const std::string type = tokenizer_json::string_or(model, "type", "BPE", where + ": model");
   if (type != "BPE")
     throw Error(fmt::format("{}: model {} is not supported (Kestrel reads BPE)", where, type));
   auto option_string = [&](const char* key) {
-    const json& v = field(model, key);
-    KESTREL_CHECK(v.is_null() || v.is_string(),
-                  fmt::format("{}: model.{} must be a string or null", where, key));
-    return v.is_null() ? std::string() : v.get<std::string>();
+    return tokenizer_json::string_or(model, key, "", where + ": model");
   };
   auto option_bool = [&](const char* key) {
-    return tokenizer_json::flag(model, key, false, where + ": model");
+    return tokenizer_json::flag(model, key, where + ": model").value_or(false);
   };
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (!option_string(key).empty())
@@ -212,16 +232,21 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::load_tokenizer_json(const std::strin
   if (const json& list = field(j, "added_tokens"); !list.is_null()) {
     KESTREL_CHECK(list.is_array(), fmt::format("{}: added_tokens must be a list", where));
     for (const json& t : list) {
-      KESTREL_CHECK(t.is_object() && t.contains("id") && t["id"].is_number_integer() &&
-                        t["id"].get<int64_t>() >= 0 && t["id"].get<int64_t>() < (int64_t{1} << 30),
-                    fmt::format("{}: added token without a valid \"id\": {}", where, t.dump()));
-      added.push_back(parse_added_token(t, t["id"].get<int>(), where));
+      KESTREL_CHECK(t.is_object() && t.contains("id"),
+                    fmt::format("{}: added token without an \"id\": {}", where, t.dump()));
+      added.push_back(parse_added_token(
+          t, tokenizer_json::token_id(t["id"], "added token id", where), where));
     }
   }
   const TokenizerSettings s = read_tokenizer_settings(dir);
-  for (const AddedTokenSpec& t : s.added_tokens_decoder)
+  const size_t tokens = vocab.size() + added.size() + s.added_tokens_decoder.size();
+  for (const auto& [t, id] : vocab) check_id_limit(id, t, tokens, where);
+  for (const AddedTokenSpec& t : added) check_id_limit(t.id, t.content, tokens, where);
+  for (const AddedTokenSpec& t : s.added_tokens_decoder) {
+    check_id_limit(t.id, t.content, tokens, s.config_path);
     if (std::none_of(added.begin(), added.end(), [&](const auto& a) { return a.id == t.id; }))
       added.push_back(t);
+  }
 
   std::vector<std::pair<std::string, int>> model_vocab = vocab;
   if (o.byte_level) to_model_alphabet(model_vocab, merges);
@@ -292,6 +317,9 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::load_vocab_merges(const std::string&
   // GPT2Tokenizer's special tokens (bos, eos and unk default to <|endoftext|>) and the added
   // tokens of tokenizer_config.json, all matched in the text before BPE.
   std::vector<AddedTokenSpec> added = s.added_tokens_decoder;
+  const size_t tokens = vocab.size() + added.size();
+  for (const auto& [t, id] : vocab) check_id_limit(id, t, tokens, vocab_path.string());
+  for (const AddedTokenSpec& t : added) check_id_limit(t.id, t.content, tokens, s.config_path);
   auto vocab_id = [&](const std::string& t) {
     for (const auto& a : added)
       if (a.content == t) return a.id;
@@ -428,8 +456,7 @@ bool BpeTokenizer::is_control(int id) const {
 
 bool BpeTokenizer::is_byte(int id) const {
   if (!byte_fallback_ || id < 0 || id >= vocab_size() || (flags_[id] & kAdded)) return false;
-  const std::string& t = tokens_[id];
-  return t.size() == 6 && t.starts_with("<0x") && t[5] == '>';
+  return utf8::byte_token(tokens_[id]) >= 0;
 }
 
 int BpeTokenizer::piece_to_id(const std::string& piece) const { return ids_.find(piece); }

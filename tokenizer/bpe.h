@@ -48,6 +48,8 @@ class BpeTokenizer final : public Tokenizer {
  private:
   friend class BpeStream;
   BpeTokenizer() = default;
+  // load_tokenizer_json's work; nlohmann errors it lets through are turned into one line there.
+  static std::unique_ptr<BpeTokenizer> read_tokenizer_json(const std::string& dir);
 
   // The common end of both loaders: the id tables, the added-token matchers and the decoder.
   void finish(std::vector<std::pair<std::string, int>> vocab, std::vector<AddedTokenSpec> added,

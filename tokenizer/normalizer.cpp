@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
-#include "tokenizer/json_fields.h"
+#include "tokenizer/tokenizer_json.h"
 
 namespace kestrel {
 
@@ -143,21 +143,8 @@ std::string Normalizer::apply(std::string text) const {
         if (!text.empty()) text = s.text + text;
         break;
       case Step::replace:
-        if (s.regex) {
-          std::vector<std::pair<size_t, size_t>> m;
-          s.regex->find_all(text, m);
-          std::string out;
-          size_t i = 0;
-          for (auto [a, b] : m) {
-            out.append(text, i, a - i);
-            out += s.content;
-            i = b;
-          }
-          out.append(text, i);
-          text = std::move(out);
-        } else {
-          text = replace_all(text, s.text, s.content);
-        }
+        text = s.regex ? s.regex->replace_all(text, s.content)
+                       : replace_all(text, s.text, s.content);
         break;
     }
   }

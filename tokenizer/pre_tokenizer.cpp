@@ -3,13 +3,14 @@
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
-#include "tokenizer/json_fields.h"
 #include "tokenizer/normalizer.h"
+#include "tokenizer/tokenizer_json.h"
 
 namespace kestrel {
 
 using nlohmann::json;
 using tokenizer_json::flag;
+using tokenizer_json::string_or;
 using tokenizer_json::type_of;
 
 namespace {
@@ -42,32 +43,34 @@ void PreTokenizer::add(const json& j, const std::string& where, std::vector<Step
     } else {
       s.literal = p.text;
     }
-    const std::string b = j.value("behavior", std::string("Isolated"));
+    const std::string b = string_or(j, "behavior", "Isolated", ctx);
     if (b == "Removed") s.behavior = Behavior::removed;
     else if (b == "Isolated") s.behavior = Behavior::isolated;
     else if (b == "MergedWithPrevious") s.behavior = Behavior::merged_with_previous;
     else if (b == "MergedWithNext") s.behavior = Behavior::merged_with_next;
     else if (b == "Contiguous") s.behavior = Behavior::contiguous;
     else throw Error(fmt::format("{}: unknown behavior \"{}\"", ctx, b));
-    s.invert = flag(j, "invert", false, ctx);
+    s.invert = flag(j, "invert", ctx).value_or(false);
   } else if (type == "ByteLevel") {
     s.kind = Step::byte_level;
-    s.add_prefix_space = flag(j, "add_prefix_space", true, ctx);
-    if (flag(j, "use_regex", true, ctx)) s.regex = std::make_unique<Regex>(kGpt2Pattern, ctx);
+    s.add_prefix_space = flag(j, "add_prefix_space", ctx).value_or(true);
+    if (flag(j, "use_regex", ctx).value_or(true))
+      s.regex = std::make_unique<Regex>(kGpt2Pattern, ctx);
   } else if (type == "Metaspace") {
     s.kind = Step::metaspace;
-    s.replacement = j.value("replacement", std::string("\xE2\x96\x81"));
-    // Files before prepend_scheme existed say add_prefix_space instead.
-    if (j.contains("prepend_scheme") && j["prepend_scheme"].is_string()) {
-      const std::string p = j["prepend_scheme"].get<std::string>();
-      if (p == "always") s.prepend = Step::always;
-      else if (p == "first") s.prepend = Step::first;
-      else if (p == "never") s.prepend = Step::never;
-      else throw Error(fmt::format("{}: unknown prepend_scheme \"{}\"", ctx, p));
+    s.replacement = string_or(j, "replacement", "\xE2\x96\x81", ctx);
+    KESTREL_CHECK(!s.replacement.empty(), ctx + ": replacement must not be empty");
+    if (const auto p = j.find("prepend_scheme"); p != j.end() && !p->is_null()) {
+      const std::string scheme = string_or(j, "prepend_scheme", "", ctx);
+      if (scheme == "always") s.prepend = Step::always;
+      else if (scheme == "first") s.prepend = Step::first;
+      else if (scheme == "never") s.prepend = Step::never;
+      else throw Error(fmt::format("{}: unknown prepend_scheme \"{}\"", ctx, scheme));
     } else {
-      s.prepend = flag(j, "add_prefix_space", true, ctx) ? Step::always : Step::never;
+      // Files from before prepend_scheme existed say add_prefix_space instead.
+      s.prepend = flag(j, "add_prefix_space", ctx).value_or(true) ? Step::always : Step::never;
     }
-    s.metaspace_split = flag(j, "split", true, ctx);
+    s.metaspace_split = flag(j, "split", ctx).value_or(true);
   } else {
     throw Error(fmt::format("{}: pre_tokenizer {} is not supported (Kestrel reads Split, "
                             "ByteLevel, Metaspace and Sequence)",

@@ -104,9 +104,13 @@ Regex::Regex(const std::string& pattern, const std::string& where) : where_(wher
 Regex::~Regex() { pcre2_code_free(code_); }
 
 void Regex::find_all(std::string_view subject, std::vector<std::pair<size_t, size_t>>& out) const {
+  if (subject.empty()) return;  // tokenizers' find_matches: no match in an empty text
   thread_local MatchScratch scratch;
   const auto* s = reinterpret_cast<PCRE2_SPTR>(subject.data());
   size_t start = 0;
+  // The onig crate's FindMatches: set by a non-empty match, cleared by the next empty match,
+  // which it drops. (Empty matches cannot loop: each moves the search one character on.)
+  bool skip_next_empty = false;
   while (start <= subject.size()) {
     const int rc = pcre2_match(code_, s, subject.size(), start, PCRE2_NO_UTF_CHECK, scratch.data,
                                scratch.context);
@@ -114,16 +118,34 @@ void Regex::find_all(std::string_view subject, std::vector<std::pair<size_t, siz
     if (rc < 0)
       throw Error(fmt::format("{}: regex match failed ({})", where_, pcre2_message(rc)));
     const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(scratch.data);
-    out.emplace_back(ov[0], ov[1]);
-    if (ov[1] > ov[0]) {
-      start = ov[1];
-    } else {
-      if (ov[1] >= subject.size()) break;
-      size_t len = 0;
-      utf8::decode_char(subject.substr(ov[1]), &len);
-      start = ov[1] + len;
+    const size_t a = ov[0], b = ov[1];
+    if (b > a) {
+      out.emplace_back(a, b);
+      start = b;
+      skip_next_empty = true;
+      continue;
     }
+    if (!skip_next_empty) out.emplace_back(a, b);
+    skip_next_empty = false;
+    if (b >= subject.size()) break;
+    size_t len = 0;
+    utf8::decode_char(subject.substr(b), &len);
+    start = b + len;
   }
+}
+
+std::string Regex::replace_all(std::string_view subject, std::string_view with) const {
+  std::vector<std::pair<size_t, size_t>> m;
+  find_all(subject, m);
+  std::string out;
+  size_t i = 0;
+  for (auto [a, b] : m) {
+    out.append(subject.substr(i, a - i));
+    out.append(with);
+    i = b;
+  }
+  out.append(subject.substr(i));
+  return out;
 }
 
 }  // namespace kestrel

@@ -25,9 +25,13 @@ class Regex {
   Regex& operator=(const Regex&) = delete;
 
   // Appends the [start, end) byte ranges of the non-overlapping matches of the regex in
-  // `subject` (valid UTF-8), leftmost first, as Oniguruma's find_iter reports them: after an
-  // empty match the search goes on one character later.
+  // `subject` (valid UTF-8), leftmost first, as tokenizers' find_matches reports them through
+  // the onig crate's find_iter: after an empty match the search goes on one character later,
+  // the first empty match found after a non-empty one is skipped (wherever it is), and an
+  // empty subject has no matches.
   void find_all(std::string_view subject, std::vector<std::pair<size_t, size_t>>& out) const;
+  // `subject` with every match of find_all replaced by `with` (tokenizers' Replace).
+  std::string replace_all(std::string_view subject, std::string_view with) const;
 
  private:
   pcre2_real_code_8* code_ = nullptr;

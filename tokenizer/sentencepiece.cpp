@@ -62,9 +62,9 @@ std::string spaces_for_symbols(std::string_view p) {
 
 // The byte of a byte-fallback piece "<0xNN>".
 uint8_t piece_byte(const std::string& piece) {
-  KESTREL_CHECK(piece.size() == 6 && piece.compare(0, 3, "<0x") == 0 && piece[5] == '>',
-                fmt::format("byte piece \"{}\" is not of the form <0xNN>", piece));
-  return static_cast<uint8_t>(std::stoi(piece.substr(3, 2), nullptr, 16));
+  const int b = utf8::byte_token(piece);
+  KESTREL_CHECK(b >= 0, fmt::format("byte piece \"{}\" is not of the form <0xNN>", piece));
+  return static_cast<uint8_t>(b);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
+#include "tokenizer/tokenizer_json.h"
 
 namespace kestrel {
 
@@ -14,15 +15,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-// A bool setting; nullopt when absent or null.
-std::optional<bool> bool_field(const json& j, const char* key, const std::string& path) {
-  auto it = j.find(key);
-  if (it == j.end() || it->is_null()) return std::nullopt;
-  KESTREL_CHECK(it->is_boolean(), fmt::format("{}: {} must be true or false, found {}", path, key,
-                                              it->dump()));
-  return it->get<bool>();
-}
 
 // bos_token / eos_token / ...: a string or an AddedToken object {"content": ...}. nullopt when
 // absent or null.
@@ -86,12 +78,9 @@ AddedTokenSpec parse_added_token(const json& j, int id, const std::string& where
   AddedTokenSpec t;
   t.id = id;
   t.content = j["content"].get<std::string>();
+  const std::string ctx = fmt::format("{}: added token \"{}\"", where, t.content);
   auto flag = [&](const char* key, bool fallback) {
-    auto it = j.find(key);
-    if (it == j.end() || it->is_null()) return fallback;
-    KESTREL_CHECK(it->is_boolean(), fmt::format("{}: added token \"{}\": {} must be true or false",
-                                                where, t.content, key));
-    return it->get<bool>();
+    return tokenizer_json::flag(j, key, ctx).value_or(fallback);
   };
   t.special = flag("special", false);
   t.lstrip = flag("lstrip", false);
@@ -108,10 +97,9 @@ TokenizerSettings read_tokenizer_settings(const fs::path& dir) {
   s.config_path = tc_path.string();
   if (auto tc = read_json_file(tc_path)) {
     KESTREL_CHECK(tc->is_object(), fmt::format("{}: expected a JSON object", s.config_path));
-    s.has_config = true;
-    s.add_bos_token = bool_field(*tc, "add_bos_token", s.config_path);
-    s.add_eos_token = bool_field(*tc, "add_eos_token", s.config_path);
-    s.add_prefix_space = bool_field(*tc, "add_prefix_space", s.config_path);
+    s.add_bos_token = tokenizer_json::flag(*tc, "add_bos_token", s.config_path);
+    s.add_eos_token = tokenizer_json::flag(*tc, "add_eos_token", s.config_path);
+    s.add_prefix_space = tokenizer_json::flag(*tc, "add_prefix_space", s.config_path);
     s.bos_token = token_field(*tc, "bos_token", s.config_path);
     s.eos_token = token_field(*tc, "eos_token", s.config_path);
     s.unk_token = token_field(*tc, "unk_token", s.config_path);

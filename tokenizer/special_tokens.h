@@ -25,7 +25,6 @@ struct AddedTokenSpec {
 
 struct TokenizerSettings {
   std::string config_path;  // <dir>/tokenizer_config.json, for messages
-  bool has_config = false;
   std::optional<bool> add_bos_token, add_eos_token, add_prefix_space;
   std::optional<std::string> bos_token, eos_token, unk_token, pad_token;
   std::vector<AddedTokenSpec> added_tokens_decoder;

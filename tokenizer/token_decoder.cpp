@@ -1,12 +1,10 @@
 #include "tokenizer/token_decoder.h"
 
-#include <cctype>
-
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
-#include "tokenizer/json_fields.h"
 #include "tokenizer/normalizer.h"
+#include "tokenizer/tokenizer_json.h"
 #include "tokenizer/utf8.h"
 
 namespace kestrel {
@@ -32,23 +30,6 @@ int count_field(const json& j, const char* key, const std::string& ctx) {
   KESTREL_CHECK(j[key].is_number_integer() && j[key].get<int64_t>() >= 0,
                 fmt::format("{}: {} must be a non-negative integer", ctx, key));
   return static_cast<int>(j[key].get<int64_t>());
-}
-
-// tokenizers' ByteLevel decoding of one token: its characters as the bytes they stand for,
-// or, when one of them is outside the byte alphabet, the token's own UTF-8.
-std::string byte_level_bytes(const std::string& token) {
-  std::string out;
-  out.reserve(token.size());
-  size_t i = 0;
-  while (i < token.size()) {
-    size_t len = 0;
-    const char32_t c = utf8::decode_char(std::string_view(token).substr(i), &len);
-    const int b = utf8::char_to_byte(c);
-    if (b < 0) return token;
-    out += static_cast<char>(b);
-    i += len;
-  }
-  return out;
 }
 
 }  // namespace
@@ -101,11 +82,11 @@ void TokenDecoder::add(const json& j, const std::string& where, TokenDecoder& d)
   } else if (type == "Metaspace") {
     s.kind = Step::metaspace;
     s.content = one_char(j, "replacement", "\xE2\x96\x81", ctx);
-    // Files from before prepend_scheme existed say add_prefix_space instead.
-    if (j.contains("prepend_scheme") && j["prepend_scheme"].is_string()) {
-      s.drop_first = j["prepend_scheme"].get<std::string>() != "never";
+    if (const auto p = j.find("prepend_scheme"); p != j.end() && !p->is_null()) {
+      s.drop_first = tokenizer_json::string_or(j, "prepend_scheme", "", ctx) != "never";
     } else {
-      s.drop_first = tokenizer_json::flag(j, "add_prefix_space", true, ctx);
+      // Files from before prepend_scheme existed say add_prefix_space instead.
+      s.drop_first = tokenizer_json::flag(j, "add_prefix_space", ctx).value_or(true);
     }
     d.first_differs_ |= s.drop_first;
   } else if (type == "Strip") {
@@ -146,27 +127,10 @@ std::string TokenDecoder::run(const std::string& token, bool first) const {
   for (const Step& s : steps_) {
     switch (s.kind) {
       case Step::replace:
-        if (s.regex) {
-          std::vector<std::pair<size_t, size_t>> m;
-          s.regex->find_all(t, m);
-          std::string out;
-          size_t i = 0;
-          for (auto [a, b] : m) {
-            out.append(t, i, a - i);
-            out += s.content;
-            i = b;
-          }
-          out.append(t, i);
-          t = std::move(out);
-        } else {
-          t = replace_all(t, s.pattern, s.content);
-        }
+        t = s.regex ? s.regex->replace_all(t, s.content) : replace_all(t, s.pattern, s.content);
         break;
       case Step::byte_fallback:
-        if (t.size() == 6 && t.starts_with("<0x") && t[5] == '>' &&
-            std::isxdigit(static_cast<unsigned char>(t[3])) &&
-            std::isxdigit(static_cast<unsigned char>(t[4])))
-          t = std::string(1, static_cast<char>(std::stoi(t.substr(3, 2), nullptr, 16)));
+        if (const int b = utf8::byte_token(t); b >= 0) t = std::string(1, static_cast<char>(b));
         break;
       case Step::metaspace: {
         std::string out;
@@ -190,9 +154,13 @@ std::string TokenDecoder::run(const std::string& token, bool first) const {
         t = std::string(v);
         break;
       }
-      case Step::byte_level:
-        t = byte_level_bytes(t);
+      case Step::byte_level: {
+        // tokenizers' ByteLevel decoding of one token: its characters as the bytes they stand
+        // for, or, when one of them is outside the byte alphabet, the token's own UTF-8.
+        std::string bytes;
+        if (utf8::byte_level_to_bytes(t, bytes)) t = std::move(bytes);
         break;
+      }
     }
   }
   if (join_with_spaces_ && !first) t = " " + t;

@@ -25,14 +25,20 @@ class Reader final : public json::json_sax_t {
 
   std::string error;
 
-  bool null() override { return value(json()); }
-  bool boolean(bool b) override { return value(b); }
+  bool null() override {
+    if (mode_ != Mode::dom) return misplaced("null");
+    return value(json());
+  }
+  bool boolean(bool b) override {
+    if (mode_ != Mode::dom) return misplaced(b ? "true" : "false");
+    return value(b);
+  }
   bool number_integer(number_integer_t n) override { return number(n); }
   bool number_unsigned(number_unsigned_t n) override {
     return number(n > number_unsigned_t(INT64_MAX) ? -1 : number_integer_t(n));
   }
   bool number_float(number_float_t x, const string_t&) override {
-    if (mode_ != Mode::dom) return fail("a token id must be an integer");
+    if (mode_ != Mode::dom) return misplaced(fmt::format("{}", x));
     return value(x);
   }
   bool string(string_t& s) override {
@@ -111,6 +117,13 @@ class Reader final : public json::json_sax_t {
     if (error.empty()) error = why;
     return false;
   }
+  // A value that is not a token id inside the vocabulary, or not a token inside the merges.
+  bool misplaced(const std::string& v) {
+    if (mode_ == Mode::vocab)
+      return fail(fmt::format("token \"{}\" has id {}, not a token id", key_, v));
+    return fail(fmt::format("merge {} is {}, not \"a b\" or [\"a\", \"b\"]", out_.merges.size(),
+                            v));
+  }
   bool number(number_integer_t n) {
     if (mode_ == Mode::vocab) {
       if (n < 0 || n >= (number_integer_t{1} << 30))
@@ -118,7 +131,7 @@ class Reader final : public json::json_sax_t {
       out_.vocab.emplace_back(std::move(key_), static_cast<int>(n));
       return true;
     }
-    if (mode_ == Mode::merges) return fail("a merge must be \"a b\" or [\"a\", \"b\"]");
+    if (mode_ == Mode::merges) return misplaced(std::to_string(n));
     return value(n);
   }
   // Whether the value about to start is at `keys` from the root.

@@ -1,7 +1,7 @@
 // Reading tokenizer.json and vocab.json: the vocabulary and the merges are streamed into
-// vectors as the JSON parser meets them, everything else becomes JSON values as usual. (A
-// vocabulary as a JSON object is a std::map of a hundred thousand strings: most of the time of a
-// plain parse.)
+// vectors as the JSON parser meets them, everything else becomes JSON values as usual. The
+// tokenizer keeps them in flat tables, so building them as JSON first (a std::map node per
+// token, a string per merge) would be work thrown away; docs/tokenizers.md says what it costs.
 #pragma once
 
 #include <filesystem>

@@ -1,6 +1,7 @@
 #include "tokenizer/utf8.h"
 
 #include <array>
+#include <cstdint>
 
 namespace kestrel::utf8 {
 
@@ -25,23 +26,25 @@ Lead lead(uint8_t b) {
   return {0, 0, 0};
 }
 
-struct ByteLevelTables {
-  std::array<char32_t, 256> to_char{};
-  std::array<int16_t, 324> to_byte{};  // characters below U+0144; the alphabet ends at U+0143
-  ByteLevelTables() {
+// GPT-2's byte-level alphabet, character -> byte (-1 outside it); the alphabet's characters
+// are all below U+0144.
+struct ByteLevelTable {
+  std::array<int16_t, 0x144> to_byte{};
+  ByteLevelTable() {
     to_byte.fill(-1);
     char32_t next = 256;
     for (int b = 0; b < 256; ++b) {
       const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-      to_char[b] = printable ? static_cast<char32_t>(b) : next++;
-      to_byte[to_char[b]] = static_cast<int16_t>(b);
+      to_byte[printable ? static_cast<char32_t>(b) : next++] = static_cast<int16_t>(b);
     }
   }
 };
 
-const ByteLevelTables& byte_level() {
-  static const ByteLevelTables t;
-  return t;
+int hex_digit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
 }
 
 }  // namespace
@@ -96,7 +99,7 @@ std::string drain(std::string& bytes, bool final) {
     const size_t n = maximal_subpart(rest);
     if (n == lead(static_cast<uint8_t>(rest[0])).need) {
       out.append(rest.substr(0, n));
-    } else if (!final && n == rest.size()) {
+    } else if (!final && incomplete_char(rest)) {
       break;  // may still complete
     } else {
       out.append(kReplacement);
@@ -126,29 +129,24 @@ char32_t decode_char(std::string_view s, size_t* len) {
   }
 }
 
-void append_char(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
+bool byte_level_to_bytes(std::string_view token, std::string& out) {
+  static const ByteLevelTable table;
+  out.clear();
+  for (size_t i = 0; i < token.size();) {
+    size_t len = 0;
+    const char32_t c = decode_char(token.substr(i), &len);
+    const int b = c < table.to_byte.size() ? table.to_byte[c] : -1;
+    if (b < 0) return false;
+    out += static_cast<char>(b);
+    i += len;
   }
+  return true;
 }
 
-char32_t byte_to_char(uint8_t b) { return byte_level().to_char[b]; }
-
-int char_to_byte(char32_t c) {
-  const auto& t = byte_level().to_byte;
-  return c < t.size() ? t[c] : -1;
+int byte_token(std::string_view token) {
+  if (token.size() != 6 || !token.starts_with("<0x") || token[5] != '>') return -1;
+  const int hi = hex_digit(token[3]), lo = hex_digit(token[4]);
+  return hi < 0 || lo < 0 ? -1 : hi * 16 + lo;
 }
 
 bool is_whitespace(char32_t c) {

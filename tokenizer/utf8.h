@@ -1,9 +1,8 @@
 // UTF-8 helpers shared by the tokenizers: validity, the two ways of replacing invalid bytes
-// with U+FFFD, code points, and GPT-2's byte-to-character map.
+// with U+FFFD, code points, GPT-2's byte-level alphabet and byte_fallback's <0xNN> tokens.
 #pragma once
 
 #include <cstddef>
-#include <cstdint>
 #include <string>
 #include <string_view>
 
@@ -29,18 +28,24 @@ std::string sanitize(std::string_view s);
 bool valid(std::string_view s);
 
 // Decodes the leading bytes of `bytes` that are final, replacing maximal invalid subparts
-// with U+FFFD, and erases them. When `final` is false, a trailing incomplete character stays.
+// with U+FFFD, and erases them. When `final` is false, a trailing incomplete character (a
+// proper prefix of a valid one) stays; bytes that no continuation can make valid (a lone
+// continuation byte, 0xC0, 0xF5-0xFF, a truncated sequence followed by more) are replaced at
+// once.
 std::string drain(std::string& bytes, bool final);
 
 // The code point at the start of valid UTF-8 `s`, and its length in bytes.
 char32_t decode_char(std::string_view s, size_t* len);
-void append_char(std::string& out, char32_t cp);
 
-// GPT-2's byte-level alphabet: each byte as a printable character (bytes 0x21-0x7E,
-// 0xA1-0xAC and 0xAE-0xFF as themselves, the others as U+0100 onward in byte order), and back
-// (-1 for characters outside the alphabet).
-char32_t byte_to_char(uint8_t b);
-int char_to_byte(char32_t c);
+// GPT-2's byte-level alphabet spells each byte as a printable character (bytes 0x21-0x7E,
+// 0xA1-0xAC and 0xAE-0xFF as themselves, the others as U+0100 onward in byte order). Sets
+// `out` to the bytes that the characters of `token` (valid UTF-8) stand for; false when one
+// of them is outside the alphabet.
+bool byte_level_to_bytes(std::string_view token, std::string& out);
+
+// The byte of a byte_fallback token "<0xNN>" (two hex digits, either case), -1 for any other
+// token.
+int byte_token(std::string_view token);
 
 // Unicode White_Space (what Oniguruma's and Rust's \s match).
 bool is_whitespace(char32_t c);
