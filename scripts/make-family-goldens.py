@@ -16,6 +16,8 @@ import math
 import os
 import sys
 
+import numpy as np
+import safetensors.torch
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
@@ -68,6 +70,82 @@ def randomize(model, gen):
                 p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.2)
 
 
+def pack_gptq(src, dst, group, act_order, gen):
+    """The FP16 model at src as a GPTQ checkpoint at dst, packed here from the GPTQ format's
+    definition (AutoGPTQ's "gptq" v1 layout: symmetric 4-bit, zero 8 stored as 7, codes packed
+    along K into int32 [K/8, N], zeros along N, g_idx from the act-order permutation), with
+    round-to-nearest codes. Returns the dequantized weights, name -> float32 [N, K], which the
+    reference model runs with."""
+    sd = safetensors.torch.load_file(os.path.join(src, "model.safetensors"))
+    out, deq = {}, {}
+    for name, t in sd.items():
+        if not (t.dim() == 2 and name.endswith(".weight") and ".layers." in name):
+            out[name] = t
+            continue
+        W = t.float()
+        N, K = W.shape
+        perm = torch.randperm(K, generator=gen) if act_order else torch.arange(K)
+        g_idx = torch.empty(K, dtype=torch.int64)
+        g_idx[perm] = torch.arange(K) // group  # the i-th column in act order is in group i // group
+        G = K // group
+        scales = torch.empty(G, N)
+        for gi in range(G):
+            cols = (g_idx == gi).nonzero().flatten()
+            scales[gi] = (W[:, cols].abs().amax(dim=1) / 7).clamp(min=1e-6)
+        scales = scales.half()
+        sc = scales.float()[g_idx].T  # [N, K]: each weight's scale
+        q = torch.clamp(torch.round(W / sc) + 8, 0, 15).to(torch.int64)
+        deq[name] = (q - 8).float() * sc
+        qT = q.T.numpy().astype(np.uint64)  # [K, N]
+        packed = np.zeros((K // 8, N), dtype=np.uint64)
+        for j in range(8):
+            packed |= qT[j::8] << np.uint64(4 * j)
+        prefix = name[: -len(".weight")]
+        out[prefix + ".qweight"] = torch.from_numpy(packed.astype(np.uint32).view(np.int32))
+        zeros = np.full((G, N // 8), 0x77777777, dtype=np.uint32)  # zero 8, stored minus one
+        out[prefix + ".qzeros"] = torch.from_numpy(zeros.view(np.int32))
+        out[prefix + ".scales"] = scales
+        out[prefix + ".g_idx"] = g_idx.to(torch.int32)
+    os.makedirs(dst, exist_ok=True)
+    safetensors.torch.save_file(out, os.path.join(dst, "model.safetensors"),
+                                metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                  "desc_act": act_order, "sym": True,
+                                  "checkpoint_format": "gptq"}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return deq
+
+
+def reference(d, weights=None):
+    """Logits of every prompt position and 24 greedy tokens, transformers in float32 over the
+    model at d (with `weights` replacing its linears' where given)."""
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
+                                               attn_implementation="eager").eval()
+    if weights:
+        params = dict(ref.named_parameters())
+        with torch.no_grad():
+            for name, w in weights.items():
+                params[name].copy_(w)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logits = ref(ids).logits[0]
+        # Greedy by hand, the whole sequence recomputed each step: no cache, no generation
+        # config (whose EOS would stop it).
+        seq = list(PROMPT)
+        for _ in range(NEW_TOKENS):
+            seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
+    return {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "prompt": PROMPT,
+        "logits": [[round(float(x), 5) for x in row] for row in logits],
+        "greedy": seq[len(PROMPT):],
+    }
+
+
 def main():
     out = sys.argv[1]
     torch.manual_seed(0)
@@ -78,24 +156,7 @@ def main():
         randomize(model, torch.Generator().manual_seed(1000 + i))
         d = os.path.join(out, name)
         model.half().save_pretrained(d)
-        ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
-                                                   attn_implementation="eager").eval()
-        ids = torch.tensor([PROMPT])
-        with torch.no_grad():
-            logits = ref(ids).logits[0]
-            # Greedy by hand, the whole sequence recomputed each step: no cache, no generation
-            # config (whose EOS would stop it).
-            seq = list(PROMPT)
-            for _ in range(NEW_TOKENS):
-                seq.append(int(ref(torch.tensor([seq])).logits[0, -1].argmax()))
-            gen = seq[len(PROMPT):]
-        golden = {
-            "transformers": transformers.__version__,
-            "torch": torch.__version__,
-            "prompt": PROMPT,
-            "logits": [[round(float(x), 5) for x in row] for row in logits],
-            "greedy": [int(t) for t in gen],
-        }
+        golden = reference(d)
         with open(os.path.join(d, "golden.json"), "w") as f:
             json.dump(golden, f)
         # Save only what the test reads: the model, its config and the golden data.
@@ -103,8 +164,14 @@ def main():
             p = os.path.join(d, extra)
             if os.path.exists(p):
                 os.remove(p)
-        top = logits[-1].topk(2).values
-        report[name] = dict(greedy=golden["greedy"][:8], last_top2_gap=float(top[0] - top[1]))
+        report[name] = dict(greedy=golden["greedy"][:8])
+        # The same model GPTQ-packed (act-order on two families), against transformers running
+        # its dequantized weights.
+        act = name in ("llama", "qwen3")
+        q = d + "-gptq"
+        deq = pack_gptq(d, q, 32, act, torch.Generator().manual_seed(2000 + i))
+        with open(os.path.join(q, "golden.json"), "w") as f:
+            json.dump(reference(d, deq), f)
     print(json.dumps(report, indent=1))
 
 

@@ -1,6 +1,8 @@
 // Every model family against transformers: tiny random models that transformers built and
-// saved (tests/data/families/, made by scripts/make-family-goldens.py), with the logits of every
-// prompt position and 24 greedy tokens as transformers computed them in float32. The CPU
+// saved (tests/data/families/, made by scripts/make-family-goldens.py), FP16 and GPTQ-packed by
+// that script from the format's definition, with the logits of every prompt position and 24
+// greedy tokens as transformers computed them in float32 (for GPTQ, over the dequantized
+// weights). The CPU
 // engine must reproduce them, through its batched forward and token by token; the CUDA engine
 // must match the CPU engine where it runs the family, and refuse it in one line where not.
 #include <gtest/gtest.h>
@@ -56,7 +58,10 @@ TEST_P(Families, CpuEqualsTransformers) {
   const std::string dir = family_dir(GetParam());
   const Golden g = read_golden(dir);
   const ModelSpec spec = load_model_spec(dir);
-  EXPECT_EQ(spec.config.family, GetParam() == "llama3" ? "llama" : GetParam());
+  std::string family = GetParam().substr(0, GetParam().find('-'));
+  if (family == "llama3") family = "llama";
+  EXPECT_EQ(spec.config.family, family);
+  EXPECT_EQ(spec.config.quant.has_value(), GetParam().ends_with("-gptq"));
   LlamaCpu model(spec);
   const int n = (int)g.prompt.size(), vocab = spec.config.vocab;
 
@@ -134,8 +139,16 @@ TEST_P(Families, GpuEqualsTransformersOrRefuses) {
   EXPECT_EQ(greedy, g.greedy);
 }
 
+// Each family in FP16 and GPTQ-packed (4-bit, groups of 32; act-order on llama and qwen3),
+// the GPTQ goldens from transformers running the dequantized weights.
 INSTANTIATE_TEST_SUITE_P(All, Families,
-                         ::testing::Values("llama", "llama3", "mistral", "qwen2", "qwen3", "opt"),
-                         [](const auto& info) { return info.param; });
+                         ::testing::Values("llama", "llama3", "mistral", "qwen2", "qwen3", "opt",
+                                           "llama-gptq", "llama3-gptq", "mistral-gptq",
+                                           "qwen2-gptq", "qwen3-gptq", "opt-gptq"),
+                         [](const auto& info) {
+                           std::string n = info.param;
+                           std::replace(n.begin(), n.end(), '-', '_');
+                           return n;
+                         });
 
 }  // namespace
