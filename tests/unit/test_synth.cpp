@@ -19,6 +19,7 @@
 #include "models/io/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/host_gptq.h"
+#include "tokenizer/tokenizer.h"
 #include "tools/synth/synth.h"
 
 namespace kestrel {
@@ -438,6 +439,28 @@ TEST_F(SynthTest, RealFamilyShapes) {
                                     : std::string(w.shape) == "llama3-8b"  ? 8.0f
                                                                            : 0.0f);
   }
+}
+
+// A Hugging Face tokenizer is copied as it is (tokenizer.json, or a folder with one) and sizes
+// the vocabulary; the model then tokenizes with it.
+TEST_F(SynthTest, CopiesAHuggingFaceTokenizer) {
+  const std::string fixture = std::string(KESTREL_TOKENIZER_FIXTURES) + "/byte_level";
+  for (const std::string& given : {fixture, fixture + "/tokenizer.json"}) {
+    SCOPED_TRACE(given);
+    SynthOptions o = tiny("hf_tokenizer");
+    o.tokenizer = given;
+    synth::write_model(o);
+    EXPECT_TRUE(fs::exists(o.out + "/tokenizer.json"));
+    EXPECT_FALSE(fs::exists(o.out + "/tokenizer.model"));
+    EXPECT_EQ(read_bytes(o.out + "/tokenizer.json"), read_bytes(fixture + "/tokenizer.json"));
+    const std::unique_ptr<Tokenizer> tok = Tokenizer::load(o.out);
+    const ModelSpec spec = load_model_spec(o.out);
+    EXPECT_EQ(spec.config.vocab, tok->vocab_size());
+    EXPECT_FALSE(tok->encode("hello world", false).empty());
+  }
+  SynthOptions bad = tiny("hf_tokenizer_missing");
+  bad.tokenizer = fixture + "/nothing.json";
+  EXPECT_THROW(synth::write_model(bad), Error);
 }
 
 // A bigger shape keeps its own vocab; ids past the small trained tokenizer are padding.

@@ -39,7 +39,8 @@ int main(int argc, char** argv) {
   app.add_flag("--tie-embeddings", o.tie_embeddings, "Share embed_tokens with the output head");
   app.add_option("--seed", o.seed, "Random seed")->capture_default_str();
   app.add_option("--tokenizer", o.tokenizer,
-                 "tokenizer.model (or a directory holding one) to copy; default: train a small one");
+                 "tokenizer.model, tokenizer.json (with its tokenizer_config.json) or a folder "
+                 "holding either or vocab.json + merges.txt, copied; default: train a small one");
   app.add_option("--threads", o.threads, "Worker threads (0 = all); the output does not depend on it");
   app.add_flag("--quiet", o.quiet, "No summary line");
 

@@ -44,6 +44,7 @@
 #include "models/io/family.h"
 #include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
+#include "tokenizer/tokenizer.h"
 #include "tools/synth/corpus.h"
 #include "tools/synth/rng.h"
 
@@ -573,6 +574,36 @@ void remove_old_weights(const fs::path& dir) {
   }
 }
 
+// The files of a Hugging Face tokenizer at `path` (a tokenizer.json, or a folder holding one,
+// or GPT-2's vocab.json + merges.txt), with the tokenizer_config.json beside them; empty for a
+// SentencePiece model or no path.
+std::vector<std::string> hf_tokenizer_files(const std::string& path) {
+  if (path.empty()) return {};
+  const fs::path p = path;
+  std::vector<std::string> files;
+  fs::path folder;
+  if (fs::is_directory(p)) {
+    folder = p;
+    if (fs::exists(p / "tokenizer.json")) {
+      files.push_back((p / "tokenizer.json").string());
+    } else if (!fs::exists(p / "tokenizer.model") && fs::exists(p / "vocab.json") &&
+               fs::exists(p / "merges.txt")) {
+      files = {(p / "vocab.json").string(), (p / "merges.txt").string()};
+    } else {
+      KESTREL_CHECK(fs::exists(p / "tokenizer.model"),
+                    fmt::format("--tokenizer {}: no tokenizer.json, tokenizer.model or vocab.json + "
+                                "merges.txt in it", path));
+    }
+  } else if (p.filename() == "tokenizer.json") {
+    KESTREL_CHECK(fs::is_regular_file(p), fmt::format("--tokenizer {}: no such file", path));
+    folder = p.parent_path();
+    files.push_back(p.string());
+  }
+  if (!files.empty() && fs::is_regular_file(folder / "tokenizer_config.json"))
+    files.push_back((folder / "tokenizer_config.json").string());
+  return files;
+}
+
 }  // namespace
 
 void write_model(const SynthOptions& opt) {
@@ -583,24 +614,46 @@ void write_model(const SynthOptions& opt) {
   Arch arch = arch_named(opt.arch.empty() ? pre.arch : opt.arch);
   if (pre.llama3_factor > 0 && arch.llama3_factor > 0) arch.llama3_factor = pre.llama3_factor;
 
-  // Tokenizer first: its size is the vocab of shapes that do not fix one.
+  // Tokenizer first: its size is the vocab of shapes that do not fix one. A SentencePiece
+  // model (given or trained here) gets a tokenizer_config.json written for it; a Hugging Face
+  // tokenizer's files are copied as they are, and read back for its size and special ids.
+  const fs::path dir = opt.out;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  KESTREL_CHECK(fs::is_directory(dir), fmt::format("{}: cannot create output directory: {}",
+                                                   dir.string(), ec ? ec.message() : "not a directory"));
+  for (const char* stale : {"tokenizer.model", "tokenizer.json", "vocab.json", "merges.txt",
+                            "tokenizer_config.json"})
+    fs::remove(dir / stale, ec);
+  const std::vector<std::string> hf_files = hf_tokenizer_files(opt.tokenizer);
   std::string tok_bytes;
-  if (!opt.tokenizer.empty()) {
-    fs::path src = opt.tokenizer;
-    if (fs::is_directory(src)) src /= "tokenizer.model";
-    tok_bytes = read_file(src);
-  } else {
-    tok_bytes = train_tokenizer(kTokenizerVocab);
-  }
+  int pieces = 0, bos = 1, eos = 2;
   sentencepiece::SentencePieceProcessor sp;
-  KESTREL_CHECK(sp.LoadFromSerializedProto(tok_bytes).ok(),
-                fmt::format("{}: not a SentencePiece model", opt.tokenizer));
-  const int bos = sp.bos_id() >= 0 ? sp.bos_id() : 1;
-  const int eos = sp.eos_id() >= 0 ? sp.eos_id() : 2;
+  if (!hf_files.empty()) {
+    for (const std::string& f : hf_files)
+      fs::copy_file(f, dir / fs::path(f).filename(), fs::copy_options::overwrite_existing);
+    const std::unique_ptr<Tokenizer> tok = Tokenizer::load(dir.string());
+    pieces = tok->vocab_size();
+    eos = tok->eos_ids().empty() ? std::max(tok->bos_id(), 0) : tok->eos_ids().front();
+    bos = tok->bos_id() >= 0 ? tok->bos_id() : eos;
+  } else {
+    if (!opt.tokenizer.empty()) {
+      fs::path src = opt.tokenizer;
+      if (fs::is_directory(src)) src /= "tokenizer.model";
+      tok_bytes = read_file(src);
+    } else {
+      tok_bytes = train_tokenizer(kTokenizerVocab);
+    }
+    KESTREL_CHECK(sp.LoadFromSerializedProto(tok_bytes).ok(),
+                  fmt::format("{}: not a SentencePiece model", opt.tokenizer));
+    pieces = sp.GetPieceSize();
+    bos = sp.bos_id() >= 0 ? sp.bos_id() : 1;
+    eos = sp.eos_id() >= 0 ? sp.eos_id() : 2;
+  }
 
   auto plan = std::make_shared<Plan>();
   plan->opt = opt;
-  plan->d = resolve_dims(opt, sp.GetPieceSize());
+  plan->d = resolve_dims(opt, pieces);
   plan->arch = arch;
   if (arch.name == "opt" && opt.n_kv_heads == 0) plan->d.n_kv_heads = plan->d.n_heads;  // MHA
   plan->tied = opt.tie_embeddings || pre.tied || arch.name == "opt";
@@ -620,27 +673,23 @@ void write_model(const SynthOptions& opt) {
                              "(use --format gptq_v2 for asymmetric models)\n",
                              (1 << opt.bits) - 1);
 
-  const fs::path dir = opt.out;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  KESTREL_CHECK(fs::is_directory(dir), fmt::format("{}: cannot create output directory: {}",
-                                                   dir.string(), ec ? ec.message() : "not a directory"));
-
   write_text(dir / "config.json", config_json(*plan, bos, eos).dump(2) + "\n");
   if (opt.dtype == "gptq") write_text(dir / "quantize_config.json", quant_json(opt).dump(2) + "\n");
   write_text(dir / "generation_config.json",
              ojson{{"bos_token_id", bos}, {"eos_token_id", eos}, {"do_sample", false},
                    {"max_length", d.max_pos}}.dump(2) + "\n");
-  write_text(dir / "tokenizer.model", tok_bytes);
-  write_text(dir / "tokenizer_config.json",
-             ojson{{"add_bos_token", true},
-                   {"add_eos_token", false},
-                   {"bos_token", sp.IdToPiece(bos)},
-                   {"eos_token", sp.IdToPiece(eos)},
-                   {"unk_token", sp.unk_id() >= 0 ? sp.IdToPiece(sp.unk_id()) : "<unk>"},
-                   {"model_max_length", d.max_pos},
-                   {"tokenizer_class", "LlamaTokenizer"},
-                   {"clean_up_tokenization_spaces", false}}.dump(2) + "\n");
+  if (hf_files.empty()) {
+    write_text(dir / "tokenizer.model", tok_bytes);
+    write_text(dir / "tokenizer_config.json",
+               ojson{{"add_bos_token", true},
+                     {"add_eos_token", false},
+                     {"bos_token", sp.IdToPiece(bos)},
+                     {"eos_token", sp.IdToPiece(eos)},
+                     {"unk_token", sp.unk_id() >= 0 ? sp.IdToPiece(sp.unk_id()) : "<unk>"},
+                     {"model_max_length", d.max_pos},
+                     {"tokenizer_class", "LlamaTokenizer"},
+                     {"clean_up_tokenization_spaces", false}}.dump(2) + "\n");
+  }
 
   SafetensorsWriter writer;
   add_tensors(writer, plan);

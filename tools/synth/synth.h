@@ -29,7 +29,10 @@ struct SynthOptions {
   bool tie_embeddings = false;
   uint64_t seed = 0;
   std::string out;             // output directory (created)
-  std::string tokenizer;       // path of a tokenizer.model to copy; empty = train one
+  // A tokenizer to copy: a tokenizer.model, a tokenizer.json (with the tokenizer_config.json
+  // beside it), or a folder holding either or GPT-2's vocab.json + merges.txt; the vocabulary
+  // is sized from it where the shape does not fix one. Empty = train a small SentencePiece one.
+  std::string tokenizer;
   bool quiet = false;          // no summary line, no warnings
   int threads = 0;             // worker threads; 0 = all hardware threads. Output does not depend on it.
 };
