@@ -16,6 +16,20 @@ void positive(const std::string& where, const char* key, int v) {
   KESTREL_CHECK(v > 0, fmt::format("{}: {} = {} must be positive", where, key, v));
 }
 
+// The sizes every family states, each required and positive (the MLP's width under the
+// family's own name).
+void read_sizes(const json& j, const std::string& where, const char* intermediate_key,
+                ModelConfig& c) {
+  const std::pair<const char*, int*> sizes[] = {
+      {"hidden_size", &c.hidden},       {intermediate_key, &c.intermediate},
+      {"num_hidden_layers", &c.n_layers}, {"num_attention_heads", &c.n_heads},
+      {"vocab_size", &c.vocab},         {"max_position_embeddings", &c.max_pos}};
+  for (const auto& [key, field] : sizes) {
+    *field = req_int(j, key, where);
+    positive(where, key, *field);
+  }
+}
+
 // rope_scaling (transformers 4) or rope_parameters (transformers 5): default, linear, llama3.
 void read_rope(const json& j, const std::string& where, ModelConfig& c) {
   c.rope_theta = opt_float(j, "rope_theta", where, 10000.0f);
@@ -56,18 +70,7 @@ void read_rope(const json& j, const std::string& where, ModelConfig& c) {
 
 // The shape shared by the Llama-like families: hidden, heads (GQA), head_dim, RMSNorm, RoPE.
 void read_llama_shape(const json& j, const std::string& where, ModelConfig& c) {
-  c.hidden = req_int(j, "hidden_size", where);
-  c.intermediate = req_int(j, "intermediate_size", where);
-  c.n_layers = req_int(j, "num_hidden_layers", where);
-  c.n_heads = req_int(j, "num_attention_heads", where);
-  c.vocab = req_int(j, "vocab_size", where);
-  c.max_pos = req_int(j, "max_position_embeddings", where);
-  positive(where, "hidden_size", c.hidden);
-  positive(where, "intermediate_size", c.intermediate);
-  positive(where, "num_hidden_layers", c.n_layers);
-  positive(where, "num_attention_heads", c.n_heads);
-  positive(where, "vocab_size", c.vocab);
-  positive(where, "max_position_embeddings", c.max_pos);
+  read_sizes(j, where, "intermediate_size", c);
 
   c.n_kv_heads = opt_int(j, "num_key_value_heads", where, c.n_heads);
   positive(where, "num_key_value_heads", c.n_kv_heads);
@@ -127,18 +130,7 @@ void read_qwen3(const json& j, const std::string& where, ModelConfig& c) {
 // OPT (pre-LayerNorm variants): LayerNorm with bias, biases on every linear, learned positions
 // offset by 2, a ReLU MLP, lm_head tied to the embedding.
 void read_opt(const json& j, const std::string& where, ModelConfig& c) {
-  c.hidden = req_int(j, "hidden_size", where);
-  c.intermediate = req_int(j, "ffn_dim", where);
-  c.n_layers = req_int(j, "num_hidden_layers", where);
-  c.n_heads = req_int(j, "num_attention_heads", where);
-  c.vocab = req_int(j, "vocab_size", where);
-  c.max_pos = req_int(j, "max_position_embeddings", where);
-  positive(where, "hidden_size", c.hidden);
-  positive(where, "ffn_dim", c.intermediate);
-  positive(where, "num_hidden_layers", c.n_layers);
-  positive(where, "num_attention_heads", c.n_heads);
-  positive(where, "vocab_size", c.vocab);
-  positive(where, "max_position_embeddings", c.max_pos);
+  read_sizes(j, where, "ffn_dim", c);
   KESTREL_CHECK(c.hidden % c.n_heads == 0,
                 fmt::format("{}: hidden_size {} is not a multiple of num_attention_heads {}", where,
                             c.hidden, c.n_heads));
