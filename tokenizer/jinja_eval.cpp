@@ -110,7 +110,17 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
   return Value(op == "//" ? q : m);
 }
 
+// What a template may make the renderer do: chat templates render in thousands of steps into
+// kilobytes; these bounds turn a template that loops, recurses or grows without end into an
+// error instead of a hang, a crash or gigabytes.
+constexpr int64_t kMaxSteps = 2'000'000;         // statements executed
+constexpr size_t kMaxOutput = size_t(64) << 20;  // bytes of any one rendered text or value
+constexpr int kMaxCallDepth = 200;               // macros calling macros
+
 Value repeat(const Value& seq, int64_t n) {
+  const size_t unit = seq.is_string() ? seq.as_string().size() : seq.as_list().items.size();
+  if (n > 0 && unit > 0 && (uint64_t)n > kMaxOutput / unit)
+    throw EvalError(fmt::format("repeating {} items {} times passes the renderer's bound", unit, n));
   if (seq.is_string()) {
     std::string out;
     for (int64_t i = 0; i < n; ++i) out += seq.as_string();
@@ -176,11 +186,20 @@ class Interpreter {
 
   Flow exec(const Body& body, const ScopePtr& scope, std::string& out) {
     for (const auto& n : body) {
+      if (++steps_ > kMaxSteps)
+        throw Error(located(n->pos, fmt::format("the template ran more than {} steps (a loop "
+                                                "that does not end?)", kMaxSteps)));
       const Flow f = exec(*n, scope, out);
+      if (out.size() > kMaxOutput)
+        throw Error(located(n->pos, fmt::format("the template's output passed {} MiB",
+                                                kMaxOutput >> 20)));
       if (f != Flow::next) return f;
     }
     return Flow::next;
   }
+
+  int64_t steps_ = 0;
+  int call_depth_ = 0;
 
   Flow exec(const Node& n, const ScopePtr& scope, std::string& out) {
     try {
@@ -335,6 +354,14 @@ class Interpreter {
   Value macro(std::string name, const std::vector<Param>& params, const Body& body,
               const ScopePtr& defined_in) {
     return make_callable(name, [this, &params, &body, defined_in](Args& a) {
+      if (call_depth_ >= kMaxCallDepth)
+        throw EvalError(fmt::format("macros call each other more than {} deep (a recursion "
+                                    "that does not end?)", kMaxCallDepth));
+      ++call_depth_;
+      struct Leave {
+        int& depth;
+        ~Leave() { --depth; }
+      } leave{call_depth_};
       ScopePtr s = child(defined_in);
       std::vector<bool> used(a.keyword.size(), false);
       for (size_t i = 0; i < params.size(); ++i) {

@@ -89,6 +89,7 @@ class Parser {
   };
   Body body(std::initializer_list<std::string_view> ends, const Opened* open,
             std::string* found = nullptr) {
+    const Nested guard(*this, open ? open->pos : peek().pos);
     Body out;
     while (true) {
       const Token& t = peek();
@@ -365,7 +366,10 @@ class Parser {
     return e;
   }
 
-  ExprPtr expression(bool with_condition) { return with_condition ? condition() : or_expr(); }
+  ExprPtr expression(bool with_condition) {
+    const Nested guard(*this, peek().pos);
+    return with_condition ? condition() : or_expr();
+  }
 
   ExprPtr condition() {
     ExprPtr e = or_expr();
@@ -411,6 +415,7 @@ class Parser {
 
   ExprPtr not_expr() {
     if (at_name("not")) {
+      const Nested guard(*this, peek().pos);
       auto e = make(Expr::Kind::unary, next().pos);
       e->name = "not";
       e->object = not_expr();
@@ -489,6 +494,7 @@ class Parser {
   ExprPtr unary(bool with_filter) {
     ExprPtr e;
     if (at_op("-") || at_op("+")) {
+      const Nested guard(*this, peek().pos);
       const Token& op = next();
       e = make(Expr::Kind::unary, op.pos);
       e->name = op.text;
@@ -728,9 +734,24 @@ class Parser {
     return t;
   }
 
+  // Statements and expressions nest by recursion here and in the evaluator: a bound keeps a
+  // hostile template from exhausting the stack (real chat templates nest a handful deep).
+  static constexpr int kMaxNesting = 100;
+  struct Nested {
+    Parser& p;
+    Nested(Parser& parser, Pos pos) : p(parser) {
+      if (++p.nesting_ > kMaxNesting) {
+        --p.nesting_;
+        p.fail(pos, fmt::format("nested more than {} deep", kMaxNesting));
+      }
+    }
+    ~Nested() { --p.nesting_; }
+  };
+
   std::vector<Token> t_;
   size_t i_ = 0;
   int loop_depth_ = 0;
+  int nesting_ = 0;
 };
 
 }  // namespace

@@ -408,6 +408,28 @@ TEST(Jinja, ReportsMalformedTemplates) {
   EXPECT_EQ(error_of("{{ x ! y }}"), "template line 1:6: unexpected character '!'");
 }
 
+// A template from a model directory must not hang, crash or eat the memory of the program that
+// renders it: loops, recursion, growth and nesting past generous bounds are errors.
+TEST(Jinja, BoundsWhatATemplateMayDo) {
+  EXPECT_THAT(error_of("{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}"
+                       "{% endfor %}"),
+              HasSubstr("steps (a loop that does not end?)"));
+  EXPECT_THAT(error_of("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"),
+              HasSubstr("more than 200 deep"));
+  EXPECT_THAT(error_of("{{ 'abc' * 1000000000 }}"), HasSubstr("passes the renderer's bound"));
+  EXPECT_THAT(error_of("{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"),
+              HasSubstr("output passed 64 MiB"));
+  EXPECT_THAT(error_of("{{ " + std::string(300, '(') + "1" + std::string(300, ')') + " }}"),
+              HasSubstr("nested more than 100 deep"));
+  EXPECT_THAT(error_of("{{ " + std::string(300, '-') + "1 }}"), HasSubstr("nested more than 100 deep"));
+  std::string ifs;
+  for (int i = 0; i < 150; ++i) ifs += "{% if true %}";
+  for (int i = 0; i < 150; ++i) ifs += "{% endif %}";
+  EXPECT_THAT(error_of(ifs), HasSubstr("nested more than 100 deep"));
+  // Real templates are far inside the bounds.
+  EXPECT_EQ(render("{% for a in range(300) %}{% for b in range(300) %}{% endfor %}{% endfor %}ok"), "ok");
+}
+
 TEST(Jinja, RuntimeErrorsNameWhereTheyHappen) {
   EXPECT_EQ(error_of("{{ 1 }}\n{{ nope + 1 }}"), "template line 2:9: 'nope' is undefined");
   EXPECT_EQ(error_of("{{ nope.attr }}"), "template line 1:8: 'nope' is undefined");
