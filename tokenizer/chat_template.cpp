@@ -3,10 +3,11 @@
 #include <algorithm>
 #include <filesystem>
 #include <fmt/format.h>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
+#include "tokenizer/special_tokens.h"
 
 namespace kestrel {
 
@@ -185,15 +186,7 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
                                 const Tokenizer& tok, std::string* note) {
   const fs::path path = fs::path(dir) / "tokenizer_config.json";
   nlohmann::json cfg = nlohmann::json::object();
-  std::error_code ec;
-  if (fs::exists(path, ec)) {
-    try {
-      std::ifstream in(path);
-      cfg = nlohmann::json::parse(in);
-    } catch (const std::exception& e) {
-      throw Error(fmt::format("{}: malformed JSON ({})", path.string(), e.what()));
-    }
-  }
+  if (auto j = read_json_file(path)) cfg = std::move(*j);
   // Added tokens (ChatML's <|im_start|> and the like live here, outside tokenizer.model).
   std::map<std::string, int> added;
   if (cfg.is_object() && cfg.contains("added_tokens_decoder") &&
@@ -238,11 +231,8 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
   if (name != "auto") {
     // A .jinja file, or a built-in format.
     if (is_template_file(name)) {
-      std::ifstream in(name, std::ios::binary);
-      KESTREL_CHECK(in && fs::is_regular_file(name, ec),
-                    fmt::format("--template {}: no such template file", name));
-      const std::string source((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      return from_jinja(source, name);
+      KESTREL_CHECK(path_exists(name), fmt::format("--template {}: no such template file", name));
+      return from_jinja(read_regular_file(name), name);
     }
     return ChatTemplate(parse_chat_format(name), tok, std::move(added));
   }

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
 #include "tokenizer/special_tokens.h"
 #include "tokenizer/utf8.h"
 
@@ -122,12 +123,12 @@ SentencePieceTokenizer::~SentencePieceTokenizer() = default;
 
 std::unique_ptr<SentencePieceTokenizer> SentencePieceTokenizer::from_model_file(
     const std::string& path) {
-  std::error_code ec;
-  KESTREL_CHECK(fs::is_regular_file(path, ec), fmt::format("{}: no such file", path));
+  // Read here rather than by the library, which would block on a FIFO.
+  const std::string bytes = read_regular_file(path);
   std::unique_ptr<SentencePieceTokenizer> tok(new SentencePieceTokenizer());
-  const auto status = tok->sp_->Load(path);
-  KESTREL_CHECK(status.ok(), fmt::format("{}: not a readable SentencePiece model ({})", path,
-                                         status.message()));
+  const auto status = tok->sp_->LoadFromSerializedProto(bytes);
+  KESTREL_CHECK(status.ok(), fmt::format("{} is not a SentencePiece model (it does not parse as "
+                                         "one)", path));
   tok->bos_id_ = tok->sp_->bos_id();
   // A model without a BOS piece cannot have one prepended.
   if (tok->bos_id_ >= 0) tok->prefix_ = {tok->bos_id_};

@@ -2,11 +2,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
 
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
 #include "tokenizer/tokenizer_json.h"
 
 namespace kestrel {
@@ -60,14 +60,16 @@ void append_unique(std::vector<int>& dst, const std::vector<int>& src) {
 }  // namespace
 
 std::optional<json> read_json_file(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) return std::nullopt;
-  std::ifstream in(path);
-  KESTREL_CHECK(in, fmt::format("{}: cannot open", path.string()));
+  if (!path_exists(path.string())) return std::nullopt;
+  const std::string text = read_regular_file(path.string());
   try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    throw Error(fmt::format("{}: malformed JSON ({})", path.string(), e.what()));
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw Error(e.byte <= text.size()
+                    ? fmt::format("{}: not valid JSON (error at byte {})", path.string(), e.byte)
+                    : fmt::format("{}: not valid JSON (it ends early)", path.string()));
+  } catch (const json::exception&) {
+    throw Error(fmt::format("{}: not valid JSON", path.string()));
   }
 }
 

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/sentencepiece.h"
 #include "tokenizer/special_tokens.h"
@@ -16,8 +17,8 @@ namespace fs = std::filesystem;
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& dir) {
   const fs::path root(dir);
-  std::error_code ec;
-  auto has = [&](const char* name) { return fs::is_regular_file(root / name, ec); };
+  // Present in any form: a tokenizer.json that is a directory is an error, not an absent file.
+  auto has = [&](const char* name) { return path_exists((root / name).string()); };
   // transformers prefers the fast tokenizer's tokenizer.json over the slow tokenizer's files.
   if (has("tokenizer.json")) return BpeTokenizer::load_tokenizer_json(dir);
   if (has("tokenizer.model")) return SentencePieceTokenizer::load(dir);

@@ -1,11 +1,11 @@
 #include "tokenizer/tokenizer_file.h"
 
 #include <cstdint>
-#include <fstream>
 
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
 
 namespace kestrel {
 
@@ -181,16 +181,7 @@ class Reader final : public json::json_sax_t {
 
 }  // namespace
 
-std::string read_file_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  KESTREL_CHECK(in, fmt::format("{}: cannot open", path.string()));
-  in.seekg(0, std::ios::end);
-  std::string s(static_cast<size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  in.read(s.data(), static_cast<std::streamsize>(s.size()));
-  KESTREL_CHECK(in, fmt::format("{}: cannot read", path.string()));
-  return s;
-}
+std::string read_file_bytes(const fs::path& path) { return read_regular_file(path.string()); }
 
 TokenizerFile read_tokenizer_file(const fs::path& path, std::vector<std::string> vocab_at,
                                   std::vector<std::string> merges_at) {

@@ -1,12 +1,12 @@
 #include "models/io/config.h"
 
 #include <filesystem>
-#include <fstream>
 #include <limits>
 
 #include <fmt/format.h>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
 #include "models/io/family.h"
 #include "models/io/json_fields.h"
 
@@ -90,13 +90,7 @@ void check_agree(const std::string& dir, const QuantConfig& a, const QuantConfig
 
 QuantConfig parse_quant_config(const std::string& json_text, const std::string& where,
                                QuantConfigSource source) {
-  json j;
-  try {
-    j = json::parse(json_text);
-  } catch (const json::parse_error& e) {
-    throw Error(fmt::format("{}: not valid JSON (error at byte {})", where, e.byte));
-  }
-  return parse_quant_json(j, where, source);
+  return parse_quant_json(parse_json(json_text, where), where, source);
 }
 
 QuantConfig parse_quant_config(const std::string& json_text, const std::string& where) {
@@ -110,8 +104,7 @@ ModelConfig load_model_config(const std::string& dir) {
   std::error_code ec;
   KESTREL_CHECK(fs::is_directory(dir, ec), fmt::format("{}: no such directory", dir));
   const fs::path config_path = fs::path(dir) / "config.json";
-  KESTREL_CHECK(fs::is_regular_file(config_path, ec),
-                fmt::format("{}: no config.json", dir));
+  KESTREL_CHECK(path_exists(config_path.string()), fmt::format("{}: no config.json", dir));
   const std::string where = config_path.string();
   const json j = read_json_object(config_path);
   ModelConfig c;
@@ -134,7 +127,7 @@ ModelConfig load_model_config(const std::string& dir) {
   // Quantization: AutoGPTQ's quantize_config.json and/or transformers' quantization_config.
   std::optional<QuantConfig> from_file, from_config;
   const fs::path qc_path = fs::path(dir) / "quantize_config.json";
-  if (fs::is_regular_file(qc_path, ec)) {
+  if (path_exists(qc_path.string())) {
     from_file = parse_quant_json(read_json_object(qc_path), qc_path.string(),
                                  QuantConfigSource::QuantizeConfigJson);
   }

@@ -89,6 +89,12 @@ void read_llama_shape(const json& j, const std::string& where, ModelConfig& c) {
   // Rotary embeddings rotate pairs of dimensions.
   KESTREL_CHECK(c.head_dim % 2 == 0, fmt::format("{}: head_dim {} must be even", where, c.head_dim));
 
+  // The gated MLP applies SiLU (transformers spells it silu or swish).
+  const std::string act = opt_string(j, "hidden_act", where, "silu");
+  KESTREL_CHECK(act == "silu" || act == "swish",
+                fmt::format("{}: hidden_act {} is not supported (this family's MLP uses silu)",
+                            where, act));
+
   c.rms_eps = opt_float(j, "rms_norm_eps", where, 1e-6f);
   KESTREL_CHECK(c.rms_eps > 0, fmt::format("{}: rms_norm_eps {} must be positive", where, c.rms_eps));
   read_rope(j, where, c);
@@ -223,9 +229,13 @@ void read_family_config(const json& j, const std::string& where, ModelConfig& c)
   KESTREL_CHECK(archs, fmt::format("{}: missing architectures", where));
   KESTREL_CHECK(archs->is_array() && !archs->empty(),
                 fmt::format("{}: architectures must be a non-empty list, found {}", where, archs->dump()));
-  const Entry* entry = nullptr;
-  for (const json& a : *archs)
-    if (a.is_string() && (entry = find_entry(a.get<std::string>()))) break;
+  // A checkpoint holds the weights of one model class; two classes would leave it to chance
+  // which one's layout the tensors follow.
+  KESTREL_CHECK(archs->size() == 1,
+                fmt::format("{}: architectures lists {} classes ({}); a checkpoint must name one",
+                            where, archs->size(), archs->dump()));
+  const json& arch = archs->front();
+  const Entry* entry = arch.is_string() ? find_entry(arch.get<std::string>()) : nullptr;
   KESTREL_CHECK(entry, fmt::format("{}: unsupported architectures {} (supported: {})", where,
                                    archs->dump(), supported_architectures()));
   c.architecture = entry->family.architecture;

@@ -2,26 +2,32 @@
 
 #include <fmt/format.h>
 
-#include <fstream>
+#include <cmath>
 #include <limits>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
 
 namespace kestrel::json_fields {
 
 namespace fs = std::filesystem;
 
-// Reads a JSON file that must hold an object.
+json parse_json(const std::string& text, const std::string& where) {
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    // The parser reports one byte past the end when the text stops inside a value.
+    throw Error(e.byte <= text.size()
+                    ? fmt::format("{}: not valid JSON (error at byte {})", where, e.byte)
+                    : fmt::format("{}: not valid JSON (it ends early)", where));
+  } catch (const json::out_of_range&) {
+    throw Error(fmt::format("{}: not valid JSON (a number too large to represent)", where));
+  }
+}
+
 json read_json_object(const fs::path& path) {
   const std::string p = path.string();
-  std::ifstream in(path);
-  KESTREL_CHECK(in, fmt::format("{}: cannot open", p));
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw Error(fmt::format("{}: not valid JSON (error at byte {})", p, e.byte));
-  }
+  const json j = parse_json(read_regular_file(p), p);
   KESTREL_CHECK(j.is_object(), fmt::format("{}: holds a JSON {}, not an object", p, j.type_name()));
   return j;
 }
@@ -56,7 +62,9 @@ float opt_float(const json& j, const char* key, const std::string& where, float 
   const json* v = field(j, key);
   if (!v) return def;
   KESTREL_CHECK(v->is_number(), fmt::format("{}: {} must be a number, found {}", where, key, v->dump()));
-  return v->get<float>();
+  const float x = v->get<float>();
+  KESTREL_CHECK(std::isfinite(x), fmt::format("{}: {} = {} is too large", where, key, v->dump()));
+  return x;
 }
 
 bool opt_bool(const json& j, const char* key, const std::string& where, bool def) {

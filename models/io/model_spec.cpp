@@ -1,12 +1,14 @@
 #include "models/io/model_spec.h"
 
-#include "models/io/family.h"
+#include <algorithm>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "engine/base/error.h"
 #include "kernels/gptq/gptq_format.h"
+#include "models/io/family.h"
+#include "models/io/finite.h"
 
 namespace kestrel {
 
@@ -34,6 +36,7 @@ struct SpecReader {
   const ModelConfig& c;
   const ModelFiles& files;
   std::vector<std::string>& warnings;
+  std::vector<const TensorInfo*> ignored{};  // present, known, and left unused (with a warning)
   int quantized_linears = 0;
   std::vector<std::string> v2_zero_linears{};  // labelled gptq but holding gptq_v2 zeros
 
@@ -74,6 +77,10 @@ struct SpecReader {
     expect(*l.scales, {G, l.N}, l.scales->dtype == DType::F16, "F16");
 
     l.g_idx = files.find(prefix + ".g_idx");
+    // Act-order permutes the columns before grouping them; without g_idx the groups are unknown.
+    KESTREL_CHECK(l.g_idx || !q.desc_act,
+                  fmt::format("{}: missing tensor {}.g_idx (desc_act is true: act-order needs each "
+                              "column's group)", files.dir(), prefix));
     if (l.g_idx) {
       expect(*l.g_idx, {l.K}, l.g_idx->dtype == DType::I32, "I32");
       const std::vector<int32_t> g_idx = l.g_idx->copy_as<int32_t>();
@@ -117,6 +124,7 @@ struct SpecReader {
       l.bias = float_tensor(*bias, {N});
     } else if (bias) {
       // transformers builds the layer without a bias and drops the tensor; do the same, loudly.
+      ignored.push_back(bias);
       warnings.push_back(fmt::format("{}: {} is ignored: config.json declares no bias for this "
                                      "layer", files.dir(), bias->name));
     }
@@ -133,6 +141,56 @@ struct SpecReader {
         1 << (b - 1), (1 << (b - 1)) - 1));
   }
 };
+
+// Every tensor a spec points at, in model order, each once (a tied lm_head is the embedding).
+std::vector<const TensorInfo*> spec_tensors(const ModelSpec& s) {
+  std::vector<const TensorInfo*> out;
+  auto add = [&](const TensorInfo* t) {
+    if (t) out.push_back(t);
+  };
+  auto linear = [&](const LinearSpec& l) {
+    for (const TensorInfo* t : {l.weight, l.qweight, l.qzeros, l.scales, l.g_idx, l.bias}) add(t);
+  };
+  add(s.embed);
+  add(s.positions);
+  for (const LayerSpec& L : s.layers) {
+    for (const TensorInfo* t : {L.input_norm, L.input_norm_bias, L.post_norm, L.post_norm_bias,
+                                L.q_norm, L.k_norm})
+      add(t);
+    for (const LinearSpec* l : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) linear(*l);
+  }
+  add(s.final_norm);
+  add(s.final_norm_bias);
+  if (s.lm_head != s.embed) add(s.lm_head);
+  return out;
+}
+
+// Buffers that transformers recomputes from config.json and drops on load.
+bool known_harmless(const std::string& name) {
+  for (const char* end : {".rotary_emb.inv_freq", ".rotary_emb.cos_cached", ".rotary_emb.sin_cached"})
+    if (name.ends_with(end)) return true;
+  return false;
+}
+
+// A tensor that the model as config.json describes it does not use means the config and the
+// weights disagree (another variant, more layers than num_hidden_layers, a quantized lm_head):
+// refused, naming the first few.
+void refuse_unused(const ModelSpec& s, std::vector<const TensorInfo*> accounted) {
+  std::sort(accounted.begin(), accounted.end());
+  std::vector<std::string> unused;
+  for (const std::string& name : s.files.names()) {
+    const TensorInfo* t = s.files.find(name);
+    if (!std::binary_search(accounted.begin(), accounted.end(), t) && !known_harmless(name))
+      unused.push_back(name);
+  }
+  if (unused.empty()) return;
+  const size_t shown = std::min<size_t>(unused.size(), 3);
+  std::string list = fmt::format("{}", fmt::join(unused.begin(), unused.begin() + shown, ", "));
+  if (unused.size() > shown) list += fmt::format(" and {} more", unused.size() - shown);
+  throw Error(fmt::format("{}: the checkpoint holds {} tensor{} that {} as config.json describes "
+                          "it does not use: {}", s.dir, unused.size(), unused.size() == 1 ? "" : "s",
+                          s.config.architecture, list));
+}
 
 }  // namespace
 
@@ -196,6 +254,13 @@ ModelSpec load_model_spec(const std::string& dir) {
     L.down = r.linear(p + n.down, hidden, inter, c.mlp_bias);
   }
   r.finish();
+
+  std::vector<const TensorInfo*> used = spec_tensors(spec);
+  std::vector<const TensorInfo*> accounted = used;
+  accounted.insert(accounted.end(), r.ignored.begin(), r.ignored.end());
+  if (c.tie_embeddings && head) accounted.push_back(head);  // a saved copy of the tied weight
+  refuse_unused(spec, std::move(accounted));
+  check_finite(used);
   return spec;
 }
 

@@ -3,8 +3,9 @@
 // load_model_spec() opens a model directory, parses its config (engine/config.h), opens the
 // weight files (engine/safetensors.h) and checks every tensor the architecture needs:
 // presence, dtype and shape against the config, GPTQ tensor shapes against bits and group
-// size, g_idx values in range. Anything wrong throws kestrel::Error with one line naming the
-// file, the tensor and the numbers, e.g.
+// size, g_idx values in range; that the checkpoint holds no tensor the model does not use, and
+// no NaN or Inf in any float tensor (models/io/finite.h). Anything wrong throws kestrel::Error
+// with one line naming the file, the tensor and the numbers, e.g.
 //   "model.layers.0.self_attn.q_proj.qweight in /m/model.safetensors: expected [512, 4096] I32, found [512, 4095] I32"
 // After this, backends (the CPU reference, CUDA) read tensors without further checks.
 #pragma once

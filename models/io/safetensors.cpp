@@ -5,17 +5,19 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "engine/base/error.h"
+#include "engine/base/files.h"
+#include "models/io/json_fields.h"
 
 namespace kestrel {
 
@@ -93,27 +95,46 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
   return t;
 }
 
+// Each byte of the data area belongs to one tensor at most: two tensors whose data_offsets
+// overlap would alias each other's weights.
+void check_no_overlap(const std::string& path, const std::map<std::string, TensorInfo>& tensors,
+                      const uint8_t* data) {
+  std::vector<const TensorInfo*> byoffset;
+  for (const auto& [name, t] : tensors)
+    if (t.nbytes) byoffset.push_back(&t);  // an empty tensor occupies no bytes
+  std::sort(byoffset.begin(), byoffset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->data < b->data; });
+  for (size_t i = 1; i < byoffset.size(); ++i) {
+    const TensorInfo& a = *byoffset[i - 1];
+    const TensorInfo& b = *byoffset[i];
+    if (b.data < a.data + a.nbytes) {
+      const size_t ab = (size_t)(a.data - data), bb = (size_t)(b.data - data);
+      throw Error(fmt::format("{}: tensors {} and {} overlap (data_offsets [{}, {}] and [{}, {}])",
+                              path, a.name, b.name, ab, ab + a.nbytes, bb, bb + b.nbytes));
+    }
+  }
+}
+
 }  // namespace
 
+// The safetensors format caps its JSON header at 100 MB (the reference library refuses more).
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  KESTREL_CHECK(fd >= 0, fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    throw Error(fmt::format("{}: cannot stat: {}", path, std::strerror(err)));
-  }
-  const size_t size = (size_t)st.st_size;
+  size_t size = 0;
+  const int fd = open_regular_file(path, &size);
+  // Messages about a file that may not be a safetensors file at all (a shard name pointing
+  // at some other file) never quote its bytes: they say what is wrong in words.
   if (size < 8) {
     ::close(fd);
-    throw Error(fmt::format("{}: file is {} bytes, too short for the 8-byte header length", path,
-                            size));
+    throw Error(fmt::format("{} is not a safetensors file (it is {} bytes, too short for the "
+                            "8-byte header length)", path, size));
   }
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_err = errno;
   ::close(fd);  // the mapping stays valid without the descriptor
-  KESTREL_CHECK(map != MAP_FAILED, fmt::format("{}: cannot mmap: {}", path, std::strerror(map_err)));
+  KESTREL_CHECK(map != MAP_FAILED, fmt::format("{}: cannot map into memory ({})", path,
+                                               std::strerror(map_err)));
   map_ = map;
   map_size_ = size;
 
@@ -122,18 +143,34 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
     const auto* bytes = static_cast<const uint8_t*>(map_);
     uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i) header_len = header_len << 8 | bytes[i];
+    // The header is a JSON object: it starts with '{'. Past the end of the file, a length
+    // followed by '{' is a safetensors file cut short; anything else is some other file.
+    const bool json_follows = size > 8 && bytes[8] == '{';
+    if (header_len == 0 || header_len > kMaxHeaderBytes ||
+        (header_len > size - 8 && !json_follows)) {
+      throw Error(fmt::format("{} is not a safetensors file (its header length field is "
+                              "implausible)", path));
+    }
     KESTREL_CHECK(header_len <= size - 8,
-                  fmt::format("{}: header length {} runs past the end of the file ({} bytes)", path,
-                              header_len, size));
+                  fmt::format("{}: the safetensors header runs past the end of the file ({} "
+                              "bytes); the file is truncated", path, size));
+    KESTREL_CHECK(json_follows, fmt::format("{} is not a safetensors file (its header is not a "
+                                            "JSON object)", path));
     json header;
     try {
       header = json::parse(bytes + 8, bytes + 8 + header_len);
     } catch (const json::parse_error& e) {
-      throw Error(fmt::format("{}: header is not valid JSON (error at byte {} of {})", path,
-                              e.byte, header_len));
+      throw Error(fmt::format("{}: the safetensors header is not valid JSON{}", path,
+                              e.byte <= header_len
+                                  ? fmt::format(" (error at byte {} of the header)", e.byte)
+                                  : std::string(" (it ends early)")));
+    } catch (const json::out_of_range&) {  // a number past any representable value
+      throw Error(fmt::format("{}: the safetensors header is not valid JSON (a number too large "
+                              "to represent)", path));
     }
     KESTREL_CHECK(header.is_object(),
-                  fmt::format("{}: header is a JSON {}, not an object", path, header.type_name()));
+                  fmt::format("{}: the safetensors header is a JSON {}, not an object", path,
+                              header.type_name()));
 
     const uint8_t* data = bytes + 8 + header_len;
     const size_t data_size = size - 8 - header_len;
@@ -149,6 +186,7 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
       }
       tensors_.emplace(name, parse_entry(path, name, entry, data, data_size));
     }
+    check_no_overlap(path, tensors_, data);
   } catch (...) {
     ::munmap(map_, map_size_);
     throw;
@@ -174,10 +212,35 @@ std::string base_or_model(const std::string& base) { return base.empty() ? "mode
 
 bool ModelFiles::has_weights(const std::string& dir, const std::string& base_name) {
   const std::string base = base_or_model(base_name);
-  std::error_code ec;
-  return fs::is_regular_file(fs::path(dir) / (base + ".safetensors.index.json"), ec) ||
-         fs::is_regular_file(fs::path(dir) / (base + ".safetensors"), ec);
+  return path_exists((fs::path(dir) / (base + ".safetensors.index.json")).string()) ||
+         path_exists((fs::path(dir) / (base + ".safetensors")).string());
 }
+
+namespace {
+
+// Why a weight_map file name leads outside the model directory `root` (canonical), or "".
+// Files of a Hugging Face cache snapshot (<repo>/snapshots/<revision>/) are symlinks into the
+// repository's blobs/ folder, and may lead there.
+std::string escapes(const fs::path& root, const std::string& fname) {
+  const fs::path name(fname);
+  if (name.is_absolute()) return "an absolute path";
+  for (const fs::path& part : name)
+    if (part == "..") return "a .. component";
+  std::error_code ec;
+  const fs::path target = fs::weakly_canonical(root / name, ec);
+  if (ec) return "";  // nothing there: the caller says so
+  auto inside = [&](const fs::path& folder) {
+    const auto [f, t] = std::mismatch(folder.begin(), folder.end(), target.begin(), target.end());
+    return f == folder.end();
+  };
+  if (inside(root)) return "";
+  if (root.parent_path().filename() == "snapshots" &&
+      inside(root.parent_path().parent_path() / "blobs"))
+    return "";
+  return "a symlink to " + target.string();
+}
+
+}  // namespace
 
 ModelFiles ModelFiles::open(const std::string& dir, const std::string& base_name) {
   std::error_code ec;
@@ -188,19 +251,14 @@ ModelFiles ModelFiles::open(const std::string& dir, const std::string& base_name
 
   ModelFiles mf;
   mf.dir_ = dir;
-  if (fs::is_regular_file(index_path, ec)) {
+  if (path_exists(index_path.string())) {
     const std::string ip = index_path.string();
-    std::ifstream in(index_path);
-    KESTREL_CHECK(in, fmt::format("{}: cannot open", ip));
-    json index;
-    try {
-      index = json::parse(in);
-    } catch (const json::parse_error& e) {
-      throw Error(fmt::format("{}: not valid JSON (error at byte {})", ip, e.byte));
-    }
+    const json index = json_fields::parse_json(read_regular_file(ip), ip);
     KESTREL_CHECK(index.is_object() && index.contains("weight_map") &&
                       index["weight_map"].is_object(),
                   fmt::format("{}: missing weight_map object", ip));
+    const fs::path root = fs::canonical(dir, ec);
+    KESTREL_CHECK(!ec, fmt::format("{}: cannot resolve the directory's path ({})", dir, ec.message()));
     std::map<std::string, std::shared_ptr<SafetensorsFile>> shards;  // each opened once
     for (const auto& [name, file] : index["weight_map"].items()) {
       KESTREL_CHECK(file.is_string(),
@@ -208,8 +266,12 @@ ModelFiles ModelFiles::open(const std::string& dir, const std::string& base_name
       const std::string fname = file.get<std::string>();
       auto& shard = shards[fname];
       if (!shard) {
+        const std::string why = escapes(root, fname);
+        KESTREL_CHECK(why.empty(),
+                      fmt::format("{}: weight_map entry {}: {} leads outside the model directory "
+                                  "({})", ip, name, fname, why));
         const fs::path sp = fs::path(dir) / fname;
-        KESTREL_CHECK(fs::is_regular_file(sp, ec),
+        KESTREL_CHECK(path_exists(sp.string()),
                       fmt::format("{}: shard {} (holding {}) does not exist", ip, fname, name));
         shard = std::make_shared<SafetensorsFile>(sp.string());
         mf.files_.push_back(shard);
@@ -221,7 +283,7 @@ ModelFiles ModelFiles::open(const std::string& dir, const std::string& base_name
     }
     return mf;
   }
-  if (fs::is_regular_file(single_path, ec)) {
+  if (path_exists(single_path.string())) {
     auto f = std::make_shared<SafetensorsFile>(single_path.string());
     for (const auto& [name, t] : f->tensors()) mf.index_[name] = &t;
     mf.files_.push_back(std::move(f));

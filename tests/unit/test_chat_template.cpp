@@ -13,6 +13,7 @@
 #include "tokenizer/chat_template.h"
 #include "tests/support/tiny_tokenizer_suite.h"
 
+#include "tests/support/fifo.h"
 #include "tests/support/test_loader_util.h"
 #include "tests/support/test_util.h"
 
@@ -295,6 +296,27 @@ TEST_F(ChatTokenize, LoadChoosesTemplates) {
   std::string note;
   EXPECT_EQ(ChatTemplate::load(dir_->string(), "auto", *tok_, &note).format(), ChatFormat::raw);
   EXPECT_NE(note.find("raw"), std::string::npos);
+}
+
+// tokenizer_config.json and a --template file are read only when they are regular files: a
+// FIFO blocked the load, a directory gave a C++ library message.
+TEST_F(ChatTokenize, NonRegularFilesAreRefused) {
+  const fs::path dir = *dir_ / "nonregular";
+  fs::create_directories(dir);
+  const std::string config = (dir / "tokenizer_config.json").string();
+  kestrel::test::make_fifo(config);
+  EXPECT_EQ(kestrel::test::error_without_blocking(
+                config, [&] { ChatTemplate::load(dir.string(), "auto", *tok_); }),
+            config + " is not a regular file (a FIFO)");
+  fs::remove(config);
+  const std::string jinja = (dir / "t.jinja").string();
+  fs::create_directories(jinja);
+  try {
+    ChatTemplate::load(dir.string(), jinja, *tok_);
+    ADD_FAILURE() << "a directory accepted as a template file";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), jinja + " is a directory");
+  }
 }
 
 // A byte-level BPE model with Phi-3's template, whose markers strip the whitespace after them

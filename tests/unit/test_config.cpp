@@ -2,11 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include "models/io/generation_config.h"
+#include "tests/support/fifo.h"
 #include "tests/support/test_loader_util.h"
 
 namespace kestrel {
 namespace {
 
+namespace fs = std::filesystem;
 using test::error_of;
 using test::json;
 using test::TempDir;
@@ -164,6 +167,38 @@ TEST(Config, UnsupportedArchitectureNamed) {
                                     "Qwen3ForCausalLM, OPTForCausalLM)"));
   j.erase("architectures");
   EXPECT_THAT(d.error(j), HasSubstr("missing architectures"));
+}
+
+// Two classes would leave it to chance which layout the weights follow (the first supported
+// one was taken before).
+TEST(Config, TwoArchitecturesRefused) {
+  Dir d;
+  json j = llama_config();
+  j["architectures"] = {"LlamaForCausalLM", "MistralForCausalLM"};
+  EXPECT_EQ(d.error(j), d.tmp.file("config.json") +
+                            ": architectures lists 2 classes ([\"LlamaForCausalLM\",\"MistralForCausalLM\"]); "
+                            "a checkpoint must name one");
+  j["architectures"] = {"GemmaForCausalLM", "LlamaForCausalLM"};
+  EXPECT_THAT(d.error(j), HasSubstr("architectures lists 2 classes"));
+}
+
+TEST(Config, HiddenActOtherThanSiluRefused) {
+  Dir d;
+  for (const char* family : {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                             "Qwen3ForCausalLM"}) {
+    json j = llama_config();
+    j["architectures"] = {family};
+    j["hidden_act"] = "gelu";
+    EXPECT_EQ(d.error(j), d.tmp.file("config.json") +
+                              ": hidden_act gelu is not supported (this family's MLP uses silu)")
+        << family;
+    j["hidden_act"] = 3;
+    EXPECT_THAT(d.error(j), HasSubstr("hidden_act must be a string, found 3")) << family;
+    for (const char* same : {"silu", "swish"}) {
+      j["hidden_act"] = same;
+      EXPECT_EQ(d.load(j).mlp, MlpKind::GatedSiLU) << family << " " << same;
+    }
+  }
 }
 
 TEST(Config, UnsupportedDtypeNamed) {
@@ -335,6 +370,30 @@ TEST(Config, MissingConfigJson) {
   EXPECT_THAT(error_of([&] { load_model_config(tmp.file("absent")); }), HasSubstr("no such directory"));
 }
 
+TEST(Config, ConfigJsonNotARegularFile) {
+  TempDir tmp;
+  fs::create_directories(tmp.file("config.json"));
+  EXPECT_EQ(error_of([&] { load_model_config(tmp.str()); }), tmp.file("config.json") + " is a directory");
+  fs::remove(tmp.file("config.json"));
+  test::make_fifo(tmp.file("config.json"));
+  EXPECT_EQ(test::error_without_blocking(tmp.file("config.json"),
+                                         [&] { load_model_config(tmp.str()); }),
+            tmp.file("config.json") + " is not a regular file (a FIFO)");
+}
+
+TEST(Config, QuantizeConfigNotARegularFile) {
+  Dir d;
+  test::write_text(d.tmp.file("config.json"), llama_config().dump());
+  test::make_fifo(d.tmp.file("quantize_config.json"));
+  EXPECT_EQ(test::error_without_blocking(d.tmp.file("quantize_config.json"),
+                                         [&] { load_model_config(d.tmp.str()); }),
+            d.tmp.file("quantize_config.json") + " is not a regular file (a FIFO)");
+  fs::remove(d.tmp.file("quantize_config.json"));
+  fs::create_directories(d.tmp.file("quantize_config.json"));
+  EXPECT_EQ(error_of([&] { load_model_config(d.tmp.str()); }),
+            d.tmp.file("quantize_config.json") + " is a directory");
+}
+
 TEST(Config, InvalidJson) {
   TempDir tmp;
   test::write_text(tmp.file("config.json"), "{\"hidden_size\": ");
@@ -463,6 +522,74 @@ TEST(QuantConfig, BadQuantizeConfigFileNamed) {
   Dir d;
   EXPECT_THAT(d.error(llama_config(), json{{"bits", 6}}),
               HasSubstr("quantize_config.json: unsupported bits 6"));
+}
+
+// ---- generation_config.json -----------------------------------------------------------------
+
+struct GenDir {
+  TempDir tmp;
+  GenerationDefaults load(const json& j) {
+    test::write_text(tmp.file("generation_config.json"), j.dump());
+    return load_generation_defaults(tmp.str());
+  }
+  std::string error(const json& j) { return error_of([&] { load(j); }); }
+};
+
+TEST(GenerationConfig, AbsentFileAndFields) {
+  GenDir d;
+  const GenerationDefaults none = load_generation_defaults(d.tmp.str());
+  EXPECT_FALSE(none.temperature || none.top_k || none.top_p || none.min_p ||
+               none.repetition_penalty || none.do_sample);
+  const GenerationDefaults g = d.load({{"bos_token_id", 1}, {"temperature", nullptr}});
+  EXPECT_FALSE(g.temperature.has_value());
+}
+
+TEST(GenerationConfig, Values) {
+  GenDir d;
+  const GenerationDefaults g = d.load({{"do_sample", true}, {"temperature", 0.6}, {"top_k", 20},
+                                       {"top_p", 1}, {"min_p", 0}, {"repetition_penalty", 1.05}});
+  EXPECT_EQ(g.do_sample, true);
+  EXPECT_FLOAT_EQ(*g.temperature, 0.6f);
+  EXPECT_EQ(*g.top_k, 20);
+  EXPECT_FLOAT_EQ(*g.top_p, 1.0f);
+  EXPECT_FLOAT_EQ(*g.min_p, 0.0f);
+  EXPECT_FLOAT_EQ(*g.repetition_penalty, 1.05f);
+  EXPECT_EQ(*d.load({{"temperature", 0}, {"top_k", 0}}).temperature, 0.0f);
+}
+
+// Each out-of-range value was taken as it was before (a negative temperature, top_p 0, ...).
+TEST(GenerationConfig, OutOfRangeValuesRefused) {
+  GenDir d;
+  const std::string file = d.tmp.file("generation_config.json");
+  EXPECT_EQ(d.error({{"temperature", -0.5}}),
+            file + ": temperature = -0.5 is out of range (0 or more)");
+  EXPECT_EQ(d.error({{"temperature", 1e39}}),
+            file + ": temperature = 1e+39 is out of range (0 or more)");
+  EXPECT_EQ(d.error({{"top_p", 0}}), file + ": top_p = 0 is out of range (above 0, at most 1)");
+  EXPECT_EQ(d.error({{"top_p", 1.5}}), file + ": top_p = 1.5 is out of range (above 0, at most 1)");
+  EXPECT_EQ(d.error({{"top_k", -1}}), file + ": top_k = -1 is out of range (0 or more)");
+  EXPECT_EQ(d.error({{"top_k", 2.5}}), file + ": top_k must be an integer, found 2.5");
+  EXPECT_EQ(d.error({{"min_p", 2}}), file + ": min_p = 2 is out of range (0 to 1)");
+  EXPECT_EQ(d.error({{"repetition_penalty", 0}}),
+            file + ": repetition_penalty = 0 is out of range (above 0)");
+  EXPECT_EQ(d.error({{"repetition_penalty", -1.2}}),
+            file + ": repetition_penalty = -1.2 is out of range (above 0)");
+  EXPECT_EQ(d.error({{"temperature", "0.7"}}), file + ": temperature must be a number, found \"0.7\"");
+  EXPECT_EQ(d.error({{"do_sample", "no"}}), file + ": do_sample must be true or false, found \"no\"");
+  test::write_text(file, R"({"temperature": 1e999})");  // beyond a double: not a number JSON holds
+  EXPECT_THAT(error_of([&] { load_generation_defaults(d.tmp.str()); }),
+              HasSubstr(file + ": not valid JSON"));
+  test::write_text(file, "[1]");
+  EXPECT_EQ(error_of([&] { load_generation_defaults(d.tmp.str()); }),
+            file + ": holds a JSON array, not an object");
+}
+
+TEST(GenerationConfig, NotARegularFile) {
+  GenDir d;
+  const std::string file = d.tmp.file("generation_config.json");
+  test::make_fifo(file);
+  EXPECT_EQ(test::error_without_blocking(file, [&] { load_generation_defaults(d.tmp.str()); }),
+            file + " is not a regular file (a FIFO)");
 }
 
 }  // namespace

@@ -2,8 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <limits>
 #include <set>
 
+#include <fmt/format.h>
+
+#include "models/io/finite.h"
 #include "tests/support/test_loader_util.h"
 
 namespace kestrel {
@@ -387,6 +392,197 @@ TEST(ModelSpecGptq, ModelFileBaseNameLookup) {
   // Re-saved by transformers: the base name stays in quantize_config.json, the weights move.
   m.write(tmp.str(), "model");
   EXPECT_EQ(load_model_spec(tmp.str()).layers[0].q.qweight->file, tmp.file("model.safetensors"));
+}
+
+// ---- tensors the model does not use ------------------------------------------------------------
+
+TEST(ModelSpec, UnusedTensorsRefused) {
+  TempDir tmp;
+  TinyModel m;
+  m.add_f16("model.layers.0.mlp.extra_proj.weight", {8});
+  m.write(tmp.str());
+  EXPECT_EQ(error_of([&] { load_model_spec(tmp.str()); }),
+            tmp.str() + ": the checkpoint holds 1 tensor that LlamaForCausalLM as config.json "
+                        "describes it does not use: model.layers.0.mlp.extra_proj.weight");
+
+  // A third layer where config.json says two: the first three named, the count of the rest.
+  TinyModel m2;
+  for (const char* t : {"input_layernorm", "post_attention_layernorm"})
+    m2.add_f16(std::string("model.layers.2.") + t + ".weight", {64});
+  for (const char* t : {"q_proj", "o_proj"}) m2.add_f16(std::string("model.layers.2.self_attn.") + t + ".weight", {64, 64});
+  m2.write(tmp.str());
+  EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+              HasSubstr("holds 4 tensors that LlamaForCausalLM as config.json describes it does not "
+                        "use: model.layers.2.input_layernorm.weight, "
+                        "model.layers.2.post_attention_layernorm.weight, "
+                        "model.layers.2.self_attn.o_proj.weight and 1 more"));
+}
+
+TEST(ModelSpec, KnownHarmlessTensorsSkipped) {
+  TempDir tmp;
+  TinyModel m(0, 32, /*tie=*/true);
+  for (int i = 0; i < 2; ++i)
+    m.add_f16("model.layers." + std::to_string(i) + ".self_attn.rotary_emb.inv_freq", {8});
+  m.add_f16("lm_head.weight", {96, 64});  // a saved copy of the tied embedding
+  m.write(tmp.str());
+  const ModelSpec s = load_model_spec(tmp.str());
+  EXPECT_EQ(s.lm_head, s.embed);
+  EXPECT_TRUE(s.warnings.empty());
+}
+
+TEST(ModelSpecGptq, QuantizedLmHeadTensorsRefused) {
+  TempDir tmp;
+  TinyModel m(4, 32);
+  m.add_gptq("lm_head", 96, 64, 4, 32);  // beside the dense lm_head.weight
+  m.write(tmp.str());
+  EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+              HasSubstr("holds 4 tensors that LlamaForCausalLM as config.json describes it does not "
+                        "use: lm_head.g_idx, lm_head.qweight, lm_head.qzeros and 1 more"));
+}
+
+TEST(ModelSpecGptq, DescActWithoutG_idxRefused) {
+  TempDir tmp;
+  TinyModel m(4, 32);
+  m.config["quantization_config"]["desc_act"] = true;
+  m.tensors.erase(std::string(kQ) + ".g_idx");
+  m.write(tmp.str());
+  EXPECT_EQ(error_of([&] { load_model_spec(tmp.str()); }),
+            tmp.str() + ": missing tensor " + kQ + ".g_idx (desc_act is true: act-order needs "
+                        "each column's group)");
+}
+
+// ---- NaN and Inf ---------------------------------------------------------------------------------
+
+// Sets element i of a tensor of m to the raw 16-bit value `bits`.
+void poke16(TinyModel& m, const std::string& name, size_t i, uint16_t bits) {
+  std::memcpy(m.tensors.at(name).bytes.data() + 2 * i, &bits, 2);
+}
+
+TEST(ModelSpec, NonFiniteWeightsRefusedNamingTheElement) {
+  TempDir tmp;
+  {
+    TinyModel m;
+    poke16(m, "model.layers.1.mlp.up_proj.weight", 64 * 3 + 17, 0x7E00);  // NaN at [3, 17]
+    poke16(m, "model.layers.1.mlp.down_proj.weight", 5, 0x7C00);          // later in model order
+    m.write(tmp.str());
+    EXPECT_EQ(error_of([&] { load_model_spec(tmp.str()); }),
+              "model.layers.1.mlp.up_proj.weight in " + tmp.str() +
+                  "/model.safetensors: element 209 ([3, 17]) is NaN; a checkpoint's weights must "
+                  "be finite");
+  }
+  {
+    TinyModel m;
+    poke16(m, "model.norm.weight", 63, 0xFC00);  // -Inf in a norm
+    m.write(tmp.str());
+    EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+                HasSubstr("model.norm.weight in " + tmp.str() + "/model.safetensors: element 63 is -Inf"));
+  }
+  {
+    TinyModel m;
+    poke16(m, "model.embed_tokens.weight", 95 * 64 + 63, 0x7C00);  // the very last element
+    m.write(tmp.str());
+    EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+                HasSubstr("model.embed_tokens.weight in " + tmp.str() +
+                          "/model.safetensors: element 6143 ([95, 63]) is Inf"));
+  }
+  {  // BF16 and F32 weights
+    TinyModel m;
+    std::vector<uint16_t> bf(64, float_to_bf16(1.0f));
+    bf[9] = 0x7F81;  // a NaN
+    m.tensors["model.layers.0.input_layernorm.weight"] = {DType::BF16, {64}, as_bytes(bf)};
+    std::vector<float> f(64 * 64, 0.5f);
+    f[100] = std::numeric_limits<float>::infinity();
+    m.tensors["model.layers.0.self_attn.o_proj.weight"] = {DType::F32, {64, 64}, as_bytes(f)};
+    m.write(tmp.str());
+    EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+                HasSubstr("model.layers.0.input_layernorm.weight in " + tmp.str() +
+                          "/model.safetensors: element 9 is NaN"));
+    m.tensors["model.layers.0.input_layernorm.weight"] = {DType::BF16, {64}, as_bytes(std::vector<uint16_t>(64, float_to_bf16(1.0f)))};
+    m.write(tmp.str());
+    EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+                HasSubstr("model.layers.0.self_attn.o_proj.weight in " + tmp.str() +
+                          "/model.safetensors: element 100 ([1, 36]) is Inf"));
+  }
+  {  // a bias
+    TinyModel m;
+    m.config["attention_bias"] = true;
+    for (int i = 0; i < 2; ++i) {
+      const std::string p = "model.layers." + std::to_string(i) + ".self_attn.";
+      m.add_f16(p + "q_proj.bias", {64});
+      m.add_f16(p + "k_proj.bias", {32});
+      m.add_f16(p + "v_proj.bias", {32});
+      m.add_f16(p + "o_proj.bias", {64});
+    }
+    poke16(m, "model.layers.1.self_attn.v_proj.bias", 31, 0x7D00);
+    m.write(tmp.str());
+    EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+                HasSubstr("model.layers.1.self_attn.v_proj.bias in " + tmp.str() +
+                          "/model.safetensors: element 31 is NaN"));
+  }
+}
+
+TEST(ModelSpecGptq, NonFiniteScalesRefused) {
+  TempDir tmp;
+  TinyModel m(4, 32);
+  poke16(m, std::string(kQ) + ".scales", 64 + 5, 0x7C00);  // Inf at [1, 5]
+  m.write(tmp.str());
+  EXPECT_EQ(error_of([&] { load_model_spec(tmp.str()); }),
+            std::string(kQ) + ".scales in " + tmp.str() +
+                "/model.safetensors: element 69 ([1, 5]) is Inf; a checkpoint's weights must be "
+                "finite");
+}
+
+// Largest finite values and subnormals are finite; every exponent-all-ones pattern is not.
+TEST(Finite, EveryDtypeBitPattern) {
+  auto info = [](DType d, const std::vector<uint8_t>& bytes) {
+    TensorInfo t;
+    t.name = "t";
+    t.dtype = d;
+    t.shape = {(int64_t)(bytes.size() / dtype_size(d))};
+    t.data = bytes.data();
+    t.nbytes = bytes.size();
+    return t;
+  };
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const std::vector<uint16_t> one = {0x3C00, (uint16_t)bits};
+    const bool f16_bad = (bits & 0x7C00) == 0x7C00, bf16_bad = (bits & 0x7F80) == 0x7F80;
+    const std::vector<uint8_t> b = as_bytes(one);
+    ASSERT_EQ(first_non_finite(info(DType::F16, b)), f16_bad ? 1 : -1) << std::hex << bits;
+    ASSERT_EQ(first_non_finite(info(DType::BF16, b)), bf16_bad ? 1 : -1) << std::hex << bits;
+  }
+  for (float v : {std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+                  std::numeric_limits<float>::denorm_min(), 0.0f, -0.0f}) {
+    EXPECT_EQ(first_non_finite(info(DType::F32, as_bytes(std::vector<float>{1, v}))), -1) << v;
+  }
+  for (float v : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+                  std::numeric_limits<float>::quiet_NaN()}) {
+    EXPECT_EQ(first_non_finite(info(DType::F32, as_bytes(std::vector<float>{1, 2, v}))), 2) << v;
+  }
+  EXPECT_EQ(first_non_finite(info(DType::I32, as_bytes(std::vector<int32_t>{0x7F800000}))), -1);
+}
+
+// Over many chunks and threads, the answer is the first bad element in list order, wherever
+// the threads happen to find one first.
+TEST(Finite, FirstInListOrderAcrossChunks) {
+  const size_t n = size_t(48) << 20;  // 96 MiB of F16 per tensor: 12 chunks each
+  std::vector<uint16_t> a(n, 0x3C00), b(n, 0x3C00), c(n, 0x3C00);
+  b[n - 1] = 0x7C00;
+  c[3] = 0x7E00;
+  auto info = [](const char* name, const std::vector<uint16_t>& v) {
+    TensorInfo t;
+    t.name = name;
+    t.file = "f";
+    t.dtype = DType::F16;
+    t.shape = {(int64_t)v.size()};
+    t.data = reinterpret_cast<const uint8_t*>(v.data());
+    t.nbytes = v.size() * 2;
+    return t;
+  };
+  const TensorInfo ta = info("a", a), tb = info("b", b), tc = info("c", c);
+  EXPECT_NO_THROW(check_finite({&ta}));
+  EXPECT_EQ(error_of([&] { check_finite({&ta, &tb, &tc}); }),
+            fmt::format("b in f: element {} is Inf; a checkpoint's weights must be finite", n - 1));
+  EXPECT_THAT(error_of([&] { check_finite({&ta, &tc, &tb}); }), HasSubstr("c in f: element 3 is NaN"));
 }
 
 }  // namespace

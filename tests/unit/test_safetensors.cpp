@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "models/io/model_spec.h"
+#include "tests/support/fifo.h"
 #include "tests/support/test_loader_util.h"
 
 namespace kestrel {
@@ -215,16 +216,77 @@ TEST(SafetensorsCorrupt, TruncatedFile) {
 
 TEST(SafetensorsCorrupt, HeaderLengthPastEndOfFile) {
   TempDir tmp;
-  const std::vector<uint8_t> b = raw_safetensors("{}", 6, 123456789);  // 16 bytes in all
+  const std::vector<uint8_t> b = raw_safetensors("{}", 6, 1000);  // 16 bytes in all
   const std::string msg = open_error(tmp, b);
-  EXPECT_THAT(msg, HasSubstr("bad.safetensors: header length 123456789 runs past the end of the "
-                             "file (16 bytes)"));
+  EXPECT_EQ(msg, tmp.file("bad.safetensors") + ": the safetensors header runs past the end of the "
+                                               "file (16 bytes); the file is truncated");
+}
+
+// Found by fuzz_safetensors: a number beyond any double made the JSON library's overflow
+// exception escape with its own text.
+TEST(SafetensorsCorrupt, NumberTooLargeInHeader) {
+  TempDir tmp;
+  const std::string header =
+      R"({"a": {"dtype": "F16", "shape": [33333333333e3333], "data_offsets": [0, 2]}})";
+  EXPECT_EQ(open_error(tmp, raw_safetensors(header, 2)),
+            tmp.file("bad.safetensors") +
+                ": the safetensors header is not valid JSON (a number too large to represent)");
 }
 
 TEST(SafetensorsCorrupt, HeaderLengthNearUint64MaxDoesNotWrap) {
   TempDir tmp;
-  const std::string msg = open_error(tmp, raw_safetensors("{}", 6, ~uint64_t(0) - 4));
-  EXPECT_THAT(msg, HasSubstr("runs past the end"));
+  EXPECT_THAT(open_error(tmp, raw_safetensors("{}", 6, ~uint64_t(0) - 4)),
+              HasSubstr("is not a safetensors file (its header length field is implausible)"));
+  // Above the format's 100 MB cap, even in a file large enough to hold it.
+  EXPECT_THAT(open_error(tmp, raw_safetensors("{}", 6, 100'000'001)),
+              HasSubstr("is not a safetensors file (its header length field is implausible)"));
+}
+
+// A file that is not a safetensors file at all (a shard name pointing at /etc/passwd, say):
+// the message says so in words and never quotes its bytes, as a header length or otherwise.
+TEST(SafetensorsCorrupt, OtherFilesAreNotQuoted) {
+  TempDir tmp;
+  const std::string text = "root:x:0:0:root:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/bin/sh\n";
+  uint64_t first8 = 0;
+  for (int i = 7; i >= 0; --i) first8 = first8 << 8 | (uint8_t)text[i];
+  const std::string msg = open_error(tmp, std::vector<uint8_t>(text.begin(), text.end()));
+  EXPECT_EQ(msg, tmp.file("bad.safetensors") +
+                     " is not a safetensors file (its header length field is implausible)");
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr(std::to_string(first8))));
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr(std::to_string(text.size()))));
+  EXPECT_THAT(msg, ::testing::Not(HasSubstr("root")));
+
+  // A plausible length but no JSON object after it.
+  std::vector<uint8_t> b = raw_safetensors("[1, 2, 3]", 0);
+  EXPECT_THAT(open_error(tmp, b), HasSubstr("is not a safetensors file"));
+}
+
+TEST(SafetensorsCorrupt, OverlappingTensorsRefused) {
+  TempDir tmp;
+  const std::string msg = open_error(tmp, raw_safetensors(R"({
+      "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+      "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}})", 16));
+  EXPECT_THAT(msg, HasSubstr("bad.safetensors: tensors a and b overlap (data_offsets [0, 16] and "
+                             "[8, 16])"));
+  // Back to back, and an empty tensor anywhere, are fine.
+  const std::string path = tmp.file("ok.safetensors");
+  test::write_bytes(path, raw_safetensors(R"({
+      "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+      "e": {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}})", 16));
+  EXPECT_EQ(SafetensorsFile(path).tensors().size(), 3u);
+}
+
+TEST(SafetensorsCorrupt, NotARegularFile) {
+  TempDir tmp;
+  fs::create_directories(tmp.file("dir.safetensors"));
+  EXPECT_EQ(error_of([&] { SafetensorsFile f(tmp.file("dir.safetensors")); }),
+            tmp.file("dir.safetensors") + " is a directory");
+  const std::string fifo = tmp.file("fifo.safetensors");
+  test::make_fifo(fifo);
+  EXPECT_EQ(test::error_without_blocking(fifo, [&] { SafetensorsFile f(fifo); }),
+            fifo + " is not a regular file (a FIFO)");
 }
 
 TEST(SafetensorsCorrupt, BadJson) {
@@ -234,7 +296,9 @@ TEST(SafetensorsCorrupt, BadJson) {
 
 TEST(SafetensorsCorrupt, HeaderNotAnObject) {
   TempDir tmp;
-  EXPECT_THAT(open_error(tmp, raw_safetensors("[1, 2, 3]", 0)), HasSubstr("not an object"));
+  EXPECT_THAT(open_error(tmp, raw_safetensors("[1, 2, 3]", 0)),
+              HasSubstr("bad.safetensors is not a safetensors file (its header is not a JSON "
+                        "object)"));
 }
 
 TEST(SafetensorsCorrupt, UnsupportedDtype) {
@@ -345,6 +409,113 @@ TEST(ModelFiles, IndexWithoutWeightMap) {
   TempDir tmp;
   test::write_text(tmp.file("model.safetensors.index.json"), R"({"metadata": {}})");
   EXPECT_THAT(error_of([&] { ModelFiles::open(tmp.str()); }), HasSubstr("missing weight_map"));
+}
+
+// ---- shard names stay inside the model directory ----------------------------------------------
+
+// A safetensors file with one F32 tensor `name`.
+void write_one(const std::string& path, const std::string& name) {
+  const float x = 1.0f;
+  SafetensorsWriter w;
+  w.add_data(name, DType::F32, {1}, &x);
+  w.write(path);
+}
+
+std::string index_error(const std::string& dir, const std::string& shard) {
+  test::write_text(dir + "/model.safetensors.index.json",
+                   json({{"weight_map", {{"a", shard}}}}).dump());
+  return error_of([&] { ModelFiles::open(dir); });
+}
+
+TEST(ModelFiles, IndexEntryWithAbsolutePathRefused) {
+  TempDir tmp;
+  const std::string msg = index_error(tmp.str(), "/etc/passwd");
+  EXPECT_EQ(msg, tmp.file("model.safetensors.index.json") +
+                     ": weight_map entry a: /etc/passwd leads outside the model directory (an "
+                     "absolute path)");
+  // Even when it names a real safetensors file.
+  write_one(tmp.file("elsewhere.safetensors"), "a");
+  EXPECT_THAT(index_error(tmp.str(), tmp.file("elsewhere.safetensors")),
+              HasSubstr("leads outside the model directory (an absolute path)"));
+}
+
+TEST(ModelFiles, IndexEntryWithDotDotRefused) {
+  TempDir tmp;
+  fs::create_directories(tmp.file("model"));
+  write_one(tmp.file("other.safetensors"), "a");  // a real file, one level up
+  for (const char* shard : {"../other.safetensors", "sub/../../other.safetensors",
+                            "sub/../model-1.safetensors"}) {
+    EXPECT_THAT(index_error(tmp.file("model"), shard),
+                HasSubstr(std::string("weight_map entry a: ") + shard +
+                          " leads outside the model directory (a .. component)"));
+  }
+}
+
+TEST(ModelFiles, IndexEntryThroughSymlinkOutsideRefused) {
+  TempDir tmp;
+  fs::create_directories(tmp.file("model/sub"));
+  write_one(tmp.file("other.safetensors"), "a");
+  fs::create_symlink(tmp.file("other.safetensors"), tmp.file("model/shard.safetensors"));
+  EXPECT_THAT(index_error(tmp.file("model"), "shard.safetensors"),
+              HasSubstr("weight_map entry a: shard.safetensors leads outside the model directory "
+                        "(a symlink to " + tmp.file("other.safetensors") + ")"));
+  // A symlinked folder on the way counts the same.
+  fs::create_symlink(tmp.str(), tmp.file("model/up"));
+  EXPECT_THAT(index_error(tmp.file("model"), "up/other.safetensors"),
+              HasSubstr("leads outside the model directory (a symlink to"));
+  // Symlinks that stay inside are followed.
+  write_one(tmp.file("model/sub/real.safetensors"), "a");
+  fs::create_symlink("sub/real.safetensors", tmp.file("model/inside.safetensors"));
+  test::write_text(tmp.file("model/model.safetensors.index.json"),
+                   R"({"weight_map": {"a": "inside.safetensors"}})");
+  EXPECT_EQ(ModelFiles::open(tmp.file("model")).get("a").copy_as<float>()[0], 1.0f);
+}
+
+// A Hugging Face cache snapshot: every file a symlink into the repository's blobs/ folder.
+TEST(ModelFiles, HuggingFaceCacheSnapshotLoads) {
+  TempDir tmp;
+  const std::string repo = tmp.file("models--org--name");
+  fs::create_directories(repo + "/blobs");
+  fs::create_directories(repo + "/snapshots/0123abcd");
+  write_one(repo + "/blobs/9f86d081", "a");
+  test::write_text(repo + "/blobs/e3b0c442", R"({"weight_map": {"a": "model-00001-of-00001.safetensors"}})");
+  const std::string snap = repo + "/snapshots/0123abcd";
+  fs::create_symlink("../../blobs/9f86d081", snap + "/model-00001-of-00001.safetensors");
+  fs::create_symlink("../../blobs/e3b0c442", snap + "/model.safetensors.index.json");
+  EXPECT_EQ(ModelFiles::open(snap).get("a").copy_as<float>()[0], 1.0f);
+  // but not a blob of another repository
+  fs::create_directories(tmp.file("models--other--x/blobs"));
+  write_one(tmp.file("models--other--x/blobs/aa"), "a");
+  fs::create_symlink(tmp.file("models--other--x/blobs/aa"), snap + "/model-2.safetensors");
+  EXPECT_THAT(index_error(snap, "model-2.safetensors"), HasSubstr("a symlink to"));
+}
+
+TEST(ModelFiles, IndexOrShardNotARegularFile) {
+  TempDir tmp;
+  fs::create_directories(tmp.file("model.safetensors.index.json"));
+  EXPECT_EQ(error_of([&] { ModelFiles::open(tmp.str()); }),
+            tmp.file("model.safetensors.index.json") + " is a directory");
+  fs::remove(tmp.file("model.safetensors.index.json"));
+  test::make_fifo(tmp.file("model.safetensors.index.json"));
+  EXPECT_EQ(test::error_without_blocking(tmp.file("model.safetensors.index.json"),
+                                         [&] { ModelFiles::open(tmp.str()); }),
+            tmp.file("model.safetensors.index.json") + " is not a regular file (a FIFO)");
+  fs::remove(tmp.file("model.safetensors.index.json"));
+
+  test::write_text(tmp.file("model.safetensors.index.json"),
+                   R"({"weight_map": {"a": "model-00001-of-00001.safetensors"}})");
+  test::make_fifo(tmp.file("model-00001-of-00001.safetensors"));
+  EXPECT_EQ(test::error_without_blocking(tmp.file("model-00001-of-00001.safetensors"),
+                                         [&] { ModelFiles::open(tmp.str()); }),
+            tmp.file("model-00001-of-00001.safetensors") + " is not a regular file (a FIFO)");
+  fs::remove(tmp.file("model.safetensors.index.json"));
+
+  // The single file too, and has_weights sees it (so the error is said, not "no weights").
+  EXPECT_FALSE(ModelFiles::has_weights(tmp.str()));
+  fs::create_directories(tmp.file("model.safetensors"));
+  EXPECT_TRUE(ModelFiles::has_weights(tmp.str()));
+  EXPECT_EQ(error_of([&] { ModelFiles::open(tmp.str()); }),
+            tmp.file("model.safetensors") + " is a directory");
 }
 
 }  // namespace

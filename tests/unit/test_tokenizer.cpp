@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/base/error.h"
+#include "tests/support/fifo.h"
 #include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"
 
@@ -388,6 +389,32 @@ TEST_F(TokenizerTest, CorruptModelIsAnError) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find((dir / "tokenizer.model").string()), std::string::npos) << msg;
     EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
+// Every file the tokenizer reads is opened only when it is a regular file: a FIFO would block
+// the load forever, a directory gave a C++ library message.
+TEST_F(TokenizerTest, NonRegularFilesAreRefused) {
+  using kestrel::test::error_without_blocking;
+  using kestrel::test::make_fifo;
+  for (const char* file : {"tokenizer.model", "tokenizer_config.json", "config.json",
+                           "generation_config.json", "tokenizer.json"}) {
+    const fs::path dir = root_ / (std::string("fifo-") + file);
+    fs::create_directories(dir);
+    if (std::string(file) != "tokenizer.model")
+      fs::copy_file(model_, dir / "tokenizer.model", fs::copy_options::overwrite_existing);
+    const std::string path = (dir / file).string();
+    make_fifo(path);
+    EXPECT_EQ(error_without_blocking(path, [&] { Tokenizer::load(dir.string()); }),
+              path + " is not a regular file (a FIFO)");
+    fs::remove(path);
+    fs::create_directories(path);
+    try {
+      Tokenizer::load(dir.string());
+      ADD_FAILURE() << file << " as a directory accepted";
+    } catch (const kestrel::Error& e) {
+      EXPECT_EQ(std::string(e.what()), path + " is a directory");
+    }
   }
 }
 
