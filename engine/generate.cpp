@@ -10,30 +10,50 @@ namespace kestrel {
 
 std::string StopMatcher::push(std::string_view text) {
   if (stopped_) return {};
-  held_ += text;
-  // A complete stop string: emit what precedes the earliest one and stop.
-  size_t cut = std::string::npos;
-  for (const std::string& s : stops_) {
-    if (s.empty()) continue;
-    cut = std::min(cut, held_.find(s));
+  std::string out;
+  if (!searching_) {  // leading whitespace goes through as it is
+    const size_t first = text.find_first_not_of(" \t\r\n");
+    out = std::string(text.substr(0, std::min(first, text.size())));
+    if (first == std::string_view::npos) return out;
+    text.remove_prefix(first);
+    searching_ = true;
   }
-  if (cut != std::string::npos) {
+  held_ += text;
+  // A complete stop string or reverse prompt: emit what precedes the earliest one (and the
+  // reverse prompt itself) and stop.
+  size_t at = std::string::npos, cut = 0;
+  auto find = [&](const std::vector<std::string>& strings, bool keep) {
+    for (const std::string& s : strings) {
+      if (s.empty()) continue;
+      const size_t p = held_.find(s);
+      if (p < at) {
+        at = p;
+        cut = keep ? p + s.size() : p;
+      }
+    }
+  };
+  find(stops_, false);
+  find(reverse_, true);
+  if (at != std::string::npos) {
     stopped_ = true;
-    std::string out = held_.substr(0, cut);
+    out += held_.substr(0, cut);
     held_.clear();
     return out;
   }
-  // Hold back the longest tail of held_ that is a proper prefix of some stop string.
+  // Hold back the longest tail of held_ that is a proper prefix of one of them.
   size_t keep = 0;
-  for (const std::string& s : stops_) {
-    for (size_t len = std::min(s.size() - (s.empty() ? 0 : 1), held_.size()); len > keep; --len) {
-      if (held_.compare(held_.size() - len, len, s, 0, len) == 0) {
-        keep = len;
-        break;
+  for (const auto* strings : {&stops_, &reverse_}) {
+    for (const std::string& s : *strings) {
+      for (size_t len = std::min(s.size() - (s.empty() ? 0 : 1), held_.size()); len > keep;
+           --len) {
+        if (held_.compare(held_.size() - len, len, s, 0, len) == 0) {
+          keep = len;
+          break;
+        }
       }
     }
   }
-  std::string out = held_.substr(0, held_.size() - keep);
+  out += held_.substr(0, held_.size() - keep);
   held_.erase(0, held_.size() - keep);
   return out;
 }
@@ -61,9 +81,12 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
   const int n_run = n_prompt - first;
   KESTREL_CHECK(n_prompt > 0, "the prompt is empty (no tokens to start from)");
   KESTREL_CHECK(n_run > 0, "nothing to run: the whole prompt is cached");
-  if (pos0 + n_run + opt.max_new_tokens > ctx)
+  // -1: every position the context has left.
+  const int max_new = opt.max_new_tokens < 0 ? ctx - (pos0 + n_run) : opt.max_new_tokens;
+  const int need = opt.max_new_tokens < 0 ? 1 : opt.max_new_tokens;
+  if (pos0 + n_run + need > ctx)
     throw Error("prompt (" + std::to_string(pos0 + n_run) + " tokens) plus " +
-                std::to_string(opt.max_new_tokens) + " new tokens exceed the context of " +
+                std::to_string(need) + " new tokens exceed the context of " +
                 std::to_string(ctx) + " tokens; shorten the prompt, lower -n or raise -c");
 
   GenerateResult r;
@@ -72,9 +95,9 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
   r.finish_reason = "length";
   Sampler sampler(opt.sampling);
   StreamDecoder detok(tok, /*at_text_start=*/false);
-  StopMatcher stop(opt.stop);
+  StopMatcher stop(opt.stop, opt.reverse_prompts, opt.stops_after_text);
   std::vector<int> history = prompt_ids;
-  history.reserve(history.size() + opt.max_new_tokens);
+  history.reserve(history.size() + max_new);
   std::vector<float> logits(vocab), raw;
   auto emit = [&](const std::string& s) {
     if (s.empty()) return;
@@ -120,7 +143,7 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
   };
   int pos = pos0 + n_run;
   std::unique_ptr<DecodeRun> run;  // on_device: the device may run a step ahead
-  for (int i = 0; i < opt.max_new_tokens; ++i) {
+  for (int i = 0; i < max_new; ++i) {
     if (opt.cancelled && opt.cancelled()) {
       r.finish_reason = "cancelled";
       break;
@@ -134,7 +157,7 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     if (i == 0) {
       id = choose();
     } else if (on_device) {
-      id = run->next(i + 1 < opt.max_new_tokens);
+      id = run->next(i + 1 < max_new);
       ++r.n_eval;
       ++r.n_device;
     } else {

@@ -13,9 +13,15 @@
 namespace kestrel {
 
 struct GenerateOptions {
-  int max_new_tokens = 128;
+  int max_new_tokens = 128;       // -1 = up to the end of the context
   SamplingParams sampling;
   std::vector<std::string> stop;  // stop strings: generation ends there, the string unprinted
+  // Reverse prompts (llama-cli's -r): generation ends when the text ends with one, which is
+  // kept in the text.
+  std::vector<std::string> reverse_prompts;
+  // Stop strings and reverse prompts count only after the first text that is not whitespace
+  // (a chat reply's leading blank lines are not a blank line that ends it).
+  bool stops_after_text = false;
   std::vector<int> stop_ids;      // more end-of-turn ids besides the tokenizer's EOS ids
   bool ignore_eos = false;        // also ignores stop_ids
   int logprobs = 0;               // > 0: record the top-n log-probabilities of every token
@@ -27,7 +33,8 @@ struct GenerateResult {
   std::vector<int> prompt_ids;
   std::vector<int> ids;        // generated ids (an end id that ended generation included)
   std::string text;            // generated text, cut before a stop string
-  std::string finish_reason;   // "length", "eos", "stop" or "cancelled"
+  std::string finish_reason;   // "length", "eos", "stop" (a stop string or reverse prompt)
+                               // or "cancelled"
   int n_cached = 0;            // leading prompt ids whose K/V were already in the cache
   int n_eval = 0;              // generated ids run through the model (all but the last)
   int n_sampled = 0;           // ids chosen on the host
@@ -38,18 +45,23 @@ struct GenerateResult {
   std::vector<Logprobs> logprobs;  // one per generated id when GenerateOptions::logprobs > 0
 };
 
-// Holds back text that might be the start of a stop string. push() returns what can be
-// printed; once a stop string is seen, stopped() is true and nothing further is returned.
+// Holds back text that might be the start of a stop string or a reverse prompt. push()
+// returns what can be printed; once one is seen, stopped() is true and nothing further is
+// returned. The text ends before the stop string, and after the reverse prompt. With
+// `after_text`, leading whitespace passes through unsearched.
 class StopMatcher {
  public:
-  explicit StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  explicit StopMatcher(std::vector<std::string> stops, std::vector<std::string> reverse = {},
+                       bool after_text = false)
+      : stops_(std::move(stops)), reverse_(std::move(reverse)), searching_(!after_text) {}
   std::string push(std::string_view text);
   std::string flush();  // the held-back text at the end (no stop string followed)
   bool stopped() const { return stopped_; }
 
  private:
-  std::vector<std::string> stops_;
+  std::vector<std::string> stops_, reverse_;
   std::string held_;
+  bool searching_;  // false while only whitespace has come (after_text)
   bool stopped_ = false;
 };
 

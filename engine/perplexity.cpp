@@ -25,20 +25,26 @@ PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int win
 
   std::vector<int> targets(window);
   std::vector<double> nll(window);
-  double sum = 0;
+  double sum = 0, sum2 = 0;
   Progress bar("perplexity", (double)r.windows, "windows", progress);
   for (int64_t w = 0; w < r.windows; ++w) {
     const int* t = ids.data() + w * window;
     for (int i = 0; i + 1 < window; ++i) targets[i] = t[i + 1];
     targets[window - 1] = -1;  // the last token predicts nothing inside the window
     model.forward_nll(t, window, 0, targets.data(), nll.data());
-    for (int i = 0; i + 1 < window; ++i) sum += nll[i];
+    for (int i = 0; i + 1 < window; ++i) {
+      sum += nll[i];
+      sum2 += nll[i] * nll[i];
+    }
     bar.update((double)(w + 1));
   }
   bar.finish();
   r.predictions = r.windows * (window - 1);
   r.mean_nll = sum / (double)r.predictions;
   r.ppl = std::exp(r.mean_nll);
+  const double n = (double)r.predictions;
+  const double var = sum2 / n - r.mean_nll * r.mean_nll;
+  r.ppl_error = var > 0 && n > 1 ? r.ppl * std::sqrt(var / (n - 1)) : 0.0;
   r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }

@@ -13,6 +13,9 @@ namespace kestrel {
 
 struct PerplexityResult {
   double ppl = 0, mean_nll = 0;
+  // The standard error of ppl as llama-perplexity estimates it: ppl * sqrt(var(nll) / (n - 1))
+  // over the n predictions' NLLs (the delta method on exp of their mean).
+  double ppl_error = 0;
   int64_t tokens = 0;             // tokens of the text, BOS included
   int64_t windows_available = 0;  // whole windows in the text
   int64_t windows = 0;            // windows scored

@@ -2,9 +2,12 @@
 // logprobs), on a small kestrel-synth model on the CPU. Greedy decoding makes every reply
 // deterministic, so replies can be checked against kestrel generate on the same tokens.
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <pty.h>
 #include <sys/wait.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +15,7 @@
 #include <sstream>
 #include <string>
 
+#include "tests/support/child.h"
 #include "tests/support/test_util.h"
 
 namespace fs = std::filesystem;
@@ -120,6 +124,111 @@ TEST_F(ChatCli, MultiLineInput) {
   EXPECT_EQ(b.out, a.out);
 }
 
+// The reply lengths of the "[prompt ... | reply N tokens ..." lines.
+std::vector<int> reply_tokens(const std::string& err) {
+  std::vector<int> n;
+  for (size_t at = err.find("| reply "); at != std::string::npos; at = err.find("| reply ", at + 1))
+    n.push_back(std::stoi(err.substr(at + 8)));
+  return n;
+}
+
+// The raw template has no end-of-turn token: a reply ends at a blank line or after 256 tokens
+// (a base model once ran 1,013 tokens to the end of the context), said once.
+TEST_F(ChatCli, RawTemplateRepliesEnd) {
+  const Result r = chat("the river\nthe mountain\n", "--template raw --ignore-eos");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string note = "note: the raw template has no end of turn: a reply ends at a blank "
+                           "line or after 256 tokens";
+  ASSERT_NE(r.err.find(note), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find(note), r.err.rfind(note)) << r.err;
+  const std::vector<int> n = reply_tokens(r.err);
+  ASSERT_EQ(n.size(), 2u) << r.err;
+  for (int x : n) EXPECT_LE(x, 256);
+  // Shown replies hold no blank line (it ended them).
+  EXPECT_EQ(r.out.find("\n\n"), std::string::npos) << r.out;
+  // -n says otherwise; -q says nothing.
+  const Result q = chat("the river\n", "--template raw --ignore-eos -n 7 -q");
+  ASSERT_EQ(q.code, 0) << q.err;
+  EXPECT_EQ(q.err, "");
+}
+
+// -r ends a reply right after the reverse prompt, shown, as llama-cli's -r.
+TEST_F(ChatCli, ReversePromptEndsAReply) {
+  const Result full = chat("the river\n", "--template raw -n 30 -q");
+  ASSERT_EQ(full.code, 0) << full.err;
+  std::istringstream words(full.out);
+  std::string word;
+  for (int i = 0; i < 3 && words >> word;) ++i;
+  ASSERT_FALSE(word.empty()) << full.out;
+  const Result r = chat("the river\n", "--template raw -n 30 -q -r '" + word + "'");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, full.out.substr(0, full.out.find(word) + word.size()) + "\n");
+}
+
+// -n -1: a reply may run to the end of the context, as in generate.
+TEST_F(ChatCli, MinusOneRepliesUpToTheContext) {
+  const Result r = chat("the river\n", "--template llama2 --ignore-eos -n -1 -c 48");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("| context 48/48]"), std::string::npos) << r.err;
+}
+
+// Runs `argv` on a pseudo-terminal (stdin, stdout and stderr a terminal, NO_COLOR set), typing
+// each input once the terminal shows a fresh "> " prompt and has been quiet for 100 ms (the
+// editor waits for keys); returns all the terminal showed.
+std::string on_terminal(const std::vector<std::string>& argv, const std::vector<std::string>& inputs) {
+  std::vector<char*> args;
+  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  int master = -1;
+  const pid_t pid = forkpty(&master, nullptr, nullptr, nullptr);
+  if (pid == 0) {
+    setenv("NO_COLOR", "1", 1);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  std::string shown;
+  size_t sent = 0, answered = 0;  // the length of `shown` when the last input went
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < end) {
+    pollfd p{master, POLLIN, 0};
+    if (poll(&p, 1, 100) > 0) {
+      char buf[4096];
+      const ssize_t n = read(master, buf, sizeof buf);
+      if (n <= 0) break;  // the child closed the terminal: it ended
+      shown.append(buf, n);
+      continue;
+    }
+    if (sent < inputs.size() && shown.size() > answered && shown.ends_with("> ")) {
+      const std::string& in = inputs[sent++];
+      EXPECT_EQ(write(master, in.data(), in.size()), (ssize_t)in.size());
+      answered = shown.size();
+    }
+  }
+  close(master);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << shown;
+  return shown;
+}
+
+// On a terminal the prompt edits lines and recalls them with libedit: the up arrow brings back
+// the last message, where a plain read would take "^[[A" as the text.
+TEST_F(ChatCli, TerminalPromptRecallsHistory) {
+#ifndef KESTREL_HAVE_LIBEDIT
+  GTEST_SKIP() << "built without libedit: the chat reads plain lines";
+#endif
+  const std::string shown = on_terminal(
+      {kKestrel, "chat", "--device", "cpu", "-m", dir_->string(), "--temp", "0", "--template",
+       "raw", "-n", "4", "-q"},
+      {"the river\r", "\033[A\r", "\x04"});
+  size_t times = 0;
+  for (size_t at = shown.find("> the river"); at != std::string::npos;
+       at = shown.find("> the river", at + 1))
+    ++times;
+  EXPECT_EQ(times, 2u) << shown;
+  EXPECT_EQ(shown.find("^[[A"), std::string::npos) << shown;
+}
+
 TEST_F(ChatCli, OldestTurnsGoWhenTheContextFills) {
   const Result r = chat("the river is long\nthe mountain is high\nthe house is little\n"
                         "the water is deep\n",
@@ -200,6 +309,65 @@ TEST_F(ChatCli, BatchToAFileAndEmptyBatch) {
   EXPECT_EQ(e.code, 1);
   EXPECT_NE(e.err.find("no prompts"), std::string::npos) << e.err;
   EXPECT_EQ(std::count(e.err.begin(), e.err.end(), '\n'), 1) << e.err;
+}
+
+// -o is written whole or not at all, and never over the batch file it reads (under any path).
+TEST_F(ChatCli, BatchOutputIsNeverTheBatchFile) {
+  const fs::path f = scratch() / "chat_cli_same.jsonl";
+  const std::string prompts = "{\"prompt\": \"a b\", \"n_predict\": 2}\n";
+  write_file(f, prompts);
+  const fs::path link = scratch() / "chat_cli_same_link.jsonl";
+  fs::create_hard_link(f, link);
+  for (const fs::path& o : {f, scratch() / "." / f.filename(), link}) {
+    const Result r = run(kKestrel + " generate --device cpu -q -m " + dir_->string() +
+                         " --batch-file " + f.string() + " -o " + o.string());
+    EXPECT_EQ(r.code, 1);
+    EXPECT_EQ(r.err, "kestrel: -o " + o.string() + " is the batch file " + f.string() +
+                         "; write the results to another file\n");
+  }
+  std::ifstream in(f);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), prompts);
+}
+
+TEST_F(ChatCli, FailingBatchWriteLeavesTheOldResults) {
+  const fs::path f = scratch() / "chat_cli_fsize.jsonl";
+  const fs::path o = scratch() / "chat_cli_fsize.out";
+  write_file(f, "{\"prompt\": \"a b\", \"n_predict\": 2}\n");
+  write_file(o, "old results\n");
+  // Every file limited to 64 bytes, less than one result line: as a full disk.
+  kestrel::test::Child c({kKestrel, "generate", "--device", "cpu", "-q", "-m", dir_->string(),
+                          "--batch-file", f.string(), "-o", o.string()},
+                         64);
+  EXPECT_EQ(c.wait(), 1) << c.err;
+  EXPECT_NE(c.err.find(o.string() + ": write failed: File too large"), std::string::npos) << c.err;
+  std::ifstream in(o);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "old results\n");
+  EXPECT_EQ(kestrel::test::staging_leftovers(scratch()), std::vector<std::string>{});
+}
+
+// Ctrl-C in a batch: the old results stay as they were and the temporary is gone.
+TEST_F(ChatCli, InterruptedBatchLeavesTheOldResults) {
+  const fs::path f = scratch() / "chat_cli_interrupt.jsonl";
+  const fs::path o = scratch() / "chat_cli_interrupt.out";
+  std::string prompts;
+  for (int i = 0; i < 200; ++i) prompts += "{\"prompt\": \"the river\", \"n_predict\": 64}\n";
+  write_file(f, prompts);
+  write_file(o, "old results\n");
+  kestrel::test::Child c({kKestrel, "generate", "--device", "cpu", "-q", "--temp", "0",
+                          "--ignore-eos", "-m", dir_->string(), "--batch-file", f.string(), "-o",
+                          o.string()});
+  const fs::path tmp = kestrel::test::staged_temp(o, c.pid());
+  ASSERT_TRUE(c.wait_until([&] {
+    std::error_code ec;
+    return fs::file_size(tmp, ec) > 0 && !ec;  // a result line was written
+  })) << "no results appeared";
+  c.signal_it(SIGINT);
+  EXPECT_EQ(c.wait(), 130);
+  EXPECT_NE(c.err.find("interrupted"), std::string::npos) << c.err;
+  EXPECT_NE(c.err.find("nothing written to " + o.string()), std::string::npos) << c.err;
+  std::ifstream in(o);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "old results\n");
+  EXPECT_EQ(kestrel::test::staging_leftovers(scratch()), std::vector<std::string>{});
 }
 
 TEST_F(ChatCli, LogprobsInJson) {

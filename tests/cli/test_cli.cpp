@@ -163,7 +163,8 @@ TEST_F(Cli, BadCommandLinesGetOneLine) {
   struct Case {
     std::string args, what;
   } cases[] = {
-      {" generate --device cpu" + m + " -p hi -n 0", "--n-predict: must be at least 1, got 0"},
+      {" generate --device cpu" + m + " -p hi -n 0",
+       "--n-predict: must be -1 (up to the context) or between 1 and 1073741824, got 0"},
       {" generate --device cpu" + m + " -p hi -n many", "--n-predict: not a number: 'many'"},
       {" generate --device cpu" + m + " -p hi --temp -0.5", "--temp: must be at least 0, got -0.5"},
       {" generate --device cpu" + m + " -p hi --repeat-penalty 0", "--repeat-penalty: must be above 0"},
@@ -176,7 +177,7 @@ TEST_F(Cli, BadCommandLinesGetOneLine) {
       {" perplexity --device cpu" + m + " -f x.txt --chunks -1", "--chunks: must be at least 0"},
       {" generate --device cpu" + m + " -p hi --no-such-flag", "--no-such-flag"},
       {" generate -p hi", "--model"},
-      {"", "subcommand"},
+      {"", "a command is required"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.args);
@@ -230,6 +231,10 @@ TEST_F(Cli, BenchReportsEveryFormat) {
   const Result md = run(kKestrel + args);
   ASSERT_EQ(md.code, 0) << md.err;
   EXPECT_EQ(lines(md.out), 4) << md.out;  // header, rule, pp16, tg8
+  // Each row names the model by its directory, then its format.
+  const std::string row1 = md.out.substr(md.out.find('\n', md.out.find('\n') + 1) + 1);
+  EXPECT_EQ(row1.rfind("| " + dir_->filename().string() + " | GPTQ 4-bit g64 act-order ", 0), 0u)
+      << md.out;
   EXPECT_NE(md.out.find(" pp16 | "), std::string::npos) << md.out;
   EXPECT_NE(md.out.find(" tg8 | "), std::string::npos) << md.out;
   // Under a GiB and a billion: MiB and M, as llama-bench prints them.

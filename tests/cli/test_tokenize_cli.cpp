@@ -111,7 +111,7 @@ TEST(TokenizeCli, BadInputsAreOneLine) {
   expect_one_line_error(run(kKestrel + " tokenize -m /nonexistent/model -p hi"),
                         "/nonexistent/model");
   expect_one_line_error(run(cmd), "one of -p, -f or --messages");
-  expect_one_line_error(run(cmd + " -p hi -f x.txt"), "excludes");
+  expect_one_line_error(run(cmd + " -p hi -f x.txt"), "cannot be used together");
   const fs::path bad = write_file("bad.json", R"({"role": "user"})");
   expect_one_line_error(run(cmd + " --messages " + bad.string()), bad.string());
   const fs::path bad2 = write_file("bad2.json", R"([{"role": "user", "content": 3}])");

@@ -96,6 +96,35 @@ TEST(StopMatcher, EarliestStopWins) {
   EXPECT_TRUE(m.stopped());
 }
 
+// A reverse prompt (llama-cli's -r) ends the text after itself; one split over pushes is held
+// back until it completes, as a stop string is.
+TEST(StopMatcher, ReversePromptIsKept) {
+  StopMatcher m({}, {"User:"});
+  EXPECT_EQ(m.push("fine.\nUs"), "fine.\n");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.push("er: and more"), "User:");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.push("later"), "");
+  // The earliest of stop strings and reverse prompts decides.
+  StopMatcher both({"\n\n"}, {"Q:"});
+  EXPECT_EQ(both.push("a Q: b\n\n"), "a Q:");
+  StopMatcher stop_first({"\n\n"}, {"Q:"});
+  EXPECT_EQ(stop_first.push("a\n\nQ:"), "a");
+}
+
+// after_text: leading whitespace is passed on, never matched; the stops count after it.
+TEST(StopMatcher, AfterTextSkipsLeadingWhitespace) {
+  StopMatcher m({"\n\n"}, {}, /*after_text=*/true);
+  EXPECT_EQ(m.push("\n"), "\n");
+  EXPECT_EQ(m.push("\n Hello"), "\n Hello");
+  EXPECT_FALSE(m.stopped());
+  EXPECT_EQ(m.push(" world.\n\nNext"), " world.");
+  EXPECT_TRUE(m.stopped());
+  StopMatcher plain({"\n\n"});
+  EXPECT_EQ(plain.push("\n\n Hello"), "");
+  EXPECT_TRUE(plain.stopped());
+}
+
 TEST_F(Generate, StopStringEndsGenerationUnprinted) {
   const std::vector<int> prompt = tok_->encode("one");
   const std::vector<int> script = tok_->encode("the river is long and wide", false);
@@ -325,6 +354,33 @@ TEST_F(Generate, CachedPrefixRunsOnlyTheNewSuffix) {
   generate_cached(b, *tok_, p3, greedy(1));
   ASSERT_EQ(b.calls.size(), 1u);
   EXPECT_EQ(b.calls[0], std::make_pair((int)p3.size() - 1, 1));
+}
+
+TEST_F(Generate, ReversePromptEndsGenerationPrinted) {
+  const std::vector<int> prompt = tok_->encode("one");
+  const std::vector<int> script = tok_->encode("the river is long and wide", false);
+  ScriptedBackend b(tok_->vocab_size(), script);
+  GenerateOptions o = greedy(40);
+  o.reverse_prompts = {"long"};
+  std::string streamed;
+  const GenerateResult r =
+      generate(b, *tok_, prompt, o, [&](std::string_view s) { streamed += s; });
+  EXPECT_EQ(r.finish_reason, "stop");
+  ASSERT_GE(r.text.size(), 4u);
+  EXPECT_EQ(r.text.substr(r.text.size() - 4), "long") << r.text;
+  EXPECT_EQ(r.text.find("wide"), std::string::npos) << r.text;
+  EXPECT_EQ(streamed, r.text);
+}
+
+// max_new_tokens -1: up to the end of the context (256 positions here).
+TEST_F(Generate, MinusOneGeneratesUpToTheContext) {
+  ScriptedBackend b(tok_->vocab_size(), std::vector<int>(300, 5));
+  const std::vector<int> prompt(56, 5);
+  const GenerateResult r = generate(b, *tok_, prompt, greedy(-1));
+  EXPECT_EQ(r.finish_reason, "length");
+  EXPECT_EQ(r.ids.size(), 200u);
+  // A prompt that fills the context leaves no room for one token.
+  EXPECT_THROW(generate(b, *tok_, std::vector<int>(256, 5), greedy(-1)), Error);
 }
 
 TEST_F(Generate, ContextOverflowIsAnError) {

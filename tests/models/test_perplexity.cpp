@@ -82,8 +82,9 @@ class Perplexity : public ::testing::Test {
     delete text_;
   }
 
-  // The protocol, independently: returns {perplexity, windows}.
-  static std::pair<double, int> expected(int window, int max_windows) {
+  // The protocol, independently: returns {perplexity, windows}, and in `error` the standard
+  // error llama-perplexity gives it: ppl * sqrt((mean(nll^2) - mean(nll)^2) / (n - 1)).
+  static std::pair<double, int> expected(int window, int max_windows, double* error = nullptr) {
     const ModelSpec spec = load_model_spec(dir_->string());
     const std::unique_ptr<Tokenizer> owned = Tokenizer::load(dir_->string());
     const Tokenizer& tok = *owned;
@@ -97,7 +98,7 @@ class Perplexity : public ::testing::Test {
     auto cpu = cpu_model.new_cpu_session(window);
     const int vocab = spec.config.vocab;
     std::vector<float> all((size_t)window * vocab), last(vocab);
-    double nll = 0;
+    double nll = 0, nll2 = 0;
     long count = 0;
     for (int w = 0; w < windows; ++w) {
       cpu->forward(ids.data() + (size_t)w * window, window, 0, last.data(), all.data());
@@ -107,11 +108,15 @@ class Perplexity : public ::testing::Test {
         for (int j = 1; j < vocab; ++j) mx = std::max(mx, (double)l[j]);
         double s = 0;
         for (int j = 0; j < vocab; ++j) s += std::exp((double)l[j] - mx);
-        nll += std::log(s) + mx - l[ids[(size_t)w * window + i + 1]];
+        const double x = std::log(s) + mx - l[ids[(size_t)w * window + i + 1]];
+        nll += x;
+        nll2 += x * x;
         ++count;
       }
     }
-    return {std::exp(nll / count), windows};
+    const double mean = nll / count;
+    if (error) *error = std::exp(mean) * std::sqrt((nll2 / count - mean * mean) / (count - 1));
+    return {std::exp(mean), windows};
   }
 
   static nlohmann::json cli(const std::string& args) {
@@ -128,13 +133,17 @@ fs::path* Perplexity::dir_ = nullptr;
 fs::path* Perplexity::text_ = nullptr;
 
 TEST_F(Perplexity, CpuEqualsIndependentComputation) {
-  const auto [ppl, windows] = expected(64, 0);
+  double error = 0;
+  const auto [ppl, windows] = expected(64, 0, &error);
   ASSERT_GE(windows, 3) << "the test text should fill several windows";
   const nlohmann::json j = cli("--device cpu -c 64");
   EXPECT_EQ(j["windows"], windows);
   EXPECT_EQ(j["tokens_scored"], windows * 63);
   EXPECT_NEAR(j["perplexity"].get<double>() / ppl, 1.0, 1e-9) << j.dump();
   EXPECT_GT(ppl, 1.0);
+  // The +/- of the figure, as llama-perplexity estimates it.
+  EXPECT_GT(error, 0.0);
+  EXPECT_NEAR(j["perplexity_error"].get<double>() / error, 1.0, 1e-6) << j.dump();
 }
 
 TEST_F(Perplexity, ChunksLimitsTheWindows) {

@@ -11,7 +11,11 @@
 //   that kestrel generate runs, whose RTN weights equal those computed here from the FP16
 //   weights, and whose perplexity on the calibration text is close to the FP16 model's and
 //   below RTN's.
+// - The output is written whole or not at all: a non-empty --out is refused without --force,
+//   a write that fails (a file size limit, as a full disk) or Ctrl-C leaves the old checkpoint
+//   as it was and nothing beside it.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -24,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/child.h"
 #include "tests/support/gpu.h"
 #include "engine/base/device.h"
 #include "engine/base/dtype.h"
@@ -793,6 +798,108 @@ TEST_F(EndToEnd, ClearOneLineErrors) {
   fs::remove(short_text);
   fs::remove_all(rtn);
   fs::remove_all(out);
+}
+
+TEST_F(EndToEnd, NonEmptyOutNeedsForce) {
+  const fs::path dir = temp_dir("e2e_force");
+  const fs::path out = dir / "out";
+  fs::create_directories(out);
+  std::ofstream(out / "notes.txt") << "mine";
+  const std::string cmd = std::string(KESTREL_QUANTIZE_BIN) + " -m " + fp16_->string() +
+                          " --calib " + calib_->string() + " --out " + out.string() +
+                          " --method rtn --nsamples 4 --seqlen 128 --device cpu -q";
+  const Result refused = run(cmd);
+  EXPECT_EQ(refused.code, 1);
+  EXPECT_EQ(refused.err, "kestrel-quantize: " + out.string() +
+                             " is not empty; give --force to replace it\n");
+  EXPECT_THROW(quantize_model(options(out.string(), "rtn")), Error);
+  EXPECT_TRUE(fs::exists(out / "notes.txt"));
+
+  // --force replaces it with the new checkpoint, and nothing else is left.
+  const Result forced = run(cmd + " --force");
+  ASSERT_EQ(forced.code, 0) << forced.err;
+  EXPECT_FALSE(fs::exists(out / "notes.txt"));
+  EXPECT_TRUE(load_model_spec(out.string()).config.quant.has_value());
+  EXPECT_FALSE(fs::exists(out / ".kestrel-quantize-scratch"));
+  EXPECT_EQ(kestrel::test::staging_leftovers(dir), std::vector<std::string>{});
+
+  // An empty directory needs no --force; one holding the input model is refused even with it.
+  fs::remove_all(out);
+  fs::create_directories(out);
+  EXPECT_EQ(run(cmd).code, 0);
+  const fs::path holder = dir / "holder";
+  fs::create_directories(holder);
+  fs::copy(*fp16_, holder / "fp16");
+  QuantizeOptions o = options(holder.string(), "rtn");
+  o.model_dir = (holder / "fp16").string();
+  o.force = true;
+  try {
+    quantize_model(o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds the input model directory"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(fs::exists(holder / "fp16" / "model.safetensors"));
+  fs::remove_all(dir);
+}
+
+// The final write fails (each file limited to half of model.safetensors, as a full disk would
+// stop it): the checkpoint already at --out stays byte for byte, and the temporary goes.
+TEST_F(EndToEnd, FailingWriteLeavesTheOldCheckpoint) {
+  const fs::path dir = temp_dir("e2e_fsize");
+  const fs::path out = dir / "out";
+  fs::create_directories(dir);
+  quantize_model(options(out.string(), "rtn"));
+  const auto before = kestrel::test::snapshot(out);
+  const long limit = (long)fs::file_size(out / "model.safetensors") / 2;
+
+  kestrel::test::Child q({KESTREL_QUANTIZE_BIN, "-m", fp16_->string(), "--calib", calib_->string(),
+                          "--out", out.string(), "--force", "--bits", "8", "--nsamples", "8",
+                          "--seqlen", "128", "--device", "cpu", "-q"},
+                         limit);
+  EXPECT_EQ(q.wait(), 1) << q.err;
+  EXPECT_EQ(lines(q.err), 1) << q.err;
+  EXPECT_NE(q.err.find("model.safetensors: write failed: File too large; nothing written to " +
+                       out.string()),
+            std::string::npos)
+      << q.err;
+  EXPECT_EQ(kestrel::test::snapshot(out), before);
+  EXPECT_EQ(kestrel::test::staging_leftovers(dir), std::vector<std::string>{});
+  fs::remove_all(dir);
+}
+
+// Ctrl-C (and SIGTERM) while the layers are being quantized: one line says so, the exit code is
+// 128 + the signal, the old checkpoint stays, and the temporary with its scratch is gone.
+TEST_F(EndToEnd, InterruptLeavesNothing) {
+  const fs::path slow = synth_model("e2e_slow", 8, 3);  // 8 layers, 64 windows of 512 tokens
+  const fs::path dir = temp_dir("e2e_interrupt");
+  const fs::path out = dir / "out";
+  fs::create_directories(dir);
+  quantize_model(options(out.string(), "rtn"));
+  const auto before = kestrel::test::snapshot(out);
+
+  for (const int sig : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(sig);
+    const fs::path dest = sig == SIGINT ? out : dir / "new";  // an old one, or none
+    kestrel::test::Child q({KESTREL_QUANTIZE_BIN, "-m", slow.string(), "--calib", calib_->string(),
+                            "--out", dest.string(), "--force", "--nsamples", "64", "--seqlen",
+                            "512", "--device", "cpu", "-q"});
+    const fs::path scratch =
+        kestrel::test::staged_temp(dest, q.pid()) / ".kestrel-quantize-scratch";
+    ASSERT_TRUE(q.wait_until([&] {
+      std::error_code ec;
+      return !fs::is_empty(scratch, ec) && !ec;
+    })) << "no scratch file appeared";
+    q.signal_it(sig);
+    EXPECT_EQ(q.wait(), 128 + sig);
+    EXPECT_EQ(q.err, "kestrel-quantize: interrupted; nothing written to " + dest.string() + "\n");
+    EXPECT_EQ(kestrel::test::staging_leftovers(dir), std::vector<std::string>{});
+  }
+  EXPECT_EQ(kestrel::test::snapshot(out), before);
+  EXPECT_FALSE(fs::exists(dir / "new"));
+  fs::remove_all(dir);
+  fs::remove_all(slow);
 }
 
 }  // namespace

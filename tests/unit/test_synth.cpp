@@ -1,8 +1,11 @@
 // kestrel-synth: the directories it writes load with load_model_spec, hold GPTQ tensors in
-// the documented layout with the intended weight statistics, and are reproducible.
+// the documented layout with the intended weight statistics, and are reproducible; they are
+// written whole or not at all (a non-empty --out needs --force; a failed write or Ctrl-C leaves
+// the old model as it was).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <sentencepiece_processor.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -19,6 +22,7 @@
 #include "models/io/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/host_gptq.h"
+#include "tests/support/child.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/synth/synth.h"
 
@@ -42,6 +46,7 @@ class TempDir {
     fs::remove_all(path_, ec);
   }
   std::string sub(const std::string& name) const { return (path_ / name).string(); }
+  const fs::path& path() const { return path_; }
 
  private:
   fs::path path_;
@@ -449,6 +454,7 @@ TEST_F(SynthTest, CopiesAHuggingFaceTokenizer) {
     SCOPED_TRACE(given);
     SynthOptions o = tiny("hf_tokenizer");
     o.tokenizer = given;
+    o.force = true;  // the second replaces the first
     synth::write_model(o);
     EXPECT_TRUE(fs::exists(o.out + "/tokenizer.json"));
     EXPECT_FALSE(fs::exists(o.out + "/tokenizer.model"));
@@ -534,6 +540,78 @@ TEST_F(SynthTest, BadOptionsThrowBeforeWritingAnything) {
   o = tiny("bad");
   o.out = file + "/model";
   expect_error(o, "a_file");
+  o.out = file;
+  o.force = true;
+  expect_error(o, "exists and is not a directory");
+  EXPECT_EQ(kestrel::test::staging_leftovers(dir_->path()), std::vector<std::string>{});
+}
+
+TEST_F(SynthTest, NonEmptyOutNeedsForce) {
+  SynthOptions o = tiny("force/out");
+  o.n_layers = 1;
+  fs::create_directories(o.out);
+  synth::write_model(o);  // an empty directory needs no --force
+  std::ofstream(o.out + "/notes.txt") << "mine";
+  try {
+    synth::write_model(o);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), o.out + " is not empty; give --force to replace it");
+  }
+  EXPECT_TRUE(fs::exists(o.out + "/notes.txt"));
+  o.force = true;
+  o.n_layers = 2;
+  synth::write_model(o);
+  EXPECT_FALSE(fs::exists(o.out + "/notes.txt"));
+  EXPECT_EQ(load_model_spec(o.out).config.n_layers, 2);
+  EXPECT_EQ(kestrel::test::staging_leftovers(dir_->sub("force")), std::vector<std::string>{});
+}
+
+// The weights' write fails (each file limited to half of the old model.safetensors, as a full
+// disk would stop it): the model already at --out stays byte for byte, and nothing is left.
+TEST_F(SynthTest, FailingWriteLeavesTheOldModel) {
+  SynthOptions o = tiny("fsize/out");
+  o.n_layers = 1;
+  synth::write_model(o);
+  const auto before = kestrel::test::snapshot(o.out);
+  const long limit = (long)fs::file_size(o.out + "/model.safetensors") / 2;
+  kestrel::test::Child c({KESTREL_SYNTH_BIN, "--out", o.out, "--force", "--layers", "2",
+                          "--tokenizer", tokenizer_, "--quiet"},
+                         limit);
+  EXPECT_EQ(c.wait(), 1) << c.err;
+  EXPECT_EQ(std::count(c.err.begin(), c.err.end(), '\n'), 1) << c.err;
+  EXPECT_NE(c.err.find("model.safetensors: write failed: File too large; nothing written to " +
+                       o.out),
+            std::string::npos)
+      << c.err;
+  EXPECT_EQ(kestrel::test::snapshot(o.out), before);
+  EXPECT_EQ(kestrel::test::staging_leftovers(dir_->sub("fsize")), std::vector<std::string>{});
+}
+
+// Ctrl-C (and SIGTERM) while the weights are being written: one line says so, the exit code is
+// 128 + the signal, an old model stays as it was, and the temporary directory is gone.
+TEST_F(SynthTest, InterruptLeavesNothing) {
+  SynthOptions o = tiny("interrupt/out");
+  o.n_layers = 1;
+  synth::write_model(o);
+  const auto before = kestrel::test::snapshot(o.out);
+  for (const int sig : {SIGINT, SIGTERM}) {
+    SCOPED_TRACE(sig);
+    const std::string dest = sig == SIGINT ? o.out : dir_->sub("interrupt/new");
+    // About 190M parameters on one thread: seconds of work.
+    kestrel::test::Child c({KESTREL_SYNTH_BIN, "--out", dest, "--force", "--hidden", "1024",
+                            "--intermediate", "4096", "--layers", "8", "--heads", "8",
+                            "--kv-heads", "8", "--vocab", "32000", "--threads", "1",
+                            "--tokenizer", tokenizer_, "--quiet"});
+    const fs::path weights = kestrel::test::staged_temp(dest, c.pid()) / "model.safetensors";
+    ASSERT_TRUE(c.wait_until([&] { return fs::exists(weights); })) << "no weights file appeared";
+    c.signal_it(sig);
+    EXPECT_EQ(c.wait(), 128 + sig);
+    EXPECT_EQ(c.err, "kestrel-synth: interrupted; nothing written to " + dest + "\n");
+    EXPECT_EQ(kestrel::test::staging_leftovers(dir_->sub("interrupt")), std::vector<std::string>{});
+  }
+  EXPECT_EQ(kestrel::test::snapshot(o.out), before);
+  EXPECT_FALSE(fs::exists(dir_->sub("interrupt/new")));
 }
 
 }  // namespace

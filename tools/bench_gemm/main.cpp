@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/base/device.h"
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
@@ -295,7 +296,14 @@ int main(int argc, char** argv) {
   app.add_option("--workspace-mib", o.workspace_mib, "memory sweep: cuBLASLt workspaces, MiB")
       ->check(CLI::Range(0, 1024));
   app.add_option("--sweep-rows", o.sweep_rows, "memory sweep: token counts")->check(CLI::Range(1, 8192));
+  app.set_version_flag("--version", "kestrel-bench-gemm " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
+  // Without a GPU, say so as kestrel does (engine/base/device.h), not as the first CUDA call fails.
+  const kestrel::CudaStatus gpu = kestrel::cuda_status();
+  if (!gpu.usable) {
+    fmt::print(stderr, "kestrel-bench-gemm: {}; this benchmark measures GPU kernels\n", gpu.problem);
+    return 1;
+  }
   try {
     return kestrel::run(o);
   } catch (const std::exception& e) {

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/base/device.h"
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
 #include "kernels/common/cuda_utils.h"
@@ -495,7 +496,15 @@ int run(int argc, char** argv) {
   app.add_option("--group", o.group, "only this group size (32, 64, 128, -1)");
   app.add_flag("--loads", o.loads,
                "only the weight stream: loads-only kernels over steps in flight and row order");
+  app.set_version_flag("--version", "kestrel-bench-gemv " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
+  // Without a GPU, say so as kestrel does (engine/base/device.h), not as the first CUDA call fails.
+  const CudaStatus gpu = cuda_status();
+  if (!gpu.usable) {
+    std::fprintf(stderr, "kestrel-bench-gemv: %s; this benchmark measures GPU kernels\n",
+                 gpu.problem.c_str());
+    return 1;
+  }
 
   Bench b(o);
   b.measure_copy();

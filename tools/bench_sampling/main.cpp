@@ -32,6 +32,7 @@ int main(int argc, char** argv) {
   app.add_option("--sigma", sigmas, "standard deviations of the logits (repeatable)");
   std::string only;
   app.add_option("--only", only, "run only the configurations whose name contains this");
+  app.set_version_flag("--version", "kestrel-bench-sampling " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
 
   kestrel::SamplingParams def;  // Kestrel's defaults: temp 0.8, top-k 40, top-p 0.95, min-p 0.05

@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   app.add_option("--mb", mb, "megabytes of each file to use")->check(CLI::PositiveNumber);
   app.add_option("-r,--repeat", repeat, "runs per figure (the median is shown)")
       ->check(CLI::PositiveNumber);
+  app.set_version_flag("--version", "kestrel-bench-tokenizer " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
 
   try {

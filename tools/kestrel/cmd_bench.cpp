@@ -2,6 +2,7 @@
 // prompt tokens, one warm-up run, then r repetitions; every generated token is synchronised
 // and read back by the host, as in real generation. Reports mean and standard deviation.
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <fmt/format.h>
 #include <iostream>
@@ -44,24 +45,6 @@ Stat stats(const std::vector<double>& v) {
   return s;
 }
 
-// "4-bit g128 act-order GPTQ" / "F16".
-std::string describe(const ModelConfig& c) {
-  if (!c.quant) return dtype_name(c.dtype);
-  const QuantConfig& q = *c.quant;
-  return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
-                     q.group_size > 0 ? "g" + std::to_string(q.group_size) : "per-channel",
-                     q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
-}
-
-int64_t count_params(const ModelSpec& s) {
-  const ModelConfig& c = s.config;
-  int64_t per_layer = (int64_t)c.hidden * (c.q_dim() + 2 * c.kv_dim()) + (int64_t)c.q_dim() * c.hidden +
-                      3LL * c.hidden * c.intermediate + 2LL * c.hidden;
-  int64_t p = per_layer * c.n_layers + (int64_t)c.vocab * c.hidden + c.hidden;
-  if (s.lm_head != s.embed) p += (int64_t)c.vocab * c.hidden;
-  return p;
-}
-
 // One decode step, op by op: time, share and achieved bandwidth.
 void print_profile(const std::vector<OpTime>& ops) {
   if (ops.empty()) {
@@ -81,14 +64,12 @@ void print_profile(const std::vector<OpTime>& ops) {
                            "", "");
 }
 
-// Model size and parameter count as llama-bench prints them: MiB and M below a GiB and a
-// billion.
-std::string size_text(uint64_t bytes) {
-  return bytes < (1ull << 30) ? fmt::format("{:.2f} MiB", bytes / 1048576.0)
-                              : fmt::format("{:.2f} GiB", bytes / 1073741824.0);
-}
-std::string params_text(int64_t n) {
-  return n < 1000000000 ? fmt::format("{:.2f} M", n / 1e6) : fmt::format("{:.2f} B", n / 1e9);
+// "docs-llama-19m-gptq4" from "data/docs-llama-19m-gptq4/".
+std::string model_name(const std::string& dir) {
+  std::filesystem::path p = std::filesystem::path(dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  const std::string name = p.filename().string();
+  return name.empty() || name == "." ? dir : name;
 }
 
 int run_bench(BenchArgs a) {
@@ -136,13 +117,13 @@ int run_bench(BenchArgs a) {
 
   const ModelConfig& c = b.config();
   const uint64_t size_bytes = m.spec->files.total_bytes();
-  const int64_t params = count_params(*m.spec);
+  const int64_t params = count_params(c);
   const Stat p = stats(pp), g = stats(tg);
   const std::string backend = m.device == "cuda" ? "CUDA" : "CPU";
   if (a.output == "json") {
     nlohmann::json j;
     j["model"] = a.model.dir;
-    j["type"] = describe(c);
+    j["type"] = format_text(c);
     j["size_bytes"] = size_bytes;
     j["params"] = params;
     j["backend"] = backend;
@@ -168,20 +149,24 @@ int run_bench(BenchArgs a) {
     };
     auto row = [&](const std::string& test, Stat s) {
       std::cout << fmt::format("{},{},{},{},{},{},{},{:.2f},{:.2f}\n", field(a.model.dir),
-                               field(describe(c)), size_bytes, params, backend,
+                               field(format_text(c)), size_bytes, params, backend,
                                field(b.device_name()), test, s.mean, s.sd);
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
   } else {
-    std::cout << fmt::format("| {:<28} | {:>10} | {:>9} | {:<21} | {:>7} | {:>18} |\n", "model", "size",
-                             "params", "device", "test", "t/s");
-    std::cout << fmt::format("| {:-<28} | {:->10} | {:->9} | {:-<21} | {:->7} | {:->18} |\n", "", "", "", "",
-                             "", "");
+    // The model by its directory's name, as llama-bench names it by its file.
+    const std::string name = model_name(a.model.dir), type = format_text(c);
+    const size_t w = std::max<size_t>(name.size(), 5), wt = std::max<size_t>(type.size(), 4);
+    std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>7} | {:>18} |\n",
+                             "model", w, "type", wt, "size", "params", "device", "test", "t/s");
+    std::cout << fmt::format("| {:-<{}} | {:-<{}} | {:->10} | {:->9} | {:-<21} | {:->7} | {:->18} |\n",
+                             "", w, "", wt, "", "", "", "", "");
     auto row = [&](const std::string& test, Stat s) {
-      std::cout << fmt::format("| {:<28} | {:>10} | {:>9} | {:<21} | {:>7} | {:>9.2f} ± {:>6.2f} |\n",
-                               describe(c), size_text(size_bytes), params_text(params),
-                               b.device_name(), test, s.mean, s.sd);
+      std::cout << fmt::format(
+          "| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>7} | {:>9.2f} ± {:>6.2f} |\n", name, w,
+          type, wt, size_text(size_bytes), params_text(params), b.device_name(), test, s.mean,
+          s.sd);
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
@@ -209,11 +194,20 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* cmd = app.add_subcommand("bench", "measure prompt and generation tokens/s");
   add_model_options(cmd, a->model);
-  cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens (0 = skip)")->check(at_least(0));
-  cmd->add_option("-n,--n-gen", a->n_gen, "generated tokens (0 = skip)")->check(at_least(0));
-  cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")->check(at_least(1));
-  cmd->add_option("-o,--output", a->output, "md, json or csv")->check(CLI::IsMember({"md", "json", "csv"}));
-  cmd->add_option("--seed", a->seed, "seed of the random prompt tokens");
+  cmd->get_option("--ctx-size")->description("context length in tokens (0 = -p + -n)");
+  cmd->add_option("-p,--n-prompt", a->n_prompt, "prompt tokens (0 = skip)")
+      ->check(whole(0))
+      ->capture_default_str();
+  cmd->add_option("-n,--n-gen", a->n_gen, "generated tokens (0 = skip)")
+      ->check(whole(0))
+      ->capture_default_str();
+  cmd->add_option("-r,--repetitions", a->reps, "repetitions after the warm-up")
+      ->check(whole(1))
+      ->capture_default_str();
+  cmd->add_option("-o,--output", a->output, "md, json or csv")
+      ->check(CLI::IsMember({"md", "json", "csv"}))
+      ->capture_default_str();
+  cmd->add_option("-s,--seed", a->seed, "seed of the random prompt tokens")->capture_default_str();
   cmd->add_flag("--profile", a->profile,
                 "also time each op of one decode step (at the last position) against its bytes");
   // The CUDA decode path's tuning (models/tuning.h, docs/tuning.md), for comparing choices.

@@ -1,17 +1,17 @@
 // kestrel chat: a conversation in the terminal, in the model's chat format. Replies stream;
 // the K/V of the conversation so far stay in the session's cache, so each turn runs only
 // the tokens after the longest prefix it shares with what the cache holds. With stdin not
-// a terminal it reads messages line by line until EOF and writes only the replies to stdout.
+// a terminal it reads messages line by line until EOF and writes only the replies to stdout;
+// on one, lines are edited and recalled with libedit (line_editor.h).
 #include <fmt/format.h>
-#include <signal.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <iostream>
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
+#include "tools/kestrel/line_editor.h"
 #include "engine/base/error.h"
 #include "engine/generate.h"
 #include "tokenizer/chat_template.h"
@@ -20,26 +20,22 @@ namespace kestrel::cli {
 
 namespace {
 
-std::atomic<bool> g_interrupted{false};
-extern "C" void on_sigint(int) { g_interrupted.store(true); }
-
-// SIGINT sets the flag that a reply polls between tokens. Without SA_RESTART a read waiting
-// at the prompt returns, so Ctrl-C there ends the session.
-void install_sigint() {
-  struct sigaction sa {};
-  sa.sa_handler = on_sigint;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = 0;
-  sigaction(SIGINT, &sa, nullptr);
-}
+// A reply in the raw template (a base model, or --template raw) has no end-of-turn token to
+// end it: unless -r says where it ends, it ends at a blank line, and unless -n says otherwise
+// after this many tokens.
+constexpr int kRawReplyTokens = 256;
+const char* const kRawReplyEnd = "\n\n";
 
 struct ChatArgs {
   ModelOptions model;
-  int n_predict = -1;
+  int n_predict = -1;    // -1 = up to the context
+  bool n_given = false;  // -n on the command line
   SamplingOptions sampling;
   std::string chat_template = "auto";
   std::optional<std::string> system;
+  bool escape = false;
   bool quiet = false;
+  bool verbose = false;
 };
 
 const char* kHelp =
@@ -61,7 +57,7 @@ std::string trim(std::string_view s) {
 
 class ChatSession {
  public:
-  ChatSession(const ChatArgs& a) : a_(a) {
+  ChatSession(const ChatArgs& a) : a_(a), editor_(isatty(STDIN_FILENO) != 0) {
     interactive_ = isatty(STDIN_FILENO) != 0;
     const char* no_color = std::getenv("NO_COLOR");
     color_ = interactive_ && isatty(STDOUT_FILENO) && !(no_color && *no_color);
@@ -77,12 +73,37 @@ class ChatSession {
     ctx_ = m_.session->context_length();
     base_ = resolve_sampling(a_.model.dir, a_.sampling);
     if (a_.system) msgs_.push_back({"system", *a_.system});
+    n_predict_ = a_.n_predict;
+    stops_ = a_.sampling.stop;
+    if (tmpl_->format() == ChatFormat::raw && !tmpl_->is_jinja()) {
+      // No end-of-turn token: a blank line ends a reply unless -r says otherwise, and a reply
+      // has a cap unless -n says otherwise. Said once.
+      std::vector<std::string> ends;
+      if (a_.sampling.reverse.empty()) {
+        stops_.push_back(kRawReplyEnd);
+        ends.push_back("at a blank line");
+      }
+      if (!a_.n_given) {
+        n_predict_ = kRawReplyTokens;
+        ends.push_back(fmt::format("after {} tokens", kRawReplyTokens));
+      }
+      if (!ends.empty())
+        info(fmt::format("note: the raw template has no end of turn: a reply ends {}{} (-r STR "
+                         "ends it after STR, -n N after N tokens, -n -1 at the context)",
+                         ends[0], ends.size() > 1 ? " or " + ends[1] : ""));
+    }
     if (base_.temperature > 0) info(fmt::format("seed: {}", base_.seed));
+    if (a_.verbose)
+      info(fmt::format("device: {}, context {}\ntemplate: {}\nsampling: {}\nreply: {}",
+                       m_.session->device_name(), ctx_, tmpl_->describe(),
+                       describe_sampling(base_),
+                       n_predict_ > 0 ? fmt::format("at most {} tokens", n_predict_)
+                                      : std::string("up to the context")));
     if (interactive_)
       info(fmt::format("chatting with {} ({}, context {}). /help lists the commands, "
                        "Ctrl-C stops a reply, /exit or Ctrl-D ends.",
                        a_.model.dir, tmpl_->describe(), ctx_));
-    install_sigint();
+    catch_sigint();
 
     std::string msg;
     while (read_message(msg)) {
@@ -107,15 +128,12 @@ class ChatSession {
   }
 
   bool read_line(std::string& line, const char* prompt) {
-    if (interactive_) {
-      std::cout << (color_ ? "\033[1m" : "") << prompt << (color_ ? "\033[0m\033[32m" : "")
-                << std::flush;
-    }
-    const bool ok = static_cast<bool>(std::getline(std::cin, line));
+    std::string shown;
+    if (interactive_)
+      shown = std::string(color_ ? "\033[1m" : "") + prompt + (color_ ? "\033[0m\033[32m" : "");
+    const bool ok = editor_.read(line, shown);
     if (color_) std::cout << "\033[0m" << std::flush;
-    if (!ok || g_interrupted.load()) return false;
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    return true;
+    return ok && !interrupted();
   }
 
   // One message: a line, lines joined by a trailing backslash, or a """ block. False at the
@@ -131,12 +149,12 @@ class ChatSession {
         lines.push_back(line);
       }
       for (size_t i = 0; i < lines.size(); ++i) msg += (i ? "\n" : "") + lines[i];
-      return !g_interrupted.load();
+      return !interrupted();
     }
     while (!line.empty() && line.back() == '\\') {
       line.pop_back();
       msg += line + "\n";
-      if (!read_line(line, "... ")) return !g_interrupted.load() && (msg.pop_back(), true);
+      if (!read_line(line, "... ")) return !interrupted() && (msg.pop_back(), true);
     }
     msg += line;
     return true;
@@ -182,7 +200,7 @@ class ChatSession {
   // Drops the oldest exchanges (the system prompt stays) until the conversation and room for
   // a reply fit the context; false when even the last message alone does not.
   bool fit(std::vector<int>& ids) {
-    const int room = a_.n_predict > 0 ? std::min(a_.n_predict, ctx_ / 2) : std::max(ctx_ / 4, 1);
+    const int room = n_predict_ > 0 ? std::min(n_predict_, ctx_ / 2) : std::max(ctx_ / 4, 1);
     const size_t first = (!msgs_.empty() && msgs_[0].role == "system") ? 1 : 0;
     int dropped = 0;
     ids = tmpl_->tokenize(msgs_, true);
@@ -212,12 +230,14 @@ class ChatSession {
     opt.sampling = base_;
     opt.sampling.seed = base_.seed + turns_;  // /regen at a temperature draws a new reply
     opt.max_new_tokens = ctx_ - (int)ids.size();
-    if (a_.n_predict > 0) opt.max_new_tokens = std::min(opt.max_new_tokens, a_.n_predict);
-    opt.stop = a_.sampling.stop;
+    if (n_predict_ > 0) opt.max_new_tokens = std::min(opt.max_new_tokens, n_predict_);
+    opt.stop = stops_;
     for (const std::string& s : tmpl_->stop_strings()) opt.stop.push_back(s);
+    opt.reverse_prompts = a_.sampling.reverse;
+    opt.stops_after_text = true;  // the reply's leading whitespace is not shown either
     opt.stop_ids = tmpl_->stop_ids();
     opt.ignore_eos = a_.sampling.ignore_eos;
-    opt.cancelled = [] { return g_interrupted.load(); };
+    opt.cancelled = [] { return interrupted(); };
 
     bool started = false;  // leading whitespace of a reply is not shown
     auto stream = [&](std::string_view s) {
@@ -228,9 +248,9 @@ class ChatSession {
       }
       std::cout << s << std::flush;
     };
-    g_interrupted.store(false);
+    take_interrupt();
     const GenerateResult r = generate_cached(*m_.session, *m_.tok, ids, opt, stream);
-    const bool stopped = g_interrupted.exchange(false);
+    const bool stopped = take_interrupt();
     std::cout << "\n" << std::flush;
     ++turns_;
     add_result(perf_, r);
@@ -262,12 +282,15 @@ class ChatSession {
   }
 
   const ChatArgs& a_;
+  LineEditor editor_;  // line editing and history on a terminal (libedit)
   bool interactive_ = false, color_ = false;
   LoadedModel m_;
   std::optional<ChatTemplate> tmpl_;
   int ctx_ = 0;
   SamplingParams base_;
   std::vector<ChatMessage> msgs_;
+  int n_predict_ = -1;             // a reply's most tokens (-1 = up to the context)
+  std::vector<std::string> stops_;  // -r and --stop, and a blank line in the raw template
   int turns_ = 0;
   Perf perf_;
   std::optional<GenerateResult> last_;
@@ -281,16 +304,31 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
   add_model_options(cmd, a->model);
   cmd->add_option("--template", a->chat_template,
                   "chat template: auto (the model's own, from tokenizer_config.json), a .jinja "
-                  "file, or a built-in format: llama2, mistral, zephyr, chatml, vicuna, raw");
+                  "file, or a built-in format: llama2, mistral, zephyr, chatml, vicuna, raw")
+      ->capture_default_str();
   cmd->add_option("--system", a->system, "system prompt");
-  cmd->add_option("-n,--n-predict", a->n_predict, "most tokens per reply (-1 = up to the context)")
-      ->check(between(-1, 1 << 30));
+  auto* n = cmd->add_option("-n,--n-predict", a->n_predict,
+                            fmt::format("most tokens per reply (-1 = up to the context; default "
+                                        "-1, {} with the raw template)",
+                                        kRawReplyTokens))
+                ->check(token_count());
   add_sampling_options(cmd, a->sampling);
-  cmd->add_flag("-q,--quiet", a->quiet, "no notes, statistics or performance block on stderr");
-  cmd->callback([a, &action] {
+  cmd->add_flag("-e,--escape", a->escape,
+                "process escapes (\\n, \\t, \\xHH, ...) in --system, --stop and -r");
+  auto* quiet =
+      cmd->add_flag("-q,--quiet", a->quiet, "no notes, statistics or performance block on stderr");
+  cmd->add_flag("--verbose", a->verbose, "also print the device, the template and the sampling")
+      ->excludes(quiet);
+  cmd->callback([a, n, &action] {
+    a->n_given = n->count() > 0;
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);
+      if (a->escape) {
+        if (a->system) a->system = process_escapes(*a->system);
+        for (std::string& s : a->sampling.stop) s = process_escapes(s);
+        for (std::string& s : a->sampling.reverse) s = process_escapes(s);
+      }
       return ChatSession(*a).run();
     };
   });

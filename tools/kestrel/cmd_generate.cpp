@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,7 @@
 #include "engine/base/error.h"
 #include "engine/generate.h"
 #include "engine/base/progress.h"
+#include "engine/base/staged_output.h"
 #include "tokenizer/chat_template.h"
 
 namespace kestrel::cli {
@@ -26,7 +28,7 @@ struct GenerateArgs {
   std::string prompt_file;
   std::string batch_file;
   std::string output;
-  int n_predict = 128;
+  int n_predict = 128;  // -1 = up to the end of the context
   SamplingOptions sampling;
   bool chat = false;
   std::string chat_template = "auto";
@@ -34,6 +36,10 @@ struct GenerateArgs {
   int logprobs = 0;
   bool json = false;
   bool quiet = false;
+  bool verbose = false;
+  bool escape = false;             // -e: \n and the like in the prompt and the strings
+  bool no_display_prompt = false;  // the streamed text leaves the prompt out
+  bool prompt_given = false;       // -p, even empty
 };
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
@@ -56,10 +62,12 @@ std::optional<ChatTemplate> chat_template(const GenerateArgs& a, const LoadedMod
   return t;
 }
 
+// -n -1 (up to the end of the context) needs room for one token.
 void check_fits(int n_prompt, int n_predict, int ctx) {
-  if (n_prompt + n_predict > ctx)
+  const int need = n_predict < 0 ? 1 : n_predict;
+  if (n_prompt + need > ctx)
     throw Error("prompt (" + std::to_string(n_prompt) + " tokens) plus " +
-                std::to_string(n_predict) + " new tokens exceed the context of " +
+                std::to_string(need) + " new tokens exceed the context of " +
                 std::to_string(ctx) + " tokens; shorten the prompt, lower -n or raise -c");
 }
 
@@ -94,8 +102,10 @@ GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemp
   opt.max_new_tokens = a.n_predict;
   opt.sampling = resolve_sampling(a.model.dir, a.sampling);
   opt.stop = a.sampling.stop;
+  opt.reverse_prompts = a.sampling.reverse;
   opt.ignore_eos = a.sampling.ignore_eos;
   opt.logprobs = a.logprobs;
+  opt.cancelled = [] { return interrupted(); };
   if (tmpl) {
     for (const std::string& s : tmpl->stop_strings()) opt.stop.push_back(s);
     opt.stop_ids = tmpl->stop_ids();
@@ -103,11 +113,31 @@ GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemp
   return opt;
 }
 
+// --verbose: what the run is made of, on stderr.
+void print_verbose(const LoadedModel& m, const GenerateOptions& opt, const std::vector<int>& ids) {
+  std::string s = fmt::format("device: {}, context {}", m.session->device_name(),
+                              m.session->context_length());
+  if (m.device == "cpu") s += fmt::format(", {} OpenBLAS threads", openblas_threads());
+  s += fmt::format("\nprompt: {} tokens:", ids.size());
+  for (int id : ids) s += fmt::format(" {}", id);
+  s += fmt::format("\nsampling: {}\nnew tokens: {}", describe_sampling(opt.sampling),
+                   opt.max_new_tokens < 0 ? std::string("up to the end of the context")
+                                          : fmt::format("at most {}", opt.max_new_tokens));
+  const nlohmann::json stops = opt.stop, reverse = opt.reverse_prompts;
+  if (!opt.stop.empty()) s += "\nstop strings: " + dump(stops);
+  if (!opt.reverse_prompts.empty()) s += "\nreverse prompts: " + dump(reverse);
+  if (opt.ignore_eos) s += "\nend-of-sequence ignored";
+  std::cerr << s << "\n" << std::flush;
+}
+
 int run_single(const GenerateArgs& a) {
   std::string prompt = a.prompt;
   if (!a.prompt_file.empty()) {
     prompt = read_text_file(a.prompt_file);
     if (prompt.empty()) throw Error(a.prompt_file + ": the prompt file is empty");
+    if (a.escape) prompt = process_escapes(prompt);
+  } else if (a.prompt_given && prompt.empty()) {
+    throw Error("the prompt is empty");
   }
   if (prompt.empty()) throw Error("no prompt: give -p TEXT, -f FILE or --batch-file FILE");
 
@@ -120,17 +150,20 @@ int run_single(const GenerateArgs& a) {
   perf.load_ms = m.load_ms;
 
   const GenerateOptions opt = base_options(a, tmpl);
+  if (a.verbose) print_verbose(m, opt, ids);
   if (!a.json && !a.quiet && opt.sampling.temperature > 0)
     std::cerr << "seed: " << opt.sampling.seed << "\n";
 
   std::function<void(std::string_view)> stream;
   if (!a.json) {
-    if (!tmpl) std::cout << prompt;
+    if (!tmpl && !a.no_display_prompt) std::cout << prompt;
     std::cout << std::flush;
     stream = [](std::string_view s) { std::cout << s << std::flush; };
   }
+  catch_sigint();  // Ctrl-C ends the text, not the program: the block below still prints
   const GenerateResult r = generate(*m.session, *m.tok, ids, opt, stream);
   add_result(perf, r);
+  const bool stopped = take_interrupt();
 
   if (a.json) {
     json j;
@@ -149,7 +182,12 @@ int run_single(const GenerateArgs& a) {
   } else {
     std::cout << "\n" << std::flush;
   }
-  if (!a.quiet) print_perf(perf, m.session->device_name());
+  if (!a.quiet || stopped) print_perf(perf, m.session->device_name());
+  if (stopped) {
+    std::cerr << fmt::format("kestrel: interrupted after {} generated token{}\n", r.ids.size(),
+                             r.ids.size() == 1 ? "" : "s");
+    return 130;
+  }
   return 0;
 }
 
@@ -170,8 +208,12 @@ BatchItem parse_line(const std::string& text, int line) {
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::exception& e) {
-    it.error = std::string("not valid JSON: ") + e.what();
+  } catch (const json::parse_error& e) {
+    it.error = e.byte <= text.size() ? fmt::format("not valid JSON (error at column {})", e.byte)
+                                     : std::string("not valid JSON (it ends early)");
+    return it;
+  } catch (const json::out_of_range&) {
+    it.error = "not valid JSON (a number too large to represent)";
     return it;
   }
   if (!j.is_object()) {
@@ -244,6 +286,10 @@ BatchItem parse_line(const std::string& text, int line) {
 }
 
 int run_batch(const GenerateArgs& a) {
+  std::error_code ec;
+  if (!a.output.empty() && std::filesystem::equivalent(a.output, a.batch_file, ec))
+    throw Error(fmt::format("-o {} is the batch file {}; write the results to another file",
+                            a.output, a.batch_file));
   std::ifstream in(a.batch_file, std::ios::binary);
   if (!in) throw Error(a.batch_file + ": cannot open file");
   std::vector<BatchItem> items;
@@ -255,12 +301,17 @@ int run_batch(const GenerateArgs& a) {
   }
   if (items.empty()) throw Error(a.batch_file + ": the batch file has no prompts");
 
-  std::ofstream file;
+  // -o: the results go to a temporary file beside it, renamed over it once every line ran;
+  // a failure or Ctrl-C leaves it as it was.
+  std::optional<StagedFile> file;
   if (!a.output.empty()) {
-    file.open(a.output, std::ios::binary | std::ios::trunc);
-    if (!file) throw Error(a.output + ": cannot write file");
+    remove_staged_outputs_on_signals("kestrel");
+    file.emplace(a.output);
   }
-  std::ostream& out = a.output.empty() ? std::cout : file;
+  auto out = [&file](const std::string& line) {
+    if (file) file->write(line);
+    else std::cout << line << std::flush;
+  };
   std::vector<std::string> failures;
   auto fail = [&](BatchItem& it, const std::string& why) {
     it.error = why;
@@ -298,7 +349,11 @@ int run_batch(const GenerateArgs& a) {
   Progress bar("prompts", runnable, "prompts", !a.quiet && runnable > 0);
   int done = 0;
   const size_t reported = failures.size();
+  // Ctrl-C stops the prompt being generated (its line says "cancelled") and the rest.
+  catch_sigint();
+  bool stopped = false;
   for (BatchItem& it : items) {
+    if (stopped) break;
     json j;
     j["line"] = it.line;
     if (!it.id.is_null()) j["id"] = it.id;
@@ -326,18 +381,26 @@ int run_batch(const GenerateArgs& a) {
         j["seed"] = opt.sampling.seed;
         j["timings"] = timings_json(r);
         if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
+        stopped = take_interrupt();
       } catch (const Error& e) {
         m.session->cached.clear();
         fail(it, e.what());
       }
-      bar.update(++done);
+      if (!stopped) bar.update(++done);
     }
     if (!it.error.empty()) j["error"] = it.error;
-    out << dump(j) << "\n" << std::flush;
+    out(dump(j) + "\n");
   }
   bar.finish();
+  // Interrupted, -o keeps what it held (the lines written so far are in its temporary).
+  if (file && !stopped) file->commit();
   for (size_t i = reported; i < failures.size(); ++i) std::cerr << "kestrel: " << failures[i] << "\n";
-  if (!a.quiet && runnable > 0) print_perf(perf, m.session->device_name());
+  if ((!a.quiet || stopped) && runnable > 0) print_perf(perf, m.session->device_name());
+  if (stopped) {
+    std::cerr << fmt::format("kestrel: interrupted after {} of {} prompts{}\n", done, runnable,
+                             file ? "; nothing written to " + a.output : std::string());
+    return 130;
+  }
 
   int n_failed = 0;
   for (const BatchItem& it : items) n_failed += !it.error.empty();
@@ -357,29 +420,57 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
   add_model_options(cmd, a->model);
   auto* p = cmd->add_option("-p,--prompt", a->prompt, "prompt text");
   auto* f = cmd->add_option("-f,--file", a->prompt_file, "read the prompt from a file")->excludes(p);
-  cmd->add_option("--batch-file", a->batch_file,
-                  "JSONL file: one {\"prompt\": ...} per line, one JSON result per line out")
-      ->excludes(p)
-      ->excludes(f);
-  cmd->add_option("-o,--output", a->output, "with --batch-file: write the results to a file");
-  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate")->check(at_least(1));
+  auto* batch =
+      cmd->add_option("--batch-file", a->batch_file,
+                      "JSONL file: one {\"prompt\": ...} per line, one JSON result per line out")
+          ->excludes(p)
+          ->excludes(f);
+  auto* o = cmd->add_option("-o,--output", a->output, "with --batch-file: write the results to a file");
+  cmd->add_option("-n,--n-predict", a->n_predict, "tokens to generate (-1 = up to the context)")
+      ->check(token_count())
+      ->capture_default_str();
   add_sampling_options(cmd, a->sampling);
-  cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
-  cmd->add_option("--template", a->chat_template,
-                  "chat template for --chat: auto (the model's own), a .jinja file, llama2, "
-                  "mistral, zephyr, chatml, vicuna, raw");
-  cmd->add_option("--system", a->system, "system prompt for --chat");
-  cmd->add_option("--logprobs", a->logprobs,
-                  "with --json or --batch-file: top-N log-probabilities of each generated token")
-      ->check(between(0, 100));
-  cmd->add_flag("--json", a->json, "print one JSON object instead of streaming text");
-  cmd->add_flag("-q,--quiet", a->quiet, "no notes, progress or statistics on stderr");
-  cmd->callback([a, &action] {
+  auto* chat =
+      cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
+  auto* tmpl = cmd->add_option("--template", a->chat_template,
+                               "chat template for --chat: auto (the model's own), a .jinja file, "
+                               "llama2, mistral, zephyr, chatml, vicuna, raw")
+                   ->capture_default_str();
+  auto* system = cmd->add_option("--system", a->system, "system prompt for --chat");
+  auto* logprobs =
+      cmd->add_option("--logprobs", a->logprobs,
+                      "with --json or --batch-file: top-N log-probabilities of each generated token")
+          ->check(whole(0, 100));
+  auto* json = cmd->add_flag("--json", a->json, "print one JSON object instead of streaming text");
+  cmd->add_flag("-e,--escape", a->escape,
+                "process escapes (\\n, \\r, \\t, \\', \\\", \\\\, \\xHH) in the prompt, "
+                "--system, --stop and -r");
+  auto* no_display = cmd->add_flag("--no-display-prompt", a->no_display_prompt,
+                                   "print only the generated text, not the prompt before it");
+  auto* quiet = cmd->add_flag("-q,--quiet", a->quiet, "no notes, progress or statistics on stderr");
+  cmd->add_flag("--verbose", a->verbose,
+                "also print the device, the prompt's ids, the sampling and the stops on stderr")
+      ->excludes(quiet);
+  cmd->callback([a, p, o, batch, chat, tmpl, system, logprobs, json, no_display, &action] {
+    a->prompt_given = p->count() > 0;
+    // Options that would do nothing here are refused, not ignored.
+    auto refuse = [](const std::string& what) { throw CLI::ValidationError(what); };
+    if (o->count() && !batch->count()) refuse("-o FILE goes with --batch-file");
+    if (system->count() && !chat->count()) refuse("--system goes with --chat");
+    if (tmpl->count() && !chat->count()) refuse("--template goes with --chat");
+    if (logprobs->count() && !json->count() && !batch->count())
+      refuse("--logprobs goes with --json or --batch-file (streamed text has no room for it)");
+    if (no_display->count() && (json->count() || batch->count()))
+      refuse("--no-display-prompt goes with streamed text, not --json or --batch-file");
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);
-      if (!a->output.empty() && a->batch_file.empty())
-        throw Error("-o FILE goes with --batch-file");
+      if (a->escape) {
+        a->prompt = process_escapes(a->prompt);
+        if (a->system) a->system = process_escapes(*a->system);
+        for (std::string& s : a->sampling.stop) s = process_escapes(s);
+        for (std::string& s : a->sampling.reverse) s = process_escapes(s);
+      }
       return a->batch_file.empty() ? run_single(*a) : run_batch(*a);
     };
   });

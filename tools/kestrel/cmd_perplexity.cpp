@@ -5,6 +5,8 @@
 // The protocol is engine/perplexity.h; on the GPU the log-softmax runs on the device and only
 // one float per token reaches the host.
 #include <fmt/format.h>
+
+#include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -25,12 +27,15 @@ struct PerplexityArgs {
 };
 
 int run_perplexity(const PerplexityArgs& a) {
-  ModelOptions mo = a.model;
-  const int window = mo.context > 0 ? mo.context : 2048;
-  if (window < 2) throw Error(fmt::format("-c {}: a window needs at least 2 tokens", window));
-  mo.context = window;
+  const ModelOptions& mo = a.model;
+  if (mo.context == 1) throw Error("-c 1: a window needs at least 2 tokens");
   const std::string text = read_text_file(a.file);
-  LoadedModel m = load_model(mo, a.json);
+  LoadedModel m = open_model(mo, a.json);
+  // The default window: 2048 tokens, or the model's context where that is shorter (a model
+  // scored past its max_position_embeddings gives a meaningless figure).
+  const int window = mo.context > 0 ? mo.context : std::min(2048, context_length(m, mo));
+  m.context = window;
+  load_weights(m, mo, a.json);
   Session& b = *m.session;
 
   std::vector<int> tokens = m.tok->encode(text, /*with_specials=*/false);
@@ -55,13 +60,16 @@ int run_perplexity(const PerplexityArgs& a) {
     j["tokens_scored"] = r.predictions;
     j["mean_nll"] = r.mean_nll;
     j["perplexity"] = r.ppl;
+    j["perplexity_error"] = r.ppl_error;
     j["seconds"] = r.seconds;
     j["tokens_per_s"] = tokens_per_s;
     std::cout << j.dump(2) << "\n";
   } else {
     std::cout << fmt::format(
-        "perplexity: {:.4f} ({} of {} windows of {} tokens, {} predicted; {:.1f} s, {:.0f} tokens/s)\n",
-        r.ppl, r.windows, r.windows_available, window, r.predictions, r.seconds, tokens_per_s);
+        "perplexity: {:.4f} +/- {:.5f} ({} of {} windows of {} tokens, {} predicted; {:.1f} s, "
+        "{:.0f} tokens/s)\n",
+        r.ppl, r.ppl_error, r.windows, r.windows_available, window, r.predictions, r.seconds,
+        tokens_per_s);
   }
   return 0;
 }
@@ -71,13 +79,15 @@ int run_perplexity(const PerplexityArgs& a) {
 void register_perplexity(CLI::App& app, std::function<int()>& action) {
   auto a = std::make_shared<PerplexityArgs>();
   CLI::App* cmd = app.add_subcommand(
-      "perplexity", "perplexity of a text file in windows of -c tokens (default 2048)");
+      "perplexity", "perplexity of a text file in windows of -c tokens");
   add_model_options(cmd, a->model);
   // Here -c is the window length (and the context the model is loaded with).
-  cmd->get_option("--ctx-size")->description("window length in tokens (0 = 2048)");
+  cmd->get_option("--ctx-size")
+      ->description("window length in tokens (0 = 2048, or the model's context when shorter)");
   cmd->add_option("-f,--file", a->file, "text file (tokenized once, BOS at the start)")->required();
   cmd->add_option("--chunks", a->chunks, "score only the first N windows (0 = all)")
-      ->check(at_least(0));
+      ->check(whole(0))
+      ->capture_default_str();
   cmd->add_flag("--json", a->json, "print one JSON object instead of a line");
   cmd->callback([a, &action] { action = [a] { return run_perplexity(*a); }; });
 }

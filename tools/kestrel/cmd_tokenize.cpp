@@ -33,11 +33,16 @@ struct TokenizeArgs {
 
 // An OpenAI-style conversation: [{"role": ..., "content": ...}, ...].
 std::vector<ChatMessage> read_messages(const std::string& path) {
+  const std::string text = read_text_file(path);
   json j;
   try {
-    j = json::parse(read_text_file(path));
-  } catch (const json::exception& e) {
-    throw Error(fmt::format("{}: malformed JSON ({})", path, e.what()));
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw Error(e.byte <= text.size()
+                    ? fmt::format("{}: not valid JSON (error at byte {})", path, e.byte)
+                    : fmt::format("{}: not valid JSON (it ends early)", path));
+  } catch (const json::out_of_range&) {
+    throw Error(path + ": not valid JSON (a number too large to represent)");
   }
   if (!j.is_array()) throw Error(path + ": expected a list of {\"role\", \"content\"} messages");
   std::vector<ChatMessage> msgs;

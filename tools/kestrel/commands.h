@@ -11,5 +11,6 @@ void register_bench(CLI::App& app, std::function<int()>& action);
 void register_chat(CLI::App& app, std::function<int()>& action);
 void register_perplexity(CLI::App& app, std::function<int()>& action);
 void register_tokenize(CLI::App& app, std::function<int()>& action);
+void register_info(CLI::App& app, std::function<int()>& action);
 
 }  // namespace kestrel::cli

@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,11 +24,28 @@ namespace kestrel::cli {
 CLI::Validator at_least(double lo);
 CLI::Validator above(double lo);
 CLI::Validator between(double lo, double hi);  // lo <= value <= hi
+// For an integer option: a whole number in [lo, hi] ("--top-k: must be between 0 and
+// 2147483647, got 99999999999999"), checked before CLI11 converts it, which would say only
+// "Could not convert".
+CLI::Validator whole(int64_t lo, int64_t hi = INT32_MAX);
+// -n: -1 (up to the end of the context) or a count of at least 1.
+CLI::Validator token_count();
+
+// A command-line mistake as one plain line without the "kestrel: " ("unknown option -ngl",
+// "--prompt needs a value"); `cmd` is the subcommand being parsed, or the app.
+std::string parse_error_message(const CLI::ParseError& e, const CLI::App& app);
+// "unknown option -ngl", with a word on why where it is one of llama.cpp's.
+std::string unknown_option_message(const std::string& opt);
+// The first argument of argv[first..] that CLI11 would read as a short option with its value
+// glued on but that is a multi-letter option of llama.cpp's (-ngl 99 would read as -n gl):
+// "-ngl". Empty when there is none.
+std::string unknown_short_option(const CLI::App& cmd, int argc, char** argv, int first);
 
 struct ModelOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda
   int context = 0;              // 0 = the model's max_position_embeddings
+  int threads = 0;              // CPU engine: OpenBLAS threads (0 = OpenBLAS's default)
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& o);
@@ -39,20 +57,24 @@ struct LoadedModel {
   std::unique_ptr<Session> session;  // the command's sequence over the model
   std::string device;  // "cpu" or "cuda"
   double load_ms = 0;
+  int context = 0;     // the context the session will be opened with (0 = the model's)
 };
 
 // Resolves the device ("auto": cuda when a usable GPU is present), checks the model
 // directory and loads the tokenizer and the weights. Throws kestrel::Error.
 LoadedModel load_model(const ModelOptions& o, bool quiet);
 // The same in two steps, so that a command can check its prompts against the tokenizer and
-// the context before the weights load: open_model reads the tokenizer and the model spec,
-// load_weights loads the model and opens its session (CUDA draws its progress bar; the CPU,
-// which cannot report progress, prints one line when done). Both unless quiet. `tuning` is
-// the CUDA decode path's (kestrel bench sets it).
+// the context before the weights load: open_model reads the tokenizer and the model spec and
+// checks that the KV cache of the context fits the device's memory (-c too long for it is an
+// error naming the bytes; the CPU engine's default context is shortened with a note, as the
+// GPU engine does), load_weights loads the model and opens its session (CUDA draws its
+// progress bar; the CPU, which cannot report progress, prints one line when done). Both unless
+// quiet. `tuning` is the CUDA decode path's (kestrel bench sets it).
 LoadedModel open_model(const ModelOptions& o, bool quiet);
 void load_weights(LoadedModel& m, const ModelOptions& o, bool quiet,
                   const DecodeTuning& tuning = {});
-// The context the session will have: -c, or the model's max_position_embeddings.
+// The context the session will have: -c, or the model's max_position_embeddings (shortened
+// where the host's memory is short, see open_model).
 int context_length(const LoadedModel& m, const ModelOptions& o);
 
 // Sampling options as llama.cpp spells them; unset ones come from generation_config.json.
@@ -64,14 +86,17 @@ struct SamplingOptions {
   std::optional<float> repeat_penalty;
   int repeat_last_n = 64;
   float frequency_penalty = 0, presence_penalty = 0;
-  std::optional<uint64_t> seed;
+  std::optional<uint64_t> seed;  // unset (or -s -1): random
   std::vector<std::string> stop;
+  std::vector<std::string> reverse;  // -r: generation ends after one, which is printed
   bool ignore_eos = false;
 };
 void add_sampling_options(CLI::App* cmd, SamplingOptions& s);
 // generation_config.json's defaults overridden by the options; a random seed when none is
 // given (the caller prints it).
 SamplingParams resolve_sampling(const std::string& dir, const SamplingOptions& s);
+// "temp 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat-penalty 1 (last 64), seed 42", for --verbose.
+std::string describe_sampling(const SamplingParams& p);
 
 // Totals of a run for the closing performance block (llama.cpp's llama_perf_context_print).
 struct Perf {
@@ -94,10 +119,37 @@ void print_perf(const Perf& p, const std::string& device);
 // false means greedy), over Kestrel's own defaults.
 SamplingParams default_sampling(const std::string& dir);
 
-// Reads a whole text file; throws kestrel::Error naming it when missing or unreadable.
+// Reads a whole text file; throws kestrel::Error naming it when missing, not a regular file
+// ("data is a directory") or unreadable (engine/base/files.h).
 std::string read_text_file(const std::string& path);
+
+// llama.cpp's -e: \n, \r, \t, \', \", \\ and \xHH become the characters they name; any other
+// backslash stays as written.
+std::string process_escapes(std::string_view s);
+
+// Ctrl-C while a command generates: catch_sigint() makes SIGINT set a flag (interrupted())
+// that generation polls between tokens, instead of ending the process. Without SA_RESTART,
+// a read waiting for input returns.
+void catch_sigint();
+bool interrupted();
+// Reads and clears the flag.
+bool take_interrupt();
+
+// The threads OpenBLAS runs the CPU engine's products on (-t).
+int openblas_threads();
 
 // Prints a one-line note to stderr unless quiet.
 void note(bool quiet, const std::string& msg);
+
+// "28.6 TiB", "512.0 MiB", "640 B".
+std::string bytes_text(double bytes);
+
+// A model's weight format: "GPTQ 4-bit g128 act-order", "F16".
+std::string format_text(const ModelConfig& c);
+// Its parameters, from the shapes of config.json (norms and biases left out).
+int64_t count_params(const ModelConfig& c);
+// Size and parameter count as llama-bench prints them: MiB and M below a GiB and a billion.
+std::string size_text(uint64_t bytes);
+std::string params_text(int64_t n);
 
 }  // namespace kestrel::cli

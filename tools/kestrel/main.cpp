@@ -1,21 +1,31 @@
-// kestrel: generate, chat, bench, perplexity, tokenize, devices.
+// kestrel: generate, chat, bench, perplexity, tokenize, info, devices.
+#include <cstring>
 #include <iostream>
 #include <new>
+#include <string>
 
 #include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
 #include "engine/base/device.h"
 #include "engine/base/error.h"
+
+namespace {
+
+const char* const kCommands = "generate, chat, bench, perplexity, tokenize, info, devices";
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"Kestrel: fast batch-1 inference of GPTQ language models", "kestrel"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", "kestrel 0.1.0");
+  app.set_version_flag("--version", "kestrel " KESTREL_VERSION);
   std::function<int()> action;
   kestrel::cli::register_generate(app, action);
   kestrel::cli::register_bench(app, action);
   kestrel::cli::register_chat(app, action);
   kestrel::cli::register_perplexity(app, action);
   kestrel::cli::register_tokenize(app, action);
+  kestrel::cli::register_info(app, action);
   // The GPU Kestrel would use, or why there is none (exit 1): the one check every part of the
   // project asks (engine/base/device.h), for scripts such as scripts/test.sh.
   app.add_subcommand("devices", "show the CUDA GPU Kestrel would use, or why there is none")
@@ -33,13 +43,34 @@ int main(int argc, char** argv) {
           return 0;
         };
       });
+
+  // The command comes first; CLI11 alone would answer "kestrel server" with "A subcommand is
+  // required" and read llama.cpp's -ngl 99 as -n gl.
+  if (argc < 2) {
+    std::cerr << "kestrel: a command is required (" << kCommands << "); kestrel --help\n";
+    return 1;
+  }
+  if (argv[1][0] != '-') {
+    CLI::App* cmd = nullptr;
+    try {
+      cmd = app.get_subcommand(argv[1]);
+    } catch (const CLI::OptionNotFound&) {
+      std::cerr << "kestrel: unknown command '" << argv[1] << "' (" << kCommands << ")\n";
+      return 1;
+    }
+    const std::string bad = kestrel::cli::unknown_short_option(*cmd, argc, argv, 2);
+    if (!bad.empty()) {
+      std::cerr << "kestrel: " << kestrel::cli::unknown_option_message(bad) << "\n";
+      return 1;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version as CLI11 prints them; a bad command line in one line, exit 1 (as
     // kestrel-synth and kestrel-quantize do).
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
-    std::cerr << "kestrel: " << e.what() << "\n";
+    std::cerr << "kestrel: " << kestrel::cli::parse_error_message(e, app) << "\n";
     return 1;
   }
   try {

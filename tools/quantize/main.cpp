@@ -1,6 +1,7 @@
 // kestrel-quantize: GPTQ (or round-to-nearest) quantization of an FP16 Hugging Face Llama
 // model on calibration text (`kestrel perplexity` measures the result).
 // A thin command line over kestrel::quant.
+#include <algorithm>
 #include <exception>
 #include <iostream>
 
@@ -9,6 +10,8 @@
 
 #include "engine/base/device.h"
 #include "engine/base/error.h"
+#include "engine/base/staged_output.h"
+#include "models/io/config.h"
 #include "tools/quantize/quantize.h"
 
 int main(int argc, char** argv) {
@@ -16,9 +19,12 @@ int main(int argc, char** argv) {
   std::string device = "auto";
   bool quiet = false;
   CLI::App app{"kestrel-quantize: GPTQ quantization of an FP16 Hugging Face Llama model"};
+  app.set_version_flag("--version", "kestrel-quantize " KESTREL_VERSION);
   app.add_option("-m,--model", o.model_dir, "FP16 model directory (Hugging Face layout)");
   app.add_option("--calib", o.calib_file, "Calibration text file");
   app.add_option("--out", o.out_dir, "Output directory for the GPTQ model (created)");
+  app.add_flag("--force", o.force,
+               "Replace a non-empty --out (only once the new checkpoint is complete)");
   app.add_option("--bits", o.gptq.bits, "Bits per weight: 2, 3, 4 or 8")->capture_default_str();
   app.add_option("--group-size", o.gptq.group_size, "Columns per group; -1 = one group per row")
       ->capture_default_str();
@@ -28,7 +34,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--static-groups", o.gptq.static_groups, "Fix group scales before quantizing");
   app.add_option("--nsamples", o.nsamples, "Calibration windows")->capture_default_str();
-  app.add_option("--seqlen", o.seqlen, "Tokens per calibration window")->capture_default_str();
+  auto* seqlen = app.add_option("--seqlen", o.seqlen,
+                                "Tokens per calibration window (or the model's "
+                                "max_position_embeddings when shorter)")
+                     ->capture_default_str();
   app.add_option("--seed", o.seed, "Seed of the calibration window draw")->capture_default_str();
   app.add_option("--method", o.method, "gptq or rtn (round to nearest)")->capture_default_str();
   app.add_option("--device", device, "cpu, cuda or auto (cuda when a GPU is usable)")
@@ -42,11 +51,16 @@ int main(int argc, char** argv) {
     std::cerr << "kestrel-quantize: " << e.what() << "\n";
     return 1;
   }
+  // Ctrl-C removes the half-written output and says so.
+  kestrel::remove_staged_outputs_on_signals("kestrel-quantize");
   try {
     if (device != "cpu" && device != "cuda" && device != "auto")
       throw kestrel::Error(fmt::format("--device must be cpu, cuda or auto, got {}", device));
     if (o.model_dir.empty() || o.calib_file.empty() || o.out_dir.empty())
       throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required");
+    // The default window is no longer than the model's context.
+    if (seqlen->count() == 0)
+      o.seqlen = std::min(o.seqlen, kestrel::load_model_config(o.model_dir).max_pos);
     if (device == "cuda") {
       const kestrel::CudaStatus st = kestrel::cuda_status();
       if (!st.usable) throw kestrel::DeviceError(st.problem + "; run with --device cpu");

@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -22,6 +23,7 @@
 #include "engine/base/error.h"
 #include "models/io/model_spec.h"
 #include "engine/base/progress.h"
+#include "engine/base/staged_output.h"
 #include "models/io/safetensors.h"
 #include "models/llama.h"
 #include "tokenizer/tokenizer.h"
@@ -52,6 +54,7 @@ std::string read_file(const std::string& path, const char* what) {
 void write_file(const fs::path& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
+  f.close();  // a full disk shows at the flush
   if (!f) throw Error(fmt::format("cannot write {}", path.string()));
 }
 
@@ -85,10 +88,7 @@ const std::array<Group, 4>& groups() {
 // then holds one layer at a time whatever the model's size. Removed with its contents.
 class Scratch {
  public:
-  explicit Scratch(fs::path dir) : dir_(std::move(dir)) {
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
+  explicit Scratch(fs::path dir) : dir_(std::move(dir)) { fs::create_directories(dir_); }
   ~Scratch() {
     std::error_code ec;
     fs::remove_all(dir_, ec);
@@ -96,6 +96,7 @@ class Scratch {
   void save(const std::string& tensor, const void* data, size_t nbytes) {
     std::ofstream f(dir_ / tensor, std::ios::binary);
     f.write((const char*)data, (std::streamsize)nbytes);
+    f.close();
     if (!f) throw Error(fmt::format("cannot write {}", (dir_ / tensor).string()));
   }
   // Reads a saved tensor into dst (exactly nbytes).
@@ -162,8 +163,15 @@ void check_options(const QuantizeOptions& o) {
   if (o.nsamples <= 0) throw Error(fmt::format("--nsamples must be positive, got {}", o.nsamples));
   if (o.seqlen <= 0) throw Error(fmt::format("--seqlen must be positive, got {}", o.seqlen));
   if (o.out_dir.empty()) throw Error("--out is required");
-  if (fs::exists(o.out_dir) && fs::exists(o.model_dir) && fs::equivalent(o.out_dir, o.model_dir))
-    throw Error(fmt::format("--out {} is the input model directory", o.out_dir));
+  if (fs::exists(o.out_dir) && fs::exists(o.model_dir)) {
+    const fs::path out = fs::canonical(o.out_dir), model = fs::canonical(o.model_dir);
+    if (out == model) throw Error(fmt::format("--out {} is the input model directory", o.out_dir));
+    // Replacing a directory that holds the input would delete it.
+    if (std::mismatch(out.begin(), out.end(), model.begin(), model.end()).first == out.end())
+      throw Error(
+          fmt::format("--out {} holds the input model directory {}", o.out_dir, o.model_dir));
+  }
+  StagedDir::check(o.out_dir, o.force);
 }
 
 void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
@@ -188,7 +196,7 @@ void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
 }
 
 // config.json of the output: the input's, with the quantization config and fp16 dtype.
-void write_config(const QuantizeOptions& o) {
+void write_config(const QuantizeOptions& o, const fs::path& out_dir) {
   const fs::path in = fs::path(o.model_dir) / "config.json";
   ojson c;
   try {
@@ -199,18 +207,17 @@ void write_config(const QuantizeOptions& o) {
   if (c.contains("dtype")) c["dtype"] = "float16";
   if (c.contains("torch_dtype") || !c.contains("dtype")) c["torch_dtype"] = "float16";
   c["quantization_config"] = quant_json(o);
-  write_file(fs::path(o.out_dir) / "config.json", c.dump(2) + "\n");
-  write_file(fs::path(o.out_dir) / "quantize_config.json", quant_json(o).dump(2) + "\n");
+  write_file(out_dir / "config.json", c.dump(2) + "\n");
+  write_file(out_dir / "quantize_config.json", quant_json(o).dump(2) + "\n");
 }
 
-void copy_tokenizer_files(const QuantizeOptions& o) {
+void copy_tokenizer_files(const QuantizeOptions& o, const fs::path& out_dir) {
   for (const char* name : {"tokenizer.model", "tokenizer.json", "vocab.json", "merges.txt",
                            "tokenizer_config.json", "special_tokens_map.json",
                            "added_tokens.json", "generation_config.json"}) {
-    const fs::path src = fs::path(o.model_dir) / name, dst = fs::path(o.out_dir) / name;
+    const fs::path src = fs::path(o.model_dir) / name, dst = out_dir / name;
     if (!fs::exists(src)) continue;
-    // A read-only source (a shared model folder) must not leave a file a rerun cannot replace.
-    fs::remove(dst);
+    // A read-only source (a shared model folder) must not give a file --force cannot replace.
     fs::copy_file(src, dst);
     fs::permissions(dst, fs::perms::owner_write, fs::perm_options::add);
   }
@@ -219,7 +226,7 @@ void copy_tokenizer_files(const QuantizeOptions& o) {
 // Every tensor of the input, the quantized linears' weights replaced by their GPTQ tensors
 // and every float tensor stored as fp16.
 void write_weights(const ModelSpec& spec, const std::map<std::string, PackedShape>& packed,
-                   const Scratch& scratch, const std::string& out_dir) {
+                   const Scratch& scratch, const fs::path& out_dir) {
   SafetensorsWriter w;
   for (const std::string& name : spec.files.names()) {
     const std::string suffix = ".weight";
@@ -252,7 +259,7 @@ void write_weights(const ModelSpec& spec, const std::map<std::string, PackedShap
       });
     }
   }
-  w.write_model(out_dir);
+  w.write_model(out_dir.string());
 }
 
 std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lines,
@@ -353,32 +360,20 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
   return out;
 }
 
-QuantizeReport quantize_model(const QuantizeOptions& opts) {
-  QuantizeOptions o = opts;
-  const auto t_start = Clock::now();
-  check_options(o);
-  const ModelSpec spec = load_model_spec(o.model_dir);
-  check_model(spec, o);
-  if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
-    const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
-    o.device = why.empty() ? "cuda" : "cpu";
-    if (!why.empty() && why != "no GPU" && o.progress)
-      std::fprintf(stderr, "kestrel-quantize: note: on the CPU: %s\n", why.c_str());
-  }
+namespace {
+
+// The layer loop and the checkpoint, written into `dir` (the staged output directory).
+QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
+                             const std::vector<std::vector<int>>& windows, int64_t calib_tokens,
+                             const fs::path& dir, Clock::time_point t_start) {
   const ModelConfig& cfg = spec.config;
   const int zero_offset = o.gptq.sym ? 1 : 0;  // asymmetric zeros may be 0: gptq_v2
-
-  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(o.model_dir);
-  const std::vector<int> ids = tok->encode(read_file(o.calib_file, "calibration text"));
-  const auto windows = calibration_windows(ids, o.nsamples, o.seqlen, o.seed, o.calib_file);
-
-  fs::create_directories(o.out_dir);
-  Scratch scratch(fs::path(o.out_dir) / ".kestrel-quantize-scratch");
+  Scratch scratch(dir / ".kestrel-quantize-scratch");
   PackedParts parts(scratch, zero_offset);
 
   QuantizeReport report;
   report.device = o.device;
-  report.calib_tokens = (int64_t)ids.size();
+  report.calib_tokens = calib_tokens;
   const bool tty = isatty(fileno(stderr)) != 0;
   Progress bar(fmt::format("{} {}-bit ({})", o.method, o.gptq.bits, o.device), cfg.n_layers,
                "layers", o.progress);
@@ -409,9 +404,9 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   bar.finish();
 
   const auto t_write = Clock::now();
-  write_weights(spec, parts.shapes(), scratch, o.out_dir);
-  write_config(o);
-  copy_tokenizer_files(o);
+  write_weights(spec, parts.shapes(), scratch, dir);
+  write_config(o, dir);
+  copy_tokenizer_files(o, dir);
   report.write_seconds = seconds_since(t_write);
   report.seconds = seconds_since(t_start);
 
@@ -435,8 +430,39 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
                             {"in_features", r.K},
                             {"relative_error", r.rel_error},
                             {"seconds", r.seconds}});
-  write_file(fs::path(o.out_dir) / "quantize_report.json", j.dump(2) + "\n");
-  return report;
+  write_file(dir / "quantize_report.json", j.dump(2) + "\n");
+  return report;  // the scratch folder goes with `scratch`, before the directory is renamed
+}
+
+}  // namespace
+
+QuantizeReport quantize_model(const QuantizeOptions& opts) {
+  QuantizeOptions o = opts;
+  const auto t_start = Clock::now();
+  check_options(o);
+  const ModelSpec spec = load_model_spec(o.model_dir);
+  check_model(spec, o);
+  if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
+    const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
+    o.device = why.empty() ? "cuda" : "cpu";
+    if (!why.empty() && why != "no GPU" && o.progress)
+      std::fprintf(stderr, "kestrel-quantize: note: on the CPU: %s\n", why.c_str());
+  }
+  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(o.model_dir);
+  const std::vector<int> ids = tok->encode(read_file(o.calib_file, "calibration text"));
+  const auto windows = calibration_windows(ids, o.nsamples, o.seqlen, o.seed, o.calib_file);
+
+  StagedDir out(o.out_dir, o.force);
+  try {
+    const QuantizeReport report =
+        quantize_into(spec, o, windows, (int64_t)ids.size(), out.path(), t_start);
+    out.commit();
+    return report;
+  } catch (const DeviceError& e) {
+    throw DeviceError(fmt::format("{}; nothing written to {}", e.what(), o.out_dir));
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{}; nothing written to {}", e.what(), o.out_dir));
+  }
 }
 
 }  // namespace kestrel::quant

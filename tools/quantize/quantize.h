@@ -7,8 +7,12 @@
 // layer_forward_rows of models/llama_cuda_layer.h on the GPU), never by a second model. Within a layer the linears go in true-sequential groups (q/k/v, o, gate/up, down):
 // each group's Hessian comes from inputs that the layer's already quantized groups produced.
 // Only one decoder layer's weights are held at a time (a one-layer engine takes each layer in
-// turn), packed results go to a scratch folder in the output directory until the checkpoint
-// is written, so memory stays at one layer's weights, its Hessians and the activations.
+// turn), packed results go to a scratch folder until the checkpoint is written, so memory
+// stays at one layer's weights, its Hessians and the activations.
+//
+// Everything, the scratch folder too, is written into a temporary directory beside the output
+// (engine/base/staged_output.h) that takes the output's name only once it is complete: a
+// failure leaves an existing output as it was and nothing behind.
 #pragma once
 
 #include <cstdint>
@@ -23,7 +27,8 @@ namespace kestrel::quant {
 struct QuantizeOptions {
   std::string model_dir;   // FP16 (or BF16/F32) Hugging Face model directory
   std::string calib_file;  // calibration text
-  std::string out_dir;     // created; must differ from model_dir
+  std::string out_dir;     // created; must differ from model_dir and not hold it
+  bool force = false;      // replace a non-empty out_dir (once the new checkpoint is complete)
   GptqOptions gptq;
   std::string method = "gptq";  // gptq | rtn
   int nsamples = 128;           // calibration windows
@@ -61,7 +66,8 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 
 // Quantizes the model and writes the checkpoint (model.safetensors or shards, config.json
 // with quantization_config, quantize_config.json, tokenizer files, quantize_report.json).
-// Throws kestrel::Error with one line on bad options, models or files.
+// Throws kestrel::Error with one line on bad options, models or files; one raised once the
+// writing began ends "; nothing written to OUT".
 QuantizeReport quantize_model(const QuantizeOptions& o);
 
 }  // namespace kestrel::quant

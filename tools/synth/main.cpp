@@ -5,12 +5,16 @@
 
 #include <CLI/CLI.hpp>
 
+#include "engine/base/staged_output.h"
 #include "tools/synth/synth.h"
 
 int main(int argc, char** argv) {
   kestrel::synth::SynthOptions o;
   CLI::App app{"kestrel-synth: writes a Hugging Face model directory with random weights"};
+  app.set_version_flag("--version", "kestrel-synth " KESTREL_VERSION);
   app.add_option("--out", o.out, "Output directory (created)")->required();
+  app.add_flag("--force", o.force,
+               "Replace a non-empty --out (only once the new model is complete)");
   app.add_option("--shape", o.shape,
                  "tiny | 1b | 7b | 13b | llama3-8b | llama3.2-1b | qwen2.5-7b | qwen3-8b | "
                  "opt-6.7b | custom")->capture_default_str();
@@ -51,6 +55,8 @@ int main(int argc, char** argv) {
     std::cerr << "kestrel-synth: " << e.what() << "\n";
     return 1;
   }
+  // Ctrl-C removes the half-written output and says so.
+  kestrel::remove_staged_outputs_on_signals("kestrel-synth");
   try {
     kestrel::synth::write_model(o);
   } catch (const std::exception& e) {

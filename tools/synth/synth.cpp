@@ -41,6 +41,7 @@
 
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
+#include "engine/base/staged_output.h"
 #include "models/io/family.h"
 #include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
@@ -564,16 +565,6 @@ std::string human_count(double n) {
   return fmt::format("{:.0f}", n);
 }
 
-// Shards of an earlier run would otherwise stay next to the new weights.
-void remove_old_weights(const fs::path& dir) {
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string n = e.path().filename().string();
-    if (n == "model.safetensors" || n == "model.safetensors.index.json" ||
-        (n.starts_with("model-") && n.ends_with(".safetensors")))
-      fs::remove(e.path());
-  }
-}
-
 // The files of a Hugging Face tokenizer at `path` (a tokenizer.json, or a folder holding one,
 // or GPT-2's vocab.json + merges.txt), with the tokenizer_config.json beside them; empty for a
 // SentencePiece model or no path.
@@ -614,24 +605,20 @@ void write_model(const SynthOptions& opt) {
   Arch arch = arch_named(opt.arch.empty() ? pre.arch : opt.arch);
   if (pre.llama3_factor > 0 && arch.llama3_factor > 0) arch.llama3_factor = pre.llama3_factor;
 
+  // Everything is written into a temporary directory beside --out that takes its name once
+  // complete (engine/base/staged_output.h): a failure leaves an existing --out as it was.
+  StagedDir out(opt.out, opt.force);
+  const fs::path dir = out.path();
+
   // Tokenizer first: its size is the vocab of shapes that do not fix one. A SentencePiece
   // model (given or trained here) gets a tokenizer_config.json written for it; a Hugging Face
   // tokenizer's files are copied as they are, and read back for its size and special ids.
-  const fs::path dir = opt.out;
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  KESTREL_CHECK(fs::is_directory(dir), fmt::format("{}: cannot create output directory: {}",
-                                                   dir.string(), ec ? ec.message() : "not a directory"));
-  for (const char* stale : {"tokenizer.model", "tokenizer.json", "vocab.json", "merges.txt",
-                            "tokenizer_config.json"})
-    fs::remove(dir / stale, ec);
   const std::vector<std::string> hf_files = hf_tokenizer_files(opt.tokenizer);
   std::string tok_bytes;
   int pieces = 0, bos = 1, eos = 2;
   sentencepiece::SentencePieceProcessor sp;
   if (!hf_files.empty()) {
-    for (const std::string& f : hf_files)
-      fs::copy_file(f, dir / fs::path(f).filename(), fs::copy_options::overwrite_existing);
+    for (const std::string& f : hf_files) fs::copy_file(f, dir / fs::path(f).filename());
     const std::unique_ptr<Tokenizer> tok = Tokenizer::load(dir.string());
     pieces = tok->vocab_size();
     eos = tok->eos_ids().empty() ? std::max(tok->bos_id(), 0) : tok->eos_ids().front();
@@ -673,28 +660,33 @@ void write_model(const SynthOptions& opt) {
                              "(use --format gptq_v2 for asymmetric models)\n",
                              (1 << opt.bits) - 1);
 
-  write_text(dir / "config.json", config_json(*plan, bos, eos).dump(2) + "\n");
-  if (opt.dtype == "gptq") write_text(dir / "quantize_config.json", quant_json(opt).dump(2) + "\n");
-  write_text(dir / "generation_config.json",
-             ojson{{"bos_token_id", bos}, {"eos_token_id", eos}, {"do_sample", false},
-                   {"max_length", d.max_pos}}.dump(2) + "\n");
-  if (hf_files.empty()) {
-    write_text(dir / "tokenizer.model", tok_bytes);
-    write_text(dir / "tokenizer_config.json",
-               ojson{{"add_bos_token", true},
-                     {"add_eos_token", false},
-                     {"bos_token", sp.IdToPiece(bos)},
-                     {"eos_token", sp.IdToPiece(eos)},
-                     {"unk_token", sp.unk_id() >= 0 ? sp.IdToPiece(sp.unk_id()) : "<unk>"},
-                     {"model_max_length", d.max_pos},
-                     {"tokenizer_class", "LlamaTokenizer"},
-                     {"clean_up_tokenization_spaces", false}}.dump(2) + "\n");
-  }
-
   SafetensorsWriter writer;
-  add_tensors(writer, plan);
-  remove_old_weights(dir);
-  writer.write_model(dir.string());
+  try {
+    write_text(dir / "config.json", config_json(*plan, bos, eos).dump(2) + "\n");
+    if (opt.dtype == "gptq")
+      write_text(dir / "quantize_config.json", quant_json(opt).dump(2) + "\n");
+    write_text(dir / "generation_config.json",
+               ojson{{"bos_token_id", bos}, {"eos_token_id", eos}, {"do_sample", false},
+                     {"max_length", d.max_pos}}.dump(2) + "\n");
+    if (hf_files.empty()) {
+      write_text(dir / "tokenizer.model", tok_bytes);
+      write_text(dir / "tokenizer_config.json",
+                 ojson{{"add_bos_token", true},
+                       {"add_eos_token", false},
+                       {"bos_token", sp.IdToPiece(bos)},
+                       {"eos_token", sp.IdToPiece(eos)},
+                       {"unk_token", sp.unk_id() >= 0 ? sp.IdToPiece(sp.unk_id()) : "<unk>"},
+                       {"model_max_length", d.max_pos},
+                       {"tokenizer_class", "LlamaTokenizer"},
+                       {"clean_up_tokenization_spaces", false}}.dump(2) + "\n");
+    }
+
+    add_tensors(writer, plan);
+    writer.write_model(dir.string());
+    out.commit();
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{}; nothing written to {}", e.what(), opt.out));
+  }
 
   if (opt.quiet) return;
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -707,7 +699,7 @@ void write_model(const SynthOptions& opt) {
                            "-> {} in {:.1f} s\n",
                            opt.shape, arch.name, quant, d.hidden, d.n_layers, d.vocab,
                            human_count((double)plan->params), human_bytes((double)writer.total_bytes()),
-                           dir.string(), secs);
+                           opt.out, secs);
 }
 
 }  // namespace kestrel::synth

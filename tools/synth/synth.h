@@ -28,7 +28,8 @@ struct SynthOptions {
   std::string format = "gptq"; // gptq | gptq_v2
   bool tie_embeddings = false;
   uint64_t seed = 0;
-  std::string out;             // output directory (created)
+  std::string out;             // output directory (created; written whole or not at all)
+  bool force = false;          // replace a non-empty `out` (once the new model is complete)
   // A tokenizer to copy: a tokenizer.model, a tokenizer.json (with the tokenizer_config.json
   // beside it), or a folder holding either or GPT-2's vocab.json + merges.txt; the vocabulary
   // is sized from it where the shape does not fix one. Empty = train a small SentencePiece one.
@@ -37,7 +38,8 @@ struct SynthOptions {
   int threads = 0;             // worker threads; 0 = all hardware threads. Output does not depend on it.
 };
 
-// Writes the model; throws kestrel::Error on bad options or I/O failure.
+// Writes the model into a temporary directory beside `out`, renamed to `out` once complete;
+// throws kestrel::Error on bad options or I/O failure, leaving `out` as it was.
 void write_model(const SynthOptions& opt);
 
 }  // namespace kestrel::synth

@@ -1,0 +1,123 @@
+// kestrel info: what a model directory holds, as Kestrel reads it: family, shapes, weight
+// format, size, context and tokenizer. Only config.json (with its quantization config), the
+// safetensors headers and the tokenizer files are read: no weights, no device.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "engine/base/error.h"
+#include "models/io/config.h"
+#include "models/io/safetensors.h"
+#include "tokenizer/chat_template.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct InfoArgs {
+  std::string dir;
+  bool json = false;
+};
+
+// The tokenizer file Tokenizer::load reads, in its order of preference.
+std::string tokenizer_file(const std::string& dir) {
+  for (const char* f : {"tokenizer.json", "tokenizer.model"})
+    if (fs::exists(fs::path(dir) / f)) return f;
+  return "vocab.json + merges.txt";
+}
+
+int run_info(const InfoArgs& a) {
+  if (!fs::exists(a.dir)) throw Error(a.dir + ": no such model directory");
+  if (!fs::is_directory(a.dir)) throw Error(a.dir + ": not a directory (-m takes a model directory)");
+  const ModelConfig c = load_model_config(a.dir);
+  const ModelFiles files = ModelFiles::open(a.dir, c.quant ? c.quant->model_file_base_name : "");
+  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(a.dir);
+  std::string why;
+  const ChatTemplate tmpl = ChatTemplate::load(a.dir, "auto", *tok, &why);
+
+  const uint64_t bytes = files.total_bytes();
+  const int64_t params = count_params(c);
+  std::string context = fmt::format("{} positions (max_position_embeddings)", c.max_pos);
+  if (c.positions == PositionKind::Rope) {
+    context += fmt::format(", RoPE theta {}", c.rope_theta);
+    if (c.rope_llama3.factor > 0)
+      context += fmt::format(", llama3 scaling x{} from {}", c.rope_llama3.factor,
+                             c.rope_llama3.original_max_pos);
+    if (c.rope_linear_factor != 1.0f) context += fmt::format(", linear scaling x{}", c.rope_linear_factor);
+  } else {
+    context += ", learned positions";
+  }
+  if (c.sliding_window > 0) context += fmt::format(", sliding window {}", c.sliding_window);
+  std::string eos;
+  for (int id : tok->eos_ids()) eos += (eos.empty() ? "" : ", ") + std::to_string(id);
+  const std::string tokenizer = fmt::format(
+      "{} ({}), {} tokens, BOS {}{}, EOS {}", tok->kind() == "sentencepiece" ? "SentencePiece" : "BPE",
+      tokenizer_file(a.dir), tok->vocab_size(), tok->bos_id(), tok->add_bos() ? " (added)" : "",
+      eos.empty() ? "none" : eos);
+  const std::string chat = why.empty() ? tmpl.describe() : "none (raw: plain text turns)";
+
+  if (a.json) {
+    nlohmann::json j;
+    j["model"] = a.dir;
+    j["architecture"] = c.architecture;
+    j["family"] = c.family;
+    j["layers"] = c.n_layers;
+    j["hidden"] = c.hidden;
+    j["intermediate"] = c.intermediate;
+    j["heads"] = c.n_heads;
+    j["kv_heads"] = c.n_kv_heads;
+    j["head_dim"] = c.head_dim;
+    j["vocab"] = c.vocab;
+    j["format"] = format_text(c);
+    j["bits"] = c.quant ? c.quant->bits : (int)dtype_size(c.dtype) * 8;
+    j["group_size"] = c.quant ? c.quant->group_size : 0;
+    j["act_order"] = c.quant && c.quant->desc_act;
+    j["size_bytes"] = bytes;
+    j["params"] = params;
+    j["context"] = c.max_pos;
+    j["tokenizer"] = tok->kind();
+    j["tokenizer_file"] = tokenizer_file(a.dir);
+    j["tokenizer_vocab"] = tok->vocab_size();
+    j["bos_id"] = tok->bos_id();
+    j["eos_ids"] = tok->eos_ids();
+    j["chat_template"] = chat;
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::string s;
+  auto line = [&](const char* key, const std::string& value) {
+    s += fmt::format("{:<11}{}\n", std::string(key) + ":", value);
+  };
+  line("model", a.dir);
+  line("family", fmt::format("{} ({})", c.family, c.architecture));
+  line("shapes", fmt::format("{} layers, hidden {}, intermediate {}, {} heads of {} ({} KV "
+                             "heads), vocabulary {}{}",
+                             c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim,
+                             c.n_kv_heads, c.vocab, c.tie_embeddings ? ", tied embeddings" : ""));
+  line("format", format_text(c));
+  line("size", fmt::format("{} of weights, {} parameters", size_text(bytes), params_text(params)));
+  line("context", context);
+  line("tokenizer", tokenizer);
+  line("chat", chat);
+  std::cout << s;
+  return 0;
+}
+
+}  // namespace
+
+void register_info(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<InfoArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "info", "show a model's family, shapes, format, size, context and tokenizer (no weights read)");
+  cmd->add_option("-m,--model", a->dir, "model directory (Hugging Face layout)")->required();
+  cmd->add_flag("--json", a->json, "print one JSON object");
+  cmd->callback([a, &action] { action = [a] { return run_info(*a); }; });
+}
+
+}  // namespace kestrel::cli
