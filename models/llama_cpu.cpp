@@ -84,6 +84,7 @@ LlamaCpu::LlamaCpu(const ModelSpec& spec) : cfg_(spec.config) {
 CpuRunState LlamaCpu::run_state(int context) const {
   CpuRunState s;
   s.ctx = context > 0 ? context : cfg_.max_pos;
+  cfg_.check_context(s.ctx);
   s.x.resize(cfg_.hidden);
   s.xb.resize(cfg_.hidden);
   s.q.resize(cfg_.q_dim());

@@ -125,6 +125,7 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
   try {
     // KV cache: as long as asked (or the model's maximum), shortened to what fits.
     int ctx = context > 0 ? context : c.max_pos;
+    c.check_context(ctx);
     const size_t per_pos = 2ull * c.n_layers * c.kv_dim() * sizeof(__half);
     size_t free_b = 0, total_b = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

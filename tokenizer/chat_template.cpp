@@ -1,6 +1,7 @@
 #include "tokenizer/chat_template.h"
 
 #include <algorithm>
+#include <charconv>
 #include <filesystem>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -193,12 +194,12 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
       cfg["added_tokens_decoder"].is_object()) {
     for (const auto& [id, t] : cfg["added_tokens_decoder"].items()) {
       if (!t.is_object() || !t.contains("content") || !t["content"].is_string()) continue;
-      try {
-        added[t["content"].get<std::string>()] = std::stoi(id);
-      } catch (const std::exception&) {
+      int value = -1;
+      const auto [end, ec] = std::from_chars(id.data(), id.data() + id.size(), value);
+      if (ec != std::errc() || end != id.data() + id.size() || value < 0)
         throw Error(fmt::format("{}: added_tokens_decoder key \"{}\" is not a token id",
                                 path.string(), id));
-      }
+      added[t["content"].get<std::string>()] = value;
     }
   }
   // bos_token / eos_token: a string or an AddedToken object ({"content": ...}).

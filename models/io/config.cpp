@@ -147,4 +147,10 @@ ModelConfig load_model_config(const std::string& dir) {
   return c;
 }
 
+void ModelConfig::check_context(int ctx) const {
+  KESTREL_CHECK(positions != PositionKind::Learned || ctx <= max_pos,
+                fmt::format("a context of {} positions is past the {} this model has learned "
+                            "position embeddings for; use -c {} or less", ctx, max_pos, max_pos));
+}
+
 }  // namespace kestrel

@@ -71,6 +71,9 @@ struct ModelConfig {
   std::optional<QuantConfig> quant;  // absent = unquantized model
 
   int q_dim() const { return n_heads * head_dim; }
+  // Throws kestrel::Error when a context of `ctx` positions is past what the model can
+  // represent: learned positions (OPT) have a table of max_pos rows and nothing beyond.
+  void check_context(int ctx) const;
   RopeScaling rope_scaling() const {
     return {rope_theta, rope_linear_factor, rope_llama3.factor, rope_llama3.low_freq_factor,
             rope_llama3.high_freq_factor, rope_llama3.original_max_pos,

@@ -113,11 +113,17 @@ void refuse_qwen_window(const json& j, const std::string& where) {
                 fmt::format("{}: use_sliding_window true (Qwen's per-layer window) is not supported", where));
 }
 
+// transformers' Llama has optional biases and no window (a sliding_window in its config is
+// ignored there, so here too); Mistral has the window and no biases.
 void read_llama(const json& j, const std::string& where, ModelConfig& c) {
   read_llama_shape(j, where, c);
-  read_window(j, where, c);
   c.qkv_bias = c.o_bias = opt_bool(j, "attention_bias", where, false);
   c.mlp_bias = opt_bool(j, "mlp_bias", where, false);
+}
+
+void read_mistral(const json& j, const std::string& where, ModelConfig& c) {
+  read_llama_shape(j, where, c);
+  read_window(j, where, c);
 }
 
 void read_qwen2(const json& j, const std::string& where, ModelConfig& c) {
@@ -152,7 +158,9 @@ void read_opt(const json& j, const std::string& where, ModelConfig& c) {
   KESTREL_CHECK(act == "relu", fmt::format("{}: activation_function {} is not supported (relu)", where, act));
   KESTREL_CHECK(opt_bool(j, "layer_norm_elementwise_affine", where, true),
                 fmt::format("{}: layer_norm_elementwise_affine false is not supported", where));
-  c.qkv_bias = c.o_bias = c.mlp_bias = opt_bool(j, "enable_bias", where, true);
+  KESTREL_CHECK(opt_bool(j, "enable_bias", where, true),
+                fmt::format("{}: enable_bias false (OPT without biases) is not supported", where));
+  c.qkv_bias = c.o_bias = c.mlp_bias = true;
   c.norm = NormKind::Layer;
   c.rms_eps = 1e-5f;  // OPT's LayerNorm epsilon (torch's default)
   c.mlp = MlpKind::ReLU;
@@ -191,7 +199,7 @@ struct Entry {
 const std::vector<Entry>& families() {
   static const std::vector<Entry> all = {
       {{"llama", "LlamaForCausalLM", {}}, read_llama},
-      {{"mistral", "MistralForCausalLM", {}}, read_llama},
+      {{"mistral", "MistralForCausalLM", {}}, read_mistral},
       {{"qwen2", "Qwen2ForCausalLM", {}}, read_qwen2},
       {{"qwen3", "Qwen3ForCausalLM", qwen3_names()}, read_qwen3},
       {{"opt", "OPTForCausalLM", opt_names()}, read_opt},

@@ -90,9 +90,21 @@ TEST(Config, MistralWithSlidingWindowAndBf16) {
   EXPECT_EQ(c.sliding_window, 4096);
   EXPECT_EQ(c.dtype, DType::BF16);
   EXPECT_TRUE(c.tie_embeddings);
-  EXPECT_TRUE(c.qkv_bias);
-  EXPECT_TRUE(c.o_bias);
+  // Mistral's layers have no biases (transformers' MistralConfig has no attention_bias).
+  EXPECT_FALSE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias);
   EXPECT_EQ(c.family, "mistral");
+}
+
+// transformers' Llama ignores a sliding_window in its config: attention stays full.
+TEST(Config, LlamaIgnoresSlidingWindow) {
+  Dir d;
+  json j = llama_config();
+  j["sliding_window"] = 16;
+  j["attention_bias"] = true;
+  const ModelConfig c = d.load(j);
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_TRUE(c.qkv_bias && c.o_bias);
 }
 
 TEST(Config, DefaultsWhenOptionalFieldsAbsent) {
@@ -330,6 +342,16 @@ json opt_config() {
           {"word_embed_proj_dim", 768}, {"bos_token_id", 2}, {"eos_token_id", 2}};
 }
 
+// Learned positions end at max_position_embeddings: a longer context is refused.
+TEST(Config, LearnedPositionsBoundTheContext) {
+  Dir d;
+  const ModelConfig opt = d.load(opt_config());
+  EXPECT_NO_THROW(opt.check_context(2048));
+  EXPECT_THAT(error_of([&] { opt.check_context(2049); }),
+              HasSubstr("a context of 2049 positions is past the 2048"));
+  EXPECT_NO_THROW(d.load(llama_config()).check_context(1 << 20));  // RoPE extrapolates
+}
+
 TEST(Config, Opt) {
   Dir d;
   json j = opt_config();
@@ -351,6 +373,9 @@ TEST(Config, Opt) {
 TEST(Config, OptVariantsRefused) {
   Dir d;
   json j = opt_config();
+  j["enable_bias"] = false;
+  EXPECT_THAT(d.error(j), HasSubstr("enable_bias false"));
+  j = opt_config();
   j["do_layer_norm_before"] = false;  // OPT-350m
   EXPECT_THAT(d.error(j), HasSubstr("do_layer_norm_before false"));
   j = opt_config();

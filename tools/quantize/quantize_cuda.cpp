@@ -77,7 +77,11 @@ void upload_f16(const TensorInfo& t, __half* dst, cudaStream_t s) {
 std::string cuda_quantize_unsupported(const ModelSpec& spec) {
   const ModelConfig& c = spec.config;
   if (std::string why = cuda_unsupported(c); !why.empty()) return why;
-  // The calibration's layers carry neither biases nor q/k norms (below).
+  // The calibration's layers are RMSNorm, RoPE and gated-SiLU layers without biases or q/k
+  // norms (below).
+  if (c.norm != NormKind::RMS || c.mlp != MlpKind::GatedSiLU || c.positions != PositionKind::Rope)
+    return fmt::format("the GPU quantizer does not run {} (LayerNorm, ReLU MLP or learned "
+                       "positions) yet; use --device cpu", c.architecture);
   if (c.qkv_bias || c.qk_norm)
     return fmt::format("the GPU quantizer does not run {} (q/k/v biases or q/k norms) yet; use "
                        "--device cpu", c.architecture);
