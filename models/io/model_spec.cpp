@@ -212,7 +212,15 @@ ModelSpec load_model_spec(const std::string& dir) {
   spec.files = ModelFiles::open(dir, base);
   const ModelFiles& f = spec.files;
 
-  const TensorNames& n = family_of(c).names;
+  // The family's names, or the same without the "model." prefix: checkpoints saved from the
+  // bare decoder (facebook's original OPT files, some conversions) store them so, and
+  // transformers loads either.
+  TensorNames n = family_of(c).names;
+  if (!f.find(n.embed + ".weight") && n.embed.starts_with("model.") &&
+      f.find(n.embed.substr(6) + ".weight")) {
+    for (std::string* name : {&n.embed, &n.positions, &n.final_norm, &n.layer})
+      if (name->starts_with("model.")) *name = name->substr(6);
+  }
   const int64_t hidden = c.hidden, vocab = c.vocab, inter = c.intermediate;
   const bool layer_norm = c.norm == NormKind::Layer;
   // A norm's weight [hidden] (and, for LayerNorm, its bias).

@@ -140,6 +140,25 @@ TEST(ModelSpec, BiasLoaded) {
   EXPECT_EQ(s.layers[1].v.bias->shape, std::vector<int64_t>{32});
 }
 
+// A checkpoint saved from the bare decoder (no "model." prefix, as facebook's original OPT
+// files) loads as the prefixed one does.
+TEST(ModelSpec, NamesWithoutTheModelPrefix) {
+  TempDir tmp;
+  TinyModel m;
+  m.write(tmp.str());
+  fs::remove(tmp.file("model.safetensors"));
+  SafetensorsWriter w;
+  for (const auto& [name, t] : m.tensors) {
+    const std::string bare = name.starts_with("model.") ? name.substr(6) : name;
+    w.add_data(bare, t.dtype, t.shape, t.bytes.data());
+  }
+  w.write_model(tmp.str());
+  const ModelSpec s = load_model_spec(tmp.str());
+  EXPECT_EQ(s.embed->name, "embed_tokens.weight");
+  EXPECT_EQ(s.layers[1].down.weight->name, "layers.1.mlp.down_proj.weight");
+  EXPECT_EQ(s.layers.size(), 2u);
+}
+
 TEST(ModelSpec, ShardedModel) {
   TempDir tmp;
   TinyModel m;
