@@ -1,7 +1,10 @@
-// The Llama decode step on the GPU. Per token: embedding, then per layer
-//   rmsnorm -> fused qkv GEMV -> flash-decoding attention (RoPE and the KV write inside)
-//   -> o GEMV (+ residual) -> rmsnorm -> fused gate|up GEMV (SiLU*up in its epilogue) -> down GEMV
-//   (+ residual)
+// The decode step on the GPU. Per token: embedding, then per layer (Llama's blocks; the other
+// families' in brackets)
+//   rmsnorm -> fused qkv GEMV (+ q/k/v biases) [-> per-head q/k norms] -> flash-decoding
+//   attention (RoPE and the KV write inside) -> o GEMV (+ residual) -> rmsnorm -> fused gate|up
+//   GEMV (SiLU*up in its epilogue) -> down GEMV (+ residual)
+//   [OPT: layernorm (+ the pending bias) -> qkv + biases -> attention -> o (+ residual)
+//    -> layernorm (+ o's bias) -> fc1 + bias -> fc2 staging relu (+ residual; its bias pending)]
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured as a CUDA graph (one per range of positions:
 // models/gpu/graphs.h) and replayed per token; the host writes two ints and reads one back. Greedy

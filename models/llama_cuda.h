@@ -1,6 +1,6 @@
-// The Llama family on an NVIDIA GPU: batch-1 decoding with fused dequant-GEMVs, FP16
-// activations and KV cache, and the whole decode step captured as CUDA graphs (one per range of
-// positions) and replayed.
+// The decoder families (models/io/family.h) on an NVIDIA GPU: batch-1 decoding with fused
+// dequant-GEMVs, FP16 activations and KV cache, and the whole decode step captured as CUDA graphs
+// (one per range of positions) and replayed. (Named after the first family it ran.)
 #pragma once
 
 #include <cuda_fp16.h>

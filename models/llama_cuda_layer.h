@@ -1,11 +1,11 @@
-// One Llama decoder layer over T consecutive tokens on the GPU: the prefill's layer step
+// One decoder layer over T consecutive tokens on the GPU: the prefill's layer step
 // (llama_cuda_prefill.cpp), exposed so that the quantizer's calibration runs the engine's own
 // forward one layer at a time, with taps on the inputs of the linears (the GPU counterpart of
 // LlamaCpu::layer_forward and its LayerTaps).
 //
-//   rmsnorm -> [tap QKV] qkv GEMM -> RoPE + KV write -> causal attention over the cache
-//   -> [tap O] o GEMM (+ residual) -> rmsnorm -> [tap GateUp] gate|up GEMM -> SiLU*up
-//   -> [tap Down] down GEMM (+ residual)
+//   norm -> [tap QKV] qkv GEMM -> RoPE + KV write -> causal attention over the cache
+//   -> [tap O] o GEMM (+ residual) -> norm -> [tap GateUp] gate|up GEMM -> SiLU*up (or fc1,
+//   ReLU) -> [tap Down] down GEMM (+ residual), with the family's blocks as in the prefill
 #pragma once
 
 #include <cuda_fp16.h>

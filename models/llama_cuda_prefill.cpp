@@ -1,8 +1,10 @@
-// The Llama prefill on the GPU: the prompt runs through the model in chunks of up to
-// prefill_chunk_ tokens, each op over the whole chunk at once. Per chunk of T tokens:
-//   embedding [T, hidden], then per layer
-//     rmsnorm -> qkv GEMM -> RoPE + KV write (T rows) -> causal tensor-core attention over the
-//     cache -> o GEMM (+ residual) -> rmsnorm -> gate|up GEMM -> SiLU*up -> down GEMM (+ residual)
+// The prefill on the GPU: the prompt runs through the model in chunks of up to prefill_chunk_
+// tokens, each op over the whole chunk at once. Per chunk of T tokens:
+//   embedding [T, hidden] (+ learned positions), then per layer
+//     norm -> qkv GEMM (+ biases) [-> q/k head norms] -> RoPE + KV write (T rows) -> causal
+//     tensor-core attention over the cache -> o GEMM (+ residual) -> norm -> gate|up GEMM ->
+//     SiLU*up -> down GEMM (+ residual)   [OPT: fc1 GEMM + bias -> ReLU -> fc2 GEMM + residual
+//     + bias]
 //   then the output head for the rows whose logits are wanted.
 // GPTQ linears dequantize into an FP16 scratch and run cuBLASLt (below kGemmMinRows rows they
 // run batch-1 GEMVs instead, kernels/gemm/gemm.h). The chunk's K and V stay in the cache for the
