@@ -5,6 +5,7 @@
 #include "engine/base/staged_output.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <stdio.h>
@@ -172,11 +173,20 @@ StagedFile::StagedFile(const std::string& dest) : shown_(dest) {
   tmp_ = dest_.parent_path() / (dest_.filename().string() + pid_suffix());
   std::lock_guard<std::mutex> lock(registry().mutex);
   registry().pending.push_back({this, tmp_, shown_, {}, {}});
-  file_.open(tmp_, std::ios::binary | std::ios::trunc);
-  if (!file_) {
-    const int err = errno;
+  // Created here, exclusively and not through a symlink (a link planted at the predictable
+  // name cannot redirect the write), with the mode of the file it replaces (a private file
+  // stays private; a new one gets the umask's default).
+  struct stat old {};
+  const bool replacing = ::stat(dest_.c_str(), &old) == 0;
+  const int fd = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
+  if (fd >= 0 && replacing) ::fchmod(fd, old.st_mode & 07777);
+  const int err = errno;
+  if (fd >= 0) ::close(fd);
+  if (fd >= 0) file_.open(tmp_, std::ios::binary | std::ios::trunc);
+  if (fd < 0 || !file_) {
+    if (fd >= 0) fs::remove(tmp_, ec);
     unregister(this);
-    throw Error(dest + ": cannot write: " + errno_text(err));
+    throw Error(dest + ": cannot write: " + errno_text(fd < 0 ? err : errno));
   }
 }
 

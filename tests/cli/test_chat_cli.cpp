@@ -345,6 +345,35 @@ TEST_F(ChatCli, FailingBatchWriteLeavesTheOldResults) {
   EXPECT_EQ(kestrel::test::staging_leftovers(scratch()), std::vector<std::string>{});
 }
 
+// The results replace a private file privately, and the temporary is created, never opened
+// through a link: a symlink planted at its name (pid-derived, so predictable) is refused.
+TEST_F(ChatCli, BatchOutputKeepsTheModeAndFollowsNoPlantedLink) {
+  const fs::path f = scratch() / "chat_cli_mode.jsonl";
+  const fs::path o = scratch() / "chat_cli_mode.out";
+  write_file(f, "{\"prompt\": \"a b\", \"n_predict\": 2}\n");
+  write_file(o, "old results\n");
+  fs::permissions(o, fs::perms::owner_read | fs::perms::owner_write);
+  kestrel::test::Child ok({kKestrel, "generate", "--device", "cpu", "-q", "-m", dir_->string(),
+                           "--batch-file", f.string(), "-o", o.string()});
+  EXPECT_EQ(ok.wait(), 0) << ok.err;
+  EXPECT_EQ(fs::status(o).permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
+
+  const fs::path victim = scratch() / "chat_cli_victim";
+  write_file(victim, "untouched\n");
+  kestrel::test::Child c({kKestrel, "generate", "--device", "cpu", "-q", "-m", dir_->string(),
+                          "--batch-file", f.string(), "-o", o.string()},
+                         -1, /*start_stopped=*/true);
+  const fs::path tmp = kestrel::test::staged_temp(o, c.pid());
+  fs::create_symlink(victim, tmp);
+  c.signal_it(SIGCONT);
+  EXPECT_EQ(c.wait(), 1) << c.err;
+  EXPECT_NE(c.err.find(o.string() + ": cannot write"), std::string::npos) << c.err;
+  std::ifstream in(victim);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), "untouched\n");
+  fs::remove(tmp);
+}
+
 // Ctrl-C in a batch: the old results stay as they were and the temporary is gone.
 TEST_F(ChatCli, InterruptedBatchLeavesTheOldResults) {
   const fs::path f = scratch() / "chat_cli_interrupt.jsonl";

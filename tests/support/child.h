@@ -23,8 +23,11 @@ namespace kestrel::test {
 class Child {
  public:
   // Starts argv[0] (a path) with stdout discarded and stderr kept; max_file_bytes >= 0 limits
-  // the size of the files it writes.
-  explicit Child(const std::vector<std::string>& argv, long max_file_bytes = -1) {
+  // the size of the files it writes. start_stopped: the child stops itself before exec, and
+  // the constructor returns once it has stopped (SIGCONT lets it go on), so that a test can
+  // prepare what depends on its pid.
+  explicit Child(const std::vector<std::string>& argv, long max_file_bytes = -1,
+                 bool start_stopped = false) {
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -42,11 +45,16 @@ class Child {
         const rlimit rl{(rlim_t)max_file_bytes, (rlim_t)max_file_bytes};
         setrlimit(RLIMIT_FSIZE, &rl);
       }
+      if (start_stopped) raise(SIGSTOP);
       execv(args[0], args.data());
       _exit(127);
     }
     close(fds[1]);
     err_fd_ = fds[0];
+    if (start_stopped) {
+      int status = 0;
+      waitpid(pid_, &status, WUNTRACED);
+    }
   }
   ~Child() {
     if (pid_ > 0 && !waited_) {
