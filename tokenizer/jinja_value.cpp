@@ -16,7 +16,12 @@ bool Value::is_iterator() const { return is_list() && as_list().iterator; }
 
 int64_t Value::as_int() const {
   if (is_bool()) return as_bool() ? 1 : 0;
-  return std::get<int64_t>(v_);
+  return held<int64_t>("an integer");
+}
+
+void Value::wrong_type(const char* what) const {
+  if (is_undefined()) throw EvalError(std::get<Undefined>(v_).hint);
+  throw EvalError(fmt::format("expected {}, got {}", what, type_name(*this)));
 }
 
 double Value::as_float() const {

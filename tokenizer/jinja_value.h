@@ -78,18 +78,27 @@ class Value {
   bool is_namespace() const { return std::holds_alternative<std::shared_ptr<Namespace>>(v_); }
   bool is_callable() const { return std::holds_alternative<std::shared_ptr<Callable>>(v_); }
 
-  const std::string& undefined_hint() const { return std::get<Undefined>(v_).hint; }
-  bool as_bool() const { return std::get<bool>(v_); }
+  // The value as one type; a value of another type is an EvalError naming both (a template
+  // passing the wrong kind of value where a filter or method wants one).
+  const std::string& undefined_hint() const { return held<Undefined>("undefined").hint; }
+  bool as_bool() const { return held<bool>("a boolean"); }
   int64_t as_int() const;   // int or bool
   double as_float() const;  // int, float or bool
-  const std::string& as_string() const { return std::get<std::string>(v_); }
-  const List& as_list() const { return *std::get<std::shared_ptr<List>>(v_); }
-  const Dict& as_dict() const { return *std::get<std::shared_ptr<Dict>>(v_); }
-  Namespace& as_namespace() const { return *std::get<std::shared_ptr<Namespace>>(v_); }
-  const Callable& as_callable() const { return *std::get<std::shared_ptr<Callable>>(v_); }
+  const std::string& as_string() const { return held<std::string>("a string"); }
+  const List& as_list() const { return *held<std::shared_ptr<List>>("a list"); }
+  const Dict& as_dict() const { return *held<std::shared_ptr<Dict>>("a dict"); }
+  Namespace& as_namespace() const { return *held<std::shared_ptr<Namespace>>("a namespace"); }
+  const Callable& as_callable() const { return *held<std::shared_ptr<Callable>>("a callable"); }
   const void* identity() const;  // the shared object, for `is sameas` and namespace equality
 
  private:
+  template <class T>
+  const T& held(const char* what) const {
+    if (const T* p = std::get_if<T>(&v_)) return *p;
+    wrong_type(what);
+  }
+  [[noreturn]] void wrong_type(const char* what) const;
+
   std::variant<Undefined, None, bool, int64_t, double, std::string, std::shared_ptr<List>,
                std::shared_ptr<Dict>, std::shared_ptr<Namespace>, std::shared_ptr<Callable>>
       v_;

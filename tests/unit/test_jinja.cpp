@@ -426,6 +426,9 @@ TEST(Jinja, BoundsWhatATemplateMayDo) {
   for (int i = 0; i < 150; ++i) ifs += "{% if true %}";
   for (int i = 0; i < 150; ++i) ifs += "{% endif %}";
   EXPECT_THAT(error_of(ifs), HasSubstr("nested more than 100 deep"));
+  // Found by fuzz_jinja: a value of the wrong kind where a filter wants a number.
+  EXPECT_EQ(error_of("{{ x | tojson(indent=nope) }}", {{"x", 1}}), "template line 1:8: 'nope' is undefined");
+  EXPECT_THAT(error_of("{{ x | tojson(indent=[1]) }}", {{"x", 1}}), HasSubstr("expected an integer, got list"));
   // Real templates are far inside the bounds.
   EXPECT_EQ(render("{% for a in range(300) %}{% for b in range(300) %}{% endfor %}{% endfor %}ok"), "ok");
 }
