@@ -618,6 +618,14 @@ bool contains(const Value& container, const Value& item) {
 
 // ---- printf-style formatting ----
 
+// A width or precision of a % format: digits, at most a million (a template cannot ask for
+// gigabytes of padding).
+size_t format_count(const std::string& digits) {
+  if (digits.size() > 7 || std::stoul(digits) > 1'000'000)
+    throw EvalError("format width or precision " + digits + " is too large");
+  return std::stoul(digits);
+}
+
 std::string percent_format(const std::string& f, const Value& args) {
   std::vector<Value> values;
   if (args.is_tuple())
@@ -642,6 +650,8 @@ std::string percent_format(const std::string& f, const Value& args) {
       while (j < f.size() && f[j] >= '0' && f[j] <= '9') precision += f[j++];
     }
     if (j >= f.size()) throw EvalError("incomplete format");
+    if (!width.empty()) format_count(width);
+    if (precision.size() > 1) format_count(precision.substr(1));
     const char conv = f[j];
     i = j;
     if (conv == '%') {
@@ -654,8 +664,8 @@ std::string percent_format(const std::string& f, const Value& args) {
     char buf[512];
     if (conv == 's' || conv == 'r') {
       std::u32string s = decode_utf8(conv == 's' ? to_str(v) : repr(v));
-      if (precision.size() > 1) s = s.substr(0, std::stoul(precision.substr(1)));
-      const size_t w = width.empty() ? 0 : std::stoul(width);
+      if (precision.size() > 1) s = s.substr(0, format_count(precision.substr(1)));
+      const size_t w = width.empty() ? 0 : format_count(width);
       const std::u32string pad(w > s.size() ? w - s.size() : 0, U' ');
       out += encode_utf8(flags.find('-') != std::string::npos ? s + pad : pad + s);
     } else if (conv == 'd' || conv == 'i' || conv == 'x' || conv == 'X' || conv == 'o') {

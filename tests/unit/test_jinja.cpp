@@ -429,6 +429,10 @@ TEST(Jinja, BoundsWhatATemplateMayDo) {
   // Found by fuzz_jinja: a value of the wrong kind where a filter wants a number.
   EXPECT_EQ(error_of("{{ x | tojson(indent=nope) }}", {{"x", 1}}), "template line 1:8: 'nope' is undefined");
   EXPECT_THAT(error_of("{{ x | tojson(indent=[1]) }}", {{"x", 1}}), HasSubstr("expected an integer, got list"));
+  // Found by fuzz_jinja: a % format asking for a width of billions.
+  EXPECT_THAT(error_of("{{ '%0730000000000s' % 'x' }}"), HasSubstr("too large"));
+  EXPECT_THAT(error_of("{{ '%.99999999999f' % 1.5 }}"), HasSubstr("too large"));
+  EXPECT_EQ(render("{{ '%5s|%-3d|%.2f' % ('ab', 7, 1.234) }}"), "   ab|7  |1.23");
   // Real templates are far inside the bounds.
   EXPECT_EQ(render("{% for a in range(300) %}{% for b in range(300) %}{% endfor %}{% endfor %}ok"), "ok");
 }
