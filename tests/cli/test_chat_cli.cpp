@@ -23,13 +23,12 @@ using nlohmann::json;
 
 namespace {
 
+using kestrel::test::write_file;
+
 using Result = kestrel::test::CommandResult;
 using kestrel::test::scratch;
 Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
-void write_file(const fs::path& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary) << text;
-}
 
 std::vector<json> json_lines(const std::string& s) {
   std::vector<json> out;

@@ -22,6 +22,9 @@ using nlohmann::json;
 
 namespace {
 
+using kestrel::test::make_text;
+using kestrel::test::write_file;
+
 using Result = kestrel::test::CommandResult;
 using kestrel::test::scratch;
 Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
@@ -38,25 +41,7 @@ std::string read_file(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-void write_file(const fs::path& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary) << text;
-}
 
-// English-like text from a small vocabulary: `words` words, seeded.
-std::string make_text(int words, uint32_t seed) {
-  static const char* kWords[] = {"the", "river", "runs", "under", "a", "stone", "bridge", "and",
-                                 "kernel", "module", "loads", "when", "user", "asks", "for",
-                                 "python", "file", "opens", "with", "data"};
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> w(0, 19), punct(0, 9);
-  std::string s;
-  for (int i = 0; i < words; ++i) {
-    s += kWords[w(rng)];
-    const int p = punct(rng);
-    s += p == 0 ? ".\n" : p == 1 ? ", " : " ";
-  }
-  return s;
-}
 
 class Usability : public ::testing::Test {
  protected:

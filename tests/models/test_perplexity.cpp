@@ -35,27 +35,14 @@ using namespace kestrel;
 
 namespace {
 
+using kestrel::test::make_text;
+
 using Result = kestrel::test::CommandResult;
 using kestrel::test::scratch;
 Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
 const std::string kKestrel = KESTREL_BIN;
 
-// Text from a small vocabulary of words with random punctuation and line breaks.
-std::string make_text(int words, uint32_t seed) {
-  static const char* kWords[] = {"the", "river", "runs", "under", "a", "stone", "bridge", "and",
-                                 "kernel", "module", "loads", "when", "user", "asks", "for",
-                                 "python", "file", "opens", "with", "data"};
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> w(0, 19), punct(0, 9);
-  std::string s;
-  for (int i = 0; i < words; ++i) {
-    s += kWords[w(rng)];
-    const int p = punct(rng);
-    s += p == 0 ? ".\n" : p == 1 ? ", " : " ";
-  }
-  return s;
-}
 
 class Perplexity : public ::testing::Test {
  protected:

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <system_error>
 
@@ -48,6 +49,28 @@ inline CommandResult run_command(const std::string& cmd) {
   std::ifstream in(err_file);
   r.err.assign(std::istreambuf_iterator<char>(in), {});
   return r;
+}
+
+// Writes `text` to `path` as it is (binary).
+inline void write_file(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// English-like text from a small vocabulary with random punctuation and line breaks: `words`
+// words, the same for the same seed (perplexity and calibration inputs).
+inline std::string make_text(int words, uint32_t seed) {
+  static const char* kWords[] = {"the", "river", "runs", "under", "a", "stone", "bridge", "and",
+                                 "kernel", "module", "loads", "when", "user", "asks", "for",
+                                 "python", "file", "opens", "with", "data"};
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> w(0, 19), punct(0, 9);
+  std::string s;
+  for (int i = 0; i < words; ++i) {
+    s += kWords[w(rng)];
+    const int p = punct(rng);
+    s += p == 0 ? ".\n" : p == 1 ? ", " : " ";
+  }
+  return s;
 }
 
 }  // namespace kestrel::test
