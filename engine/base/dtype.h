@@ -23,6 +23,9 @@ inline const char* dtype_name(DType t) {
 
 inline size_t dtype_size(DType t) { return (t == DType::F16 || t == DType::BF16) ? 2 : 4; }
 
+// A floating-point element type (weights, norms, scales), as opposed to packed integer codes.
+inline bool dtype_is_float(DType t) { return t == DType::F16 || t == DType::BF16 || t == DType::F32; }
+
 // fp16 bits -> float (handles subnormals, inf, nan).
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;

@@ -54,8 +54,6 @@ int64_t first_bad_in(const TensorInfo& t, int64_t begin, int64_t end) {
   return -1;
 }
 
-bool is_float(DType d) { return d == DType::F16 || d == DType::BF16 || d == DType::F32; }
-
 // "NaN", "Inf" or "-Inf".
 std::string value_name(const TensorInfo& t, int64_t i) {
   float v = 0;
@@ -88,7 +86,7 @@ std::string value_name(const TensorInfo& t, int64_t i) {
 }  // namespace
 
 int64_t first_non_finite(const TensorInfo& t) {
-  if (!is_float(t.dtype)) return -1;
+  if (!dtype_is_float(t.dtype)) return -1;
   return first_bad_in(t, 0, (int64_t)(t.nbytes / dtype_size(t.dtype)));
 }
 
@@ -102,7 +100,7 @@ void check_finite(const std::vector<const TensorInfo*>& tensors) {
   std::vector<Chunk> chunks;
   size_t total = 0;
   for (const TensorInfo* t : tensors) {
-    if (!is_float(t->dtype) || t->nbytes == 0) continue;
+    if (!dtype_is_float(t->dtype) || t->nbytes == 0) continue;
     const int64_t n = (int64_t)(t->nbytes / dtype_size(t->dtype));
     const int64_t step = (int64_t)(kChunkBytes / dtype_size(t->dtype));
     for (int64_t b = 0; b < n; b += step) chunks.push_back({t, b, std::min(n, b + step)});

@@ -14,8 +14,6 @@ namespace kestrel {
 
 namespace {
 
-bool is_float(DType t) { return t == DType::F16 || t == DType::BF16 || t == DType::F32; }
-
 std::string shape_text(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 // Checks a tensor's shape and dtype; `dtype_text` names what is accepted, e.g. "F16/BF16/F32".
@@ -27,7 +25,7 @@ void expect(const TensorInfo& t, const std::vector<int64_t>& shape, bool dtype_o
 }
 
 const TensorInfo* float_tensor(const TensorInfo& t, const std::vector<int64_t>& shape) {
-  expect(t, shape, is_float(t.dtype), "F16/BF16/F32");
+  expect(t, shape, dtype_is_float(t.dtype), "F16/BF16/F32");
   return &t;
 }
 
