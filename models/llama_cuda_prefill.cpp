@@ -148,6 +148,16 @@ void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T,
   }
 }
 
+// y [rows, hidden] = the family's norm of x (RMSNorm, or LayerNorm with bias b after x += add,
+// add being the bias a residual GEMM left out: add_layer_norm_f16).
+void norm_rows(const ModelConfig& c, __half* x, const __half* add, const __half* w,
+               const __half* b, int rows, __half* y, cudaStream_t s) {
+  if (c.norm == NormKind::Layer)
+    cuda::add_layer_norm_f16(x, add, w, b, c.rms_eps, rows, c.hidden, y, s);
+  else
+    cuda::rms_norm_f16(x, w, c.rms_eps, rows, c.hidden, y, s);
+}
+
 }  // namespace
 
 void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
@@ -162,11 +172,7 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   };
 
   // Attention block: x += Wo attention(rope(Wqkv norm(x) + b)) (+ bo)
-  const bool layer_norm = c.norm == NormKind::Layer;
-  if (layer_norm)
-    cuda::layer_norm_f16(x, L.input_norm, L.input_norm_bias, c.rms_eps, T, c.hidden, b.xb, s);
-  else
-    cuda::rms_norm_f16(x, L.input_norm, c.rms_eps, T, c.hidden, b.xb, s);
+  norm_rows(c, x, nullptr, L.input_norm, L.input_norm_bias, T, b.xb, s);
   if (tap(LinearGroup::QKV, b.xb, c.hidden)) return;
   // [T, q | k | v] (+ the q|k|v biases, laid down first and accumulated onto as a residual)
   if (L.qkv.bias) cuda::broadcast_rows_f16(L.qkv.bias, T, qkv_n, b.qkv, qkv_n, s);
@@ -183,11 +189,7 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
 
   // MLP block, xb = norm(x + bo): x += Wdown (silu(Wgate xb) * Wup xb), or (ReLU)
   // x += Wfc2 relu(Wfc1 xb + b1) + b2
-  if (layer_norm)
-    cuda::add_layer_norm_f16(x, L.o.bias, L.post_norm, L.post_norm_bias, c.rms_eps, T, c.hidden,
-                             b.xb, s);
-  else
-    cuda::rms_norm_f16(x, L.post_norm, c.rms_eps, T, c.hidden, b.xb, s);
+  norm_rows(c, x, L.o.bias, L.post_norm, L.post_norm_bias, T, b.xb, s);
   if (tap(LinearGroup::GateUp, b.xb, c.hidden)) return;
   if (c.mlp == MlpKind::ReLU) {
     // fc1 into the gate|up buffer (xb, which it reads, shares act's)
@@ -255,13 +257,6 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
 
   const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   cudaStream_t s = stream_;
-  // xb [rows, hidden] = the final norm of x [rows, hidden]
-  auto final_norm = [&](const __half* x, int rows, __half* xb) {
-    if (c.norm == NormKind::Layer)
-      cuda::layer_norm_f16(x, w_.final_norm, w_.final_norm_bias, c.rms_eps, rows, c.hidden, xb, s);
-    else
-      cuda::rms_norm_f16(x, w_.final_norm, c.rms_eps, rows, c.hidden, xb, s);
-  };
   for (int c0 = 0; c0 < n; c0 += S.rows) {
     const int T = std::min(S.rows, n - c0);
     const int p0 = pos + c0;
@@ -281,7 +276,7 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
     // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
     const bool last = c0 + T == n;
     if (want_rows) {
-      final_norm(S.x, T, S.xb);
+      norm_rows(c, S.x, nullptr, w_.final_norm, w_.final_norm_bias, T, S.xb, s);
       S.gemm.gemm_f32(S.xb, w_.lm_head, T, c.vocab, c.hidden, S.logits, s);  // [T, vocab]
       if (nll) {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.targets, targets + c0, T * sizeof(int),
@@ -296,8 +291,8 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, S.logits + (size_t)(T - 1) * vocab,
                                            vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
     } else if (last && logits) {
-      const __half* x_last = S.x + (size_t)(T - 1) * c.hidden;
-      final_norm(x_last, 1, S.xb);
+      __half* x_last = S.x + (size_t)(T - 1) * c.hidden;
+      norm_rows(c, x_last, nullptr, w_.final_norm, w_.final_norm_bias, 1, S.xb, s);
       S.gemm.gemm_f32(S.xb, w_.lm_head, 1, c.vocab, c.hidden, S.logits, s);  // [1, vocab]
       KESTREL_CUDA_CHECK(cudaMemcpyAsync(logits, S.logits, vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
     }
