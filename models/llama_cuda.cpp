@@ -3,8 +3,8 @@
 //   rmsnorm -> fused qkv GEMV (+ q/k/v biases) [-> per-head q/k norms] -> flash-decoding
 //   attention (RoPE and the KV write inside) -> o GEMV (+ residual) -> rmsnorm -> fused gate|up
 //   GEMV (SiLU*up in its epilogue) -> down GEMV (+ residual)
-//   [OPT: layernorm (+ the pending bias) -> qkv + biases -> attention -> o (+ residual)
-//    -> layernorm (+ o's bias) -> fc1 + bias -> fc2 staging relu (+ residual; its bias pending)]
+//   [OPT: layernorm + qkv GEMV + biases -> attention -> o GEMV (+ residual + bias)
+//    -> layernorm + fc1 GEMV + bias, ReLU -> fc2 GEMV (+ residual + bias)]
 // then the final norm, the lm_head GEMV and the argmax. The step reads its token and position
 // from device memory, so it is captured as a CUDA graph (one per range of positions:
 // models/gpu/graphs.h) and replayed per token; the host writes two ints and reads one back. Greedy
@@ -81,7 +81,6 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
   s_.next = io + 2;
   auto halves = [&](size_t n) { return mem_.alloc_n<__half>(n); };
   s_.x = halves(c.hidden);
-  if (c.norm == NormKind::Layer) s_.xb = halves(c.hidden);
   if (w_.embed_perm) s_.x2 = halves(c.hidden);
   s_.qkv = halves(c.q_dim() + 2 * c.kv_dim());
   s_.att = halves(c.q_dim());
@@ -227,30 +226,23 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
   else
     cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
   profiler_.mark("embedding", 2 * c.hidden * h2, s);
-  // LayerNorm families: the bias of the last residual GEMV (o, fc2), which the GEMV leaves out
-  // (its residual slot is taken), is added to x by the LayerNorm that reads x next.
-  const __half* pending_bias = nullptr;
   for (int l = 0; l < c.n_layers; ++l) {
     const GpuLayer& L = w_.layers[l];
     __half* k_cache = q.key_cache + l * kv_layer;    // [ctx, kv_dim]
     __half* v_cache = q.value_cache + l * kv_layer;  // [ctx, kv_dim]
 
-    // Attention block: x += Wo attention(rope(Wqkv norm(x) + b)). RMSNorm runs inside the qkv
-    // GEMV as it stages x; under L.order, x is in qkv's act-order permutation (and the norm
-    // weights with it), so that qkv stages it without a gather. LayerNorm runs on its own, into
-    // xb. The q|k|v biases enter as the GEMV's residual.
+    // Attention block: x += Wo attention(rope(Wqkv norm(x) + b)) (+ bo). The norm runs inside
+    // the qkv GEMV as it stages x; under L.order, x is in qkv's act-order permutation (and the
+    // norm weights with it), so that qkv stages it without a gather. The q|k|v biases enter as
+    // the GEMV's residual.
     const GpuLayer::StreamOrder& O = L.order;
-    if (layer_norm) {
-      cuda::add_layer_norm_f16(s_.x, pending_bias, L.input_norm, L.input_norm_bias, c.rms_eps, 1,
-                               c.hidden, s_.xb, s);
-      profiler_.mark("layer_norm", 3.0 * c.hidden * h2, s);
-      L.qkv.run(s_.xb, s_.qkv, L.qkv.bias, s);
-    } else if (O.on) {
+    if (O.on)
       cuda::gemv(O.qkv, s_.x, s_.qkv, L.qkv.bias, s, {O.input_norm, c.rms_eps});
-    } else {
-      L.qkv.run(s_.x, s_.qkv, L.qkv.bias, s, {L.input_norm, c.rms_eps});  // [q | k | v]
-    }
-    profiler_.mark(layer_norm ? "gemv qkv" : "rms_norm + gemv qkv", L.qkv.bytes_moved(), s);
+    else  // [q | k | v]
+      L.qkv.run(s_.x, s_.qkv, L.qkv.bias, s,
+                {L.input_norm, c.rms_eps, false, layer_norm, L.input_norm_bias});
+    profiler_.mark(layer_norm ? "layer_norm + gemv qkv" : "rms_norm + gemv qkv",
+                   L.qkv.bytes_moved(), s);
     if (c.qk_norm) {  // Qwen3: RMSNorm over each head of q and k, before RoPE
       cuda::head_rms_norm_f16(s_.qkv, c.q_dim() + 2 * c.kv_dim(), 1, c.n_heads, c.n_kv_heads,
                               c.head_dim, L.q_norm, L.k_norm, c.rms_eps, s);
@@ -267,21 +259,18 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
     if (O.on)  // x2 = Wo att + x, x read in qkv's permutation, x2 stored in gate|up's
       cuda::gemv(O.o, s_.att, s_.x2, s_.x, s, {}, {false, O.o_out, O.o_residual});
     else
-      L.o.run(s_.att, s_.x, s_.x, s);
+      L.o.run(s_.att, s_.x, s_.x, s, {}, {.bias = L.o.bias});
     profiler_.mark("gemv o (+residual)", L.o.bytes_moved(), s);
 
     // MLP block, xb = norm(x): x += Wdown (silu(Wgate xb) * Wup xb), or (ReLU) x += Wfc2
-    // relu(Wfc1 xb + b1) (+ b2, pending). RMSNorm runs inside the gate|up GEMV, SiLU * up in its
-    // epilogue (quantized) or in the down GEMV's staging, as ReLU in fc2's.
+    // relu(Wfc1 xb + b1) + b2. The norm runs inside the gate|up (fc1) GEMV, SiLU * up in its
+    // epilogue (quantized) or in the down GEMV's staging; ReLU in fc1's epilogue.
     if (c.mlp == MlpKind::ReLU) {
-      cuda::add_layer_norm_f16(s_.x, L.o.bias, L.post_norm, L.post_norm_bias, c.rms_eps, 1,
-                               c.hidden, s_.xb, s);
-      profiler_.mark("layer_norm", 3.0 * c.hidden * h2, s);
-      L.gate_up.run(s_.xb, s_.gate_up, L.gate_up.bias, s);  // fc1 [intermediate] + b1
-      profiler_.mark("gemv fc1", L.gate_up.bytes_moved(), s);
-      L.down.run(s_.gate_up, s_.x, s_.x, s, {nullptr, 0.f, false, /*relu=*/true});
-      profiler_.mark("relu + gemv fc2 (+res)", L.down.bytes_moved(), s);
-      pending_bias = L.down.bias;
+      L.gate_up.run(s_.x, s_.gate_up, L.gate_up.bias, s,  // [intermediate]
+                    {L.post_norm, c.rms_eps, false, true, L.post_norm_bias}, {.relu = true});
+      profiler_.mark("layer_norm + gemv fc1 + relu", L.gate_up.bytes_moved(), s);
+      L.down.run(s_.gate_up, s_.x, s_.x, s, {}, {.bias = L.down.bias});
+      profiler_.mark("gemv fc2 (+res)", L.down.bytes_moved(), s);
     } else if (L.gate_up.can_silu_epilogue()) {
       // SiLU(gate) * up in the gate|up GEMV's epilogue: down stages plain x [intermediate].
       // Under act-order, stored in down's permutation (GpuLayer::down_x_index).
@@ -306,16 +295,11 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
   }
   if (head == Head::None) return;
 
-  if (layer_norm) {  // [vocab] = lm_head layernorm(x + pending bias)
-    cuda::add_layer_norm_f16(s_.x, pending_bias, w_.final_norm, w_.final_norm_bias, c.rms_eps, 1,
-                             c.hidden, s_.xb, s);
-    cuda::gemv_f16(w_.lm_head, s_.xb, s_.logits, c.vocab, c.hidden, nullptr, s);
-    profiler_.mark("layer_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
-  } else {
-    cuda::gemv_f16(w_.lm_head, s_.x, s_.logits, c.vocab, c.hidden, nullptr, s, {},
-                   {w_.final_norm, c.rms_eps});  // [vocab] = lm_head rmsnorm(x)
-    profiler_.mark("rms_norm + gemv lm_head", (double)c.vocab * c.hidden * h2, s);
-  }
+  // [vocab] = lm_head norm(x)
+  cuda::gemv_f16(w_.lm_head, s_.x, s_.logits, c.vocab, c.hidden, nullptr, s, {},
+                 {w_.final_norm, c.rms_eps, false, layer_norm, w_.final_norm_bias});
+  profiler_.mark(layer_norm ? "layer_norm + gemv lm_head" : "rms_norm + gemv lm_head",
+                 (double)c.vocab * c.hidden * h2, s);
   if (head == Head::Argmax) {
     cuda::argmax_f16(s_.logits, c.vocab, s_.next, s);
     profiler_.mark("argmax", c.vocab * h2, s);

@@ -27,7 +27,6 @@ struct GpuRunState {
   int* pos = nullptr;            // [1] its position
   int* next = nullptr;           // [1] argmax of the step's logits
   __half* x = nullptr;           // [hidden] residual stream
-  __half* xb = nullptr;          // [hidden] a LayerNorm's output (LayerNorm families)
   __half* x2 = nullptr;          // [hidden] the residual stream between o and down, where
                                  // the layers keep it in act-order permutations (else unused)
   __half* qkv = nullptr;         // [q_dim + 2 * kv_dim]

@@ -128,11 +128,12 @@ namespace {
 
 // The flags of a call, or kDynamic where no specialized kernel covers it.
 int spec_of(const KParams& p) {
-  if (p.zeros || p.silu_mul || p.relu) return kDynamic;
+  if (p.zeros || p.silu_mul || ((p.bias || p.relu_out) && !p.residual)) return kDynamic;
   const int ops = (p.norm_w ? kNorm : 0) | (p.residual ? kResidual : 0) |
                   (p.silu_pair ? kSiluPair : 0) | (p.res_index ? kIndexed : 0);
   switch (ops) {
-    case 0: case kNorm: case kResidual: case kNorm | kSiluPair: case kResidual | kIndexed:
+    case 0: case kNorm: case kResidual: case kNorm | kResidual: case kNorm | kSiluPair:
+    case kResidual | kIndexed:
       return (p.perm ? kPerm : 0) | ops;
     default: return kDynamic;
   }
@@ -329,13 +330,16 @@ void launch(Kernel k, const KParams& p, int grid, int threads, bool pdl, size_t 
 
 }  // namespace
 
+// Whether a row of `codes` (K padded to whole units) is staged from bulk copies: K <= 8 *
+// one_pass_max_vecs (one_pass_shape), so that codes <= 16384 here (K rounds up to a unit, which
+// divides 16384).
+static bool bulk_staged(size_t codes) { return codes <= 8 * size_t(one_pass_max_vecs(kQuantThreads)); }
+
 size_t smem_bytes(int bits, int64_t chunks, bool has_perm) {
   // x_s; x in its natural order (the act-order gather's source, or where the bulk copy of x
-  // lands); the RMSNorm weights, the act-order permutation and the mbarrier of the bulk
-  // copies. The bulk path is taken for K <= 8 * one_pass_max_vecs (one_pass_shape), so that
-  // codes <= 16384 here (K rounds up to a unit, which divides 16384).
+  // lands); the norm weights, the act-order permutation and the mbarrier of the bulk copies.
   const size_t codes = static_cast<size_t>(chunks) * chunk_codes(bits);
-  const bool bulk = codes <= 8 * size_t(one_pass_max_vecs(kQuantThreads));
+  const bool bulk = bulk_staged(codes);
   return codes * 2 + (has_perm || bulk ? codes * 2 : 0) +
          (bulk ? codes * 2 + (has_perm ? codes * 4 : 0) + 16 : 0);
 }
@@ -352,12 +356,33 @@ GemvLaunch plan_quant_launch(int bits, int group_size, GemvLaunch hint) {
 using namespace gemv_detail;
 
 void set_input(KParams& p, const GemvInput& in) {
-  if ((in.norm_w != nullptr) + in.silu_mul + in.relu > 1)
-    throw Error("gemv: one fused input op at a time (norm, silu_mul or relu)");
+  if (in.norm_w && in.silu_mul) throw Error("gemv: one fused input op at a time (norm or silu_mul)");
+  if ((in.layer_norm || in.norm_b) && !in.norm_w)
+    throw Error("gemv: GemvInput::layer_norm and norm_b go with the norm's weights (norm_w)");
   p.norm_w = in.norm_w;
   p.eps = in.eps;
   p.silu_mul = in.silu_mul;
-  p.relu = in.relu;
+  p.layer_norm = in.layer_norm;
+  p.norm_b = in.layer_norm ? in.norm_b : nullptr;
+}
+
+// The bias and ReLU epilogues; a bias without a residual is the residual.
+void set_bias_relu(KParams& p, const __half*& residual, const GemvEpilogue& out) {
+  if (out.relu && (out.silu_mul || out.out_index))
+    throw Error("gemv: GemvEpilogue::relu goes without silu_mul and out_index");
+  if (out.bias && out.silu_mul) throw Error("gemv: GemvEpilogue::bias goes without silu_mul");
+  if (out.bias && !residual)
+    residual = out.bias;
+  else
+    p.bias = out.bias;
+  p.relu_out = out.relu;
+}
+
+// Shared memory a quantized call needs beyond the weight's smem_bytes: LayerNorm's bias on the
+// bulk path (gemv_kernel.cuh: b_raw, past the mbarrier).
+size_t layer_norm_smem(const GemvWeight& w, const KParams& p) {
+  const size_t codes = static_cast<size_t>(w.chunks) * chunk_codes(w.bits);
+  return p.layer_norm && p.norm_b && bulk_staged(codes) ? codes * 2 : 0;
 }
 
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
@@ -365,6 +390,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   if (!w.device) throw Error("gemv: the weight is empty (not prepared, or freed)");
   KParams p{};
   set_input(p, in);
+  set_bias_relu(p, residual, out);
   if (out.silu_mul) {
     if (w.N % 2 != 0 || residual)
       throw Error("gemv: the SiLU epilogue needs an even N ([gate | up]) and no residual, got N=" +
@@ -393,6 +419,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   p.G = static_cast<int>(w.groups);
   p.zero_const = w.zero_const;
   p.zero_offset = w.zero_offset;
+  const size_t need = w.smem_bytes + layer_norm_smem(w, p);
   QuantKernel qk{nullptr, 0};
   bool pair = false;
   if (w.launch.specialized) {
@@ -401,7 +428,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
                      spec_block_warps(w.N, w.K, w.launch.block_warps));
     // Blocks of 8 warps only where two fit on an SM (x's shared memory grows with K).
     if (qk.k && qk.warps < kQuantWarps &&
-        blocks_per_sm(qk.k, 32 * qk.warps, w.smem_bytes) * qk.warps < kQuantWarps)
+        blocks_per_sm(qk.k, 32 * qk.warps, need) * qk.warps < kQuantWarps)
       qk = spec_kernel(w.bits, w.group_size, spec, kQuantWarps);
     if (qk.k && qk.warps == kQuantWarps && p.nch <= 16) {
       const QuantKernel h =
@@ -417,14 +444,17 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   }
   if (!qk.k) qk = {quant_kernel(w.bits, w.group_size), kQuantWarps};
   // The grid per call (w.launch.grid 0): it depends on the block size of the kernel taken.
-  const size_t smem = pinned_smem(qk.k, qk.warps, w.smem_bytes);
+  const size_t smem = pinned_smem(qk.k, qk.warps, need);
   // (A warp pair streams kQuantRows rows: the grid that gives each warp kQuantRows / 2.)
   const GemvLaunch l = plan_quant(qk.k, qk.warps, pair ? 2 * w.N : w.N, smem, w.launch);
   launch(qk.k, p, l.grid, 32 * qk.warps, l.pdl, smem, s);
 }
 
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
-              const __half* residual, cudaStream_t s, GemvLaunch launch_hint, GemvInput in) {
+              const __half* residual, cudaStream_t s, GemvLaunch launch_hint, GemvInput in,
+              GemvEpilogue out) {
+  if (out.silu_mul || out.out_index || out.residual_index)
+    throw Error("gemv_f16: of the epilogues, only bias and relu apply");
   if (N <= 0 || K <= 0 || K % 8 != 0)
     throw Error("gemv_f16: need N > 0 and K a positive multiple of 8, got N=" +
                 std::to_string(N) + " K=" + std::to_string(K));
@@ -437,6 +467,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   const GemvLaunch l = plan_f16(k, F16Op::kRows, F16Op::kUnroll, N, nch, smem, launch_hint);
   KParams p{};
   set_input(p, in);
+  set_bias_relu(p, residual, out);
   p.codes = reinterpret_cast<const uint4*>(W);
   p.row_stride = nch;
   p.x = x;

@@ -122,15 +122,17 @@ GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
 // The op before a GEMV, fused into its staging of x (each block reads all of x anyway), which
 // saves a kernel launch and a round trip of x through memory:
 //   norm_w:   x <- RMSNorm(x) = x * rsqrt(mean(x^2) + eps) * norm_w   (norm_w [K])
+//     with layer_norm: x <- LayerNorm(x) = (x - mean(x)) * rsqrt(var(x) + eps) * norm_w + norm_b
+//             (norm_b [K], or nullptr for none; OPT's norms)
 //   silu_mul: x holds [gate | up], 2K values: x <- silu(gate) * up
-//   relu:     x <- max(x, 0) (OPT's MLP: fc2 stages fc1's output)
 // Each computes what the stand-alone kernel does (fp32 math, the staged value rounded to fp16).
 // One at a time.
 struct GemvInput {
   const __half* norm_w = nullptr;
   float eps = 0.f;
   bool silu_mul = false;
-  bool relu = false;
+  bool layer_norm = false;
+  const __half* norm_b = nullptr;
 };
 
 // The op after a GEMV, fused into its epilogue (saves the next kernel staging 2N values and
@@ -145,10 +147,16 @@ struct GemvInput {
 //             residual[residual_index[i]], y and residual in different buffers: the residual
 //             stream read in one permutation and written in another (the decode step keeps it
 //             in the act-order permutation of the GEMV that reads it next).
+//   bias:     y[i] = (W x)_i + residual + bias[i] (bias [N]): a linear's bias beside the
+//             residual stream (OPT's o and fc2). Without a residual, the bias is passed as it.
+//   relu:     y[i] = max(., 0) after the bias (OPT's fc1, whose output fc2 stages as it is).
+//             Not with silu_mul or out_index.
 struct GemvEpilogue {
   bool silu_mul = false;
   const int32_t* out_index = nullptr;       // device, [N / 2] with silu_mul, else [N]
   const int32_t* residual_index = nullptr;  // device, [N]
+  const __half* bias = nullptr;             // device, [N]
+  bool relu = false;
 };
 
 // y[N] = W x + residual. x [K], residual [N] or nullptr; y may alias residual (not x).
@@ -157,8 +165,10 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
           cudaStream_t s, GemvInput in = {}, GemvEpilogue out = {});
 
 // y[N] = W x + residual for fp16 W [N, K] row-major. K must be a multiple of 8 and W and x
-// 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error.
+// 16-byte aligned (true of every checkpoint linear); otherwise throws kestrel::Error. Of the
+// epilogues, bias and relu apply.
 void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
-              const __half* residual, cudaStream_t s, GemvLaunch launch = {}, GemvInput in = {});
+              const __half* residual, cudaStream_t s, GemvLaunch launch = {}, GemvInput in = {},
+              GemvEpilogue out = {});
 
 }  // namespace kestrel::cuda

@@ -1,7 +1,7 @@
 // The batch-1 GEMV kernels' device code (gemv.cu describes the design), shared by the
 // translation units that compile its kernels: gemv.cu (the run-time quantized kernel, the fp16
 // GEMV, the dispatch) and gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the kernels specialized
-// per bit width: 64 each, compiled in parallel). Device code: include from .cu files only.
+// per bit width, compiled in parallel). Device code: include from .cu files only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -36,12 +36,13 @@ struct KParams {
   int N, K, nch, G;
   int zero_const, zero_offset;
   int k_split, tiles;
-  // The op before the GEMV, fused into the staging of x (GemvInput): RMSNorm with these
-  // weights, or SiLU(gate) * up over an x that holds [gate | up].
+  // The op before the GEMV, fused into the staging of x (GemvInput): RMSNorm or LayerNorm
+  // with these weights, or SiLU(gate) * up over an x that holds [gate | up].
   const __half* norm_w;  // nullptr = no norm
   float eps;
   bool silu_mul;
-  bool relu;             // x <- max(x, 0)
+  bool layer_norm;       // with norm_w: LayerNorm, x <- (x - mean) * rstd * norm_w + norm_b
+  const __half* norm_b;  // LayerNorm's bias, or nullptr
   // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
   // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
   int silu_pair;
@@ -51,6 +52,10 @@ struct KParams {
   // Where row i's residual is read: residual[res_index[i]] (the residual stream held in another
   // permutation, GemvEpilogue::residual_index); nullptr = residual[i]. Set with y_index.
   const int32_t* res_index;
+  // Added after the residual (GemvEpilogue::bias, ::relu): y[i] = (W x)_i + residual + bias[i],
+  // then max(., 0) with relu_out. Only with a residual (a bias alone is passed as the residual).
+  const __half* bias;
+  bool relu_out;
 };
 
 using Kernel = void (*)(KParams);
@@ -66,7 +71,11 @@ struct QuantKernel {
 // them folded away; 8-bit: 104 against 79-95) and time. The symmetric 3-, 4- and 8-bit kernels
 // are therefore also compiled once per combination a decode step uses: act-order or not, times
 // the fused ops of its four GEMVs (qkv: RMSNorm; o and down: residual; gate|up: RMSNorm and the
-// SiLU epilogue; and none, as the benchmarks and other callers run it). kDynamic keeps every
+// SiLU epilogue; and none, as the benchmarks and other callers run it), and the norm with a
+// residual: the qkv of families with q/k/v biases (Qwen2, OPT: the biases are its residual) and
+// OPT's fc1 (its bias, then ReLU). Within the kernels that fix a norm, LayerNorm (with its bias)
+// is a run-time choice, as are a bias after the residual and ReLU within those that fix a
+// residual: each costs a test in the staging or the epilogue only. kDynamic keeps every
 // test at run time: 2-bit weights, asymmetric weights (their zero points take the registers
 // back: 109-128 compiled in) and any other combination (the SiLU-times-up input op). The
 // specialized kernels decode faster at every bit width they cover (measured: docs/gemv-notes.md);
@@ -420,8 +429,11 @@ struct F16Op {
 // kernels/activation): fp32 math on fp16 inputs, one rounding to fp16 of the staged value.
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// The sum of v over a block of T threads (every thread gets it).
-template <int T>
+// The sum of v over a block of T threads (every thread gets it). Each kSlot has its own
+// scratch, so that two sums in a row (LayerNorm's mean, then its variance) need no barrier
+// between them: the second would otherwise overwrite the first's partial sums while a thread
+// still reads them.
+template <int T, int kSlot = 0>
 __device__ float block_sum(float v) {
   __shared__ float part[T / 32];
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
@@ -443,33 +455,98 @@ __device__ __forceinline__ float sum_squares8(uint4 raw) {
   return ss;
 }
 
-// RMSNorm's 1 / rms(x) over the block of T threads (every block stages the whole x anyway).
-template <int T>
-__device__ float input_inv_rms(const KParams& p, bool vec) {
-  float ss = 0.f;
-  if (vec) {
-    for (int v = threadIdx.x; v < p.K / 8; v += T)
-      ss += sum_squares8(__ldcg(reinterpret_cast<const uint4*>(p.x) + v));
-  } else {
-    for (int k = threadIdx.x; k < p.K; k += T) {
-      const float f = __half2float(__ldcg(p.x + k));
-      ss += f * f;
-    }
-  }
-  return rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
+__device__ __forceinline__ float sum8(uint4 raw) {
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) s += hsum(h2(word(raw, j)));
+  return s;
 }
 
-// The fused input op on 8 values: raw = x, other = the norm weights (RMSNorm) or up (SiLU).
+__device__ __forceinline__ float centred_squares8(uint4 raw, float mean) {
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __half22float2(h2(word(raw, j)));
+    ss += (f.x - mean) * (f.x - mean) + (f.y - mean) * (f.y - mean);
+  }
+  return ss;
+}
+
+// What the fused norm applies: RMSNorm x * inv * w (inv = 1 / rms(x)), LayerNorm
+// (x - mean) * inv * w + b (inv = 1 / std(x)).
+struct NormStats {
+  float mean = 0.f, inv = 1.f;
+};
+
+// The fused norm's statistics over x, from the 8-value vectors get(v), v < nvec, that this
+// thread holds (v = threadIdx.x + i * T for i < kN; kN 0: every v of this thread, read as the
+// loop goes). LayerNorm takes two passes, as the stand-alone kernel does: E[x^2] - mean^2 would
+// cancel where |mean| >> std.
+template <int T, int kN = 0, class Get>
+__device__ __forceinline__ NormStats norm_stats8(const KParams& p, int nvec, Get get) {
+  auto sum_of = [&](auto f) {
+    float s = 0.f;
+    if constexpr (kN > 0) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (threadIdx.x + i * T < nvec) s += f(get(i));
+    } else {
+      for (int v = threadIdx.x; v < nvec; v += T) s += f(get(v));
+    }
+    return s;
+  };
+  NormStats st;
+  if (!p.layer_norm) {
+    st.inv = rsqrtf(block_sum<T>(sum_of([](uint4 r) { return sum_squares8(r); })) / (float)p.K +
+                    p.eps);
+    return st;
+  }
+  st.mean = block_sum<T>(sum_of([](uint4 r) { return sum8(r); })) / (float)p.K;
+  const float m = st.mean;
+  st.inv = rsqrtf(block_sum<T, 1>(sum_of([m](uint4 r) { return centred_squares8(r, m); })) /
+                      (float)p.K +
+                  p.eps);
+  return st;
+}
+
+// The same read from global memory one value at a time (x not in 16-byte vectors).
+template <int T>
+__device__ NormStats norm_stats1(const KParams& p) {
+  auto sum_of = [&](auto f) {
+    float s = 0.f;
+    for (int k = threadIdx.x; k < p.K; k += T) s += f(__half2float(__ldcg(p.x + k)));
+    return s;
+  };
+  NormStats st;
+  if (!p.layer_norm) {
+    st.inv = rsqrtf(block_sum<T>(sum_of([](float f) { return f * f; })) / (float)p.K + p.eps);
+    return st;
+  }
+  st.mean = block_sum<T>(sum_of([](float f) { return f; })) / (float)p.K;
+  const float m = st.mean;
+  st.inv = rsqrtf(block_sum<T, 1>(sum_of([m](float f) { return (f - m) * (f - m); })) /
+                      (float)p.K +
+                  p.eps);
+  return st;
+}
+
+__device__ __forceinline__ float norm1(const KParams& p, float a, float w, float b, NormStats st) {
+  return p.layer_norm ? (a - st.mean) * st.inv * w + b : a * st.inv * w;
+}
+
+// The fused input op on 8 values: raw = x, other = the norm weights or up (SiLU), bias =
+// LayerNorm's bias (zeros without one).
 __device__ __forceinline__ uint4 apply_input8(const KParams& p, uint4 raw, uint4 other,
-                                              float inv_rms) {
-  if (!p.norm_w && !p.silu_mul && !p.relu) return raw;
+                                              NormStats st, uint4 bias) {
+  if (!p.norm_w && !p.silu_mul) return raw;
   uint32_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 a = __half22float2(h2(word(raw, j))), b = __half22float2(h2(word(other, j)));
-    const __half2 r = p.norm_w     ? __floats2half2_rn(a.x * inv_rms * b.x, a.y * inv_rms * b.y)
-                      : p.silu_mul ? __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y))
-                                   : __floats2half2_rn(fmaxf(a.x, 0.0f), fmaxf(a.y, 0.0f));
+    const float2 c = __half22float2(h2(word(bias, j)));
+    const __half2 r = p.norm_w ? __floats2half2_rn(norm1(p, a.x, b.x, c.x, st),
+                                                   norm1(p, a.y, b.y, c.y, st))
+                               : __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y));
     memcpy(&out[j], &r, 4);
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
@@ -481,19 +558,26 @@ __device__ __forceinline__ uint4 input_other8(const KParams& p, int k) {
   if (p.silu_mul) return __ldcg(reinterpret_cast<const uint4*>(p.x + p.K + k));
   return make_uint4(0, 0, 0, 0);
 }
-
-// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
-__device__ __forceinline__ uint4 input8(const KParams& p, int k, float inv_rms) {
-  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
-  if (!p.norm_w && !p.silu_mul && !p.relu) return raw;
-  return apply_input8(p, raw, input_other8(p, k), inv_rms);
+// LayerNorm's bias for x values k .. k+7 (zeros otherwise).
+__device__ __forceinline__ uint4 input_bias8(const KParams& p, int k) {
+  if (p.layer_norm && p.norm_b) return __ldg(reinterpret_cast<const uint4*>(p.norm_b + k));
+  return make_uint4(0, 0, 0, 0);
 }
 
-__device__ __forceinline__ __half input1(const KParams& p, int k, float inv_rms) {
+// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
+__device__ __forceinline__ uint4 input8(const KParams& p, int k, NormStats st) {
+  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
+  if (!p.norm_w && !p.silu_mul) return raw;
+  return apply_input8(p, raw, input_other8(p, k), st, input_bias8(p, k));
+}
+
+__device__ __forceinline__ __half input1(const KParams& p, int k, NormStats st) {
   const float a = __half2float(__ldcg(p.x + k));
-  if (p.norm_w) return __float2half_rn(a * inv_rms * __half2float(__ldg(p.norm_w + k)));
+  if (p.norm_w)
+    return __float2half_rn(norm1(p, a, __half2float(__ldg(p.norm_w + k)),
+                                 p.layer_norm && p.norm_b ? __half2float(__ldg(p.norm_b + k)) : 0.f,
+                                 st));
   if (p.silu_mul) return __float2half_rn(silu_times(a, __half2float(__ldcg(p.x + p.K + k))));
-  if (p.relu) return __float2half_rn(fmaxf(a, 0.0f));
   return __float2half_rn(a);
 }
 
@@ -508,7 +592,8 @@ constexpr int one_pass_max_vecs(int T) { return T * max_v(T); }
 template <int T>
 __device__ __forceinline__ bool one_pass_shape(const KParams& p) {
   return (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
-         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
+         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) &&
+         ((reinterpret_cast<uintptr_t>(p.norm_b) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
 }
 // Whether stage_x takes its one-pass path from global memory: natural order (no act-order), a
 // one-pass shape. (With act-order it takes it only from the bulk copies: x_raw.)
@@ -544,7 +629,8 @@ __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
 // running when this one started.
 //
 // x_raw (one-pass shapes only): when not null, x in its natural order in shared memory, landing
-// from a bulk copy that completes on `bar` (and the RMSNorm weights in n_raw); the values are
+// from a bulk copy that completes on `bar` (and the norm weights in n_raw, LayerNorm's bias in
+// b_raw); the values are
 // read from there instead of L2. With act-order, x_raw must be x_nat: the staged (normalised) x
 // is written back over it in natural order, and the gather reads the permutation from perm_s
 // (bulk-copied with the norm weights).
@@ -553,12 +639,14 @@ __device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
 template <int C, int T, bool kRegs = true>
 __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat,
                                         const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
-                                        uint64_t* bar = nullptr, const int32_t* perm_s = nullptr) {
+                                        uint64_t* bar = nullptr, const int32_t* perm_s = nullptr,
+                                        const uint4* b_raw = nullptr) {
   constexpr int V = C / 8;
   constexpr int kMaxV = max_v(T);
   const int nvec = p.nch * V;
   const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
-                   ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0);
+                   ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) &&
+                   ((reinterpret_cast<uintptr_t>(p.norm_b) & 15u) == 0);
   auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
   // The gather of act-order x_s[k] = x_nat[perm[k]], perm from shared memory when given.
   auto gather = [&]() {
@@ -584,24 +672,23 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
     // SiLU input's up half is read from L2 as it is staged.)
     const int nnat = p.K / 8;
     mbar_wait(bar, 0);
-    float inv_rms = 1.f;
-    if (p.norm_w) {
-      float ss = 0.f;
-      for (int v = threadIdx.x; v < nnat; v += T) ss += sum_squares8(x_raw[v]);
-      inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
-    }
+    NormStats st;
+    if (p.norm_w) st = norm_stats8<T>(p, nnat, [&](int v) { return x_raw[v]; });
     auto other = [&](int v) { return p.norm_w ? n_raw[v] : input_other8(p, 8 * v); };
+    auto bias = [&](int v) {
+      return p.layer_norm && p.norm_b ? b_raw[v] : make_uint4(0, 0, 0, 0);
+    };
     if (p.perm) {
       // Act-order (x_raw is x_nat): the staged x back over it in natural order (each thread
       // rewrites only the vectors it read), then the gather through the permutation.
       for (int v = threadIdx.x; v < nnat; v += T)
-        reinterpret_cast<uint4*>(x_nat)[v] = apply_input8(p, x_raw[v], other(v), inv_rms);
+        reinterpret_cast<uint4*>(x_nat)[v] = apply_input8(p, x_raw[v], other(v), st, bias(v));
       __syncthreads();
       gather();
       return;
     }
     for (int v = threadIdx.x; v < nnat; v += T)
-      slot(v) = apply_input8(p, x_raw[v], other(v), inv_rms);
+      slot(v) = apply_input8(p, x_raw[v], other(v), st, bias(v));
     for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
     return;
   }
@@ -628,33 +715,31 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
         if (v < nnat) b[i] = slot(v);
       }
     }
-    float inv_rms = 1.f;
-    if (p.norm_w) {
-      float ss = 0.f;
-#pragma unroll
-      for (int i = 0; i < kMaxV; ++i)
-        if (threadIdx.x + i * T < nnat) ss += sum_squares8(a[i]);
-      inv_rms = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
-    }
+    NormStats st;
+    if (p.norm_w) st = norm_stats8<T, kMaxV>(p, nnat, [&](int i) { return a[i]; });
 #pragma unroll
     for (int i = 0; i < kMaxV; ++i) {
       const int v = threadIdx.x + i * T;
-      if (v < nnat) slot(v) = apply_input8(p, a[i], b[i], inv_rms);
+      if (v < nnat) slot(v) = apply_input8(p, a[i], b[i], st, input_bias8(p, 8 * v));
     }
     for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
     return;
   }
-  const float inv_rms = p.norm_w ? input_inv_rms<T>(p, vec) : 1.f;
+  NormStats st;
+  if (p.norm_w)
+    st = vec ? norm_stats8<T>(p, p.K / 8,
+                              [&](int v) { return __ldcg(reinterpret_cast<const uint4*>(p.x) + v); })
+             : norm_stats1<T>(p);
   if (p.perm == nullptr) {
     for (int v = threadIdx.x; v < nvec; v += T) {
       const int k = v * 8;
       uint4 val = make_uint4(0, 0, 0, 0);
       if (vec) {
-        if (k < p.K) val = input8(p, k, inv_rms);
+        if (k < p.K) val = input8(p, k, st);
       } else {
         __half e[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? input1(p, k + i, inv_rms) : __half(0.f);
+        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? input1(p, k + i, st) : __half(0.f);
         memcpy(&val, e, sizeof(val));
       }
       slot(v) = val;
@@ -662,9 +747,9 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
   } else {
     if (vec) {
       for (int v = threadIdx.x; v < p.K / 8; v += T)
-        reinterpret_cast<uint4*>(x_nat)[v] = input8(p, v * 8, inv_rms);
+        reinterpret_cast<uint4*>(x_nat)[v] = input8(p, v * 8, st);
     } else {
-      for (int k = threadIdx.x; k < p.K; k += T) x_nat[k] = input1(p, k, inv_rms);
+      for (int k = threadIdx.x; k < p.K; k += T) x_nat[k] = input1(p, k, st);
     }
     __syncthreads();
     gather();
@@ -717,15 +802,24 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// The residual and bias of row i as the epilogue adds them (the bias from a weight: read with
+// ld.global.nc; the residual, written by the kernel before, with ld.global.cg).
+__device__ __forceinline__ float residual_of(const KParams& p, int row) {
+  float r = __half2float(__ldcg(p.residual + (p.res_index ? __ldg(p.res_index + row) : row)));
+  if (p.bias) r += __half2float(__ldg(p.bias + row));
+  return r;
+}
+__device__ __forceinline__ __half finish(const KParams& p, float v) {
+  return __float2half_rn(p.relu_out ? fmaxf(v, 0.f) : v);
+}
 __device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
   if (row >= p.N) return;
-  if (p.residual)
-    v += __half2float(__ldcg(p.residual + (p.res_index ? __ldg(p.res_index + row) : row)));
-  p.y[p.y_index ? __ldg(p.y_index + row) : row] = __float2half_rn(v);
+  if (p.residual) v += residual_of(p, row);
+  p.y[p.y_index ? __ldg(p.y_index + row) : row] = finish(p, v);
 }
-// The same with the residual already loaded (r).
+// The same with the residual (and bias) already loaded (r).
 __device__ __forceinline__ void store_row_plus(const KParams& p, int row, float v, float r) {
-  if (row < p.N) p.y[row] = __float2half_rn(v + r);
+  if (row < p.N) p.y[row] = finish(p, v + r);
 }
 
 // ---- The kernel --------------------------------------------------------------------------------
@@ -813,11 +907,21 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
   if constexpr (kSpec != kDynamic) {
     p.zeros = nullptr;
     p.silu_mul = false;
-    p.relu = false;
     if constexpr (kSpec & kPerm) __builtin_assume(p.perm != nullptr); else p.perm = nullptr;
-    if constexpr (kSpec & kNorm) __builtin_assume(p.norm_w != nullptr); else p.norm_w = nullptr;
-    if constexpr (kSpec & kResidual) __builtin_assume(p.residual != nullptr);
-    else p.residual = nullptr;
+    if constexpr (kSpec & kNorm) {
+      __builtin_assume(p.norm_w != nullptr);
+    } else {
+      p.norm_w = nullptr;
+      p.layer_norm = false;
+      p.norm_b = nullptr;
+    }
+    if constexpr (kSpec & kResidual) {
+      __builtin_assume(p.residual != nullptr);
+    } else {
+      p.residual = nullptr;
+      p.bias = nullptr;
+      p.relu_out = false;
+    }
     if constexpr (kSpec & kSiluPair) {
       __builtin_assume(p.silu_pair != 0);
     } else {
@@ -869,6 +973,9 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // The act-order permutation (bulk path), then the mbarrier of the bulk copies.
   int32_t* perm_s = reinterpret_cast<int32_t*>(n_raw + codes);
   uint64_t* bar = reinterpret_cast<uint64_t*>(perm_s + (p.perm ? codes : 0));
+  // LayerNorm's bias (bulk path), past the mbarrier's 16 bytes: launched with the bytes for it
+  // only where there is one (gemv, layer_norm_smem).
+  __half* b_raw = reinterpret_cast<__half*>(bar + 2);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t wg = int64_t(blockIdx.x) * kW + warp, W = int64_t(gridDim.x) * kW;
@@ -959,6 +1066,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
       mbar_init(bar, 1);
       fence_mbar_init();
       if (p.norm_w) bulk_copy_g2s_no_arrive(n_raw, p.norm_w, static_cast<uint32_t>(p.K) * 2, bar);
+      if (p.layer_norm && p.norm_b)
+        bulk_copy_g2s_no_arrive(b_raw, p.norm_b, static_cast<uint32_t>(p.K) * 2, bar);
       if (p.perm)
         bulk_copy_g2s_no_arrive(perm_s, p.perm, static_cast<uint32_t>(codes) * 4, bar);
     }
@@ -973,12 +1082,15 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // store at the end of the run is not one more round trip: lane l holds row rb + l.
   const bool res_early = p.residual != nullptr && re - rb <= 32;
   float res = 0.f;
-  if (res_early && lane < re - rb)
+  if (res_early && lane < re - rb) {
     res = __half2float(__ldcg(p.residual + (p.res_index ? res_index : rb + lane)));
+    if (p.bias) res += __half2float(__ldg(p.bias + rb + lane));
+  }
   // (On sm_90 every shape the one-pass path fits takes the bulk path.)
   stage_x<Op::kUnitCodes, kT, !has_bulk_copy()>(
       p, x_s, x_nat, bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
-      reinterpret_cast<const uint4*>(n_raw), bar, bulk && p.perm ? perm_s : nullptr);
+      reinterpret_cast<const uint4*>(n_raw), bar, bulk && p.perm ? perm_s : nullptr,
+      reinterpret_cast<const uint4*>(b_raw));
   __syncthreads();
 
   float acc[R];
@@ -1084,6 +1196,8 @@ QuantKernel spec_kernel_for_group(int spec, int warps, RowSplit split) {
     case 0: return spec_kernel_for_perm<B, GS, 0>(perm, warps, split);
     case kNorm: return spec_kernel_for_perm<B, GS, kNorm>(perm, warps, split);
     case kResidual: return spec_kernel_for_perm<B, GS, kResidual>(perm, warps, split);
+    case kNorm | kResidual:
+      return spec_kernel_for_perm<B, GS, kNorm | kResidual>(perm, warps, split);
     case kNorm | kSiluPair:
       return spec_kernel_for_perm<B, GS, kNorm | kSiluPair>(perm, warps, split);
     case kResidual | kIndexed:

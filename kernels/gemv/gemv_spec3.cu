@@ -1,6 +1,6 @@
 // The 3-bit GEMV kernels specialized per group size, act-order, fused ops and block size
 // (gemv_kernel.cuh), in a translation unit of their own so that the build compiles each bit
-// width's 144 kernels (80; 40 half-warp ones for rows of at most 16 units; 24 warp-pair ones for
+// width's 168 kernels (96; 48 half-warp ones for rows of at most 16 units; 24 warp-pair ones for
 // rows of 33-64 units) in parallel.
 #include "kernels/gemv/gemv_kernel.cuh"
 

@@ -1,6 +1,6 @@
 // The 8-bit GEMV kernels specialized per group size, act-order, fused ops and block size
 // (gemv_kernel.cuh), in a translation unit of their own so that the build compiles each bit
-// width's 80 kernels in parallel.
+// width's 96 kernels in parallel.
 #include "kernels/gemv/gemv_kernel.cuh"
 
 namespace kestrel::cuda::gemv_detail {

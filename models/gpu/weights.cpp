@@ -126,7 +126,9 @@ void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStre
       throw Error("GpuLinear::run: the SiLU epilogue needs one fused [gate | up] weight");
     int64_t n0 = 0;  // each part into its columns; the input op (RMSNorm) runs in each
     for (const GpuLinear& p : parts) {
-      p.run(x, y + n0, residual ? residual + n0 : nullptr, s, in, out);
+      cuda::GemvEpilogue part_out = out;
+      if (out.bias) part_out.bias = out.bias + n0;
+      p.run(x, y + n0, residual ? residual + n0 : nullptr, s, in, part_out);
       n0 += p.N;
     }
   } else if (quantized)
@@ -134,7 +136,7 @@ void GpuLinear::run(const __half* x, __half* y, const __half* residual, cudaStre
   else if (out.silu_mul)
     throw Error("GpuLinear::run: the SiLU epilogue needs a quantized [gate | up] weight");
   else
-    cuda::gemv_f16(dense, x, y, N, K, residual, s, {}, in);
+    cuda::gemv_f16(dense, x, y, N, K, residual, s, {}, in, out);
 }
 
 namespace {

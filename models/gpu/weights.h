@@ -34,8 +34,8 @@ struct GpuLinear {
   // Bytes one run moves through device memory (weights, x, y).
   double bytes_moved() const;
   // y [N] = W x (+ residual [N]; y may alias residual)
-  // `in` fuses the op before the linear (RMSNorm, SiLU * up) into its staging of x; `out` the
-  // op after it (quantized only: see can_silu_epilogue).
+  // `in` fuses the op before the linear (RMSNorm or LayerNorm, SiLU * up) into its staging of
+  // x; `out` the op after it (a bias, ReLU; SiLU * up quantized only: see can_silu_epilogue).
   void run(const __half* x, __half* y, const __half* residual, cudaStream_t s,
            cuda::GemvInput in = {}, cuda::GemvEpilogue out = {}) const;
   // Whether run can apply SiLU(gate) * up in its epilogue (a quantized fused [gate | up]).

@@ -443,17 +443,17 @@ TEST(GemvResidual, AddsResidualSeparateAndAliased) {
 // ---- Fused input ops --------------------------------------------------------------------------
 
 // x as the GEMV stages it after the fused op: the CPU reference op, rounded to fp16.
-enum class InputOp { RmsNorm, SiluMul, Relu };
+enum class InputOp { RmsNorm, SiluMul, LayerNorm };
 
 std::vector<float> fused_input(const std::vector<uint16_t>& x, int64_t K, const std::vector<uint16_t>& norm_w,
-                               float eps, InputOp op) {
+                               float eps, InputOp op, const std::vector<uint16_t>& norm_b = {}) {
   const std::vector<float> xf = to_float(x);
   std::vector<float> out(K);
   if (op == InputOp::SiluMul) {
     silu_mul_ref(xf.data(), xf.data() + K, K, out.data());
-  } else if (op == InputOp::Relu) {
-    out.assign(xf.begin(), xf.begin() + K);
-    relu_ref(out.data(), K);
+  } else if (op == InputOp::LayerNorm) {
+    const std::vector<float> wf = to_float(norm_w), bf = to_float(norm_b);
+    layer_norm_ref(xf.data(), wf.data(), norm_b.empty() ? nullptr : bf.data(), eps, 1, K, out.data());
   } else {
     const std::vector<float> wf = to_float(norm_w);
     rms_norm_ref(xf.data(), wf.data(), eps, 1, K, out.data());
@@ -462,34 +462,43 @@ std::vector<float> fused_input(const std::vector<uint16_t>& x, int64_t K, const 
   return out;
 }
 
-TEST(GemvInputOps, RmsNormSiluMulAndReluFusedIntoStaging) {
+// x whose mean is far from 0, so that a LayerNorm that skipped the centring would be wrong.
+std::vector<uint16_t> offset_x(std::vector<uint16_t> x, float offset) {
+  for (auto& v : x) v = float_to_half(half_to_float(v) + offset);
+  return x;
+}
+
+TEST(GemvInputOps, RmsNormSiluMulAndLayerNormFusedIntoStaging) {
   KESTREL_REQUIRE_GPU();
   std::mt19937 rng(51);
   for (bool act : {false, true})
-    for (InputOp op : {InputOp::RmsNorm, InputOp::SiluMul, InputOp::Relu})
-      for (int64_t K : {96, 4096, 11008}) {  // 11008: over 48 KB of shared memory
-        const bool silu = op == InputOp::SiluMul;
+    for (InputOp op : {InputOp::RmsNorm, InputOp::SiluMul, InputOp::LayerNorm})
+      // 11008: over 48 KB of shared memory; 20480: past the bulk-copy staging (K > 16384)
+      for (int64_t K : {96, 4096, 11008, 20480}) {
+        const bool silu = op == InputOp::SiluMul, ln = op == InputOp::LayerNorm;
+        if (K == 20480 && !ln) continue;
         Format f;
         f.bits = 4;
         f.group_size = 32;
         f.act_order = act;
         const int64_t n = 33;
         const Linear L = random_linear(f, round_up(n, 32), K, rng);
-        const std::string what = describe(f, n, K) + (silu ? " silu*up" : op == InputOp::Relu ? " relu" : " rmsnorm");
+        const std::string what = describe(f, n, K) + (silu ? " silu*up" : ln ? " layernorm" : " rmsnorm");
         SCOPED_TRACE(what);
         Packed P = pack(L, n);
         GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
-        const std::vector<uint16_t> x = random_x(silu ? 2 * K : K, rng);
-        std::vector<uint16_t> norm_w = random_x(K, rng);
+        const std::vector<uint16_t> x = offset_x(random_x(silu ? 2 * K : K, rng), ln ? 3.f : 0.f);
+        std::vector<uint16_t> norm_w = random_x(K, rng), norm_b = random_x(K, rng);
         const float eps = 1e-5f;
         double terms2 = 0;
-        const std::vector<float> ref = reference(L, n, fused_input(x, K, norm_w, eps, op), &terms2);
-        DeviceBuffer dnw = upload(norm_w);
+        const std::vector<float> ref =
+            reference(L, n, fused_input(x, K, norm_w, eps, op, norm_b), &terms2);
+        DeviceBuffer dnw = upload(norm_w), dnb = upload(norm_b);
         cuda::GemvInput in;
         if (silu)
           in.silu_mul = true;
-        else if (op == InputOp::Relu)
-          in.relu = true;
+        else if (ln)
+          in = {dnw.as<__half>(), eps, false, true, dnb.as<__half>()};
         else
           in = {dnw.as<__half>(), eps, false};
         const std::vector<float> y =
@@ -503,7 +512,7 @@ TEST(GemvInputOps, RmsNormSiluMulAndReluFusedIntoStaging) {
         std::vector<uint16_t> W(n * K);
         std::normal_distribution<float> d(0.f, 0.02f);
         for (auto& v : W) v = float_to_half(d(rng));
-        const std::vector<float> xe = fused_input(x, K, norm_w, eps, op);
+        const std::vector<float> xe = fused_input(x, K, norm_w, eps, op, norm_b);
         std::vector<float> ref16(n);
         matmul_f16w_ref(xe.data(), W.data(), nullptr, 1, n, K, ref16.data());
         double t2 = 0;
@@ -743,6 +752,28 @@ TEST(GemvEpilogue, RefusesIndexesWithoutTheirEpilogue) {
   cuda::gemv_free(w);
 }
 
+TEST(GemvEpilogue, RefusesCombinationsItDoesNotCompute) {
+  KESTREL_REQUIRE_GPU();
+  std::mt19937 rng(64);
+  Format f;
+  const Linear L = random_linear(f, 64, 256, rng);
+  Packed P = pack(L, 64);
+  GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+  DeviceBuffer buf(4096);
+  __half* x = buf.as<__half>();
+  const int32_t* idx = buf.as<int32_t>() + 512;
+  __half* y = buf.as<__half>() + 256;
+  __half* b = buf.as<__half>() + 384;
+  EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.silu_mul = true, .relu = true}), Error);
+  EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.silu_mul = true, .bias = b}), Error);
+  EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.out_index = idx, .relu = true}), Error);
+  // LayerNorm without its weights, or a norm beside SiLU * up.
+  EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {nullptr, 1e-5f, false, true, b}), Error);
+  EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {b, 1e-5f, true}), Error);
+  EXPECT_THROW(cuda::gemv_f16(b, x, y, 8, 256, nullptr, nullptr, {}, {}, {.silu_mul = true}), Error);
+  cuda::gemv_free(w);
+}
+
 TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
   KESTREL_REQUIRE_GPU();
   std::mt19937 rng(61);
@@ -840,6 +871,137 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
               }
               cuda::gemv_free(w);
             }
+}
+
+// The LayerNorm staging, and the norm with a residual (the q/k/v biases of Qwen2 and OPT; OPT's
+// fc1 with its bias and ReLU), in the kernels specialized for a norm and a residual against the
+// run-time kernel and the reference, over the shapes that take each block size and row split.
+TEST(GemvSpecialized, NormWithResidualLayerNormAndReluAsTheRunTimeKernel) {
+  KESTREL_REQUIRE_GPU();
+  std::mt19937 rng(67);
+  enum Ops { kRmsRes, kLnRes, kLnResRelu };
+  for (int bits : {4, 3, 8})
+    for (int gs : {128, 32})
+      for (bool act : {false, true})
+        // 34 x 352: half-warp rows; 4098 x 4096: blocks of 8 warps; 70 x 5632: rows of 33-64
+        // units (no warp-pair kernel with a norm); 64 x 16384: the largest bulk-copied x.
+        for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096},
+                            {70, 5632}, {64, 16384}})
+          for (Ops ops : {kRmsRes, kLnRes, kLnResRelu}) {
+            if (n == 4098 && gs != 128) continue;
+            Format f;
+            f.bits = bits;
+            f.group_size = gs;
+            f.act_order = act;
+            const Linear L = random_linear(f, round_up(n, 32), K, rng);
+            const bool ln = ops != kRmsRes, relu = ops == kLnResRelu;
+            const std::string what = describe(f, n, K) + (ln ? " layernorm" : " rmsnorm") +
+                                     " + residual" + (relu ? " + relu" : "");
+            SCOPED_TRACE(what);
+            Packed P = pack(L, n);
+            GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+            const std::vector<uint16_t> x = offset_x(random_x(K, rng), ln ? -2.f : 0.f);
+            const std::vector<uint16_t> norm_w = random_x(K, rng), norm_b = random_x(K, rng);
+            const std::vector<uint16_t> r = random_x(n, rng);
+            DeviceBuffer dnw = upload(norm_w), dnb = upload(norm_b);
+            const cuda::GemvInput in{dnw.as<__half>(), 1e-5f, false, ln, dnb.as<__half>()};
+            auto y_with = [&](bool specialized) {
+              GemvWeight wk = w;
+              wk.launch.specialized = specialized;
+              return run(n, x, r, false,
+                         [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+                           cuda::gemv(wk, dx, dy, dr, st, in, {.relu = relu});
+                         });
+            };
+            const std::vector<float> ys = y_with(true), yg = y_with(false);
+            // As in SameOutputAsTheRunTimeKernel: the blocks of 8 warps sum x's statistics in
+            // another order.
+            float scale = 0.f;
+            for (float v : yg) scale = std::max(scale, std::fabs(v));
+            for (int64_t i = 0; i < n; ++i) {
+              if (n != 4098)
+                ASSERT_EQ(std::memcmp(&ys[i], &yg[i], sizeof(float)), 0)
+                    << "row " << i << ": specialized " << ys[i] << ", run-time " << yg[i];
+              else
+                ASSERT_LE(std::fabs(ys[i] - yg[i]), std::ldexp(scale, -9)) << "row " << i;
+            }
+            double terms2 = 0;
+            std::vector<float> ref = reference(
+                L, n, fused_input(x, K, norm_w, 1e-5f, ln ? InputOp::LayerNorm : InputOp::RmsNorm,
+                                  norm_b),
+                &terms2);
+            for (int64_t i = 0; i < n; ++i) {
+              ref[i] += half_to_float(r[i]);
+              if (relu) ref[i] = std::max(ref[i], 0.f);
+            }
+            expect_close(ys, ref, terms2, what);
+            cuda::gemv_free(w);
+          }
+}
+
+// GemvEpilogue::bias after the residual (or as it, without one) and ReLU after both, in the
+// specialized, run-time and fp16 kernels.
+TEST(GemvEpilogue, BiasAndReluAfterTheResidual) {
+  KESTREL_REQUIRE_GPU();
+  std::mt19937 rng(71);
+  struct Case {
+    bool residual, alias, relu;
+  };
+  for (int bits : {4, 2})
+    for (bool act : {false, true})
+      for (auto [n, K] : {std::pair<int64_t, int64_t>{33, 96}, {1056, 4096}})
+        for (Case c : {Case{true, false, false}, Case{true, true, false}, Case{false, false, false},
+                       Case{false, false, true}, Case{true, false, true}}) {
+          Format f;
+          f.bits = bits;
+          f.group_size = 32;
+          f.act_order = act;
+          const Linear L = random_linear(f, round_up(n, 32), K, rng);
+          const std::string what = describe(f, n, K) + (c.residual ? " residual" : "") +
+                                   (c.alias ? " aliased" : "") + " bias" + (c.relu ? " relu" : "");
+          SCOPED_TRACE(what);
+          Packed P = pack(L, n);
+          GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
+          const std::vector<uint16_t> x = random_x(K, rng), b = random_x(n, rng);
+          const std::vector<uint16_t> r = c.residual ? random_x(n, rng) : std::vector<uint16_t>{};
+          DeviceBuffer db = upload(b);
+          const cuda::GemvEpilogue out{.bias = db.as<__half>(), .relu = c.relu};
+          auto finish = [&](std::vector<float> ref) {
+            for (int64_t i = 0; i < n; ++i) {
+              ref[i] += half_to_float(b[i]) + (c.residual ? half_to_float(r[i]) : 0.f);
+              if (c.relu) ref[i] = std::max(ref[i], 0.f);
+            }
+            return ref;
+          };
+          double terms2 = 0;
+          const std::vector<float> ref = finish(reference(L, n, to_float(x), &terms2));
+          for (bool specialized : {true, false}) {
+            GemvWeight wk = w;
+            wk.launch.specialized = specialized;
+            const std::vector<float> y =
+                run(n, x, r, c.alias, [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+                  cuda::gemv(wk, dx, dy, dr, st, {}, out);
+                });
+            expect_close(y, ref, terms2, what + (specialized ? "" : " run-time"));
+          }
+          cuda::gemv_free(w);
+
+          std::vector<uint16_t> W(n * K);
+          std::normal_distribution<float> d(0.f, 0.02f);
+          for (auto& v : W) v = float_to_half(d(rng));
+          std::vector<float> ref16(n);
+          const std::vector<float> xf = to_float(x);
+          matmul_f16w_ref(xf.data(), W.data(), nullptr, 1, n, K, ref16.data());
+          double t2 = 0;
+          for (int64_t i = 0; i < n; ++i)
+            for (int64_t k = 0; k < K; ++k) t2 += std::pow(double(half_to_float(W[i * K + k])) * xf[k], 2);
+          DeviceBuffer dW = upload(W);
+          const std::vector<float> y16 =
+              run(n, x, r, c.alias, [&](const __half* dx, __half* dy, const __half* dr, cudaStream_t st) {
+                cuda::gemv_f16(dW.as<__half>(), dx, dy, n, K, dr, st, {}, {}, out);
+              });
+          expect_close(y16, finish(ref16), t2, what + " f16");
+        }
 }
 
 // ---- Fused parts -------------------------------------------------------------------------------
