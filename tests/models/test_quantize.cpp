@@ -768,6 +768,82 @@ TEST_F(EndToEnd, CudaRtnCheckpointEqualsTheCpuQuantization) {
   fs::remove_all(out);
 }
 
+// Every family through the GPU quantizer, whose calibration runs the CUDA prefill's layer with
+// the family's blocks (q/k/v biases, q/k head norms, LayerNorm and its biases, the ReLU MLP,
+// learned positions, Mistral's window, which the 128-token windows cross): its quantization
+// must have the CPU's quality on text sampled from the family's own FP16 model: each linear's
+// error within [0.8, 1.25] of the CPU's and below RTN's, the perplexity as close to FP16's. A
+// forward that dropped a block would calibrate on the wrong inputs.
+class CudaFamilies : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaFamilies, GptqHasTheCpuQuality) {
+  KESTREL_REQUIRE_GPU();
+  const std::string arch = GetParam();
+  const fs::path fp16 = temp_dir("fam_fp16_" + arch), calib = temp_dir("fam_calib_" + arch),
+                 gpu_dir = temp_dir("fam_gpu_" + arch), cpu_dir = temp_dir("fam_cpu_" + arch),
+                 rtn_dir = temp_dir("fam_rtn_" + arch);
+  {
+    synth::SynthOptions o;
+    o.shape = "tiny";
+    o.arch = arch;
+    o.n_layers = 2;
+    o.dtype = "fp16";
+    o.seed = 5;
+    o.out = fp16.string();
+    o.quiet = true;
+    synth::write_model(o);
+  }
+  const std::vector<int> sampled = sample_windows(fp16, 24, 1);
+  std::ofstream(calib) << Tokenizer::load(fp16.string())->decode(sampled);
+  auto options = [&](const fs::path& out, const std::string& method, const std::string& device) {
+    QuantizeOptions o;
+    o.model_dir = fp16.string();
+    o.calib_file = calib.string();
+    o.out_dir = out.string();
+    o.method = method;
+    o.device = device;
+    o.gptq.bits = 4;
+    o.gptq.group_size = 64;
+    o.gptq.act_order = method == "gptq";
+    o.nsamples = 32;
+    o.seqlen = 128;
+    o.progress = false;
+    return o;
+  };
+  const QuantizeReport rg = quantize_model(options(gpu_dir, "gptq", "cuda"));
+  const QuantizeReport rc = quantize_model(options(cpu_dir, "gptq", "cpu"));
+  const QuantizeReport rr = quantize_model(options(rtn_dir, "rtn", "cpu"));
+  const size_t per_layer = arch == "opt" ? 6 : 7;
+  ASSERT_EQ(rg.linears.size(), 2 * per_layer);
+  ASSERT_EQ(rc.linears.size(), rg.linears.size());
+  for (size_t i = 0; i < rg.linears.size(); ++i) {
+    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
+    EXPECT_GT(rg.linears[i].rel_error, 0.8 * rc.linears[i].rel_error) << rg.linears[i].name;
+    EXPECT_LT(rg.linears[i].rel_error, 1.25 * rc.linears[i].rel_error) << rg.linears[i].name;
+    EXPECT_LT(rg.linears[i].rel_error, rr.linears[i].rel_error) << rg.linears[i].name;
+  }
+  const nlohmann::json report = nlohmann::json::parse(std::ifstream(gpu_dir / "quantize_report.json"));
+  EXPECT_EQ(report["device"], "cuda");
+  auto ppl = [&](const fs::path& dir) {
+    LlamaCpu m_model(load_model_spec(dir.string()));
+    auto m = m_model.new_cpu_session(128);
+    return kestrel::perplexity(*m, sampled, 128, 0, false).ppl;
+  };
+  // The GPU's damage to the perplexity within 1.5x the CPU's (or half a percent: the random
+  // OPT is so sure of its own samples, perplexity about 1.01, that quantization moves it by
+  // noise only, and RTN is not always the worse there).
+  const double p16 = ppl(fp16), pg = ppl(gpu_dir), pc = ppl(cpu_dir), pr = ppl(rtn_dir);
+  EXPECT_LT(pg, 1.06 * p16) << p16 << " " << pg << " " << pc << " " << pr;
+  EXPECT_LT(pg - p16, 1.5 * std::max(pc - p16, 0.005 * p16))
+      << p16 << " " << pg << " " << pc << " " << pr;
+  for (const fs::path& d : {fp16, gpu_dir, cpu_dir, rtn_dir}) fs::remove_all(d);
+  fs::remove(calib);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, CudaFamilies,
+                         ::testing::Values("llama3", "mistral", "qwen2", "qwen3", "opt"),
+                         [](const auto& info) { return info.param; });
+
 TEST_F(EndToEnd, ClearOneLineErrors) {
   const std::string bin = KESTREL_QUANTIZE_BIN;
   const fs::path out = temp_dir("e2e_err");

@@ -42,7 +42,8 @@ double seconds_since(Clock::time_point t0) {
 }
 
 // A true-sequential group: its linears in checkpoint order, stacked along N in the layer's
-// fused GPU linear (q|k|v, gate|up).
+// fused GPU linear (q|k|v, gate|up). A member the family lacks (a ReLU MLP's gate: its fc1 is
+// `up`) has no name and no rows.
 struct Group {
   LinearGroup id;
   std::vector<LinearSpec LayerSpec::*> members;
@@ -75,17 +76,8 @@ void upload_f16(const TensorInfo& t, __half* dst, cudaStream_t s) {
 }  // namespace
 
 std::string cuda_quantize_unsupported(const ModelSpec& spec) {
-  const ModelConfig& c = spec.config;
-  if (std::string why = cuda_unsupported(c); !why.empty()) return why;
-  // The calibration's layers are RMSNorm, RoPE and gated-SiLU layers without biases or q/k
-  // norms (below).
-  if (c.norm != NormKind::RMS || c.mlp != MlpKind::GatedSiLU || c.positions != PositionKind::Rope)
-    return fmt::format("the GPU quantizer does not run {} (LayerNorm, ReLU MLP or learned "
-                       "positions) yet; use --device cpu", c.architecture);
-  if (c.qkv_bias || c.qk_norm)
-    return fmt::format("the GPU quantizer does not run {} (q/k/v biases or q/k norms) yet; use "
-                       "--device cpu", c.architecture);
-  return "";
+  // The calibration runs the CUDA prefill's layer (layer_forward_rows): what it runs.
+  return cuda_unsupported(spec.config);
 }
 
 namespace {
@@ -164,24 +156,37 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
       for (size_t i = 0; i < f.size(); ++i) converted[i] = float_to_half(f[i]);
     }
     const uint8_t* table = E.dtype == DType::F16 ? E.data : (const uint8_t*)converted.data();
+    // Learned positions (OPT): every window starts at position 0, so row i adds position
+    // i + offset, in fp32 and rounded once, as the engine's embedding kernel does.
+    std::vector<float> positions;
+    if (spec.positions) positions = to_float(*spec.positions);
     std::vector<uint16_t> rows(win);
     for (int w = 0; w < S; ++w) {
       for (int i = 0; i < T; ++i) {
         const int tok = windows[w][i];
         KESTREL_CHECK(tok >= 0 && tok < c.vocab,
                       fmt::format("token id {} is outside the vocabulary ({})", tok, c.vocab));
-        std::memcpy(&rows[(size_t)i * hidden], table + (size_t)tok * hidden * 2, hidden * 2);
+        uint16_t* row = &rows[(size_t)i * hidden];
+        std::memcpy(row, table + (size_t)tok * hidden * 2, hidden * 2);
+        if (!positions.empty()) {
+          const float* pe = &positions[(size_t)(i + c.position_offset) * hidden];
+          for (int64_t j = 0; j < hidden; ++j) row[j] = float_to_half(half_to_float(row[j]) + pe[j]);
+        }
       }
       KESTREL_CUDA_CHECK(cudaMemcpy(X.as<__half>() + w * win, rows.data(), win * 2,
                                     cudaMemcpyHostToDevice));
     }
   }
 
-  // One layer's fp16 weights, reused layer after layer.
-  const size_t weight_halves = 2 * hidden + qkv_n * hidden + hidden * q_dim + 2 * inter * hidden +
-                               hidden * inter;
+  // One layer's fp16 weights, reused layer after layer, with what the family adds: norm and
+  // linear biases, q/k head norms. Layer 0 says which (every layer has the same tensors).
+  const LayerSpec& l0 = spec.layers[0];
+  const int64_t gate_up_n = (l0.gate.name.empty() ? 1 : 2) * inter;
+  const int64_t weight_halves = 4 * hidden + qkv_n * hidden + hidden * q_dim +
+                                gate_up_n * hidden + hidden * inter + qkv_n + hidden +
+                                gate_up_n + hidden + 2 * c.head_dim;
   cuda::DeviceBuffer weights =
-      gpu_alloc((weight_halves + 8 * kAlign) * sizeof(__half), "one decoder layer's fp16 weights");
+      gpu_alloc((weight_halves + 16 * kAlign) * sizeof(__half), "one decoder layer's fp16 weights");
   GpuLayer L;
   {
     __half* p = weights.as<__half>();
@@ -190,19 +195,25 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
       p += (n + kAlign - 1) / kAlign * kAlign;
       return r;
     };
+    auto take_if = [&](const void* present, int64_t n) { return present ? take(n) : nullptr; };
     L.input_norm = take(hidden);
     L.post_norm = take(hidden);
-    auto dense = [&](GpuLinear& lin, int64_t N, int64_t K) {
+    L.input_norm_bias = take_if(l0.input_norm_bias, hidden);
+    L.post_norm_bias = take_if(l0.post_norm_bias, hidden);
+    L.q_norm = take_if(l0.q_norm, c.head_dim);
+    L.k_norm = take_if(l0.k_norm, c.head_dim);
+    auto dense = [&](GpuLinear& lin, int64_t N, int64_t K, const void* bias) {
       lin.N = N;
       lin.K = K;
       lin.quantized = false;
       lin.dense = take(N * K);
       lin.bytes = N * K * sizeof(__half);
+      lin.bias = take_if(bias, N);
     };
-    dense(L.qkv, qkv_n, hidden);
-    dense(L.o, hidden, q_dim);
-    dense(L.gate_up, 2 * inter, hidden);
-    dense(L.down, hidden, inter);
+    dense(L.qkv, qkv_n, hidden, l0.q.bias);
+    dense(L.o, hidden, q_dim, l0.o.bias);
+    dense(L.gate_up, gate_up_n, hidden, l0.up.bias);
+    dense(L.down, hidden, inter, l0.down.bias);
   }
 
   // One window's layer step: its activations, the working copy of its residual stream, and
@@ -243,18 +254,28 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
     const LayerSpec& ls = spec.layers[l];
     upload_f16(*ls.input_norm, L.input_norm, s);
     upload_f16(*ls.post_norm, L.post_norm, s);
+    auto upload_if = [&](const TensorInfo* t, __half* dst) {
+      if (dst) upload_f16(*t, dst, s);
+    };
+    upload_if(ls.input_norm_bias, L.input_norm_bias);
+    upload_if(ls.post_norm_bias, L.post_norm_bias);
+    upload_if(ls.q_norm, L.q_norm);
+    upload_if(ls.k_norm, L.k_norm);
     for (const Group& g : groups()) {
       int64_t row = 0;
       for (auto m : g.members) {
-        upload_f16(*(ls.*m).weight, (L.*g.fused).dense + row * (ls.*m).K, s);
-        row += (ls.*m).N;
+        const LinearSpec& lin = ls.*m;
+        if (lin.name.empty()) continue;
+        upload_f16(*lin.weight, (L.*g.fused).dense + row * lin.K, s);
+        upload_if(lin.bias, (L.*g.fused).bias ? (L.*g.fused).bias + row : nullptr);
+        row += lin.N;
       }
     }
 
     std::vector<LinearReport> lines;
     for (const Group& g : groups()) {
-      const LinearSpec& first = ls.*g.members[0];
-      const int64_t K = first.K;
+      const LinearSpec& last = ls.*g.members.back();  // the last member is in every family
+      const int64_t K = last.K;
       // The group's inputs over every window, through the layer as quantized so far.
       const auto t_fwd = Clock::now();
       GpuHessian H(ctx, K);
@@ -282,10 +303,11 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
       const auto t_q = Clock::now();
       auto t_lin = Clock::now();
       std::optional<GpuGptqFactor> factor;
-      if (o.method == "gptq") factor.emplace(ctx, H.data(), K, o.gptq, first.name);
+      if (o.method == "gptq") factor.emplace(ctx, H.data(), K, o.gptq, last.name);
       int64_t row = 0;
       for (auto m : g.members) {
         const LinearSpec& spec_m = ls.*m;
+        if (spec_m.name.empty()) continue;
         const int64_t N = spec_m.N;
         __half* w16 = (L.*g.fused).dense + row * K;
         row += N;
