@@ -125,7 +125,8 @@ GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
 //     with layer_norm: x <- LayerNorm(x) = (x - mean(x)) * rsqrt(var(x) + eps) * norm_w + norm_b
 //             (norm_b [K], or nullptr for none; OPT's norms)
 //   silu_mul: x holds [gate | up], 2K values: x <- silu(gate) * up
-// Each computes what the stand-alone kernel does (fp32 math, the staged value rounded to fp16).
+// Each computes what the stand-alone kernel does (fp32 math, the staged value rounded to fp16;
+// LayerNorm's variance in one pass over x shifted by x[0], not two: gemv_kernel.cuh says why).
 // One at a time.
 struct GemvInput {
   const __half* norm_w = nullptr;

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "kernels/common/cp_async.cuh"
@@ -425,15 +426,13 @@ struct F16Op {
 
 // ---- Staging x --------------------------------------------------------------------------------
 
-// The fused input ops compute exactly what the stand-alone kernels do (kernels/norm,
-// kernels/activation): fp32 math on fp16 inputs, one rounding to fp16 of the staged value.
+// The fused input ops compute what the stand-alone kernels do (kernels/norm, kernels/activation):
+// fp32 math on fp16 inputs, one rounding to fp16 of the staged value (LayerNorm's variance in
+// one pass: layer_norm_stats).
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// The sum of v over a block of T threads (every thread gets it). Each kSlot has its own
-// scratch, so that two sums in a row (LayerNorm's mean, then its variance) need no barrier
-// between them: the second would otherwise overwrite the first's partial sums while a thread
-// still reads them.
-template <int T, int kSlot = 0>
+// The sum of v over a block of T threads (every thread gets it).
+template <int T>
 __device__ float block_sum(float v) {
   __shared__ float part[T / 32];
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
@@ -442,6 +441,21 @@ __device__ float block_sum(float v) {
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < T / 32; ++w) total += part[w];
+  return total;
+}
+// The same for two sums at once (one barrier).
+template <int T>
+__device__ float2 block_sum2(float2 v) {
+  __shared__ float2 part2[T / 32];
+  for (int o = 16; o > 0; o >>= 1) {
+    v.x += __shfl_xor_sync(0xFFFFFFFFu, v.x, o);
+    v.y += __shfl_xor_sync(0xFFFFFFFFu, v.y, o);
+  }
+  if ((threadIdx.x & 31) == 0) part2[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float2 total = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < T / 32; ++w) total.x += part2[w].x, total.y += part2[w].y;
   return total;
 }
 
@@ -455,21 +469,17 @@ __device__ __forceinline__ float sum_squares8(uint4 raw) {
   return ss;
 }
 
-__device__ __forceinline__ float sum8(uint4 raw) {
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) s += hsum(h2(word(raw, j)));
-  return s;
-}
-
-__device__ __forceinline__ float centred_squares8(uint4 raw, float mean) {
-  float ss = 0.f;
+// sum(x - c) and sum((x - c)^2) over 8 values.
+__device__ __forceinline__ float2 shifted_sums8(uint4 raw, float c) {
+  float s = 0.f, ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 f = __half22float2(h2(word(raw, j)));
-    ss += (f.x - mean) * (f.x - mean) + (f.y - mean) * (f.y - mean);
+    const float a = f.x - c, b = f.y - c;
+    s += a + b;
+    ss += a * a + b * b;
   }
-  return ss;
+  return make_float2(s, ss);
 }
 
 // What the fused norm applies: RMSNorm x * inv * w (inv = 1 / rms(x)), LayerNorm
@@ -478,56 +488,70 @@ struct NormStats {
   float mean = 0.f, inv = 1.f;
 };
 
+// LayerNorm's statistics from the block's sums of x - c and (x - c)^2. One pass and one
+// barrier, as RMSNorm's: the stand-alone kernel's two passes (the mean, then the centred
+// squares) cost the GEMV a second barrier in its staging, 1.3 us a call at OPT-6.7B's shapes
+// (docs/performance.md). Shifted by c, one of x's own values, E[(x-c)^2] - E[x-c]^2 cancels only
+// as far as |mean - c| exceeds the spread, a few standard deviations for a hidden state.
+__device__ __forceinline__ NormStats layer_norm_stats(float2 sums, float c, const KParams& p) {
+  const float m = sums.x / (float)p.K;
+  const float var = fmaxf(sums.y / (float)p.K - m * m, 0.f);
+  return NormStats{c + m, rsqrtf(var + p.eps)};
+}
+
 // The fused norm's statistics over x, from the 8-value vectors get(v), v < nvec, that this
 // thread holds (v = threadIdx.x + i * T for i < kN; kN 0: every v of this thread, read as the
-// loop goes). LayerNorm takes two passes, as the stand-alone kernel does: E[x^2] - mean^2 would
-// cancel where |mean| >> std.
+// loop goes). `shift`: x[0] (LayerNorm's c).
 template <int T, int kN = 0, class Get>
-__device__ __forceinline__ NormStats norm_stats8(const KParams& p, int nvec, Get get) {
-  auto sum_of = [&](auto f) {
-    float s = 0.f;
+__device__ __forceinline__ NormStats norm_stats8(const KParams& p, int nvec, float shift, Get get) {
+  auto sum_of = [&](auto f, auto zero) {
+    auto s = zero;
+    auto add = [](auto& acc, auto v) {
+      if constexpr (std::is_same_v<decltype(v), float2>) acc.x += v.x, acc.y += v.y;
+      else acc += v;
+    };
     if constexpr (kN > 0) {
 #pragma unroll
       for (int i = 0; i < kN; ++i)
-        if (threadIdx.x + i * T < nvec) s += f(get(i));
+        if (threadIdx.x + i * T < nvec) add(s, f(get(i)));
     } else {
-      for (int v = threadIdx.x; v < nvec; v += T) s += f(get(v));
+      for (int v = threadIdx.x; v < nvec; v += T) add(s, f(get(v)));
     }
     return s;
   };
   NormStats st;
   if (!p.layer_norm) {
-    st.inv = rsqrtf(block_sum<T>(sum_of([](uint4 r) { return sum_squares8(r); })) / (float)p.K +
+    st.inv = rsqrtf(block_sum<T>(sum_of([](uint4 r) { return sum_squares8(r); }, 0.f)) /
+                        (float)p.K +
                     p.eps);
     return st;
   }
-  st.mean = block_sum<T>(sum_of([](uint4 r) { return sum8(r); })) / (float)p.K;
-  const float m = st.mean;
-  st.inv = rsqrtf(block_sum<T, 1>(sum_of([m](uint4 r) { return centred_squares8(r, m); })) /
-                      (float)p.K +
-                  p.eps);
-  return st;
+  const float2 sums = block_sum2<T>(
+      sum_of([shift](uint4 r) { return shifted_sums8(r, shift); }, make_float2(0.f, 0.f)));
+  return layer_norm_stats(sums, shift, p);
 }
 
 // The same read from global memory one value at a time (x not in 16-byte vectors).
 template <int T>
 __device__ NormStats norm_stats1(const KParams& p) {
-  auto sum_of = [&](auto f) {
-    float s = 0.f;
-    for (int k = threadIdx.x; k < p.K; k += T) s += f(__half2float(__ldcg(p.x + k)));
-    return s;
-  };
   NormStats st;
   if (!p.layer_norm) {
-    st.inv = rsqrtf(block_sum<T>(sum_of([](float f) { return f * f; })) / (float)p.K + p.eps);
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < p.K; k += T) {
+      const float f = __half2float(__ldcg(p.x + k));
+      ss += f * f;
+    }
+    st.inv = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
     return st;
   }
-  st.mean = block_sum<T>(sum_of([](float f) { return f; })) / (float)p.K;
-  const float m = st.mean;
-  st.inv = rsqrtf(block_sum<T, 1>(sum_of([m](float f) { return (f - m) * (f - m); })) /
-                      (float)p.K +
-                  p.eps);
-  return st;
+  const float c = __half2float(__ldcg(p.x));
+  float2 sums = make_float2(0.f, 0.f);
+  for (int k = threadIdx.x; k < p.K; k += T) {
+    const float d = __half2float(__ldcg(p.x + k)) - c;
+    sums.x += d;
+    sums.y += d * d;
+  }
+  return layer_norm_stats(block_sum2<T>(sums), c, p);
 }
 
 __device__ __forceinline__ float norm1(const KParams& p, float a, float w, float b, NormStats st) {
@@ -673,7 +697,8 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
     const int nnat = p.K / 8;
     mbar_wait(bar, 0);
     NormStats st;
-    if (p.norm_w) st = norm_stats8<T>(p, nnat, [&](int v) { return x_raw[v]; });
+    if (p.norm_w)
+      st = norm_stats8<T>(p, nnat, __low2float(h2(x_raw[0].x)), [&](int v) { return x_raw[v]; });
     auto other = [&](int v) { return p.norm_w ? n_raw[v] : input_other8(p, 8 * v); };
     auto bias = [&](int v) {
       return p.layer_norm && p.norm_b ? b_raw[v] : make_uint4(0, 0, 0, 0);
@@ -716,7 +741,9 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
       }
     }
     NormStats st;
-    if (p.norm_w) st = norm_stats8<T, kMaxV>(p, nnat, [&](int i) { return a[i]; });
+    if (p.norm_w)
+      st = norm_stats8<T, kMaxV>(p, nnat, p.layer_norm ? __half2float(__ldcg(p.x)) : 0.f,
+                                 [&](int i) { return a[i]; });
 #pragma unroll
     for (int i = 0; i < kMaxV; ++i) {
       const int v = threadIdx.x + i * T;
@@ -727,7 +754,7 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
   }
   NormStats st;
   if (p.norm_w)
-    st = vec ? norm_stats8<T>(p, p.K / 8,
+    st = vec ? norm_stats8<T>(p, p.K / 8, p.layer_norm ? __half2float(__ldcg(p.x)) : 0.f,
                               [&](int v) { return __ldcg(reinterpret_cast<const uint4*>(p.x) + v); })
              : norm_stats1<T>(p);
   if (p.perm == nullptr) {
