@@ -82,11 +82,11 @@ void expect_error_with(const Result& r, const std::string& part) {
 
 TEST_F(Usability, CommandLineMistakesInPlainWords) {
   expect_error(run(kKestrel + " server"),
-               "unknown command 'server' (generate, chat, bench, perplexity, tokenize, info, "
-               "devices)");
+               "unknown command 'server' (generate, chat, serve, bench, perplexity, tokenize, "
+               "info, devices)");
   expect_error(run(kKestrel),
-               "a command is required (generate, chat, bench, perplexity, tokenize, info, "
-               "devices); kestrel --help");
+               "a command is required (generate, chat, serve, bench, perplexity, tokenize, "
+               "info, devices); kestrel --help");
   // llama.cpp's multi-letter short options are not read as -n gl.
   expect_error(run(gen("-p hi -ngl 99")),
                "unknown option -ngl (the whole model runs on one device: --device cpu|cuda)");

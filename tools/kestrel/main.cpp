@@ -1,4 +1,4 @@
-// kestrel: generate, chat, bench, perplexity, tokenize, info, devices.
+// kestrel: generate, chat, serve, bench, perplexity, tokenize, info, devices.
 #include <cstring>
 #include <iostream>
 #include <new>
@@ -11,7 +11,7 @@
 
 namespace {
 
-const char* const kCommands = "generate, chat, bench, perplexity, tokenize, info, devices";
+const char* const kCommands = "generate, chat, serve, bench, perplexity, tokenize, info, devices";
 
 }  // namespace
 
@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_generate(app, action);
   kestrel::cli::register_bench(app, action);
   kestrel::cli::register_chat(app, action);
+  kestrel::cli::register_serve(app, action);
   kestrel::cli::register_perplexity(app, action);
   kestrel::cli::register_tokenize(app, action);
   kestrel::cli::register_info(app, action);

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Load a running `kestrel serve` with concurrent streaming completions and report what a client
+sees: time to first token, each stream's decode rate, and the aggregate tokens/s.
+
+  python3 scripts/bench-serve.py --url http://127.0.0.1:8080 --clients 4 --requests 4 \
+      --prompt-tokens 512 --max-tokens 128 --vocab 32000
+
+Every request is `POST /v1/completions` with a prompt of random token ids (a different one per
+request, so that no session's cache holds it), greedy, `ignore_eos`, streamed with
+`include_usage`. Python's standard library only, so that it runs wherever the server does.
+Medians, with the spread as min..max; the aggregate is all completion tokens over the wall time
+from the first request sent to the last stream closed.
+"""
+import argparse
+import http.client
+import json
+import random
+import statistics
+import threading
+import time
+import urllib.parse
+
+
+def one_request(url, ids, max_tokens):
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
+    body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+    first = None
+    usage = None
+    for raw in resp:
+        line = raw.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("choices") and first is None and chunk["choices"][0].get("text"):
+            first = time.perf_counter()
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    end = time.perf_counter()
+    conn.close()
+    if usage is None or first is None:
+        raise RuntimeError("the stream ended without text or usage")
+    n = usage["completion_tokens"]
+    return {"ttft": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 else 0.0,
+            "tokens": n, "prompt": usage["prompt_tokens"], "t0": t0, "end": end}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--clients", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=4, help="per client, one after another")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--vocab", type=int, required=True, help="prompt ids are drawn below this")
+    ap.add_argument("--warmup", type=int, default=1, help="requests before timing")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rng = random.Random(1)
+
+    def prompt():
+        return [rng.randrange(3, a.vocab) for _ in range(a.prompt_tokens)]
+
+    for _ in range(a.warmup):
+        one_request(a.url, prompt(), a.max_tokens)
+    prompts = [[prompt() for _ in range(a.requests)] for _ in range(a.clients)]
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client(i):
+        for ids in prompts[i]:
+            try:
+                r = one_request(a.url, ids, a.max_tokens)
+                with lock:
+                    results.append(r)
+            except Exception as e:  # reported below; the run goes on
+                with lock:
+                    errors.append(str(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(a.clients)]
+    t_start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t_start
+    if not results:
+        raise SystemExit(f"no request completed: {errors[:3]}")
+
+    def spread(key, scale=1.0):
+        v = [r[key] * scale for r in results]
+        return statistics.median(v), min(v), max(v)
+
+    out = {
+        "clients": a.clients, "requests": len(results), "errors": len(errors),
+        "prompt_tokens": results[0]["prompt"], "completion_tokens": sum(r["tokens"] for r in results),
+        "ttft_ms": spread("ttft", 1000.0), "stream_decode_tps": spread("decode_tps"),
+        "aggregate_tps": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
+    }
+    if a.json:
+        print(json.dumps(out))
+        return
+    m, lo, hi = out["ttft_ms"]
+    dm, dlo, dhi = out["stream_decode_tps"]
+    print(f"clients {a.clients}: {len(results)} requests ({len(errors)} failed), prompt "
+          f"{out['prompt_tokens']} tokens; time to first token {m:.1f} ms ({lo:.1f}..{hi:.1f}); "
+          f"per stream {dm:.1f} tok/s ({dlo:.1f}..{dhi:.1f}); aggregate {out['aggregate_tps']:.1f} "
+          f"tok/s over {wall:.1f} s")
+    if errors:
+        print("first errors:", errors[:3])
+
+
+if __name__ == "__main__":
+    main()

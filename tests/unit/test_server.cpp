@@ -1,0 +1,494 @@
+// kestrel serve without sockets: request bodies read into engine options (and refused with
+// OpenAI's error object), the response objects and stream chunks, the slots and their queue,
+// the turn lock, the API key check and the access log's line.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "tools/kestrel/server/access.h"
+#include "tools/kestrel/server/request.h"
+#include "tools/kestrel/server/response.h"
+#include "tools/kestrel/server/scheduler.h"
+
+using nlohmann::json;
+using namespace kestrel;
+using namespace kestrel::server;
+
+namespace {
+
+RequestDefaults defaults() {
+  RequestDefaults d;
+  d.sampling.temperature = 0.5f;
+  d.sampling.top_k = 7;
+  d.max_tokens = 33;
+  return d;
+}
+
+CompletionRequest chat(const json& body) {
+  return parse_completion_request(Endpoint::Chat, body.dump(), defaults(), 42);
+}
+CompletionRequest completion(const json& body) {
+  return parse_completion_request(Endpoint::Completion, body.dump(), defaults(), 42);
+}
+
+const json kMessages = json::array({{{"role", "user"}, {"content", "Hi"}}});
+
+// The ApiError a call throws (its status 0 when it throws none).
+template <class F>
+ApiError refusal(F&& f) {
+  try {
+    f();
+  } catch (const ApiError& e) {
+    return e;
+  }
+  return ApiError(0, "no error");
+}
+
+// The body refused with 400 naming `param`.
+void expect_refused(Endpoint e, const std::string& body, const std::string& param) {
+  const ApiError err = refusal([&] { parse_completion_request(e, body, defaults(), 1); });
+  EXPECT_EQ(err.status(), 400) << body;
+  EXPECT_EQ(err.param(), param) << body << ": " << err.what();
+}
+
+}  // namespace
+
+TEST(ServerError, OpenAiShape) {
+  const json j = ApiError(400, "bad temperature", "temperature", "invalid_value").to_json();
+  EXPECT_EQ(j, json::parse(R"({"error": {"message": "bad temperature", "type": "invalid_request_error",
+                                          "param": "temperature", "code": "invalid_value"}})"));
+  const json k = ApiError(500, "engine failed").to_json();
+  EXPECT_EQ(k["error"]["type"], "server_error");
+  EXPECT_TRUE(k["error"]["param"].is_null());
+  EXPECT_TRUE(k["error"]["code"].is_null());
+  EXPECT_EQ(ApiError(401, "key").type(), "authentication_error");
+  EXPECT_EQ(ApiError(429, "busy").type(), "rate_limit_error");
+  EXPECT_EQ(ApiError(404, "model").type(), "invalid_request_error");
+}
+
+TEST(ServerRequest, ChatFieldsAndDefaults) {
+  const CompletionRequest r = chat({{"model", "m"}, {"messages", kMessages}});
+  EXPECT_EQ(r.model, "m");
+  ASSERT_EQ(r.messages.size(), 1u);
+  EXPECT_EQ(r.messages[0].role, "user");
+  EXPECT_EQ(r.messages[0].content, "Hi");
+  EXPECT_FALSE(r.stream);
+  EXPECT_EQ(r.max_tokens, 33);                 // the server's -n
+  EXPECT_FLOAT_EQ(r.sampling.temperature, 0.5f);  // the server's sampling
+  EXPECT_EQ(r.sampling.top_k, 7);
+  EXPECT_EQ(r.sampling.seed, 42u);             // the seed drawn for the request
+  EXPECT_FALSE(r.logprobs);
+
+  const CompletionRequest s = chat({{"messages", kMessages},
+                                    {"stream", true},
+                                    {"stream_options", {{"include_usage", true}}},
+                                    {"max_tokens", 5},
+                                    {"max_completion_tokens", 9},
+                                    {"temperature", 1.5},
+                                    {"top_p", 0.25},
+                                    {"presence_penalty", -1},
+                                    {"frequency_penalty", 0.5},
+                                    {"seed", 7},
+                                    {"stop", "END"},
+                                    {"logprobs", true},
+                                    {"top_logprobs", 3},
+                                    {"top_k", 0},
+                                    {"min_p", 0.1},
+                                    {"repeat_penalty", 1.1},
+                                    {"ignore_eos", true},
+                                    {"user", "ignored"},
+                                    {"n", 1}});
+  EXPECT_TRUE(s.stream);
+  EXPECT_TRUE(s.include_usage);
+  EXPECT_EQ(s.max_tokens, 9);  // max_completion_tokens wins
+  EXPECT_FLOAT_EQ(s.sampling.temperature, 1.5f);
+  EXPECT_FLOAT_EQ(s.sampling.top_p, 0.25f);
+  EXPECT_FLOAT_EQ(s.sampling.presence_penalty, -1.f);
+  EXPECT_FLOAT_EQ(s.sampling.frequency_penalty, 0.5f);
+  EXPECT_EQ(s.sampling.seed, 7u);
+  EXPECT_EQ(s.stop, std::vector<std::string>{"END"});
+  EXPECT_TRUE(s.logprobs);
+  EXPECT_EQ(s.top_logprobs, 3);
+  EXPECT_EQ(s.sampling.top_k, 0);
+  EXPECT_FLOAT_EQ(s.sampling.min_p, 0.1f);
+  EXPECT_FLOAT_EQ(s.sampling.repeat_penalty, 1.1f);
+  EXPECT_TRUE(s.ignore_eos);
+
+  // null is "not given"; a negative seed is its two's complement.
+  const CompletionRequest t = chat({{"messages", kMessages}, {"temperature", nullptr}, {"seed", -1}});
+  EXPECT_FLOAT_EQ(t.sampling.temperature, 0.5f);
+  EXPECT_EQ(t.sampling.seed, UINT64_MAX);
+}
+
+TEST(ServerRequest, ChatMessages) {
+  const CompletionRequest r = chat(
+      {{"messages",
+        {{{"role", "developer"}, {"content", "Be brief."}},
+         {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "a"}}, {{"type", "text"}, {"text", "b"}}}}},
+         {{"role", "assistant"}, {"content", "c"}}}}});
+  ASSERT_EQ(r.messages.size(), 3u);
+  EXPECT_EQ(r.messages[0].role, "system");  // OpenAI's newer name for it
+  EXPECT_EQ(r.messages[1].content, "ab");
+  EXPECT_EQ(r.messages[2].role, "assistant");
+
+  expect_refused(Endpoint::Chat, R"({})", "messages");
+  expect_refused(Endpoint::Chat, R"({"messages": []})", "messages");
+  expect_refused(Endpoint::Chat, R"({"messages": "Hi"})", "messages");
+  expect_refused(Endpoint::Chat, R"({"messages": [{"content": "Hi"}]})", "messages[0].role");
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "tool", "content": "x"}]})", "messages[0].role");
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content");
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "user"}]})", "messages[0].content");
+  expect_refused(Endpoint::Chat,
+                 R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})",
+                 "messages[0].content");
+}
+
+TEST(ServerRequest, MalformedBodies) {
+  for (const std::string body : {"", "{", "{\"messages\": [}", "not json", "{\"a\": 1e999999}"}) {
+    const ApiError e = refusal([&] { parse_completion_request(Endpoint::Chat, body, defaults(), 1); });
+    EXPECT_EQ(e.status(), 400) << body;
+    EXPECT_EQ(e.code(), "invalid_json") << body;
+  }
+  const ApiError e = refusal([&] { parse_completion_request(Endpoint::Chat, "[1, 2]", defaults(), 1); });
+  EXPECT_EQ(e.code(), "invalid_json");
+  EXPECT_NE(std::string(e.what()).find("object"), std::string::npos) << e.what();
+}
+
+TEST(ServerRequest, WrongTypesAndRanges) {
+  const std::string m = R"("messages": [{"role": "user", "content": "Hi"}])";
+  auto with = [&](const std::string& field) { return "{" + m + ", " + field + "}"; };
+  expect_refused(Endpoint::Chat, with(R"("temperature": "hot")"), "temperature");
+  expect_refused(Endpoint::Chat, with(R"("temperature": 2.5)"), "temperature");
+  expect_refused(Endpoint::Chat, with(R"("top_p": -0.1)"), "top_p");
+  expect_refused(Endpoint::Chat, with(R"("max_tokens": 0)"), "max_tokens");
+  expect_refused(Endpoint::Chat, with(R"("max_tokens": 1.5)"), "max_tokens");
+  expect_refused(Endpoint::Chat, with(R"("max_tokens": "10")"), "max_tokens");
+  expect_refused(Endpoint::Chat, with(R"("max_completion_tokens": -3)"), "max_completion_tokens");
+  expect_refused(Endpoint::Chat, with(R"("max_tokens": 18446744073709551615)"), "max_tokens");
+  expect_refused(Endpoint::Chat, with(R"("stream": "yes")"), "stream");
+  expect_refused(Endpoint::Chat, with(R"("stream_options": {"include_usage": true})"), "stream_options");
+  expect_refused(Endpoint::Chat, with(R"("seed": "x")"), "seed");
+  expect_refused(Endpoint::Chat, with(R"("stop": 5)"), "stop");
+  expect_refused(Endpoint::Chat, with(R"("stop": ["a", 1])"), "stop");
+  expect_refused(Endpoint::Chat, with(R"("stop": [""])"), "stop");
+  expect_refused(Endpoint::Chat, with(R"("presence_penalty": 3)"), "presence_penalty");
+  expect_refused(Endpoint::Chat, with(R"("logprobs": 1)"), "logprobs");
+  expect_refused(Endpoint::Chat, with(R"("top_logprobs": 2)"), "top_logprobs");  // needs logprobs
+  expect_refused(Endpoint::Chat, with(R"("logprobs": true, "top_logprobs": 21)"), "top_logprobs");
+  expect_refused(Endpoint::Chat, with(R"("top_k": -1)"), "top_k");
+  expect_refused(Endpoint::Chat, with(R"("repeat_penalty": 0)"), "repeat_penalty");
+  expect_refused(Endpoint::Chat, with(R"("model": 3)"), "model");
+}
+
+TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
+  const std::string m = R"("messages": [{"role": "user", "content": "Hi"}])";
+  auto with = [&](const std::string& field) { return "{" + m + ", " + field + "}"; };
+  expect_refused(Endpoint::Chat, with(R"("n": 2)"), "n");
+  expect_refused(Endpoint::Chat, with(R"("tools": [{"type": "function"}])"), "tools");
+  expect_refused(Endpoint::Chat, with(R"("tool_choice": "auto")"), "tool_choice");
+  expect_refused(Endpoint::Chat, with(R"("response_format": {"type": "json_object"})"), "response_format");
+  expect_refused(Endpoint::Chat, with(R"("logit_bias": {"50256": -100})"), "logit_bias");
+  // Their harmless values pass.
+  EXPECT_NO_THROW(chat(json::parse(with(R"("n": 1, "tools": [], "tool_choice": "none",
+                                           "response_format": {"type": "text"}, "logit_bias": {})"))));
+  expect_refused(Endpoint::Completion, R"({"prompt": "a", "best_of": 2})", "best_of");
+  expect_refused(Endpoint::Completion, R"({"prompt": "a", "echo": true})", "echo");
+  expect_refused(Endpoint::Completion, R"({"prompt": "a", "suffix": "b"})", "suffix");
+}
+
+TEST(ServerRequest, CompletionPrompts) {
+  EXPECT_EQ(completion({{"prompt", "once"}}).prompt, "once");
+  EXPECT_EQ(completion({{"prompt", {"once"}}}).prompt, "once");
+  const CompletionRequest ids = completion({{"prompt", {1, 5, 9}}});
+  EXPECT_TRUE(ids.prompt_is_ids);
+  EXPECT_EQ(ids.prompt_ids, (std::vector<int>{1, 5, 9}));
+  expect_refused(Endpoint::Completion, R"({})", "prompt");
+  expect_refused(Endpoint::Completion, R"({"prompt": ["a", "b"]})", "prompt");
+  expect_refused(Endpoint::Completion, R"({"prompt": [1, -2]})", "prompt");
+  expect_refused(Endpoint::Completion, R"({"prompt": {"text": "a"}})", "prompt");
+  // completions' logprobs is the number of alternatives to list.
+  const CompletionRequest lp = completion({{"prompt", "a"}, {"logprobs", 2}});
+  EXPECT_TRUE(lp.logprobs);
+  EXPECT_EQ(lp.top_logprobs, 2);
+  expect_refused(Endpoint::Completion, R"({"prompt": "a", "logprobs": true})", "logprobs");
+}
+
+TEST(ServerRequest, TokenizeBodies) {
+  const TokenizeRequest t = parse_tokenize_request(R"({"content": "hi", "add_special": true})");
+  EXPECT_EQ(t.content, "hi");
+  EXPECT_TRUE(t.add_special);
+  EXPECT_FALSE(t.with_pieces);
+  EXPECT_EQ(refusal([] { parse_tokenize_request("{}"); }).param(), "content");
+  EXPECT_EQ(refusal([] { parse_tokenize_request(R"({"content": 1})"); }).param(), "content");
+  EXPECT_EQ(parse_detokenize_request(R"({"tokens": [0, 3, 9]})", 10), (std::vector<int>{0, 3, 9}));
+  EXPECT_EQ(refusal([] { parse_detokenize_request(R"({"tokens": [10]})", 10); }).param(), "tokens");
+  EXPECT_EQ(refusal([] { parse_detokenize_request(R"({"tokens": "a"})", 10); }).param(), "tokens");
+  EXPECT_EQ(refusal([] { parse_detokenize_request(R"({})", 10); }).param(), "tokens");
+}
+
+class ServerPrepare : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tok_ = Tokenizer::load(std::string(KESTREL_TOKENIZER_FIXTURES) + "/byte_level");
+    tmpl_.emplace(ChatFormat::chatml, *tok_);
+  }
+  std::unique_ptr<Tokenizer> tok_;
+  std::optional<ChatTemplate> tmpl_;
+};
+
+TEST_F(ServerPrepare, PromptIdsAndOptions) {
+  const CompletionRequest c = completion({{"prompt", "the river"}, {"max_tokens", 4}, {"stop", {"x"}}, {"logprobs", 0}});
+  const PreparedRequest p = prepare_request(c, *tok_, nullptr, 64, tok_->vocab_size());
+  EXPECT_EQ(p.prompt_ids, tok_->encode("the river"));  // as kestrel generate -p tokenizes it
+  EXPECT_EQ(p.options.max_new_tokens, 4);
+  EXPECT_EQ(p.options.stop, std::vector<std::string>{"x"});
+  EXPECT_EQ(p.options.logprobs, 1);  // the chosen token's, with no alternatives listed
+
+  const CompletionRequest r = chat({{"messages", kMessages}, {"stop", "y"}});
+  const PreparedRequest q = prepare_request(r, *tok_, &*tmpl_, 256, tok_->vocab_size());
+  EXPECT_EQ(q.prompt_ids, tmpl_->tokenize({{"user", "Hi"}}, true));  // as kestrel generate --chat
+  EXPECT_EQ(q.options.stop.front(), "y");
+  EXPECT_EQ(q.options.stop_ids, tmpl_->stop_ids());
+  EXPECT_EQ(q.options.logprobs, 0);
+}
+
+TEST_F(ServerPrepare, PromptLongerThanTheContextIsRefused) {
+  const CompletionRequest c = completion({{"prompt", "the river runs under a stone bridge"}, {"max_tokens", 4}});
+  const int n = (int)tok_->encode(c.prompt).size();
+  EXPECT_NO_THROW(prepare_request(c, *tok_, nullptr, n + 4, tok_->vocab_size()));
+  const ApiError e = refusal([&] { prepare_request(c, *tok_, nullptr, n + 3, tok_->vocab_size()); });
+  EXPECT_EQ(e.status(), 400);
+  EXPECT_EQ(e.code(), "context_length_exceeded");
+  EXPECT_EQ(e.param(), "prompt");
+  // Without max_tokens the prompt needs room for one token.
+  const CompletionRequest open = parse_completion_request(Endpoint::Completion, json{{"prompt", c.prompt}}.dump(), {}, 1);
+  EXPECT_NO_THROW(prepare_request(open, *tok_, nullptr, n + 1, tok_->vocab_size()));
+  EXPECT_EQ(refusal([&] { prepare_request(open, *tok_, nullptr, n, tok_->vocab_size()); }).param(), "prompt");
+
+  const CompletionRequest m = chat({{"messages", kMessages}, {"max_tokens", 1}});
+  EXPECT_EQ(refusal([&] { prepare_request(m, *tok_, &*tmpl_, 3, tok_->vocab_size()); }).param(), "messages");
+  // Ids past the vocabulary.
+  const CompletionRequest ids = completion({{"prompt", {tok_->vocab_size()}}, {"max_tokens", 1}});
+  EXPECT_EQ(refusal([&] { prepare_request(ids, *tok_, nullptr, 64, tok_->vocab_size()); }).param(), "prompt");
+}
+
+namespace {
+
+GenerateResult result() {
+  GenerateResult r;
+  r.prompt_ids = {1, 2, 3};
+  r.ids = {4, 5};
+  r.text = "ab";
+  r.finish_reason = "eos";
+  r.n_cached = 2;
+  r.logprobs = {Logprobs{{4, -0.5f}, {{4, -0.5f}, {6, -1.5f}}}, Logprobs{{5, -0.25f}, {{5, -0.25f}, {7, -2.f}}}};
+  return r;
+}
+
+const ResponseMeta kMeta{"id-1", 1700000000, "tiny"};
+
+}  // namespace
+
+TEST_F(ServerPrepare, ChatResponse) {
+  CompletionRequest req = chat({{"messages", kMessages}, {"logprobs", true}, {"top_logprobs", 1}});
+  const json j = completion_response(req, kMeta, result(), *tok_);
+  EXPECT_EQ(j["id"], "id-1");
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["created"], 1700000000);
+  EXPECT_EQ(j["model"], "tiny");
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "ab");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");  // end-of-sequence
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 3);
+  EXPECT_EQ(j["usage"]["completion_tokens"], 2);
+  EXPECT_EQ(j["usage"]["total_tokens"], 5);
+  EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+  const json& lp = j["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(lp.size(), 2u);
+  EXPECT_EQ(lp[0]["token"], token_text(*tok_, 4));
+  EXPECT_FLOAT_EQ(lp[0]["logprob"].get<float>(), -0.5f);
+  ASSERT_EQ(lp[0]["top_logprobs"].size(), 1u);  // top_logprobs 1 of the 2 recorded
+  EXPECT_EQ(lp[1]["top_logprobs"][0]["token"], token_text(*tok_, 5));
+  EXPECT_TRUE(lp[0]["bytes"].is_array());
+
+  req.logprobs = false;
+  EXPECT_TRUE(completion_response(req, kMeta, result(), *tok_)["choices"][0]["logprobs"].is_null());
+}
+
+TEST_F(ServerPrepare, CompletionResponse) {
+  const CompletionRequest req = completion({{"prompt", "a"}, {"logprobs", 2}});
+  GenerateResult r = result();
+  r.finish_reason = "length";
+  const json j = completion_response(req, kMeta, r, *tok_);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["choices"][0]["text"], "ab");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  const json& lp = j["choices"][0]["logprobs"];
+  EXPECT_EQ(lp["tokens"].size(), 2u);
+  EXPECT_FLOAT_EQ(lp["token_logprobs"][1].get<float>(), -0.25f);
+  EXPECT_EQ(lp["top_logprobs"][0].size(), 2u);
+  EXPECT_EQ(lp["text_offset"][0], 0);
+  EXPECT_EQ(lp["text_offset"][1], token_text(*tok_, 4).size());
+}
+
+TEST_F(ServerPrepare, StreamChunks) {
+  CompletionRequest req = chat({{"messages", kMessages}, {"stream", true}, {"stream_options", {{"include_usage", true}}}});
+  const json role = role_chunk(req, kMeta);
+  EXPECT_EQ(role["object"], "chat.completion.chunk");
+  EXPECT_EQ(role["choices"][0]["delta"]["role"], "assistant");
+  EXPECT_TRUE(role.contains("usage") && role["usage"].is_null());
+  const json text = text_chunk(req, kMeta, "ab");
+  EXPECT_EQ(text["choices"][0]["delta"]["content"], "ab");
+  EXPECT_TRUE(text["choices"][0]["finish_reason"].is_null());
+  const json fin = finish_chunk(req, kMeta, result(), *tok_);
+  EXPECT_EQ(fin["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(fin["choices"][0]["delta"], json::object());
+  const json usage = usage_chunk(req, kMeta, result());
+  EXPECT_EQ(usage["choices"], json::array());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 2);
+  EXPECT_EQ(sse_event(json{{"a", 1}}), "data: {\"a\":1}\n\n");
+  EXPECT_STREQ(kSseDone, "data: [DONE]\n\n");
+
+  // A stream's log-probabilities come whole in the chunk that finishes it.
+  req.logprobs = true;
+  req.top_logprobs = 2;
+  EXPECT_TRUE(text_chunk(req, kMeta, "ab")["choices"][0]["logprobs"].is_null());
+  EXPECT_EQ(finish_chunk(req, kMeta, result(), *tok_)["choices"][0]["logprobs"]["content"].size(), 2u);
+
+  req.include_usage = false;
+  EXPECT_FALSE(text_chunk(req, kMeta, "x").contains("usage"));
+  const CompletionRequest c = completion({{"prompt", "a"}, {"stream", true}});
+  EXPECT_EQ(text_chunk(c, kMeta, "x")["object"], "text_completion");
+  EXPECT_EQ(text_chunk(c, kMeta, "x")["choices"][0]["text"], "x");
+}
+
+TEST(ServerSlots, PicksTheSlotSharingTheLongestPrefix) {
+  std::vector<std::vector<int>> cached = {{1, 2, 3}, {1, 7, 8, 9}, {}};
+  Slots slots(3, 0, [&](int i) -> const std::vector<int>& { return cached[i]; });
+  Slots::Outcome why;
+  auto a = slots.acquire({1, 7, 8, 5}, {}, why);
+  ASSERT_TRUE(a);
+  EXPECT_EQ(why, Slots::Outcome::Granted);
+  EXPECT_EQ(a->slot(), 1);
+  auto b = slots.acquire({1, 2, 3, 4}, {}, why);
+  ASSERT_TRUE(b);
+  EXPECT_EQ(b->slot(), 0);
+  auto c = slots.acquire({1, 2, 3, 4}, {}, why);
+  ASSERT_TRUE(c);
+  EXPECT_EQ(c->slot(), 2);
+  EXPECT_EQ(slots.status().busy, 3);
+  // No queue: a fourth is refused at once.
+  EXPECT_FALSE(slots.acquire({1}, {}, why));
+  EXPECT_EQ(why, Slots::Outcome::QueueFull);
+  b.reset();
+  EXPECT_EQ(slots.status().idle, 1);
+  EXPECT_TRUE(slots.acquire({1}, {}, why));
+}
+
+TEST(ServerSlots, QueueWaitsInOrderAndIsBounded) {
+  std::vector<int> none;
+  Slots slots(1, 2, [&](int) -> const std::vector<int>& { return none; });
+  Slots::Outcome why;
+  auto held = slots.acquire({1}, {}, why);
+  ASSERT_TRUE(held);
+  std::vector<int> order;
+  std::mutex m;
+  auto waiter = [&](int who) {
+    Slots::Outcome w;
+    auto lease = slots.acquire({1}, {}, w);
+    std::lock_guard<std::mutex> lk(m);
+    order.push_back(lease ? who : -who);
+  };
+  std::thread first(waiter, 1);
+  while (slots.status().queued < 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread second(waiter, 2);
+  while (slots.status().queued < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_FALSE(slots.acquire({1}, {}, why));  // two wait already
+  EXPECT_EQ(why, Slots::Outcome::QueueFull);
+  held.reset();
+  first.join();
+  second.join();
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_EQ(slots.status().idle, 1);
+}
+
+TEST(ServerSlots, CancelledAndShutDownWaitersLeaveTheLine) {
+  std::vector<int> none;
+  Slots slots(1, 4, [&](int) -> const std::vector<int>& { return none; });
+  Slots::Outcome why;
+  auto held = slots.acquire({1}, {}, why);
+  std::atomic<bool> gone{false};
+  Slots::Outcome w1 = Slots::Outcome::Granted, w2 = Slots::Outcome::Granted;
+  std::thread t1([&] { EXPECT_FALSE(slots.acquire({1}, [&] { return gone.load(); }, w1)); });
+  while (slots.status().queued < 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  gone = true;
+  t1.join();
+  EXPECT_EQ(w1, Slots::Outcome::Cancelled);
+  EXPECT_EQ(slots.status().queued, 0);
+  std::thread t2([&] { EXPECT_FALSE(slots.acquire({1}, {}, w2)); });
+  while (slots.status().queued < 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  slots.shut_down();
+  t2.join();
+  EXPECT_EQ(w2, Slots::Outcome::ShuttingDown);
+  EXPECT_FALSE(slots.acquire({1}, {}, why));
+  EXPECT_EQ(why, Slots::Outcome::ShuttingDown);
+}
+
+TEST(ServerTurnLock, TurnsGoInTheOrderAsked) {
+  TurnLock turn;
+  std::vector<int> order;
+  turn.lock();
+  std::thread b([&] {
+    std::lock_guard<TurnLock> t(turn);
+    order.push_back(2);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // b is waiting
+  std::thread c([&] {
+    std::lock_guard<TurnLock> t(turn);
+    order.push_back(3);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // c waits behind b
+  order.push_back(1);
+  turn.unlock();
+  b.join();
+  c.join();
+  EXPECT_EQ(order, (std::vector<int>{1, 2, 3}));
+}
+
+TEST(ServerAccess, BearerKey) {
+  EXPECT_TRUE(bearer_matches("Bearer s3cret", "s3cret"));
+  EXPECT_FALSE(bearer_matches("Bearer s3cre", "s3cret"));
+  EXPECT_FALSE(bearer_matches("Bearer s3crett", "s3cret"));
+  EXPECT_FALSE(bearer_matches("Bearer S3cret", "s3cret"));
+  EXPECT_FALSE(bearer_matches("s3cret", "s3cret"));
+  EXPECT_FALSE(bearer_matches("Basic s3cret", "s3cret"));
+  EXPECT_FALSE(bearer_matches("", "s3cret"));
+  EXPECT_FALSE(bearer_matches("Bearer ", ""));
+}
+
+TEST(ServerAccess, LogLine) {
+  AccessEntry e;
+  e.remote = "127.0.0.1:5000";
+  e.method = "POST";
+  e.path = "/v1/completions";
+  e.status = 200;
+  e.prompt_tokens = 12;
+  e.completion_tokens = 30;
+  e.finish = "length";
+  e.ms = 45.06;
+  EXPECT_EQ(access_line(e), "127.0.0.1:5000 POST /v1/completions 200 prompt=12 completion=30 finish=length 45.1 ms");
+  e.prompt = "say \"hi\"";
+  EXPECT_EQ(access_line(e), "127.0.0.1:5000 POST /v1/completions 200 prompt=12 completion=30 finish=length 45.1 ms "
+                            "prompt_text=\"say \\\"hi\\\"\"");
+  AccessEntry g;
+  g.remote = "::1:9";
+  g.method = "GET";
+  g.path = "/health";
+  g.status = 200;
+  EXPECT_EQ(access_line(g), "::1:9 GET /health 200 0.0 ms");
+}

@@ -1,0 +1,518 @@
+// kestrel serve: the model behind an OpenAI-compatible HTTP API (cpp-httplib), for the chat
+// clients, editors and libraries that speak it. Requests are read into engine options by
+// server/request.h, answered in OpenAI's shapes by server/response.h, and run on --parallel
+// sessions of the one loaded model behind a bounded queue (server/scheduler.h). Each
+// connection is served on a thread of its own, which runs its generation itself, taking the
+// model's turn for each step.
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <fmt/format.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <iostream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "engine/base/error.h"
+#include "engine/generate.h"
+#include "tokenizer/chat_template.h"
+#include "tools/kestrel/commands.h"
+#include "tools/kestrel/common.h"
+#include "tools/kestrel/server/access.h"
+#include "tools/kestrel/server/api_error.h"
+#include "tools/kestrel/server/request.h"
+#include "tools/kestrel/server/response.h"
+#include "tools/kestrel/server/scheduler.h"
+
+namespace kestrel::cli {
+
+namespace {
+
+using nlohmann::json;
+using server::ApiError;
+using server::Endpoint;
+using clock = std::chrono::steady_clock;
+
+struct ServeArgs {
+  ModelOptions model;
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  std::string api_key;
+  int parallel = 1;
+  int queue = 16;
+  int n_predict = -1;
+  SamplingOptions sampling;
+  std::string chat_template = "auto";
+  std::string alias;
+  int64_t max_body = 8 << 20;
+  int timeout = 60;
+  bool log_prompts = false;
+  bool quiet = false;
+};
+
+// What the access log learns of the request a thread is serving: cpp-httplib calls the
+// logger on the thread that ran the handler, once the answer is written.
+struct RequestLog {
+  clock::time_point start{};
+  int prompt_tokens = -1, completion_tokens = -1;
+  std::string finish;
+  std::optional<std::string> prompt;
+};
+thread_local RequestLog t_log;
+
+// The connection's socket: cpp-httplib 0.11 does not hand it to handlers, and a handler needs
+// it to see that the client went away while it waits or generates without writing. It is the
+// process's one socket whose two ends are the request's addresses.
+int connection_socket(const httplib::Request& req) {
+  auto address = [](const sockaddr_storage& a, std::string& host, int& port) {
+    char buf[INET6_ADDRSTRLEN] = {};
+    if (a.ss_family == AF_INET) {
+      const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
+      inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
+      port = ntohs(in->sin_port);
+    } else if (a.ss_family == AF_INET6) {
+      const auto* in = reinterpret_cast<const sockaddr_in6*>(&a);
+      inet_ntop(AF_INET6, &in->sin6_addr, buf, sizeof(buf));
+      port = ntohs(in->sin6_port);
+    } else {
+      return false;
+    }
+    host = buf;
+    return true;
+  };
+  DIR* d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  int found = -1;
+  while (dirent* e = readdir(d)) {
+    const int fd = std::atoi(e->d_name);
+    if (e->d_name[0] < '0' || e->d_name[0] > '9' || fd == dirfd(d)) continue;
+    sockaddr_storage local{}, peer{};
+    socklen_t ll = sizeof(local), pl = sizeof(peer);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0 ||
+        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0)
+      continue;
+    std::string lh, ph;
+    int lp = 0, pp = 0;
+    if (address(local, lh, lp) && address(peer, ph, pp) && lp == req.local_port &&
+        pp == req.remote_port && ph == req.remote_addr && lh == req.local_addr) {
+      found = fd;
+      break;
+    }
+  }
+  closedir(d);
+  return found;
+}
+
+// Whether the client closed its end (or the connection broke).
+bool peer_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
+
+// cpp-httplib's server with a listen backlog for many clients connecting at once (the library
+// builds in 5, which makes a burst of connections wait for SYN retries).
+class HttpServer : public httplib::Server {
+ public:
+  int bind(const std::string& host, int port) {
+    const int bound = port == 0 ? bind_to_any_port(host) : (bind_to_port(host, port) ? port : -1);
+    if (bound > 0) ::listen(svr_sock_, 512);
+    return bound;
+  }
+};
+
+std::string model_id(const ServeArgs& a) {
+  if (!a.alias.empty()) return a.alias;
+  std::filesystem::path p = std::filesystem::path(a.model.dir).lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+class Server {
+ public:
+  Server(const ServeArgs& a, LoadedModel& m, std::optional<ChatTemplate> tmpl)
+      : a_(a), m_(m), tmpl_(std::move(tmpl)), id_(model_id(a)), created_(std::time(nullptr)),
+        rng_(std::random_device{}()) {
+    defaults_.sampling = resolve_sampling(a.model.dir, a.sampling);
+    defaults_.max_tokens = a.n_predict;
+    defaults_.stop = a.sampling.stop;
+    // One session is the command's already; --parallel adds the others. Sessions that share
+    // the model take its turn for every step; a lone one runs unwrapped, device-chained runs
+    // included.
+    const int ctx = m_.session->context_length();
+    std::vector<std::unique_ptr<Session>> raw;
+    raw.push_back(std::move(m_.session));
+    for (int i = 1; i < a.parallel; ++i) raw.push_back(m_.model->new_session(ctx, a.quiet));
+    for (auto& s : raw)
+      sessions_.push_back(a.parallel == 1 ? std::move(s)
+                                          : std::make_unique<server::TurnTakingSession>(std::move(s), turn_));
+    slots_ = std::make_unique<server::Slots>(a.parallel, a.queue, [this](int i) -> const std::vector<int>& {
+      return sessions_[i]->cached;
+    });
+    seed_base_ = rng_();
+  }
+
+  int run() {
+    HttpServer svr;
+    const int threads = a_.parallel + a_.queue + 32;  // the slots, the line, idle keep-alives
+    svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    // SO_REUSEADDR (a restart may bind while old connections linger) but not the library's
+    // SO_REUSEPORT, under which a second server on a taken port would bind too and be handed
+    // half of its connections.
+    svr.set_socket_options([](int sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
+    svr.set_payload_max_length((size_t)a_.max_body);
+    svr.set_read_timeout(a_.timeout, 0);
+    svr.set_write_timeout(a_.timeout, 0);
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      t_log = RequestLog{};
+      t_log.start = clock::now();
+      if (a_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
+      if (server::bearer_matches(req.get_header_value("Authorization"), a_.api_key))
+        return httplib::Server::HandlerResponse::Unhandled;
+      error(res, ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", "", "invalid_api_key"));
+      return httplib::Server::HandlerResponse::Handled;
+    });
+    svr.set_error_handler(httplib::Server::HandlerWithResponse(
+        [](const httplib::Request&, httplib::Response& res) {
+      if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+      // The library's own refusals (unknown path, body too large) in OpenAI's shape.
+      const int s = res.status;
+      error(res, s == 404   ? ApiError(404, "no such endpoint", "", "not_found")
+                 : s == 413 ? ApiError(413, "the request body is too large", "", "request_too_large")
+                            : ApiError(s, fmt::format("the request could not be read (HTTP {})", s)));
+      return httplib::Server::HandlerResponse::Handled;
+    }));
+    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "internal error";
+      try {
+        std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      error(res, ApiError(500, what));
+    });
+    svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) { log(req, res); });
+
+    svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      const server::Slots::Status s = slots_->status();
+      res.set_content(server::dump({{"status", "ok"},
+                                    {"slots_idle", s.idle},
+                                    {"slots_processing", s.busy},
+                                    {"queued", s.queued}}),
+                      "application/json");
+    });
+    svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(server::dump({{"object", "list"}, {"data", json::array({model_json()})}}),
+                      "application/json");
+    });
+    svr.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+      if (req.matches[1] != id_)
+        return error(res, ApiError(404, fmt::format("the model '{}' does not exist (this server has '{}')",
+                                                    req.matches[1].str(), id_),
+                                   "model", "model_not_found"));
+      res.set_content(server::dump(model_json()), "application/json");
+    });
+    svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      complete(Endpoint::Chat, req, res);
+    });
+    svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      complete(Endpoint::Completion, req, res);
+    });
+    svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      try {
+        const server::TokenizeRequest t = server::parse_tokenize_request(req.body);
+        const std::vector<int> ids = m_.tok->encode(t.content, t.add_special);
+        json tokens = json::array();
+        for (int id : ids)
+          tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_text(*m_.tok, id)}}
+                                         : json(id));
+        res.set_content(server::dump({{"tokens", tokens}}), "application/json");
+      } catch (const ApiError& e) {
+        error(res, e);
+      }
+    });
+    svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+      try {
+        const std::vector<int> ids = server::parse_detokenize_request(req.body, m_.spec->config.vocab);
+        res.set_content(server::dump({{"content", m_.tok->decode(ids)}}), "application/json");
+      } catch (const ApiError& e) {
+        error(res, e);
+      }
+    });
+
+    const int port = svr.bind(a_.host, a_.port);
+    if (port < 0)
+      throw Error(fmt::format("cannot listen on {}:{} (in use, or not an address of this host)",
+                              a_.host, a_.port));
+    std::thread listener([&] {
+      svr.listen_after_bind();
+      // Ended otherwise than by a signal (accepting failed): wake the main thread.
+      if (!stopping_) {
+        listener_failed_ = true;
+        kill(getpid(), SIGTERM);
+      }
+    });
+    const bool v6 = a_.host.find(':') != std::string::npos;
+    std::cerr << fmt::format("listening on http://{}:{}", v6 ? "[" + a_.host + "]" : a_.host, port)
+              << std::endl;
+
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    int sig = 0;
+    sigwait(&set, &sig);
+    if (!listener_failed_)
+      std::cerr << fmt::format("kestrel: {}: stopping (in-flight requests are cancelled)",
+                               sig == SIGINT ? "SIGINT" : "SIGTERM")
+                << std::endl;
+    stopping_ = true;
+    slots_->shut_down();
+    svr.stop();
+    listener.join();
+    if (listener_failed_) throw Error("the server stopped accepting connections");
+    std::cerr << "kestrel: stopped" << std::endl;
+    return 0;
+  }
+
+ private:
+  static void error(httplib::Response& res, const ApiError& e) {
+    res.status = e.status();
+    if (e.status() == 429) res.set_header("Retry-After", "1");
+    res.set_content(server::dump(e.to_json()), "application/json");
+  }
+
+  json model_json() const {
+    return {{"id", id_}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"}};
+  }
+
+  uint64_t draw_seed() {
+    std::lock_guard<std::mutex> lk(rng_mutex_);
+    return rng_();
+  }
+
+  server::ResponseMeta meta(Endpoint e) {
+    const uint64_t n = ++requests_;
+    return {fmt::format("{}-{:016x}{:08x}", e == Endpoint::Chat ? "chatcmpl" : "cmpl", seed_base_, n),
+            (int64_t)std::time(nullptr), id_};
+  }
+
+  void complete(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+    try {
+      server::CompletionRequest cr =
+          server::parse_completion_request(endpoint, req.body, defaults_,
+                                           a_.sampling.seed ? *a_.sampling.seed : draw_seed());
+      if (!cr.model.empty() && cr.model != id_)
+        throw ApiError(404, fmt::format("the model '{}' does not exist (this server has '{}')", cr.model, id_),
+                       "model", "model_not_found");
+      const ChatTemplate* tmpl = endpoint == Endpoint::Chat ? &*tmpl_ : nullptr;
+      auto p = std::make_shared<server::PreparedRequest>(server::prepare_request(
+          cr, *m_.tok, tmpl, sessions_[0]->context_length(), m_.spec->config.vocab));
+      p->options.reverse_prompts = a_.sampling.reverse;
+      p->options.ignore_eos = a_.sampling.ignore_eos;
+      t_log.prompt_tokens = (int)p->prompt_ids.size();
+      if (a_.log_prompts)
+        t_log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true)
+                                                  : m_.tok->decode(p->prompt_ids);
+
+      const int fd = connection_socket(req);
+      auto gone = [fd] { return peer_gone(fd); };
+      server::Slots::Outcome why;
+      std::shared_ptr<server::Slots::Lease> lease = slots_->acquire(p->prompt_ids, gone, why);
+      if (!lease) {
+        if (why == server::Slots::Outcome::QueueFull)
+          throw ApiError(429, fmt::format("the server is busy ({} requests running, {} waiting); retry later",
+                                          a_.parallel, a_.queue),
+                         "", "rate_limit_exceeded");
+        if (why == server::Slots::Outcome::Cancelled) {
+          res.status = 499;  // nginx's "client closed request", for the log: nobody reads it
+          t_log.finish = "cancelled";
+          return;
+        }
+        throw ApiError(503, "the server is shutting down", "", "shutting_down");
+      }
+      Session& session = *sessions_[lease->slot()];
+      const server::ResponseMeta rm = meta(endpoint);
+
+      if (!cr.stream) {
+        p->options.cancelled = [this, gone] { return stopping_.load() || gone(); };
+        const GenerateResult r = generate_cached(session, *m_.tok, p->prompt_ids, p->options);
+        note_result(r);
+        if (r.finish_reason == "cancelled") {
+          if (stopping_) throw ApiError(503, "the server is shutting down", "", "shutting_down");
+          res.status = 499;
+          return;
+        }
+        res.set_content(server::dump(server::completion_response(cr, rm, r, *m_.tok)), "application/json");
+        return;
+      }
+
+      // Streamed: the generation runs as the body is written, the slot held until it ends.
+      auto request = std::make_shared<server::CompletionRequest>(std::move(cr));
+      res.set_header("Cache-Control", "no-cache");
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [this, request, p, rm, lease, gone, &session](size_t, httplib::DataSink& sink) {
+            bool ok = true;
+            auto send = [&](const std::string& s) {
+              if (ok && !sink.write(s.data(), s.size())) ok = false;
+            };
+            if (request->endpoint == Endpoint::Chat) send(server::sse_event(server::role_chunk(*request, rm)));
+            p->options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
+            const GenerateResult r = generate_cached(
+                session, *m_.tok, p->prompt_ids, p->options,
+                [&](std::string_view text) { send(server::sse_event(server::text_chunk(*request, rm, text))); });
+            note_result(r);
+            if (r.finish_reason == "cancelled") {
+              // The client is gone, or the server is stopping: an error event where it can
+              // still be read, and no [DONE], so that the client knows the answer is cut.
+              if (ok && stopping_)
+                send(server::sse_event(ApiError(503, "the server is shutting down", "", "shutting_down").to_json()));
+              return false;
+            }
+            send(server::sse_event(server::finish_chunk(*request, rm, r, *m_.tok)));
+            if (request->include_usage) send(server::sse_event(server::usage_chunk(*request, rm, r)));
+            send(server::kSseDone);
+            if (ok) sink.done();
+            return ok;
+          },
+          [lease](bool) mutable { lease.reset(); });
+    } catch (const ApiError& e) {
+      error(res, e);
+    } catch (const Error& e) {  // the engine's own failure: the request was valid
+      error(res, ApiError(500, e.what(), "", "engine_error"));
+    }
+  }
+
+  void note_result(const GenerateResult& r) {
+    t_log.completion_tokens = (int)r.ids.size();
+    t_log.finish = server::finish_reason(r);
+  }
+
+  void log(const httplib::Request& req, const httplib::Response& res) {
+    server::AccessEntry e;
+    e.remote = fmt::format("{}:{}", req.remote_addr, req.remote_port);
+    e.method = req.method;
+    e.path = req.path;
+    e.status = res.status;
+    e.prompt_tokens = t_log.prompt_tokens;
+    e.completion_tokens = t_log.completion_tokens;
+    e.finish = t_log.finish;
+    if (t_log.start != clock::time_point{})
+      e.ms = std::chrono::duration<double, std::milli>(clock::now() - t_log.start).count();
+    e.prompt = t_log.prompt;
+    t_log = RequestLog{};
+    char when[32];
+    const std::time_t now = std::time(nullptr);
+    std::tm tm{};
+    gmtime_r(&now, &tm);
+    std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", &tm);
+    const std::string line = std::string(when) + " " + server::access_line(e) + "\n";
+    std::lock_guard<std::mutex> lk(log_mutex_);
+    std::cerr << line << std::flush;
+  }
+
+  const ServeArgs& a_;
+  LoadedModel& m_;
+  std::optional<ChatTemplate> tmpl_;
+  std::string id_;
+  int64_t created_;
+  server::RequestDefaults defaults_;
+  server::TurnLock turn_;
+  std::vector<std::unique_ptr<Session>> sessions_;
+  std::unique_ptr<server::Slots> slots_;
+  std::atomic<bool> stopping_{false}, listener_failed_{false};
+  std::mutex rng_mutex_, log_mutex_;
+  std::mt19937_64 rng_;
+  uint64_t seed_base_ = 0;
+  std::atomic<uint64_t> requests_{0};
+};
+
+int run_serve(const ServeArgs& a) {
+  LoadedModel m = open_model(a.model, a.quiet);
+  std::string why;
+  std::optional<ChatTemplate> tmpl(ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why));
+  if (!why.empty()) note(a.quiet, "note: " + why);
+  load_weights(m, a.model, a.quiet);
+
+  // From here SIGINT and SIGTERM are taken by sigwait in Server::run, never delivered to a
+  // thread (the server's threads inherit this mask); a write to a closed connection is an
+  // error return, not a signal.
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  Server s(a, m, std::move(tmpl));
+  note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens, queue {}", model_id(a),
+                            m.device, a.parallel, a.parallel == 1 ? "" : "s",
+                            context_length(m, a.model), a.queue));
+  return s.run();
+}
+
+}  // namespace
+
+void register_serve(CLI::App& app, std::function<int()>& action) {
+  auto a = std::make_shared<ServeArgs>();
+  CLI::App* cmd = app.add_subcommand("serve", "serve the model over an OpenAI-compatible HTTP API");
+  add_model_options(cmd, a->model);
+  cmd->add_option("--host", a->host, "address to listen on (loopback unless told otherwise)")
+      ->capture_default_str();
+  cmd->add_option("--port", a->port, "port to listen on (0 = any free port, printed)")
+      ->check(whole(0, 65535))
+      ->capture_default_str();
+  cmd->add_option("--api-key", a->api_key,
+                  "require \"Authorization: Bearer KEY\" on every request but /health");
+  cmd->add_option("--parallel", a->parallel,
+                  "requests generating at once, each in its own session (KV cache of -c tokens)")
+      ->check(whole(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--queue", a->queue, "requests waiting for a session before 429 answers")
+      ->check(whole(0, 4096))
+      ->capture_default_str();
+  cmd->add_option("-n,--n-predict", a->n_predict,
+                  "most new tokens when a request gives no max_tokens (-1 = up to the context)")
+      ->check(token_count())
+      ->capture_default_str();
+  add_sampling_options(cmd, a->sampling);
+  cmd->add_option("--template", a->chat_template,
+                  "chat template: auto (the model's own), a .jinja file, or llama2, mistral, "
+                  "zephyr, chatml, vicuna, raw")
+      ->capture_default_str();
+  cmd->add_option("--alias", a->alias, "the model's id in the API (default: the directory's name)");
+  cmd->add_option("--max-body", a->max_body, "largest request body in bytes (larger: 413)")
+      ->check(whole(1024, INT64_MAX))
+      ->capture_default_str();
+  cmd->add_option("--timeout", a->timeout,
+                  "seconds a client may take to send a request or to take the answer's next bytes")
+      ->check(whole(1, 3600))
+      ->capture_default_str();
+  cmd->add_flag("--log-prompts", a->log_prompts, "also write each prompt's text to the access log");
+  cmd->add_flag("-q,--quiet", a->quiet, "no notes on stderr (the listening line and the access log stay)");
+  cmd->callback([a, &action] {
+    action = [a] {
+      if (!is_template_file(a->chat_template) && a->chat_template != "auto")
+        parse_chat_format(a->chat_template);
+      return run_serve(*a);
+    };
+  });
+}
+
+}  // namespace kestrel::cli

@@ -1,0 +1,366 @@
+#include "tools/kestrel/server/request.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "engine/base/error.h"
+
+namespace kestrel::server {
+
+using nlohmann::json;
+
+namespace {
+
+// The most stop strings a request may give (OpenAI allows 4; more only cost time per token).
+constexpr size_t kMaxStops = 16;
+// The most top_logprobs a token may have (OpenAI's limit for chat).
+constexpr int kMaxTopLogprobs = 20;
+constexpr int64_t kMaxTokens = 1 << 30;
+
+ApiError bad(const std::string& param, const std::string& message) {
+  return ApiError(400, message, param, "invalid_value");
+}
+
+// A value as it appears in a message: short, so that a huge field is not echoed back.
+std::string shown(const json& v) {
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  if (s.size() > 40) s = s.substr(0, 37) + "...";
+  return s;
+}
+
+// The fields of a request object. null counts as absent, as OpenAI's clients send it for
+// "not given".
+class Fields {
+ public:
+  explicit Fields(const json& j) : j_(j) {}
+
+  const json* get(const std::string& key) const {
+    const auto it = j_.find(key);
+    return it == j_.end() || it->is_null() ? nullptr : &*it;
+  }
+
+  std::optional<double> number(const std::string& key, double lo, double hi) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_number() || v->get<double>() < lo || v->get<double>() > hi || !std::isfinite(v->get<double>()))
+      throw bad(key, fmt::format("'{}' must be a number between {} and {}, got {}", key, lo, hi,
+                                 shown(*v)));
+    return v->get<double>();
+  }
+
+  std::optional<int64_t> integer(const std::string& key, int64_t lo, int64_t hi) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    // A count too large for int64_t is unsigned only: compared as such, never wrapped.
+    const bool ok = v->is_number_integer() &&
+                    (v->is_number_unsigned()
+                         ? v->get<uint64_t>() <= (uint64_t)hi && (lo <= 0 || v->get<uint64_t>() >= (uint64_t)lo)
+                         : v->get<int64_t>() >= lo && v->get<int64_t>() <= hi);
+    if (!ok)
+      throw bad(key, fmt::format("'{}' must be an integer between {} and {}, got {}", key, lo, hi,
+                                 shown(*v)));
+    return v->get<int64_t>();
+  }
+
+  std::optional<bool> boolean(const std::string& key) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_boolean()) throw bad(key, fmt::format("'{}' must be true or false, got {}", key, shown(*v)));
+    return v->get<bool>();
+  }
+
+  std::optional<std::string> string(const std::string& key) const {
+    const json* v = get(key);
+    if (!v) return std::nullopt;
+    if (!v->is_string()) throw bad(key, fmt::format("'{}' must be a string, got {}", key, shown(*v)));
+    return v->get<std::string>();
+  }
+
+  // A field this server cannot honour: refused unless absent or `harmless`.
+  void refuse_unless(const std::string& key, bool harmless, const std::string& why) const {
+    if (get(key) && !harmless) throw ApiError(400, fmt::format("'{}': {}", key, why), key, "unsupported_parameter");
+  }
+
+ private:
+  const json& j_;
+};
+
+std::string message_content(const json& content, size_t i) {
+  const std::string param = fmt::format("messages[{}].content", i);
+  if (content.is_string()) return content.get<std::string>();
+  // Content parts: text parts are joined, anything else (images, audio) this engine cannot read.
+  if (content.is_array()) {
+    std::string text;
+    for (const json& part : content) {
+      if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+          !part.contains("text") || !part["text"].is_string())
+        throw ApiError(400, param + ": only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                       param, "unsupported_content");
+      text += part["text"].get<std::string>();
+    }
+    return text;
+  }
+  throw bad(param, param + " must be a string or a list of text parts, got " + shown(content));
+}
+
+std::vector<ChatMessage> parse_messages(const json* v) {
+  if (!v) throw ApiError(400, "'messages' is required", "messages", "missing_required_parameter");
+  if (!v->is_array() || v->empty())
+    throw bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects");
+  std::vector<ChatMessage> out;
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& m = (*v)[i];
+    const std::string at = fmt::format("messages[{}]", i);
+    if (!m.is_object()) throw bad(at, at + " must be an object, got " + shown(m));
+    if (!m.contains("role") || !m["role"].is_string())
+      throw bad(at + ".role", at + ".role must be a string");
+    std::string role = m["role"].get<std::string>();
+    // OpenAI's newer name for the system role.
+    if (role == "developer") role = "system";
+    if (role != "system" && role != "user" && role != "assistant")
+      throw ApiError(400, fmt::format("{}.role: '{}' is not supported (system, developer, user, assistant)",
+                                      at, role),
+                     at + ".role", "unsupported_value");
+    if (!m.contains("content") || m["content"].is_null())
+      throw bad(at + ".content", at + ".content is required (tool calls are not supported)");
+    out.push_back({role, message_content(m["content"], i)});
+  }
+  return out;
+}
+
+// completions' prompt: a text, a list of one text, or a list of token ids.
+void parse_prompt(const json* v, CompletionRequest& r) {
+  if (!v) throw ApiError(400, "'prompt' is required", "prompt", "missing_required_parameter");
+  if (v->is_string()) {
+    r.prompt = v->get<std::string>();
+    return;
+  }
+  const bool ids = v->is_array() && !v->empty() &&
+                   std::all_of(v->begin(), v->end(), [](const json& x) { return x.is_number_integer(); });
+  if (ids) {
+    for (const json& x : *v) {
+      const bool in_range = x.is_number_unsigned() ? x.get<uint64_t>() <= (uint64_t)INT32_MAX
+                                                   : x.get<int64_t>() >= 0 && x.get<int64_t>() <= INT32_MAX;
+      if (!in_range) throw bad("prompt", "'prompt': token ids must be between 0 and the vocabulary size, got " + shown(x));
+      r.prompt_ids.push_back((int)x.get<int64_t>());
+    }
+    r.prompt_is_ids = true;
+    return;
+  }
+  if (v->is_array() && v->size() == 1 && (*v)[0].is_string()) {
+    r.prompt = (*v)[0].get<std::string>();
+    return;
+  }
+  if (v->is_array() && v->size() > 1)
+    throw ApiError(400, "'prompt': one prompt per request is supported", "prompt", "unsupported_value");
+  throw bad("prompt", "'prompt' must be a string or a list of token ids, got " + shown(*v));
+}
+
+std::vector<std::string> parse_stop(const json* v) {
+  if (!v) return {};
+  std::vector<std::string> out;
+  if (v->is_string()) {
+    out.push_back(v->get<std::string>());
+  } else if (v->is_array()) {
+    for (const json& s : *v) {
+      if (!s.is_string()) throw bad("stop", "'stop' must be a string or a list of strings, got " + shown(*v));
+      out.push_back(s.get<std::string>());
+    }
+  } else {
+    throw bad("stop", "'stop' must be a string or a list of strings, got " + shown(*v));
+  }
+  if (out.size() > kMaxStops) throw bad("stop", fmt::format("'stop' holds at most {} strings", kMaxStops));
+  for (const std::string& s : out)
+    if (s.empty()) throw bad("stop", "'stop' strings must not be empty");
+  return out;
+}
+
+}  // namespace
+
+json parse_body(const std::string& body) {
+  json j;
+  try {
+    j = json::parse(body);
+  } catch (const json::parse_error& e) {
+    throw ApiError(400,
+                   e.byte <= body.size()
+                       ? fmt::format("the body is not valid JSON (error at byte {})", e.byte)
+                       : std::string("the body is not valid JSON (it ends early)"),
+                   "", "invalid_json");
+  } catch (const json::exception&) {
+    throw ApiError(400, "the body is not valid JSON (a number too large to represent)", "", "invalid_json");
+  }
+  if (!j.is_object())
+    throw ApiError(400, std::string("the body must be a JSON object, got ") + j.type_name(), "",
+                   "invalid_json");
+  return j;
+}
+
+CompletionRequest parse_completion_request(Endpoint endpoint, const std::string& body,
+                                           const RequestDefaults& defaults, uint64_t seed) {
+  const json j = parse_body(body);
+  const Fields f(j);
+  CompletionRequest r;
+  r.endpoint = endpoint;
+  r.sampling = defaults.sampling;
+  r.sampling.seed = seed;
+  r.max_tokens = defaults.max_tokens;
+  r.stop = defaults.stop;
+  const bool chat = endpoint == Endpoint::Chat;
+
+  if (auto m = f.string("model")) r.model = *m;
+  if (chat) r.messages = parse_messages(f.get("messages"));
+  else parse_prompt(f.get("prompt"), r);
+
+  if (auto n = f.integer("n", 1, 128); n && *n != 1)
+    throw ApiError(400, "'n': only one choice per request is supported (n = 1)", "n", "unsupported_value");
+  if (!chat) {
+    if (auto b = f.integer("best_of", 1, 128); b && *b != 1)
+      throw ApiError(400, "'best_of': only 1 is supported", "best_of", "unsupported_value");
+    f.refuse_unless("echo", !f.boolean("echo").value_or(false), "echoing the prompt is not supported");
+    f.refuse_unless("suffix", f.string("suffix").value_or("").empty(), "insertion (suffix) is not supported");
+  }
+  const json* tools = f.get("tools");
+  f.refuse_unless("tools", tools && tools->is_array() && tools->empty(), "tool calls are not supported");
+  const json* functions = f.get("functions");
+  f.refuse_unless("functions", functions && functions->is_array() && functions->empty(),
+                  "function calls are not supported");
+  const json* choice = f.get("tool_choice");
+  f.refuse_unless("tool_choice", choice && *choice == "none", "tool calls are not supported");
+  const json* format = f.get("response_format");
+  f.refuse_unless("response_format",
+                  format && format->is_object() && format->value("type", json()) == "text",
+                  "only {\"type\": \"text\"} is supported");
+  const json* bias = f.get("logit_bias");
+  f.refuse_unless("logit_bias", bias && bias->is_object() && bias->empty(), "logit_bias is not supported");
+
+  r.stream = f.boolean("stream").value_or(false);
+  if (const json* so = f.get("stream_options")) {
+    if (!r.stream)
+      throw bad("stream_options", "'stream_options' is only allowed when 'stream' is true");
+    if (!so->is_object()) throw bad("stream_options", "'stream_options' must be an object");
+    r.include_usage = Fields(*so).boolean("include_usage").value_or(false);
+  }
+
+  // max_completion_tokens is the newer name; it wins where both are given.
+  if (auto n = f.integer("max_tokens", 1, kMaxTokens)) r.max_tokens = (int)*n;
+  if (auto n = f.integer("max_completion_tokens", 1, kMaxTokens)) r.max_tokens = (int)*n;
+
+  if (auto v = f.number("temperature", 0, 2)) r.sampling.temperature = (float)*v;
+  if (auto v = f.number("top_p", 0, 1)) r.sampling.top_p = (float)*v;
+  if (auto v = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = (float)*v;
+  if (auto v = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = (float)*v;
+  if (const json* s = f.get("seed")) {
+    // Any 64-bit integer, as OpenAI takes it; a negative one is its two's complement.
+    if (!s->is_number_integer()) throw bad("seed", "'seed' must be an integer, got " + shown(*s));
+    r.sampling.seed = s->is_number_unsigned() ? s->get<uint64_t>() : (uint64_t)s->get<int64_t>();
+  }
+  // Kestrel's own, as llama-server spells them.
+  if (auto v = f.integer("top_k", 0, INT32_MAX)) r.sampling.top_k = (int)*v;
+  if (auto v = f.number("min_p", 0, 1)) r.sampling.min_p = (float)*v;
+  if (auto v = f.number("repeat_penalty", 0, 100)) {
+    if (*v <= 0) throw bad("repeat_penalty", "'repeat_penalty' must be above 0");
+    r.sampling.repeat_penalty = (float)*v;
+  }
+  if (auto v = f.integer("repeat_last_n", -1, kMaxTokens)) r.sampling.repeat_last_n = (int)*v;
+  r.ignore_eos = f.boolean("ignore_eos").value_or(false);
+
+  if (f.get("stop")) r.stop = parse_stop(f.get("stop"));
+
+  if (chat) {
+    r.logprobs = f.boolean("logprobs").value_or(false);
+    if (auto t = f.integer("top_logprobs", 0, kMaxTopLogprobs)) {
+      if (!r.logprobs)
+        throw bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true");
+      r.top_logprobs = (int)*t;
+    }
+  } else if (auto n = f.integer("logprobs", 0, kMaxTopLogprobs)) {
+    // completions: the number of most likely tokens to list (0: the chosen token's only).
+    r.logprobs = true;
+    r.top_logprobs = (int)*n;
+  }
+  return r;
+}
+
+PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& tok,
+                                const ChatTemplate* tmpl, int context, int vocab) {
+  PreparedRequest p;
+  const bool chat = req.endpoint == Endpoint::Chat;
+  const std::string what = chat ? "messages" : "prompt";
+  if (chat) {
+    KESTREL_CHECK(tmpl != nullptr, "a chat request needs the model's chat template");
+    try {
+      p.prompt_ids = tmpl->tokenize(req.messages, /*add_generation_prompt=*/true);
+    } catch (const Error& e) {  // an order of roles the template refuses, its raise_exception
+      throw ApiError(400, std::string("the chat template refused the messages: ") + e.what(),
+                     "messages", "invalid_value");
+    }
+  } else if (req.prompt_is_ids) {
+    p.prompt_ids = req.prompt_ids;
+    for (int id : p.prompt_ids)
+      if (id >= vocab)
+        throw bad("prompt", fmt::format("'prompt': token id {} is outside the vocabulary of {}", id, vocab));
+  } else {
+    p.prompt_ids = tok.encode(req.prompt);
+  }
+  if (p.prompt_ids.empty())
+    throw bad(what, "the prompt is empty (no tokens to start from)");
+  const int n = (int)p.prompt_ids.size();
+  const int need = req.max_tokens < 0 ? 1 : req.max_tokens;
+  if ((int64_t)n + need > context)
+    throw ApiError(400,
+                   req.max_tokens < 0
+                       ? fmt::format("the prompt ({} tokens) leaves no room in the context of {} "
+                                     "tokens; shorten the {}",
+                                     n, context, what)
+                       : fmt::format("the prompt ({} tokens) plus max_tokens ({}) exceed the "
+                                     "context of {} tokens; shorten the {} or lower max_tokens",
+                                     n, req.max_tokens, context, what),
+                   what, "context_length_exceeded");
+
+  GenerateOptions& o = p.options;
+  o.max_new_tokens = req.max_tokens;
+  o.sampling = req.sampling;
+  o.stop = req.stop;
+  o.ignore_eos = req.ignore_eos;
+  // The engine records the top-n with the chosen token; n >= 1 turns the recording on.
+  o.logprobs = req.logprobs ? std::max(1, req.top_logprobs) : 0;
+  if (chat) {
+    for (const std::string& s : tmpl->stop_strings()) o.stop.push_back(s);
+    o.stop_ids = tmpl->stop_ids();
+  }
+  return p;
+}
+
+TokenizeRequest parse_tokenize_request(const std::string& body) {
+  const json j = parse_body(body);
+  const Fields f(j);
+  TokenizeRequest r;
+  const auto content = f.string("content");
+  if (!content) throw ApiError(400, "'content' is required", "content", "missing_required_parameter");
+  r.content = *content;
+  r.add_special = f.boolean("add_special").value_or(false);
+  r.with_pieces = f.boolean("with_pieces").value_or(false);
+  return r;
+}
+
+std::vector<int> parse_detokenize_request(const std::string& body, int vocab) {
+  const json j = parse_body(body);
+  const json* v = Fields(j).get("tokens");
+  if (!v) throw ApiError(400, "'tokens' is required", "tokens", "missing_required_parameter");
+  if (!v->is_array()) throw bad("tokens", "'tokens' must be a list of token ids, got " + shown(*v));
+  std::vector<int> ids;
+  for (const json& x : *v) {
+    const bool ok = x.is_number_integer() &&
+                    (x.is_number_unsigned() ? x.get<uint64_t>() < (uint64_t)vocab
+                                            : x.get<int64_t>() >= 0 && x.get<int64_t>() < vocab);
+    if (!ok)
+      throw bad("tokens", fmt::format("'tokens' must hold ids between 0 and {}, got {}", vocab - 1, shown(x)));
+    ids.push_back((int)x.get<int64_t>());
+  }
+  return ids;
+}
+
+}  // namespace kestrel::server

@@ -1,0 +1,112 @@
+// How `kestrel serve` shares one loaded model among many clients: --parallel slots (one Session
+// each, with its own KV cache), a bounded queue of requests waiting for a slot, and the
+// model's turn lock.
+//
+// The sessions of one model must never run at once (models/model.h), so the active requests'
+// steps take turns: each prompt run and each decode step takes the model's TurnLock, which
+// hands it on in the order it was asked for, so that N streams advance one token each in turn
+// rather than one stream starving the rest. Their steps are not batched together: running the
+// active sessions' decode steps as one batch (continuous batching) needs a fused small-M GEMM
+// that the engine does not have yet; each step is a batch-1 step, and the aggregate rate of N
+// streams is that of one.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "models/model.h"
+
+namespace kestrel::server {
+
+// A fair lock: whoever asked first goes first (a ticket lock). A plain mutex lets the thread
+// that just unlocked take it again before a woken waiter runs, so one stream would run many
+// steps in a row.
+class TurnLock {
+ public:
+  void lock();
+  void unlock();
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  uint64_t next_ = 0, serving_ = 0;
+};
+
+// A session whose every run through the model takes the model's turn. Greedy decoding runs
+// step by step (each step one turn); device-chained runs are not offered, because a chained
+// run keeps its next token in the model's shared state between steps, where another
+// session's step would overwrite it (the host then samples, as on the CPU engine).
+class TurnTakingSession final : public Session {
+ public:
+  TurnTakingSession(std::unique_ptr<Session> inner, TurnLock& turn);
+  int context_length() const override { return inner_->context_length(); }
+  size_t cache_bytes() const override { return inner_->cache_bytes(); }
+  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
+  int forward_argmax(int token, int pos) override;
+
+ private:
+  std::unique_ptr<Session> inner_;
+  TurnLock& turn_;
+};
+
+// The slots and the queue in front of them. acquire() gives a free slot at once, or waits in
+// line (first come, first served) while fewer than max_queue others wait, or refuses.
+class Slots {
+ public:
+  // `cached(i)` is what slot i's KV cache holds (Session::cached), read to pick the slot that
+  // shares the longest prefix with a request's prompt.
+  Slots(int n_slots, int max_queue, std::function<const std::vector<int>&(int)> cached);
+
+  enum class Outcome { Granted, QueueFull, Cancelled, ShuttingDown };
+
+  // A slot held; released when destroyed.
+  class Lease {
+   public:
+    Lease(Slots& s, int slot) : s_(s), slot_(slot) {}
+    ~Lease() { s_.release(slot_); }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    int slot() const { return slot_; }
+
+   private:
+    Slots& s_;
+    int slot_;
+  };
+
+  // Waits for a slot for a request whose prompt is `ids`; `cancelled` is polled while waiting
+  // (the client went away). Among free slots, the one whose cache shares the longest prefix
+  // with `ids`, then the one idle longest.
+  std::unique_ptr<Lease> acquire(const std::vector<int>& ids, const std::function<bool()>& cancelled,
+                                 Outcome& outcome);
+
+  // Refuses every waiting and later request (ShuttingDown).
+  void shut_down();
+  bool shutting_down() const;
+
+  struct Status {
+    int idle = 0, busy = 0, queued = 0;
+  };
+  Status status() const;
+
+ private:
+  void release(int slot);
+  int best_free_slot(const std::vector<int>& ids) const;  // -1 when none is free
+
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<bool> busy_;
+  std::vector<uint64_t> released_at_;  // release counter value when each slot was last freed
+  uint64_t releases_ = 0;
+  std::deque<uint64_t> line_;  // tickets of the waiting requests, first come first
+  uint64_t next_ticket_ = 0;
+  int max_queue_;
+  bool shutting_down_ = false;
+  std::function<const std::vector<int>&(int)> cached_;
+};
+
+}  // namespace kestrel::server
