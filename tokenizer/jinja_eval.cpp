@@ -175,6 +175,20 @@ bool compare_op(const std::string& op, const Value& a, const Value& b) {
 
 class Interpreter {
  public:
+  Interpreter() = default;
+  Interpreter(const Interpreter&) = delete;
+  Interpreter& operator=(const Interpreter&) = delete;
+  // A render can tie shared_ptr cycles: a macro holds the scope it was defined in, which holds
+  // the macro; a namespace can be given itself ({% set ns.me = ns %}); loop.changed keeps the
+  // values it was last called with, which can be the loop object that holds it. Nothing reads
+  // them once the render is over (or has failed), so they are cut here; otherwise each such
+  // render would leak its scopes, the context's values among them.
+  ~Interpreter() {
+    for (const ScopePtr& s : closures_) s->vars.clear();
+    for (auto& [ptr, ns] : namespaces_) ns.as_namespace().attrs.items.clear();
+    for (const auto& c : changed_) c->reset();
+  }
+
   std::string render(const Program& program, const ScopePtr& root) {
     std::string out;
     exec(program.body, root, out);
@@ -200,6 +214,11 @@ class Interpreter {
 
   int64_t steps_ = 0;
   int call_depth_ = 0;
+  // What may sit in a cycle, cut by the destructor: the scopes macros were defined in, the
+  // namespaces assigned to, the state of each loop's loop.changed.
+  std::vector<ScopePtr> closures_;
+  std::unordered_map<const Namespace*, Value> namespaces_;
+  std::vector<std::shared_ptr<std::optional<std::vector<Value>>>> changed_;
 
   Flow exec(const Node& n, const ScopePtr& scope, std::string& out) {
     try {
@@ -284,6 +303,7 @@ class Interpreter {
       items = std::move(kept);
     }
     auto last_changed = std::make_shared<std::optional<std::vector<Value>>>();
+    changed_.push_back(last_changed);
     for (size_t i = 0; i < items.size(); ++i) {
       ScopePtr s = child(scope);
       assign(n.target, items[i], s);
@@ -330,6 +350,7 @@ class Interpreter {
       if (!ns || !ns->is_namespace())
         throw EvalError(fmt::format("cannot assign attribute on non-namespace object ('{}' is {})",
                                     t.names[0], ns ? type_name(*ns) : "undefined"));
+      namespaces_.try_emplace(&ns->as_namespace(), *ns);
       ns->as_namespace().attrs.set(t.attribute, v);
       return;
     }
@@ -353,6 +374,7 @@ class Interpreter {
   // arguments land in varargs and kwargs.
   Value macro(std::string name, const std::vector<Param>& params, const Body& body,
               const ScopePtr& defined_in) {
+    if (closures_.empty() || closures_.back() != defined_in) closures_.push_back(defined_in);
     return make_callable(name, [this, &params, &body, defined_in](Args& a) {
       if (call_depth_ >= kMaxCallDepth)
         throw EvalError(fmt::format("macros call each other more than {} deep (a recursion "
