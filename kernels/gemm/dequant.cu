@@ -155,8 +155,13 @@ __global__ void gather_kernel(const __half* x, const int32_t* perm, int64_t M, i
 
 }  // namespace
 
-void dequantize_f16(const GemvWeight& w, __half* out, cudaStream_t s) {
+void dequantize_f16(const GemvWeight& w, __half* out, size_t out_elems, cudaStream_t s) {
   if (!w.device) throw Error("dequantize_f16: the weight is empty (not prepared, or freed)");
+  const size_t need = (size_t)w.N * (size_t)w.K;
+  if (!out || out_elems < need)
+    throw Error("dequantize_f16: the output holds " + std::to_string(out ? out_elems : 0) +
+                " halves, the weight [" + std::to_string(w.N) + ", " + std::to_string(w.K) +
+                "] needs " + std::to_string(need));
   if (reinterpret_cast<uintptr_t>(out) % 16 != 0)
     throw Error("dequantize_f16: the output must be 16-byte aligned");
   DequantParams p{w.codes, w.chunks, w.scales, w.zeros, w.groups, w.group_size,

@@ -39,8 +39,9 @@ constexpr int kGemmMinRows = 6;
 
 // out [N, K] (row-major, fp16) = the weight dequantized, (q - z) * s rounded once to fp16 (the
 // value the GEMV kernels use for 4- and 8-bit weights), along the weight's own K order
-// (permuted under act-order, see w.perm). out must be 16-byte aligned.
-void dequantize_f16(const GemvWeight& w, __half* out, cudaStream_t s);
+// (permuted under act-order, see w.perm). out holds out_elems halves, at least N * K (checked:
+// the kernel writes all of them), and is 16-byte aligned. The checks come before any CUDA call.
+void dequantize_f16(const GemvWeight& w, __half* out, size_t out_elems, cudaStream_t s);
 
 // out [M, K] = x [M, K] with columns gathered: out[m][j] = x[m][perm[j]].
 void gather_columns_f16(const __half* x, const int32_t* perm, int64_t M, int64_t K, __half* out,

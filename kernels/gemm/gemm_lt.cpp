@@ -166,7 +166,7 @@ void quant_gemm(GemmRunner& r, const GemvWeight& w, const __half* x, int64_t M, 
     slice.codes = w.codes + n0 * w.planes * w.chunks;
     slice.scales = w.scales + n0 * w.groups;
     if (w.zeros) slice.zeros = w.zeros + n0 * w.groups;
-    dequantize_f16(slice, Wd, s);
+    dequantize_f16(slice, Wd, slice_elems(w, r.memory().slice_halves), s);
     r.gemm(xin, Wd, M, slice.N, w.K, y + n0, residual ? residual + n0 : nullptr, s, ldy);
   }
 }

@@ -160,7 +160,7 @@ TEST_P(GemmFormats, DequantizeMatchesReferenceBitForBit) {
   gptq::dequantize_ref(g.view, ref.data());
   DeviceBuffer out(f.N * f.K * 2);
   KESTREL_CUDA_CHECK(cudaMemset(out.get(), 0xFF, f.N * f.K * 2));  // NaN poison
-  cuda::dequantize_f16(w, out.as<__half>(), nullptr);
+  cuda::dequantize_f16(w, out.as<__half>(), f.N * f.K, nullptr);
   const std::vector<uint16_t> got = download<uint16_t>(out, f.N * f.K);
   int64_t bad = 0;
   for (int64_t n = 0; n < f.N; ++n)

@@ -157,10 +157,12 @@ int run(const Options& o) {
     const int copies = (int)std::max<size_t>(2, 4 * dev.l2_bytes / w.device_bytes + 1);
     std::vector<GemvWeight> rot{w};
     for (int i = 1; i < copies; ++i) rot.push_back(cuda::gemv_clone(w, nullptr));
+    // quant_gemm's scratch holds one dequantized slice of the weight (and the gathered input);
+    // the whole weight, dequantized once for the f16 column and timed alone, goes to wd.
     DeviceBuffer scratch(cuda::quant_gemm_scratch_elems(w, o.max_rows) * 2);
-    DeviceBuffer wd((size_t)s.N * s.K * 2);
-    cuda::dequantize_f16(w, wd.as<__half>(), nullptr);
-    deq_ms[si] = time_ms(o.reps, [&] { cuda::dequantize_f16(w, scratch.as<__half>(), nullptr); });
+    const size_t wd_elems = (size_t)s.N * s.K;
+    DeviceBuffer wd(wd_elems * 2);
+    deq_ms[si] = time_ms(o.reps, [&] { cuda::dequantize_f16(w, wd.as<__half>(), wd_elems, nullptr); });
 
     int next = 0;
     for (size_t ri = 0; ri < rows.size(); ++ri) {
