@@ -2,8 +2,11 @@
 # Builds the libFuzzer targets (tests/fuzz) with clang, AddressSanitizer and
 # UndefinedBehaviorSanitizer into build-fuzz, then either
 #   fuzz.sh replay            runs every target once over its seed corpus (CI), or
-#   fuzz.sh run [SECONDS]     fuzzes every target for SECONDS (default 60) from its seeds,
-#                             new inputs kept in build-fuzz/corpus/<target>/.
+#   fuzz.sh run [SECONDS [TARGET...]]
+#                             fuzzes each target (default: every one) in turn for SECONDS
+#                             (default 60) from its seeds and what earlier runs kept in
+#                             build-fuzz/corpus/<target>/; FUZZ_RUNS=N also stops a target after
+#                             N executions (the hardening runs: 600 s or 1M executions).
 # The seeds are the repository's own real files: chat templates, tokenizer fixtures, the
 # family models' configs and checkpoints. Any crash, sanitizer report, leak, timeout or
 # exception other than kestrel::Error fails the run and leaves the input in build-fuzz/.
@@ -15,14 +18,17 @@ command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (apt-get instal
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CUDA_HOST_COMPILER=g++ \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
-targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja)
-cmake --build build-fuzz -j"$(nproc)" --target "${targets[@]}"
+all_targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja
+             fuzz_batch_line fuzz_messages fuzz_server_request)
+targets=("${all_targets[@]}")
+if [ "$mode" = run ] && [ $# -gt 2 ]; then targets=("${@:3}"); fi
+cmake --build build-fuzz -j"${FUZZ_JOBS:-$(nproc)}" --target "${all_targets[@]}"
 
 # Seed corpora: folders of whole files, and single files a target reads as its input (the
 # first byte of safetensors/config/tokenizer inputs selects a variant, so seeds are prefixed).
 seeds="build-fuzz/seeds"
 rm -rf "$seeds"
-mkdir -p "$seeds"/{fuzz_safetensors,fuzz_config,fuzz_tokenizer_json,fuzz_bpe_encode,fuzz_jinja}
+for t in "${all_targets[@]}"; do mkdir -p "$seeds/$t"; done
 prefixed() {  # prefixed BYTE FILE OUT
   { printf "\\x$1"; cat "$2"; } > "$3"
 }
@@ -60,6 +66,12 @@ for d in tests/data/tokenizers/*/; do
   prefixed 00 "$d/tokenizer.json" "$seeds/fuzz_tokenizer_json/$n-noconfig"
 done
 cp tests/data/chat_templates/*.jinja "$seeds/fuzz_jinja/"
+# What the chat templates above do not use: macros, call blocks, namespaces given values,
+# loop.changed (each once held its scope in a cycle).
+printf '%s' '{% macro f(n, s="-") %}{% if n > 0 %}{{ s }}{{ f(n - 1, s) }}{% endif %}{% endmacro %}{{ f(3) }}{% call f(1) %}x{% endcall %}' \
+  > "$seeds/fuzz_jinja/macros"
+printf '%s' '{% set ns = namespace(n=0, m=[]) %}{% for x in messages %}{% set ns.n = ns.n + 1 %}{{ loop.changed(x) }}{{ loop.cycle("a", "b") }}{% endfor %}{{ ns.n }}' \
+  > "$seeds/fuzz_jinja/namespace"
 cp README.md docs/design.md "$seeds/fuzz_bpe_encode/"
 python3 - "$seeds/fuzz_bpe_encode" <<'PY'
 import json, sys
@@ -68,12 +80,54 @@ texts = texts if isinstance(texts, list) else texts.get("texts", [])
 for i, t in enumerate(texts[:300]):
     open("%s/c%d" % (sys.argv[1], i), "w", encoding="utf-8", errors="surrogatepass").write(t)
 PY
+# Batch-file lines as the README and docs/cli.md write them, and every conversation of the
+# chat template goldens as a --messages file.
+python3 - "$seeds" <<'PY'
+import json, sys
+out = sys.argv[1]
+lines = [
+    {"prompt": "The capital of France is", "n_predict": 8, "temperature": 0},
+    {"prompt": "Write a haiku about rivers", "stop": ["\n\n"], "id": "haiku-1"},
+    {"prompt": "def fib(n):", "max_tokens": 64, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+     "seed": 42, "stop": "\n", "id": 7},
+    {"prompt": "Caf\u00e9 \u2014 \U0001f600", "temperature": 0.7, "id": None},
+]
+for i, l in enumerate(lines):
+    open("%s/fuzz_batch_line/line%d" % (out, i), "w").write(json.dumps(l) + "\n")
+seen = set()
+for c in json.load(open("tests/data/chat_templates/goldens.json"))["cases"]:
+    m = json.dumps(c["context"].get("messages", []), ensure_ascii=False, indent=1)
+    if m not in seen:
+        seen.add(m)
+        open("%s/fuzz_messages/m%d.json" % (out, len(seen)), "w", encoding="utf-8").write(m)
+# kestrel serve's bodies: the first byte picks the endpoint (chat, completions, tokenize,
+# detokenize), as fuzz_server_request reads it.
+msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+bodies = [
+    (0, {"model": "m", "messages": msgs, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9,
+         "seed": -1, "stop": ["\n\n", "END"], "stream": True,
+         "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 3,
+         "presence_penalty": 0.5, "frequency_penalty": -0.5, "top_k": 40, "min_p": 0.05,
+         "repeat_penalty": 1.1, "n": 1, "user": "u"}),
+    (0, {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],
+         "max_completion_tokens": 8, "tool_choice": "none",
+         "response_format": {"type": "text"}, "logit_bias": {}}),
+    (1, {"prompt": "Once upon a time", "max_tokens": 32, "stop": "the", "logprobs": 2,
+         "ignore_eos": True}),
+    (1, {"prompt": [1, 450, 4996, 17354], "max_tokens": 4, "seed": 18446744073709551615}),
+    (2, {"content": "Hello world", "add_special": True, "with_pieces": True}),
+    (3, {"tokens": [1, 15043, 3186]}),
+]
+for i, (endpoint, b) in enumerate(bodies):
+    open("%s/fuzz_server_request/b%d" % (out, i), "wb").write(bytes([endpoint]) + json.dumps(b).encode())
+PY
 
 status=0
 for t in "${targets[@]}"; do
   corpus="build-fuzz/corpus/$t"
   mkdir -p "$corpus"
   common=(-timeout=10 -rss_limit_mb=4096 -artifact_prefix="build-fuzz/$t-")
+  [ -f "tests/fuzz/$t.dict" ] && common+=(-dict="tests/fuzz/$t.dict")
   if [ "$mode" = replay ]; then
     if ! ASAN_OPTIONS=detect_leaks=1 "./build-fuzz/fuzz/$t" "${common[@]}" -runs=0 \
         "$seeds/$t" "$corpus" > "build-fuzz/$t.log" 2>&1; then
@@ -82,11 +136,15 @@ for t in "${targets[@]}"; do
       echo "fuzz: $t replayed $(grep -o 'INITED.*' "build-fuzz/$t.log" | head -1)"
     fi
   else
-    if ! "./build-fuzz/fuzz/$t" "${common[@]}" -max_total_time="$seconds" -print_final_stats=1 \
+    runs=()
+    [ -n "${FUZZ_RUNS:-}" ] && runs=(-runs="$FUZZ_RUNS")
+    start=$SECONDS
+    if ! ASAN_OPTIONS=detect_leaks=1 "./build-fuzz/fuzz/$t" "${common[@]}" \
+        -max_total_time="$seconds" "${runs[@]}" -print_final_stats=1 \
         "$corpus" "$seeds/$t" > "build-fuzz/$t.log" 2>&1; then
       echo "fuzz: $t found a problem (build-fuzz/$t.log)"; tail -30 "build-fuzz/$t.log"; status=1
     else
-      echo "fuzz: $t $(grep -E 'stat::number_of_executed_units' "build-fuzz/$t.log" | awk '{print $2}') runs in ${seconds} s, $(ls "$corpus" | wc -l) inputs kept"
+      echo "fuzz: $t $(grep -E 'stat::number_of_executed_units' "build-fuzz/$t.log" | awk '{print $2}') runs in $((SECONDS - start)) s, $(ls "$corpus" | wc -l) inputs kept"
     fi
   fi
 done

@@ -10,6 +10,7 @@
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
+#include "tools/kestrel/inputs.h"
 #include "engine/base/error.h"
 #include "engine/generate.h"
 #include "engine/base/progress.h"
@@ -191,100 +192,6 @@ int run_single(const GenerateArgs& a) {
   return 0;
 }
 
-// One line of a batch file: a prompt and its own settings, or why it cannot run.
-struct BatchItem {
-  int line = 0;
-  json id;  // echoed back when given
-  std::string prompt;
-  json settings = json::object();
-  std::string error;
-  std::vector<int> ids;
-};
-
-// Parses one non-blank line; sets item.error instead of throwing.
-BatchItem parse_line(const std::string& text, int line) {
-  BatchItem it;
-  it.line = line;
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    it.error = e.byte <= text.size() ? fmt::format("not valid JSON (error at column {})", e.byte)
-                                     : std::string("not valid JSON (it ends early)");
-    return it;
-  } catch (const json::out_of_range&) {
-    it.error = "not valid JSON (a number too large to represent)";
-    return it;
-  }
-  if (!j.is_object()) {
-    it.error = "expected a JSON object with \"prompt\", found " + std::string(j.type_name());
-    return it;
-  }
-  if (j.contains("id")) it.id = j["id"];
-  auto bad = [&](const std::string& key, const std::string& want) {
-    it.error = fmt::format("\"{}\" must be {}, found {}", key, want, j[key].dump());
-  };
-  for (const auto& [key, v] : j.items()) {
-    if (key == "id") continue;
-    if (key == "prompt") {
-      if (!v.is_string()) {
-        bad(key, "a string");
-        return it;
-      }
-      it.prompt = v.get<std::string>();
-    } else if (key == "n_predict" || key == "max_tokens") {
-      if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > (1 << 30))
-        {
-        bad(key, "a positive integer");
-        return it;
-      }
-      it.settings["n_predict"] = v;
-    } else if (key == "temperature") {
-      if (!v.is_number() || v.get<double>() < 0) {
-        bad(key, "a number >= 0");
-        return it;
-      }
-      it.settings[key] = v;
-    } else if (key == "top_k") {
-      if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > (1 << 30))
-        {
-        bad(key, "an integer >= 0");
-        return it;
-      }
-      it.settings[key] = v;
-    } else if (key == "top_p" || key == "min_p") {
-      if (!v.is_number() || v.get<double>() < 0 || v.get<double>() > 1)
-        {
-        bad(key, "a number in [0, 1]");
-        return it;
-      }
-      it.settings[key] = v;
-    } else if (key == "seed") {
-      if (!v.is_number_unsigned()) {
-        bad(key, "a non-negative integer");
-        return it;
-      }
-      it.settings[key] = v;
-    } else if (key == "stop") {
-      json stops = v.is_string() ? json::array({v}) : v;
-      bool ok = stops.is_array();
-      for (const json& s : stops) ok = ok && s.is_string();
-      if (!ok) {
-        bad(key, "a string or a list of strings");
-        return it;
-      }
-      it.settings[key] = stops;
-    } else {
-      it.error = fmt::format("unknown key \"{}\" (known: prompt, n_predict, max_tokens, "
-                             "temperature, top_k, top_p, min_p, seed, stop, id)", key);
-      return it;
-    }
-  }
-  if (!j.contains("prompt")) it.error = "no \"prompt\"";
-  else if (it.prompt.empty()) it.error = "the prompt is empty";
-  return it;
-}
-
 int run_batch(const GenerateArgs& a) {
   std::error_code ec;
   if (!a.output.empty() && std::filesystem::equivalent(a.output, a.batch_file, ec))
@@ -297,7 +204,7 @@ int run_batch(const GenerateArgs& a) {
   for (int line = 1; std::getline(in, text); ++line) {
     if (!text.empty() && text.back() == '\r') text.pop_back();
     if (text.find_first_not_of(" \t") == std::string::npos) continue;
-    items.push_back(parse_line(text, line));
+    items.push_back(parse_batch_line(text, line));
   }
   if (items.empty()) throw Error(a.batch_file + ": the batch file has no prompts");
 
@@ -359,15 +266,8 @@ int run_batch(const GenerateArgs& a) {
     if (!it.id.is_null()) j["id"] = it.id;
     if (it.error.empty()) {
       GenerateOptions opt = base;
-      const json& s = it.settings;
-      opt.max_new_tokens = s.value("n_predict", opt.max_new_tokens);
-      opt.sampling.temperature = s.value("temperature", opt.sampling.temperature);
-      opt.sampling.top_k = s.value("top_k", opt.sampling.top_k);
-      opt.sampling.top_p = s.value("top_p", opt.sampling.top_p);
-      opt.sampling.min_p = s.value("min_p", opt.sampling.min_p);
-      opt.sampling.seed = s.value("seed", opt.sampling.seed);
-      if (s.contains("stop")) {
-        opt.stop = s["stop"].get<std::vector<std::string>>();
+      apply_batch_settings(it.settings, opt);
+      if (it.settings.contains("stop")) {
         if (tmpl)
           for (const std::string& t : tmpl->stop_strings()) opt.stop.push_back(t);
       }

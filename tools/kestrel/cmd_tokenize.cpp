@@ -11,6 +11,7 @@
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
+#include "tools/kestrel/inputs.h"
 #include "engine/base/error.h"
 #include "tokenizer/chat_template.h"
 
@@ -31,30 +32,8 @@ struct TokenizeArgs {
   bool count = false;
 };
 
-// An OpenAI-style conversation: [{"role": ..., "content": ...}, ...].
 std::vector<ChatMessage> read_messages(const std::string& path) {
-  const std::string text = read_text_file(path);
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(e.byte <= text.size()
-                    ? fmt::format("{}: not valid JSON (error at byte {})", path, e.byte)
-                    : fmt::format("{}: not valid JSON (it ends early)", path));
-  } catch (const json::out_of_range&) {
-    throw Error(path + ": not valid JSON (a number too large to represent)");
-  }
-  if (!j.is_array()) throw Error(path + ": expected a list of {\"role\", \"content\"} messages");
-  std::vector<ChatMessage> msgs;
-  for (size_t i = 0; i < j.size(); ++i) {
-    const json& m = j[i];
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-        !m.contains("content") || !m["content"].is_string())
-      throw Error(fmt::format("{}: message {} needs a string \"role\" and a string \"content\"",
-                              path, i + 1));
-    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
-  }
-  return msgs;
+  return parse_messages(read_text_file(path), path);
 }
 
 // The conversation's ids with the generation prompt, as transformers' apply_chat_template

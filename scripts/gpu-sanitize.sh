@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU tests and a short `kestrel generate`, on a machine with a GPU
+# and a build (scripts/build.sh). Any error a tool reports, and any failing test, fails the
+# script.
+#   gpu-sanitize.sh [BUILD_DIR [TOOL...]]
+#     BUILD_DIR  default build
+#     TOOL       memcheck (with --leak-check full), racecheck, initcheck, synccheck; default all
+#                four, one after the other
+# Logs: BUILD_DIR/gpu-sanitize/<tool>-<run>.log; one summary line per run on stdout.
+#
+# The runs, each a test binary with a gtest filter (or the CLI):
+#   sessions   test_llama_cuda: GPU sessions taking turns, decode runs, the decode graphs over
+#              ranges of positions, GPU-vs-CPU logits for every format
+#   memory     test_llama_cuda: GpuMemory, the test that fills the GPU on purpose and loads
+#              with what is left (the constructors that throw after allocating): memcheck only
+#   ops        test_ops_cuda: norms, RoPE, decode attention, argmax and top-k sampling, the
+#              captured RoPE + attention graphs
+#   gemv       test_gemv_cuda: epilogues, fused parts, fused input ops, residuals, the
+#              specialized kernels, launch shapes, the fp16 GEMV, and 12 of the 64 GemvFormats
+#              (each width at sym g128, asym act-order g32, sym act-order per-row)
+#   prefill    test_prefill_cuda: dequantize, quantized GEMM and its slices, dense rows, the
+#              prefill attention, RoPE rows, NLL, chunked prefill against token-by-token decode
+#   families   test_families: every family's GPU forward against transformers (or its refusal)
+#   generate   kestrel-synth tiny GPTQ models (4-bit g128 act-order; 3-bit asymmetric g64), then
+#              `kestrel generate` of a 48-token prompt (prefill GEMM path) and 24 tokens (decode
+#              graphs), greedy and sampled
+# racecheck, initcheck and synccheck take the smaller sets (gemv reduced further, no families)
+# as they run slower. RUNS="sessions prefill" limits any tool to those runs.
+#
+# API errors are not reported by the tool (--report-api-errors no): every CUDA call's status is
+# checked by the code itself (KESTREL_CUDA_CHECK fails the test), and some tests make calls fail
+# on purpose (allocations past the free memory).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+build="${1:-build}"
+shift || true
+tools=("$@")
+[ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
+
+cs="$(command -v compute-sanitizer || true)"
+for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+  [ -n "$cs" ] || { [ -x "$c" ] && cs="$c"; }
+done
+[ -n "$cs" ] || { echo "gpu-sanitize: compute-sanitizer not found" >&2; exit 1; }
+"$build/kestrel" devices > /dev/null 2>&1 || { echo "gpu-sanitize: no usable GPU: $("$build/kestrel" devices 2>&1)" >&2; exit 1; }
+for b in tests/test_llama_cuda tests/test_ops_cuda tests/test_gemv_cuda tests/test_prefill_cuda \
+         tests/test_families kestrel kestrel-synth; do
+  [ -x "$build/$b" ] || { echo "gpu-sanitize: $build/$b is not built (scripts/build.sh)" >&2; exit 1; }
+done
+
+logs="$build/gpu-sanitize"
+mkdir -p "$logs"
+work="$(mktemp -d "${TMPDIR:-/tmp}/kestrel-gpu-sanitize.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+# The test filters.
+f_sessions='GpuSessions.*:GpuDecodeRun.*:*GpuDecodeGraphs.*:*GpuVsCpu.*'
+f_memory='GpuMemory.*'
+f_ops='*'
+f_gemv_full='GemvEpilogue.*:GemvFused.*:GemvInputOps.*:GemvResidual.*:GemvSpecialized.*:GemvShapes.*:GemvPrepare.*:GemvF16.*:*GemvFormats.*/b*_g128_sym:*GemvFormats.*/b*_g32_asym_act:*GemvFormats.*/b*_grow_sym_act'
+f_gemv_small='GemvEpilogue.*:GemvInputOps.*:GemvSpecialized.*:GemvShapes.LaunchShapesAgree:*GemvFormats.*/b4_g128_sym:*GemvFormats.*/b3_g64_asym_act:*GemvFormats.*/b8_grow_sym'
+f_prefill='*GemmFormats.*:GemmSlices.*:DenseLinear.*:*AttnPrefill.*:RopeRows.*:Nll.*:*Prefill.*'
+f_families='*Families.Gpu*'
+
+runs_for() {  # runs_for TOOL: the runs this tool takes
+  if [ -n "${RUNS:-}" ]; then echo "$RUNS"; return; fi
+  case "$1" in
+    memcheck) echo "sessions memory ops gemv prefill families generate" ;;
+    *) echo "sessions ops gemv prefill generate" ;;
+  esac
+}
+
+# The models of the generate run, written once.
+models_ready=0
+make_models() {
+  [ $models_ready -eq 1 ] && return 0
+  "$build/kestrel-synth" --shape tiny --dtype gptq --bits 4 --group-size 128 --act-order \
+    --seed 11 --out "$work/q4act" --quiet || return 1
+  "$build/kestrel-synth" --shape tiny --dtype gptq --bits 3 --group-size 64 --asym \
+    --seed 12 --out "$work/q3asym" --quiet || return 1
+  models_ready=1
+}
+# Each model greedy and sampled; stops at the first failure.
+generate_runs() {
+  make_models || return 1
+  local m
+  for m in q4act q3asym; do
+    echo "== $m greedy"
+    "$cs" "$@" "$build/kestrel" generate -m "$work/$m" --device cuda -p "$prompt" -n 24 --temp 0 \
+      --ignore-eos -q || return 1
+    echo "== $m sampled"
+    "$cs" "$@" "$build/kestrel" generate -m "$work/$m" --device cuda -p "$prompt" -n 24 \
+      --temp 0.8 --top-k 20 --seed 5 --ignore-eos -q || return 1
+  done
+}
+prompt="The river runs past the mill and under the old stone bridge, where the children wait for the boats that bring the bread and the letters from the town on the hill above the valley every morning"
+
+status=0
+for tool in "${tools[@]}"; do
+  opts=(--tool "$tool" --error-exitcode 86 --report-api-errors no --print-limit 50)
+  case "$tool" in
+    memcheck) opts+=(--leak-check full) ;;
+    racecheck|initcheck|synccheck) ;;
+    *) echo "gpu-sanitize: unknown tool $tool (memcheck, racecheck, initcheck, synccheck)" >&2; exit 1 ;;
+  esac
+  gemv="$f_gemv_small"
+  [ "$tool" = memcheck ] && gemv="$f_gemv_full"
+  for run in $(runs_for "$tool"); do
+    log="$logs/$tool-$run.log"
+    start=$SECONDS
+    case "$run" in
+      sessions) "$cs" "${opts[@]}" "$build/tests/test_llama_cuda" --gtest_filter="$f_sessions" > "$log" 2>&1 ;;
+      memory)   "$cs" "${opts[@]}" "$build/tests/test_llama_cuda" --gtest_filter="$f_memory" > "$log" 2>&1 ;;
+      ops)      "$cs" "${opts[@]}" "$build/tests/test_ops_cuda" --gtest_filter="$f_ops" > "$log" 2>&1 ;;
+      gemv)     "$cs" "${opts[@]}" "$build/tests/test_gemv_cuda" --gtest_filter="$gemv" > "$log" 2>&1 ;;
+      prefill)  "$cs" "${opts[@]}" "$build/tests/test_prefill_cuda" --gtest_filter="$f_prefill" > "$log" 2>&1 ;;
+      families) "$cs" "${opts[@]}" "$build/tests/test_families" --gtest_filter="$f_families" > "$log" 2>&1 ;;
+      generate) generate_runs "${opts[@]}" > "$log" 2>&1 ;;
+      *) echo "gpu-sanitize: unknown run $run" >&2; exit 1 ;;
+    esac
+    rc=$?
+    # A tool's verdict: its ERROR SUMMARY lines (one per process), the gtest result lines.
+    errors="$(grep -h 'ERROR SUMMARY' "$log" | grep -v 'ERROR SUMMARY: 0 errors' | head -3)"
+    tests="$(grep -hE '^\[  (PASSED|FAILED)  \]' "$log" | head -2 | tr '\n' ' ')"
+    # A filter that matches nothing, or GPU tests skipped under the tool, check nothing.
+    grep -q 'Running 0 tests' "$log" && errors="${errors}the filter matches no test; "
+    grep -qE '^\[  SKIPPED \]' "$log" && errors="${errors}tests skipped (no usable GPU under the tool?); "
+    if [ $rc -ne 0 ] || [ -n "$errors" ] || ! grep -q 'ERROR SUMMARY' "$log"; then
+      status=1
+      line="FAIL $tool $run (exit $rc, $((SECONDS - start)) s): ${errors:-no error summary} $tests -> $log"
+    else
+      line="ok   $tool $run ($((SECONDS - start)) s) $tests"
+    fi
+    echo "gpu-sanitize: $line"
+  done
+done
+echo "gpu-sanitize: $( [ $status -eq 0 ] && echo "clean" || echo "FAILED") (logs in $logs)"
+exit $status

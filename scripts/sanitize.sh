@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The CPU tests (ctest -LE gpu) under AddressSanitizer, LeakSanitizer and
+# UndefinedBehaviorSanitizer, built into build-asan: every host C++ file and every link with
+# -fsanitize=address,undefined (no recovery from undefined behaviour; -O1 with assert() and
+# libstdc++'s bounds assertions live). nvcc's files compile as in any build, unsanitized, and
+# link into the sanitized programs: the CUDA runtime is not instrumented, and the CPU tests do
+# not launch kernels. Only what the CPU tests run is built (the target kestrel_cpu_tests; the
+# binaries of GPU tests alone are left out, KESTREL_GPU_TESTS=OFF).
+#
+# A report in a test or in a program it runs (kestrel, kestrel-synth, ...) goes to
+# build-asan/sanitizer/ and fails the script, whatever the test made of the exit code.
+#   sanitize.sh              configure, build, run (JOBS=N: parallel jobs, default nproc)
+# CUDA_ARCHS as for scripts/build.sh (default 90a: the CPU tests run no device code).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$PWD"
+build=build-asan
+jobs="${JOBS:-$(nproc)}"
+san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DKESTREL_GPU_TESTS=OFF \
+  -DCMAKE_CXX_FLAGS="$san -D_GLIBCXX_ASSERTIONS" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
+  -DCMAKE_EXE_LINKER_FLAGS="$san" -DCMAKE_SHARED_LINKER_FLAGS="$san" > /dev/null
+cmake --build "$build" -j"$jobs" --target kestrel_cpu_tests
+
+# The tokenizer tests' references (scripts/fetch-test-tokenizers.sh): build/'s where
+# scripts/test.sh fetched them, else fetched here.
+tok="$root/build/test-tokenizers"
+[ -d "$tok" ] || tok="$root/$build/test-tokenizers"
+bash scripts/fetch-test-tokenizers.sh "$tok"
+export KESTREL_TEST_TOKENIZERS="$tok"
+
+reports="$root/$build/sanitizer"
+rm -rf "$reports"
+mkdir -p "$reports"
+# protect_shadow_gap=0: the CUDA driver maps memory where ASan's shadow gap is (on a GPU
+# machine; without one nothing is mapped). The driver's own allocations alive at exit are not
+# Kestrel's leaks (scripts/lsan.supp).
+export ASAN_OPTIONS="detect_leaks=1:halt_on_error=1:protect_shadow_gap=0:check_initialization_order=1:strict_init_order=1:detect_stack_use_after_return=0:log_path=$reports/asan"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$reports/ubsan"
+export LSAN_OPTIONS="suppressions=$root/scripts/lsan.supp:print_suppressions=0"
+
+# install_consumer is left out: it installs the shared library and builds an unsanitized program
+# against it, a packaging check with nothing of its own to sanitize.
+status=0
+ctest --test-dir "$build" --output-on-failure -j"$jobs" -LE gpu -E '^install_consumer$' \
+  --timeout 1200 || status=1
+if compgen -G "$reports/*" > /dev/null; then
+  echo "sanitize: sanitizer reports ($reports):"
+  for f in "$reports"/*; do echo "== $f"; head -60 "$f"; done
+  status=1
+fi
+if [ $status -eq 0 ]; then
+  echo "sanitize: the CPU tests pass under ASan+UBSan with no report"
+else
+  echo "sanitize: failed" >&2
+fi
+exit $status
