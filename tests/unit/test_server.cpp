@@ -447,12 +447,15 @@ TEST(ServerTurnLock, TurnsGoInTheOrderAsked) {
     std::lock_guard<TurnLock> t(turn);
     order.push_back(2);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // b is waiting
+  auto wait_for_tickets = [&](uint64_t n) {
+    while (turn.tickets() < n) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  wait_for_tickets(2);  // b is waiting
   std::thread c([&] {
     std::lock_guard<TurnLock> t(turn);
     order.push_back(3);
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // c waits behind b
+  wait_for_tickets(3);  // c waits behind b
   order.push_back(1);
   turn.unlock();
   b.join();
@@ -462,6 +465,7 @@ TEST(ServerTurnLock, TurnsGoInTheOrderAsked) {
 
 TEST(ServerAccess, BearerKey) {
   EXPECT_TRUE(bearer_matches("Bearer s3cret", "s3cret"));
+  EXPECT_TRUE(bearer_matches("bearer s3cret", "s3cret"));  // the scheme's case is free
   EXPECT_FALSE(bearer_matches("Bearer s3cre", "s3cret"));
   EXPECT_FALSE(bearer_matches("Bearer s3crett", "s3cret"));
   EXPECT_FALSE(bearer_matches("Bearer S3cret", "s3cret"));

@@ -153,7 +153,15 @@ class Server {
     const int ctx = m_.session->context_length();
     std::vector<std::unique_ptr<Session>> raw;
     raw.push_back(std::move(m_.session));
-    for (int i = 1; i < a.parallel; ++i) raw.push_back(m_.model->new_session(ctx, a.quiet));
+    for (int i = 1; i < a.parallel; ++i) {
+      raw.push_back(m_.model->new_session(ctx, a.quiet));
+      // A GPU short of memory shortens a session's context; requests are checked against one
+      // context for every slot, so all slots must have it.
+      if (raw.back()->context_length() < ctx)
+        throw Error(fmt::format("{}: the GPU holds only {} positions for session {} of {} "
+                                "(the first has {}): lower --parallel or -c",
+                                a.model.dir, raw.back()->context_length(), i + 1, a.parallel, ctx));
+    }
     for (auto& s : raw)
       sessions_.push_back(a.parallel == 1 ? std::move(s)
                                           : std::make_unique<server::TurnTakingSession>(std::move(s), turn_));
@@ -167,6 +175,10 @@ class Server {
     HttpServer svr;
     const int threads = a_.parallel + a_.queue + 32;  // the slots, the line, idle keep-alives
     svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    // An idle keep-alive connection holds a thread; past the 32 spare ones a new connection
+    // waits in the library's queue, unseen by the slots' 429, until one frees. Two seconds
+    // (the library's default is five) bounds that wait for clients that pool connections.
+    svr.set_keep_alive_timeout(2);
     // SO_REUSEADDR (a restart may bind while old connections linger) but not the library's
     // SO_REUSEPORT, under which a second server on a taken port would bind too and be handed
     // half of its connections.
@@ -373,10 +385,23 @@ class Server {
               if (ok && !sink.write(s.data(), s.size())) ok = false;
             };
             if (request->endpoint == Endpoint::Chat) send(server::sse_event(server::role_chunk(*request, rm)));
-            p->options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
-            const GenerateResult r = generate_cached(
-                session, *m_.tok, p->prompt_ids, p->options,
-                [&](std::string_view text) { send(server::sse_event(server::text_chunk(*request, rm, text))); });
+            // The provider runs after the handler returned, outside the library's own catch:
+            // an engine failure here (out of memory, a CUDA error) must end this stream with
+            // an error event, not the process. The options are this call's copy: `cancelled`
+            // reads its locals.
+            GenerateOptions options = p->options;
+            options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
+            GenerateResult r;
+            try {
+              r = generate_cached(session, *m_.tok, p->prompt_ids, options, [&](std::string_view text) {
+                send(server::sse_event(server::text_chunk(*request, rm, text)));
+              });
+            } catch (const std::exception& e) {
+              std::cerr << fmt::format("kestrel serve: {}\n", e.what()) << std::flush;
+              t_log.finish = "error";
+              send(server::sse_event(ApiError(500, e.what(), "", "engine_error").to_json()));
+              return false;
+            }
             note_result(r);
             if (r.finish_reason == "cancelled") {
               // The client is gone, or the server is stopping: an error event where it can

@@ -2,13 +2,18 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
+
 #include <nlohmann/json.hpp>
 
 namespace kestrel::server {
 
 bool bearer_matches(std::string_view authorization, std::string_view key) {
-  constexpr std::string_view kScheme = "Bearer ";
-  const bool scheme = authorization.substr(0, kScheme.size()) == kScheme;
+  // The scheme's name is case-insensitive (RFC 7235); the token is not.
+  constexpr std::string_view kScheme = "bearer ";
+  bool scheme = authorization.size() >= kScheme.size();
+  for (size_t i = 0; scheme && i < kScheme.size(); ++i)
+    scheme = std::tolower((unsigned char)authorization[i]) == kScheme[i];
   const std::string_view given =
       scheme ? authorization.substr(kScheme.size()) : std::string_view();
   // Every byte of the key is compared, whatever the given token's length.

@@ -30,6 +30,11 @@ class TurnLock {
  public:
   void lock();
   void unlock();
+  // Tickets handed out so far (the holder's and the waiters'): lets a test order its threads.
+  uint64_t tickets() {
+    std::lock_guard<std::mutex> g(m_);
+    return next_;
+  }
 
  private:
   std::mutex m_;
