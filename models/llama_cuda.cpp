@@ -73,6 +73,9 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
   arena_.reserve(mem_, gpu_weights_bound(spec));
   w_ = load_gpu_weights(spec, tuning_, arena_, stream_, quiet, weight_bytes_);
   plan_act_order(w_, cfg_, mem_, stream_);
+  // The decode step's stream-order branches stage RMSNorm and carry no o bias.
+  KESTREL_CHECK(c.norm == NormKind::RMS || w_.layers.empty() || !w_.layers[0].order.on,
+                "internal: act-order stream order planned for a LayerNorm family");
 
   // Activations.
   int* io = mem_.alloc_n<int>(4);

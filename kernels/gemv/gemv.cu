@@ -371,6 +371,8 @@ void set_bias_relu(KParams& p, const __half*& residual, const GemvEpilogue& out)
   if (out.relu && (out.silu_mul || out.out_index))
     throw Error("gemv: GemvEpilogue::relu goes without silu_mul and out_index");
   if (out.bias && out.silu_mul) throw Error("gemv: GemvEpilogue::bias goes without silu_mul");
+  if (out.bias && !residual && out.residual_index)
+    throw Error("gemv: GemvEpilogue::bias with a residual_index needs the residual it indexes");
   if (out.bias && !residual)
     residual = out.bias;
   else

@@ -767,6 +767,10 @@ TEST(GemvEpilogue, RefusesCombinationsItDoesNotCompute) {
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.silu_mul = true, .relu = true}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.silu_mul = true, .bias = b}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.out_index = idx, .relu = true}), Error);
+  // A bias standing in for the residual is not read through a residual_index.
+  EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {},
+                          {.out_index = idx, .residual_index = idx, .bias = b}),
+               Error);
   // LayerNorm without its weights, or a norm beside SiLU * up.
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {nullptr, 1e-5f, false, true, b}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {b, 1e-5f, true}), Error);

@@ -168,9 +168,10 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
                       fmt::format("token id {} is outside the vocabulary ({})", tok, c.vocab));
         uint16_t* row = &rows[(size_t)i * hidden];
         std::memcpy(row, table + (size_t)tok * hidden * 2, hidden * 2);
-        if (!positions.empty()) {
+        if (!positions.empty()) {  // the table's fp16 values, as the engine holds them
           const float* pe = &positions[(size_t)(i + c.position_offset) * hidden];
-          for (int64_t j = 0; j < hidden; ++j) row[j] = float_to_half(half_to_float(row[j]) + pe[j]);
+          for (int64_t j = 0; j < hidden; ++j)
+            row[j] = float_to_half(half_to_float(row[j]) + half_to_float(float_to_half(pe[j])));
         }
       }
       KESTREL_CUDA_CHECK(cudaMemcpy(X.as<__half>() + w * win, rows.data(), win * 2,
@@ -267,6 +268,11 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
         const LinearSpec& lin = ls.*m;
         if (lin.name.empty()) continue;
         upload_f16(*lin.weight, (L.*g.fused).dense + row * lin.K, s);
+        // The fused linear has a bias where its first member has; the family gives all or none.
+        KESTREL_CHECK((lin.bias != nullptr) == ((L.*g.fused).bias != nullptr),
+                      fmt::format("{}: {} has {} bias where the other linears of its group {}",
+                                  spec.dir, lin.name, lin.bias ? "a" : "no",
+                                  lin.bias ? "have none" : "have one"));
         upload_if(lin.bias, (L.*g.fused).bias ? (L.*g.fused).bias + row : nullptr);
         row += lin.N;
       }
@@ -276,6 +282,10 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
     for (const Group& g : groups()) {
       const LinearSpec& last = ls.*g.members.back();  // the last member is in every family
       const int64_t K = last.K;
+      // The group's name for its shared factor's errors: its first linear.
+      std::string group_name;
+      for (auto m : g.members)
+        if (group_name.empty()) group_name = (ls.*m).name;
       // The group's inputs over every window, through the layer as quantized so far.
       const auto t_fwd = Clock::now();
       GpuHessian H(ctx, K);
@@ -303,7 +313,7 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
       const auto t_q = Clock::now();
       auto t_lin = Clock::now();
       std::optional<GpuGptqFactor> factor;
-      if (o.method == "gptq") factor.emplace(ctx, H.data(), K, o.gptq, last.name);
+      if (o.method == "gptq") factor.emplace(ctx, H.data(), K, o.gptq, group_name);
       int64_t row = 0;
       for (auto m : g.members) {
         const LinearSpec& spec_m = ls.*m;
