@@ -6,7 +6,8 @@
 #                             fuzzes each target (default: every one) in turn for SECONDS
 #                             (default 60) from its seeds and what earlier runs kept in
 #                             build-fuzz/corpus/<target>/; FUZZ_RUNS=N also stops a target after
-#                             N executions (the hardening runs: 600 s or 1M executions).
+#                             N executions (the hardening runs: 600 s or 1M executions), and
+#                             FUZZ_SEED=N fixes libFuzzer's seed (CI: 15 s per target, seed 1).
 # The seeds are the repository's own real files: chat templates, tokenizer fixtures, the
 # family models' configs and checkpoints. Any crash, sanitizer report, leak, timeout or
 # exception other than kestrel::Error fails the run and leaves the input in build-fuzz/.
@@ -138,6 +139,7 @@ for t in "${targets[@]}"; do
   else
     runs=()
     [ -n "${FUZZ_RUNS:-}" ] && runs=(-runs="$FUZZ_RUNS")
+    [ -n "${FUZZ_SEED:-}" ] && runs+=(-seed="$FUZZ_SEED")
     start=$SECONDS
     if ! ASAN_OPTIONS=detect_leaks=1 "./build-fuzz/fuzz/$t" "${common[@]}" \
         -max_total_time="$seconds" "${runs[@]}" -print_final_stats=1 \
