@@ -1171,7 +1171,9 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
           const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
           if (p.res_index) {  // y_index too, and loaded early with it
             const int dst = __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb + lane) & 31);
-            if (lane < nrows && row0 + lane < p.N) p.y[dst] = finish(p, mine + r);
+            // (No ReLU here: gemv refuses it with an out_index, and this store's form is the
+            // one its registers were measured with.)
+            if (lane < nrows && row0 + lane < p.N) p.y[dst] = __float2half_rn(mine + r);
           } else if (lane < nrows) {
             store_row_plus(p, row0 + lane, mine, r);
           }
