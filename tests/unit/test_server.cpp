@@ -247,6 +247,9 @@ TEST_F(ServerPrepare, PromptIdsAndOptions) {
   EXPECT_EQ(p.options.max_new_tokens, 4);
   EXPECT_EQ(p.options.stop, std::vector<std::string>{"x"});
   EXPECT_EQ(p.options.logprobs, 1);  // the chosen token's, with no alternatives listed
+  EXPECT_FALSE(p.options.ignore_eos);
+  const CompletionRequest e = completion({{"prompt", "the river"}, {"ignore_eos", true}});
+  EXPECT_TRUE(prepare_request(e, *tok_, nullptr, 64, tok_->vocab_size()).options.ignore_eos);
 
   const CompletionRequest r = chat({{"messages", kMessages}, {"stop", "y"}});
   const PreparedRequest q = prepare_request(r, *tok_, &*tmpl_, 256, tok_->vocab_size());

@@ -336,7 +336,7 @@ class Server {
       auto p = std::make_shared<server::PreparedRequest>(server::prepare_request(
           cr, *m_.tok, tmpl, sessions_[0]->context_length(), m_.spec->config.vocab));
       p->options.reverse_prompts = a_.sampling.reverse;
-      p->options.ignore_eos = a_.sampling.ignore_eos;
+      p->options.ignore_eos = p->options.ignore_eos || a_.sampling.ignore_eos;  // the request's or the server's
       t_log.prompt_tokens = (int)p->prompt_ids.size();
       if (a_.log_prompts)
         t_log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true)
