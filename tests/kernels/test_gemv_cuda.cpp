@@ -732,38 +732,45 @@ TEST(GemvEpilogue, ResidualReadAndStoredThroughIndexes) {
 
 // Refused: an output index without the SiLU epilogue or a residual index, a residual index
 // without an output index, indexes without a residual, y aliasing the residual.
-TEST(GemvEpilogue, RefusesIndexesWithoutTheirEpilogue) {
-  KESTREL_REQUIRE_GPU();
-  std::mt19937 rng(63);
-  Format f;
-  const Linear L = random_linear(f, 64, 256, rng);
-  Packed P = pack(L, 64);
-  GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
-  DeviceBuffer buf(4096);
+// A small weight and one device buffer carved into x, y, a residual (or bias) and an index:
+// the calls of the refusal tests below, which gemv refuses before launching anything.
+struct RefusedCall {
+  GemvWeight w;
+  DeviceBuffer buf{4096};
   __half* x = buf.as<__half>();
-  const int32_t* idx = buf.as<int32_t>() + 512;
   __half* y = buf.as<__half>() + 256;
   __half* r = buf.as<__half>() + 384;
+  const int32_t* idx = buf.as<int32_t>() + 512;
+  explicit RefusedCall(uint32_t seed) {
+    std::mt19937 rng(seed);
+    const Linear L = random_linear(Format{}, 64, 256, rng);
+    Packed P = pack(L, 64);
+    w = cuda::gemv_prepare({P.view}, nullptr);
+  }
+  ~RefusedCall() { cuda::gemv_free(w); }
+  RefusedCall(const RefusedCall&) = delete;
+  RefusedCall& operator=(const RefusedCall&) = delete;
+};
+
+TEST(GemvEpilogue, RefusesIndexesWithoutTheirEpilogue) {
+  KESTREL_REQUIRE_GPU();
+  RefusedCall c(63);
+  const GemvWeight& w = c.w;
+  __half *x = c.x, *y = c.y, *r = c.r;
+  const int32_t* idx = c.idx;
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, cuda::GemvEpilogue{false, idx}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, r, nullptr, {}, cuda::GemvEpilogue{false, nullptr, idx}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, cuda::GemvEpilogue{false, idx, idx}),
                Error);
   EXPECT_THROW(cuda::gemv(w, x, y, y, nullptr, {}, cuda::GemvEpilogue{false, idx, idx}), Error);
-  cuda::gemv_free(w);
 }
 
 TEST(GemvEpilogue, RefusesCombinationsItDoesNotCompute) {
   KESTREL_REQUIRE_GPU();
-  std::mt19937 rng(64);
-  Format f;
-  const Linear L = random_linear(f, 64, 256, rng);
-  Packed P = pack(L, 64);
-  GemvWeight w = cuda::gemv_prepare({P.view}, nullptr);
-  DeviceBuffer buf(4096);
-  __half* x = buf.as<__half>();
-  const int32_t* idx = buf.as<int32_t>() + 512;
-  __half* y = buf.as<__half>() + 256;
-  __half* b = buf.as<__half>() + 384;
+  RefusedCall c(64);
+  const GemvWeight& w = c.w;
+  __half *x = c.x, *y = c.y, *b = c.r;
+  const int32_t* idx = c.idx;
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.silu_mul = true, .relu = true}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.silu_mul = true, .bias = b}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {}, {.out_index = idx, .relu = true}), Error);
@@ -775,7 +782,6 @@ TEST(GemvEpilogue, RefusesCombinationsItDoesNotCompute) {
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {nullptr, 1e-5f, false, true, b}), Error);
   EXPECT_THROW(cuda::gemv(w, x, y, nullptr, nullptr, {b, 1e-5f, true}), Error);
   EXPECT_THROW(cuda::gemv_f16(b, x, y, 8, 256, nullptr, nullptr, {}, {}, {.silu_mul = true}), Error);
-  cuda::gemv_free(w);
 }
 
 TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {

@@ -698,6 +698,18 @@ TEST_F(EndToEnd, RtnCheckpointRoundTripsThroughTheLoader) {
   fs::remove_all(out);
 }
 
+// The GPU quantizer's report (rg) against the CPU's (rc) and RTN's (rr) on the same model:
+// linear by linear, the same names, the error within [0.8, 1.25] of the CPU's, below RTN's.
+void expect_gpu_quality_of_cpu(const QuantizeReport& rg, const QuantizeReport& rc,
+                               const QuantizeReport& rr) {
+  for (size_t i = 0; i < rg.linears.size(); ++i) {
+    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
+    EXPECT_GT(rg.linears[i].rel_error, 0.8 * rc.linears[i].rel_error) << rg.linears[i].name;
+    EXPECT_LT(rg.linears[i].rel_error, 1.25 * rc.linears[i].rel_error) << rg.linears[i].name;
+    EXPECT_LT(rg.linears[i].rel_error, rr.linears[i].rel_error) << rg.linears[i].name;
+  }
+}
+
 // --device cuda: the same algorithm on the GPU's fp16 forward, Hessians and GPTQ. Its
 // Hessians differ from the CPU's fp32 ones by fp16 rounding, so its codes are not the CPU's;
 // its quality must be.
@@ -716,12 +728,7 @@ TEST_F(EndToEnd, CudaGptqHasTheCpuQuality) {
   const QuantizeReport rr = quantize_model(options(rtn_dir.string(), "rtn"));
   ASSERT_EQ(rg.linears.size(), 14u);
   ASSERT_EQ(rc.linears.size(), 14u);
-  for (size_t i = 0; i < rg.linears.size(); ++i) {
-    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
-    EXPECT_GT(rg.linears[i].rel_error, 0.8 * rc.linears[i].rel_error) << rg.linears[i].name;
-    EXPECT_LT(rg.linears[i].rel_error, 1.25 * rc.linears[i].rel_error) << rg.linears[i].name;
-    EXPECT_LT(rg.linears[i].rel_error, rr.linears[i].rel_error) << rg.linears[i].name;
-  }
+  expect_gpu_quality_of_cpu(rg, rc, rr);
   const nlohmann::json report = nlohmann::json::parse(std::ifstream(gpu_dir / "quantize_report.json"));
   EXPECT_EQ(report["device"], "cuda");
   const ModelSpec spec = load_model_spec(gpu_dir.string());
@@ -816,12 +823,7 @@ TEST_P(CudaFamilies, GptqHasTheCpuQuality) {
   const size_t per_layer = arch == "opt" ? 6 : 7;
   ASSERT_EQ(rg.linears.size(), 2 * per_layer);
   ASSERT_EQ(rc.linears.size(), rg.linears.size());
-  for (size_t i = 0; i < rg.linears.size(); ++i) {
-    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
-    EXPECT_GT(rg.linears[i].rel_error, 0.8 * rc.linears[i].rel_error) << rg.linears[i].name;
-    EXPECT_LT(rg.linears[i].rel_error, 1.25 * rc.linears[i].rel_error) << rg.linears[i].name;
-    EXPECT_LT(rg.linears[i].rel_error, rr.linears[i].rel_error) << rg.linears[i].name;
-  }
+  expect_gpu_quality_of_cpu(rg, rc, rr);
   const nlohmann::json report = nlohmann::json::parse(std::ifstream(gpu_dir / "quantize_report.json"));
   EXPECT_EQ(report["device"], "cuda");
   auto ppl = [&](const fs::path& dir) {
