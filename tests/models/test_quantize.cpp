@@ -603,11 +603,15 @@ class EndToEnd : public ::testing::Test {
     o.progress = false;
     return o;
   }
+  // (Public: CudaFamilies scores its own models with it.)
+ public:
   static double ppl(const fs::path& dir, const std::vector<int>& ids) {
     LlamaCpu m_model(load_model_spec(dir.string()));
     auto m = m_model.new_cpu_session(128);
     return kestrel::perplexity(*m, ids, 128, 0, false).ppl;
   }
+
+ protected:
   static fs::path* fp16_;
   static fs::path* calib_;
   static std::vector<int>* sampled_;
@@ -826,11 +830,7 @@ TEST_P(CudaFamilies, GptqHasTheCpuQuality) {
   expect_gpu_quality_of_cpu(rg, rc, rr);
   const nlohmann::json report = nlohmann::json::parse(std::ifstream(gpu_dir / "quantize_report.json"));
   EXPECT_EQ(report["device"], "cuda");
-  auto ppl = [&](const fs::path& dir) {
-    LlamaCpu m_model(load_model_spec(dir.string()));
-    auto m = m_model.new_cpu_session(128);
-    return kestrel::perplexity(*m, sampled, 128, 0, false).ppl;
-  };
+  auto ppl = [&](const fs::path& dir) { return EndToEnd::ppl(dir, sampled); };
   // The GPU's damage to the perplexity within 1.5x the CPU's (or half a percent: the random
   // OPT is so sure of its own samples, perplexity about 1.01, that quantization moves it by
   // noise only, and RTN is not always the worse there).

@@ -157,7 +157,7 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
     }
     const uint8_t* table = E.dtype == DType::F16 ? E.data : (const uint8_t*)converted.data();
     // Learned positions (OPT): every window starts at position 0, so row i adds position
-    // i + offset, in fp32 and rounded once, as the engine's embedding kernel does.
+    // i + offset.
     std::vector<float> positions;
     if (spec.positions) positions = to_float(*spec.positions);
     std::vector<uint16_t> rows(win);
