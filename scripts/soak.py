@@ -113,6 +113,15 @@ def main():
           f"at the end")
     if warm[2] is not None:
         print(f"device memory: {warm[2]} MiB after {warm[0]} replies, {end[2]} MiB at the end")
+    # Where the memory moved: each sample whose device memory differs from the one before, and
+    # the host RSS every quarter of the run, so that a step (a one-time allocation) can be told
+    # from a steady climb.
+    steps = [f"reply {s[0]}: {p[2]} -> {s[2]} MiB" for p, s in zip(samples, samples[1:])
+             if s[2] != p[2]]
+    if steps:
+        print("device memory steps: " + "; ".join(steps[:12]))
+    quarters = [samples[min(len(samples) - 1, i * len(samples) // 4)] for i in range(5)]
+    print("host RSS by quarter: " + ", ".join(f"{s[1] / 1024:.1f}" for s in quarters) + " MiB")
     ok = True
     if (end[1] - warm[1]) / 1024 > a.max_rss_growth_mib:
         print("soak: host RSS grew", file=sys.stderr)
