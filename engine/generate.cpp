@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <random>
 
 #include "engine/base/error.h"
 
@@ -69,6 +70,96 @@ namespace {
 using clock = std::chrono::steady_clock;
 double ms_since(clock::time_point t) {
   return std::chrono::duration<double, std::milli>(clock::now() - t).count();
+}
+
+// Speculative steps after the first generated id, until max_new ids, an end or a stop. Each
+// step asks the drafter for up to k ids, runs the last id and the drafts in one pass at
+// positions pos-1 .. pos-1+k, and walks the rows: row j is the target's distribution after
+// the drafts before it, where draft j is accepted or replaced (and the step ends), and the
+// row after the last draft gives a bonus id. Every id goes through `take` as plain decoding's
+// do, so an end id or a stop inside an accepted run ends there and nothing after it is
+// emitted. Rejected drafts leave K/V past the new position, which the next pass overwrites
+// before anything attends to it; only taken ids reach the result (and session.cached).
+template <class Take>
+void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& history, int& pos,
+               int max_new, Sampler& sampler, GenerateResult& r, Take& take) {
+  const int ctx = model.context_length();
+  const int vocab = model.config().vocab;
+  const SamplingParams& sp = sampler.params();
+  const bool greedy = sp.temperature <= 0.0f;
+  const bool penalties = sp.repeat_penalty != 1.0f || sp.frequency_penalty != 0.0f ||
+                         sp.presence_penalty != 0.0f;
+  // Greedy without penalties or logprobs needs only each row's argmax, which a GPU model takes
+  // on the device (Session::forward_argmax_rows).
+  const bool argmax_rows = greedy && !penalties && opt.logprobs <= 0;
+  std::mt19937_64 rng(sp.seed ^ 0x9E3779B97F4A7C15ULL);  // the accept/reject test's own stream
+  DraftLength length(opt.draft_max);
+  Draft draft;
+  std::vector<int> tokens, best;
+  std::vector<float> last(vocab), all, row(vocab);
+  while ((int)r.ids.size() < max_new) {
+    if (opt.cancelled && opt.cancelled()) {
+      r.finish_reason = "cancelled";
+      return;
+    }
+    // At most the ids still wanted after this step's own one, and within the context: the
+    // pass writes positions pos-1 .. pos-1+k.
+    const int k_max = std::min({length.next(), max_new - (int)r.ids.size() - 1, ctx - pos});
+    draft.clear();
+    if (k_max > 0) opt.drafter->propose(history, k_max, draft);
+    const int k = std::min((int)draft.ids.size(), std::max(k_max, 0));
+    tokens.assign(1, r.ids.back());
+    tokens.insert(tokens.end(), draft.ids.begin(), draft.ids.begin() + k);
+    ++r.n_steps;
+    r.n_drafted += k;
+    const int at = pos - 1;
+    int accepted = 0;
+    bool go_on = true;
+    if (argmax_rows) {
+      best.resize(k + 1);
+      model.forward_argmax_rows(tokens.data(), k + 1, at, best.data());
+      for (int j = 0; j <= k && go_on; ++j) {
+        const bool hit = j < k && best[j] == tokens[j + 1];
+        if (hit) ++accepted;
+        r.n_device += 1;
+        go_on = take(best[j]);
+        if (!hit) break;
+      }
+    } else {
+      all.resize((size_t)(k + 1) * vocab);
+      model.forward(tokens.data(), k + 1, at, last.data(), all.data());
+      for (int j = 0; j <= k && go_on; ++j) {
+        const auto ts = std::chrono::steady_clock::now();
+        const float* raw = all.data() + (size_t)j * vocab;
+        row.assign(raw, raw + vocab);
+        // `history` holds exactly the ids before this row's position: the taken drafts before it.
+        sampler.apply_penalties(row.data(), vocab, history);
+        int id;
+        bool hit = false;
+        if (greedy) {
+          id = argmax(row.data(), vocab);
+          hit = j < k && id == tokens[j + 1];
+        } else {
+          const std::vector<double> p = sampler.distribution(row.data(), vocab);
+          if (j < k) {
+            const std::vector<double>* q = draft.q.empty() ? nullptr : &draft.q[j];
+            id = accept_or_resample(p, tokens[j + 1], q, rng, &hit);
+          } else {
+            id = draw_from(p, rng);
+          }
+        }
+        if (opt.logprobs > 0) r.logprobs.push_back(logprobs_of(raw, vocab, id, opt.logprobs));
+        r.sample_ms += ms_since(ts);
+        ++r.n_sampled;
+        if (hit) ++accepted;
+        go_on = take(id);
+        if (!hit) break;
+      }
+    }
+    r.n_accepted += accepted;
+    if (!go_on) return;
+    length.update(k, accepted);
+  }
 }
 
 // Runs prompt_ids[first..] at positions first.. and generates.
@@ -142,40 +233,56 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     return id;
   };
   int pos = pos0 + n_run;
-  std::unique_ptr<DecodeRun> run;  // on_device: the device may run a step ahead
-  for (int i = 0; i < max_new; ++i) {
-    if (opt.cancelled && opt.cancelled()) {
-      r.finish_reason = "cancelled";
-      break;
-    }
-    if (i > 0 && on_device && !run) {
-      run = argmax_only ? model.greedy_run(r.ids.back(), pos - 1)
-                        : model.sampled_run(r.ids.back(), pos - 1, device_sampling);
-      on_device = run != nullptr;
-    }
-    int id;
-    if (i == 0) {
-      id = choose();
-    } else if (on_device) {
-      id = run->next(i + 1 < max_new);
-      ++r.n_eval;
-      ++r.n_device;
-    } else {
-      model.forward(&r.ids.back(), 1, pos - 1, logits.data());
-      ++r.n_eval;
-      id = choose();
-    }
+  // Takes a chosen id into the result: false when it ends generation (an end id, a stop
+  // string or reverse prompt in the text).
+  auto take = [&](int id) {
     r.ids.push_back(id);
     history.push_back(id);
     ++pos;
     if (is_end(id)) {
       r.finish_reason = "eos";
-      break;
+      return false;
     }
     emit(stop.push(detok.push(id)));
     if (stop.stopped()) {
       r.finish_reason = "stop";
-      break;
+      return false;
+    }
+    return true;
+  };
+  if (opt.drafter && max_new > 0) {
+    if (opt.cancelled && opt.cancelled()) {
+      r.finish_reason = "cancelled";
+    } else if (take(choose())) {
+      speculate(model, opt, history, pos, max_new, sampler, r, take);
+    }
+    // Every id but the last ran, as the id a pass started from or as an accepted draft.
+    r.n_eval = std::max(0, (int)r.ids.size() - 1);
+  } else {
+    std::unique_ptr<DecodeRun> run;  // on_device: the device may run a step ahead
+    for (int i = 0; i < max_new; ++i) {
+      if (opt.cancelled && opt.cancelled()) {
+        r.finish_reason = "cancelled";
+        break;
+      }
+      if (i > 0 && on_device && !run) {
+        run = argmax_only ? model.greedy_run(r.ids.back(), pos - 1)
+                          : model.sampled_run(r.ids.back(), pos - 1, device_sampling);
+        on_device = run != nullptr;
+      }
+      int id;
+      if (i == 0) {
+        id = choose();
+      } else if (on_device) {
+        id = run->next(i + 1 < max_new);
+        ++r.n_eval;
+        ++r.n_device;
+      } else {
+        model.forward(&r.ids.back(), 1, pos - 1, logits.data());
+        ++r.n_eval;
+        id = choose();
+      }
+      if (!take(id)) break;
     }
   }
   if (!stop.stopped()) {

@@ -8,6 +8,7 @@
 
 #include "models/model.h"
 #include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {
@@ -27,7 +28,16 @@ struct GenerateOptions {
   int logprobs = 0;               // > 0: record the top-n log-probabilities of every token
   // Polled before each new token; true ends generation (finish_reason "cancelled").
   std::function<bool()> cancelled;
+  // Speculative decoding (engine/speculative.h) when set: each step drafts up to draft_max
+  // tokens (adapted to the recent acceptance) and verifies them in one pass of the model. The
+  // drafter belongs to the caller and may serve many generations.
+  Drafter* drafter = nullptr;
+  int draft_max = 8;
 };
+
+// The draft length when --draft-max is not given, and the longest one allowed.
+constexpr int kDefaultDraftMax = 8;
+constexpr int kMaxDraftMax = 64;
 
 struct GenerateResult {
   std::vector<int> prompt_ids;
@@ -43,6 +53,12 @@ struct GenerateResult {
   double gen_ms = 0;           // time of the generated tokens after the first
   double sample_ms = 0;        // of which choosing tokens (sampler, logprobs)
   std::vector<Logprobs> logprobs;  // one per generated id when GenerateOptions::logprobs > 0
+  // Speculative decoding: ids proposed by the drafter and verified, those of them kept, and
+  // the passes of the model that produced the ids after the first (n_steps; a pass with no
+  // draft counts too).
+  int n_drafted = 0;
+  int n_accepted = 0;
+  int n_steps = 0;
 };
 
 // Holds back text that might be the start of a stop string or a reverse prompt. push()

@@ -571,27 +571,35 @@ std::vector<double> Sampler::distribution(const float* logits, int vocab) {
     for (const Cand& c : cand_) prob[c.id] = c.w / total;
     return prob;
   }
-  // Token by token, through the same floor and nucleus test as sample_by_mass.
+  // The floor of sample_by_mass, then its nucleus rule (a token is in when the mass at
+  // temperature 1 ahead of it in llama.cpp's order, larger logit first and lower id on ties,
+  // is below top_p of the total) walked once over the tokens above the floor in that order:
+  // every token ahead of a kept one is above the floor too. The weights are sample()'s own.
   const float m = max_of(logits, vocab);
   const float floor = p_.min_p > 0.0f ? m + std::log(p_.min_p) : -kInf;
   const int n_spans = (vocab + kSpan - 1) / kSpan;
   if (spans_.size() < 3 * (size_t)n_spans) spans_.resize(3 * n_spans);
   std::vector<float> at_t(vocab);
   weigh(logits, vocab, m, 1.0f / p_.temperature, floor, at_t.data(), spans_.data());
-  double need = 0, z = 0;
+  std::vector<int> kept;
+  for (int i = 0; i < vocab; ++i)
+    if (logits[i] >= floor) kept.push_back(i);
   if (p_.top_p < 1.0f) {
     if ((int)buf_.size() < vocab) buf_.resize(vocab);
-    z = weigh(logits, vocab, m, 1.0f, floor, buf_.data(), spans_.data(),
-              spans_.data() + 2 * n_spans).all;
-    need = p_.top_p * z;
+    const double z = weigh(logits, vocab, m, 1.0f, floor, buf_.data(), spans_.data(),
+                           spans_.data() + 2 * n_spans).all;
+    const double need = p_.top_p * z;
+    std::sort(kept.begin(), kept.end(), [&](int a, int b) {
+      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+    });
+    double ahead = 0;
+    size_t n_in = 0;
+    while (n_in < kept.size() && ahead < need) ahead += buf_[kept[n_in++]];
+    kept.resize(n_in);
   }
   double total = 0;
-  for (int i = 0; i < vocab; ++i) {
-    if (!(logits[i] >= floor)) continue;
-    if (p_.top_p < 1.0f && !in_nucleus(logits, vocab, i, need, z)) continue;
-    total += prob[i] = at_t[i];
-  }
-  for (double& q : prob) q /= total;
+  for (int i : kept) total += prob[i] = at_t[i];
+  for (int i : kept) prob[i] /= total;
   return prob;
 }
 

@@ -42,8 +42,8 @@ class Sampler {
 
   // The probability sample() gives each token of these logits (after penalties), 0 outside
   // the kept set, through the same cut-offs and weights as sample() but without a draw. For
-  // tests and diagnostics: it allocates, and without top-k it tests every token's place in
-  // the nucleus with a pass over the vocabulary (quadratic).
+  // speculative decoding's accept/reject test, tests and diagnostics: it allocates, and
+  // without top-k it sorts the tokens above the min-p floor to find the nucleus.
   std::vector<double> distribution(const float* logits, int vocab);
 
  private:

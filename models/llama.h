@@ -107,6 +107,14 @@ class LlamaCpu final : public Model {
 
   // One token at one position: the readable forward pass. Writes logits [vocab].
   void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
+  // forward_token's ops over n consecutive tokens at positions pos .. pos+n-1, each linear
+  // taking the n rows in one call (its weights unpacked once), every row computed with the
+  // very arithmetic forward_token gives it: logits [n, vocab] equal n forward_token calls bit
+  // for bit. Speculative decoding's greedy verification on the CPU, whose output must be
+  // token for token that of decoding one token at a time.
+  void forward_rows(CpuRunState& s, const int* tokens, int n, int pos, float* logits) const;
+  // forward() with all_logits runs up to this many tokens through forward_rows.
+  static constexpr int kRowsMax = 65;
   // forward() of a session: one token at a time through forward_token, or (n > 1) embed,
   // layer_forward over every layer, the head.
   void forward(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
@@ -159,6 +167,7 @@ class LlamaCpuSession final : public Session {
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
     m_.forward(s_, tokens, n, pos, logits, all_logits);
   }
+  void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override;
   void forward_token(int token, int pos, float* logits) { m_.forward_token(s_, token, pos, logits); }
   void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr) {
     m_.layer_forward(s_, layer, x, T, pos0, taps);

@@ -178,11 +178,83 @@ void LlamaCpu::forward_token(CpuRunState& st, int token, int pos, float* logits)
   w_.lm_head.forward(st.xb.data(), 1, logits);
 }
 
+void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
+                            float* logits) const {
+  const ModelConfig& c = cfg_;
+  const int hidden = c.hidden, kv_dim = c.kv_dim(), q_dim = c.q_dim(), inter = c.intermediate;
+  KESTREL_CHECK(n > 0 && pos >= 0 && pos + n <= st.ctx,
+                std::to_string(n) + " tokens at position " + std::to_string(pos) +
+                    " do not fit the context of " + std::to_string(st.ctx));
+  const size_t N = n;
+  std::vector<float> x(N * hidden), xb(N * hidden), proj(N * hidden);  // [n, hidden]
+  std::vector<float> q(N * q_dim), att(N * q_dim);                     // [n, q_dim]
+  std::vector<float> k(N * kv_dim), v(N * kv_dim);                     // [n, kv_dim]
+  std::vector<float> gate(N * inter), up(N * inter);                   // [n, intermediate]
+  embed(tokens, n, pos, x.data());
+  for (int l = 0; l < c.n_layers; ++l) {
+    const CpuLayer& L = w_.layers[l];
+    float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
+    float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
+    norm(x.data(), L.input_norm, L.input_norm_bias, n, xb.data());
+    L.q.forward(xb.data(), n, q.data());
+    L.k.forward(xb.data(), n, k.data());
+    L.v.forward(xb.data(), n, v.data());
+    // Every row's K/V goes into the cache before any row attends: row i reads rows < i.
+    for (int i = 0; i < n; ++i) {
+      position_qk(L, &q[i * q_dim], &k[i * kv_dim], pos + i);
+      std::copy_n(&k[i * kv_dim], kv_dim, k_cache + (size_t)(pos + i) * kv_dim);
+      std::copy_n(&v[i * kv_dim], kv_dim, v_cache + (size_t)(pos + i) * kv_dim);
+    }
+    for (int i = 0; i < n; ++i) {
+      const int p = pos + i;
+      const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
+      attention_ref(&q[i * q_dim], k_cache + (size_t)first * kv_dim,
+                    v_cache + (size_t)first * kv_dim, c.n_heads, c.n_kv_heads, c.head_dim,
+                    p - first + 1, &att[i * q_dim]);
+    }
+    L.o.forward(att.data(), n, proj.data());
+    for (size_t i = 0; i < N * hidden; ++i) x[i] += proj[i];
+    norm(x.data(), L.post_norm, L.post_norm_bias, n, xb.data());
+    L.up.forward(xb.data(), n, up.data());
+    if (c.mlp == MlpKind::GatedSiLU) {
+      L.gate.forward(xb.data(), n, gate.data());
+      silu_mul_ref(gate.data(), up.data(), N * inter, up.data());
+    } else {
+      relu_ref(up.data(), N * inter);
+    }
+    L.down.forward(up.data(), n, proj.data());
+    for (size_t i = 0; i < N * hidden; ++i) x[i] += proj[i];
+  }
+  norm(x.data(), w_.final_norm, w_.final_norm_bias, n, xb.data());
+  w_.lm_head.forward(xb.data(), n, logits);
+}
+
+void LlamaCpuSession::forward_argmax_rows(const int* tokens, int n, int pos, int* out) {
+  const size_t vocab = config().vocab;
+  std::vector<float> logits(n * vocab);
+  m_.forward_rows(s_, tokens, n, pos, logits.data());
+  for (int i = 0; i < n; ++i) {
+    const float* row = logits.data() + i * vocab;
+    int best = 0;  // the first on ties, as Session::forward_argmax
+    for (size_t j = 1; j < vocab; ++j)
+      if (row[j] > row[best]) best = (int)j;
+    out[i] = best;
+  }
+}
+
 void LlamaCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
                        float* all_logits) const {
   KESTREL_CHECK(n > 0, "forward: no tokens");
   KESTREL_CHECK(pos + n <= st.ctx, std::to_string(pos + n) + " tokens do not fit the context of " +
                                      std::to_string(st.ctx));
+  // Every row's logits of a short run are a speculative verification (or as cheap either
+  // way): they get forward_token's arithmetic, so that the ids verified equal those decoded
+  // one at a time. Long runs (prompts, perplexity windows) take the BLAS batch.
+  if (all_logits && n > 1 && n <= kRowsMax) {
+    forward_rows(st, tokens, n, pos, all_logits);
+    std::copy_n(all_logits + (size_t)(n - 1) * cfg_.vocab, cfg_.vocab, logits);
+    return;
+  }
   if (n > 1) return forward_batch(st, tokens, n, pos, logits, all_logits);  // llama_cpu_batch.cpp
   const size_t vocab = cfg_.vocab;
   for (int i = 0; i < n; ++i) {

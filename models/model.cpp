@@ -27,6 +27,16 @@ std::unique_ptr<DecodeRun> Session::greedy_run(int token, int pos) {
   return std::make_unique<StepwiseDecodeRun>(*this, token, pos);
 }
 
+void Session::forward_argmax_rows(const int* tokens, int n, int pos, int* out) {
+  const size_t vocab = config().vocab;
+  std::vector<float> last(vocab), all((size_t)n * vocab);
+  forward(tokens, n, pos, last.data(), all.data());
+  for (int i = 0; i < n; ++i) {
+    const float* row = all.data() + (size_t)i * vocab;
+    out[i] = (int)(std::max_element(row, row + vocab) - row);
+  }
+}
+
 void Session::forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) {
   const size_t vocab = config().vocab;
   std::vector<float> last(vocab), all((size_t)n * vocab);

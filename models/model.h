@@ -97,6 +97,13 @@ class Session {
     return best;
   }
 
+  // Greedy verification of a speculative draft: runs tokens[0..n) at positions pos ..
+  // pos+n-1 (as forward, writing their K/V) and writes to out[i] the argmax of token i's
+  // logits (the first index on ties), so that out[i] is the greedy successor of tokens[0..i].
+  // The default takes every row's logits to the host through forward(all_logits); a GPU model
+  // takes the argmax of each row on the device and hands back n ids.
+  virtual void forward_argmax_rows(const int* tokens, int n, int pos, int* out);
+
   // Greedy decoding from `token` at `pos` (DecodeRun). The default runs forward_argmax step by
   // step; a GPU model chains the steps on the device.
   virtual std::unique_ptr<DecodeRun> greedy_run(int token, int pos);

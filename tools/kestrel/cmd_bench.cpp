@@ -7,11 +7,13 @@
 #include <fmt/format.h>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "engine/base/error.h"
+#include "engine/generate.h"
 
 namespace kestrel::cli {
 
@@ -27,7 +29,43 @@ struct BenchArgs {
   bool profile = false;
   DecodeTuning tuning;  // the CUDA decode path's choices (docs/tuning.md)
   bool gemv_generic = false, no_graph_ranges = false;
+  SpecOptions spec;
+  std::string prompt_file, prompt_text;  // a text prompt instead of random tokens (--spec)
 };
+
+// --spec: plain and speculative greedy generation through the engine's generate(), the way
+// `kestrel generate --temp 0 --ignore-eos` runs, on the same text prompt.
+struct SpecBench {
+  std::vector<double> pp, tg, tg_spec;
+  int64_t drafted = 0, accepted = 0, steps = 0, step_tokens = 0;
+  bool same = true;  // the speculative ids equal the plain ones in every repetition
+};
+
+SpecBench run_spec_bench(const BenchArgs& a, LoadedModel& m, const std::vector<int>& prompt) {
+  GenerateOptions plain;
+  plain.max_new_tokens = a.n_gen;
+  plain.sampling.temperature = 0.0f;
+  plain.ignore_eos = true;
+  Speculation spec = open_speculation(a.spec, m, a.model, plain.sampling, a.output != "md");
+  GenerateOptions fast = plain;
+  fast.drafter = spec.drafter.get();
+  fast.draft_max = a.spec.draft_max;
+  SpecBench b;
+  for (int rep = -1; rep < a.reps; ++rep) {  // rep -1 is the warm-up
+    const GenerateResult r = generate(*m.session, *m.tok, prompt, plain);
+    const GenerateResult s = generate(*m.session, *m.tok, prompt, fast);
+    if (rep < 0) continue;
+    b.pp.push_back(prompt.size() * 1000.0 / r.prompt_ms);
+    b.tg.push_back(r.n_eval * 1000.0 / r.gen_ms);
+    b.tg_spec.push_back(s.n_eval * 1000.0 / s.gen_ms);
+    b.drafted += s.n_drafted;
+    b.accepted += s.n_accepted;
+    b.steps += s.n_steps;
+    b.step_tokens += (int64_t)s.ids.size() - 1;
+    b.same = b.same && r.ids == s.ids;
+  }
+  return b;
+}
 
 struct Stat {
   double mean = 0, sd = 0;
@@ -73,6 +111,20 @@ std::string model_name(const std::string& dir) {
 }
 
 int run_bench(BenchArgs a) {
+  const bool text = !a.prompt_file.empty() || !a.prompt_text.empty();
+  std::string prompt_text = a.prompt_text;
+  if (!a.prompt_file.empty()) {
+    prompt_text = read_text_file(a.prompt_file);
+    if (prompt_text.empty()) throw Error(a.prompt_file + ": the prompt file is empty");
+  }
+  if (text && prompt_text.empty()) throw Error("the prompt is empty");
+  if (a.n_gen < 2 && !a.spec.kind.empty())
+    throw Error("--spec measures generation: -n must be at least 2");
+  std::vector<int> text_ids;
+  if (text) {
+    text_ids = Tokenizer::load(a.model.dir)->encode(prompt_text);
+    a.n_prompt = (int)text_ids.size();
+  }
   if (a.n_prompt == 0 && a.n_gen == 0) throw Error("nothing to measure: -p and -n are both 0");
   if (a.model.context == 0) a.model.context = a.n_prompt + a.n_gen;
   a.tuning.gemv_specialized = !a.gemv_generic;
@@ -91,8 +143,14 @@ int run_bench(BenchArgs a) {
   std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
   std::vector<float> logits(vocab);
   std::vector<double> pp, tg;
+  std::optional<SpecBench> sb;
+  if (!a.spec.kind.empty()) {
+    sb = run_spec_bench(a, m, text_ids);
+    pp = sb->pp;
+    tg = sb->tg;
+  }
   using clock = std::chrono::steady_clock;
-  for (int rep = -1; rep < a.reps; ++rep) {  // rep -1 is the warm-up
+  for (int rep = -1; rep < (sb ? -1 : a.reps); ++rep) {  // rep -1 is the warm-up
     std::vector<int> prompt(std::max(a.n_prompt, 1));
     for (int& t : prompt) t = tok(rng);
     auto t0 = clock::now();
@@ -119,6 +177,10 @@ int run_bench(BenchArgs a) {
   const uint64_t size_bytes = m.spec->files.total_bytes();
   const int64_t params = count_params(c);
   const Stat p = stats(pp), g = stats(tg);
+  const Stat gs = sb ? stats(sb->tg_spec) : Stat{};
+  const std::string spec_test = fmt::format("tg{}+{}", a.n_gen, a.spec.kind);
+  const double acceptance = sb && sb->drafted ? (double)sb->accepted / sb->drafted : 0.0;
+  const double per_step = sb && sb->steps ? (double)sb->step_tokens / sb->steps : 0.0;
   const std::string backend = m.device == "cuda" ? "CUDA" : "CPU";
   if (a.output == "json") {
     nlohmann::json j;
@@ -133,6 +195,16 @@ int run_bench(BenchArgs a) {
     j["reps"] = a.reps;
     j["prompt_tokens_per_s"] = {{"mean", p.mean}, {"sd", p.sd}, {"samples", pp}};
     j["gen_tokens_per_s"] = {{"mean", g.mean}, {"sd", g.sd}, {"samples", tg}};
+    if (sb)
+      j["speculative"] = {{"spec", a.spec.kind},
+                          {"draft_max", a.spec.draft_max},
+                          {"gen_tokens_per_s",
+                           {{"mean", gs.mean}, {"sd", gs.sd}, {"samples", sb->tg_spec}}},
+                          {"drafted_tokens", sb->drafted},
+                          {"accepted_tokens", sb->accepted},
+                          {"acceptance_rate", acceptance},
+                          {"tokens_per_step", per_step},
+                          {"same_tokens_as_plain", sb->same}};
     j["gpu_weight_bytes"] = model.weight_bytes();
     j["gpu_cache_bytes"] = b.cache_bytes();
     j["gpu_bytes_after_load"] = model.device_bytes_after_load();
@@ -154,6 +226,7 @@ int run_bench(BenchArgs a) {
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+    if (sb) row(spec_test, gs);
   } else {
     // The model by its directory's name, as llama-bench names it by its file.
     const std::string name = model_name(a.model.dir), type = format_text(c);
@@ -170,6 +243,14 @@ int run_bench(BenchArgs a) {
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+    if (sb) {
+      row(spec_test, gs);
+      std::cout << fmt::format(
+          "\nspeculative ({}, draft-max {}): {} drafted, {} accepted ({:.1f}%), {:.2f} tokens per "
+          "step; the same tokens as plain greedy decoding: {}\n",
+          a.spec.kind, a.spec.draft_max, sb->drafted, sb->accepted, 100 * acceptance, per_step,
+          sb->same ? "yes" : "NO");
+    }
     if (a.profile) print_profile(b.profile_step(1, a.n_prompt + a.n_gen - 1));
     if (m.device == "cuda") {
       const double wk = double(model.weight_bytes() + b.cache_bytes());
@@ -221,7 +302,27 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                 "run the generic quantized GEMV kernel instead of the specialized ones");
   cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
                 "capture one decode graph for the whole context instead of one per range");
-  cmd->callback([a, &action] { action = [a] { return run_bench(*a); }; });
+  add_spec_options(cmd, a->spec);
+  auto* file = cmd->add_option("-f,--file", a->prompt_file,
+                               "with --spec: the prompt, from a file (instead of random tokens)");
+  auto* text = cmd->add_option("--prompt", a->prompt_text, "with --spec: the prompt text")
+                   ->excludes(file);
+  cmd->callback([a, file, text, cmd, &action] {
+    check_spec_options(a->spec);
+    const bool has_text = file->count() || text->count();
+    if (!a->spec.kind.empty() && !has_text)
+      throw CLI::ValidationError(
+          "--spec needs a text prompt, -f FILE or --prompt TEXT (random tokens give a drafter "
+          "nothing to predict)");
+    if (has_text && a->spec.kind.empty())
+      throw CLI::ValidationError("-f and --prompt go with --spec");
+    if (has_text && cmd->get_option("--n-prompt")->count())
+      throw CLI::ValidationError("-p sets the length of a random prompt; with -f or --prompt the "
+                                 "prompt is the text");
+    if (a->profile && !a->spec.kind.empty())
+      throw CLI::ValidationError("--profile goes without --spec");
+    action = [a] { return run_bench(*a); };
+  });
 }
 
 }  // namespace kestrel::cli

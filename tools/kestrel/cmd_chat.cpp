@@ -31,6 +31,7 @@ struct ChatArgs {
   int n_predict = -1;    // -1 = up to the context
   bool n_given = false;  // -n on the command line
   SamplingOptions sampling;
+  SpecOptions spec;
   std::string chat_template = "auto";
   std::optional<std::string> system;
   bool escape = false;
@@ -72,6 +73,10 @@ class ChatSession {
     perf_.load_ms = m_.load_ms;
     ctx_ = m_.session->context_length();
     base_ = resolve_sampling(a_.model.dir, a_.sampling);
+    // One drafter for the whole conversation: a draft model's session follows each turn's
+    // prompt by its longest shared prefix, as the model's own does.
+    spec_ = open_speculation(a_.spec, m_, a_.model, base_, a_.quiet);
+    perf_.speculative = spec_.drafter != nullptr;
     if (a_.system) msgs_.push_back({"system", *a_.system});
     n_predict_ = a_.n_predict;
     stops_ = a_.sampling.stop;
@@ -238,6 +243,8 @@ class ChatSession {
     opt.stop_ids = tmpl_->stop_ids();
     opt.ignore_eos = a_.sampling.ignore_eos;
     opt.cancelled = [] { return interrupted(); };
+    opt.drafter = spec_.drafter.get();
+    opt.draft_max = a_.spec.draft_max;
 
     bool started = false;  // leading whitespace of a reply is not shown
     auto stream = [&](std::string_view s) {
@@ -285,6 +292,7 @@ class ChatSession {
   LineEditor editor_;  // line editing and history on a terminal (libedit)
   bool interactive_ = false, color_ = false;
   LoadedModel m_;
+  Speculation spec_;
   std::optional<ChatTemplate> tmpl_;
   int ctx_ = 0;
   SamplingParams base_;
@@ -313,6 +321,7 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
                                         kRawReplyTokens))
                 ->check(token_count());
   add_sampling_options(cmd, a->sampling);
+  add_spec_options(cmd, a->spec);
   cmd->add_flag("-e,--escape", a->escape,
                 "process escapes (\\n, \\t, \\xHH, ...) in --system, --stop and -r");
   auto* quiet =
@@ -321,6 +330,7 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
       ->excludes(quiet);
   cmd->callback([a, n, &action] {
     a->n_given = n->count() > 0;
+    check_spec_options(a->spec);
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);

@@ -31,6 +31,7 @@ struct GenerateArgs {
   std::string output;
   int n_predict = 128;  // -1 = up to the end of the context
   SamplingOptions sampling;
+  SpecOptions spec;
   bool chat = false;
   std::string chat_template = "auto";
   std::optional<std::string> system;
@@ -86,9 +87,9 @@ json logprobs_json(const Tokenizer& tok, const std::vector<Logprobs>& lps) {
   return out;
 }
 
-json timings_json(const GenerateResult& r) {
+json timings_json(const GenerateResult& r, bool speculative) {
   const int n_run = (int)r.prompt_ids.size() - r.n_cached;
-  return {{"prompt_tokens", n_run},
+  json j = {{"prompt_tokens", n_run},
           {"cached_tokens", r.n_cached},
           {"prompt_ms", r.prompt_ms},
           {"prompt_tokens_per_s", r.prompt_ms > 0 ? n_run * 1000.0 / r.prompt_ms : 0.0},
@@ -96,6 +97,15 @@ json timings_json(const GenerateResult& r) {
           {"gen_ms", r.gen_ms},
           {"gen_tokens_per_s", r.n_eval > 0 && r.gen_ms > 0 ? r.n_eval * 1000.0 / r.gen_ms : 0.0},
           {"sample_ms", r.sample_ms}};
+  if (speculative) {
+    j["drafted_tokens"] = r.n_drafted;
+    j["accepted_tokens"] = r.n_accepted;
+    j["acceptance_rate"] = r.n_drafted > 0 ? (double)r.n_accepted / r.n_drafted : 0.0;
+    j["steps"] = r.n_steps;  // passes of the model after the first generated token
+    j["tokens_per_step"] =
+        r.n_steps > 0 ? (double)((int)r.ids.size() - 1) / r.n_steps : 0.0;
+  }
+  return j;
 }
 
 GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemplate>& tmpl) {
@@ -128,6 +138,9 @@ void print_verbose(const LoadedModel& m, const GenerateOptions& opt, const std::
   if (!opt.stop.empty()) s += "\nstop strings: " + dump(stops);
   if (!opt.reverse_prompts.empty()) s += "\nreverse prompts: " + dump(reverse);
   if (opt.ignore_eos) s += "\nend-of-sequence ignored";
+  if (opt.drafter)
+    s += fmt::format("\nspeculative: {}, up to {} drafted tokens per step", opt.drafter->name(),
+                     opt.draft_max);
   std::cerr << s << "\n" << std::flush;
 }
 
@@ -150,7 +163,11 @@ int run_single(const GenerateArgs& a) {
   load_weights(m, a.model, a.quiet);
   perf.load_ms = m.load_ms;
 
-  const GenerateOptions opt = base_options(a, tmpl);
+  GenerateOptions opt = base_options(a, tmpl);
+  const Speculation spec = open_speculation(a.spec, m, a.model, opt.sampling, a.quiet);
+  opt.drafter = spec.drafter.get();
+  opt.draft_max = a.spec.draft_max;
+  perf.speculative = opt.drafter != nullptr;
   if (a.verbose) print_verbose(m, opt, ids);
   if (!a.json && !a.quiet && opt.sampling.temperature > 0)
     std::cerr << "seed: " << opt.sampling.seed << "\n";
@@ -176,7 +193,7 @@ int run_single(const GenerateArgs& a) {
     j["finish_reason"] = r.finish_reason;
     j["seed"] = opt.sampling.seed;
     j["temperature"] = opt.sampling.temperature;
-    j["timings"] = timings_json(r);
+    j["timings"] = timings_json(r, opt.drafter != nullptr);
     j["timings"]["load_ms"] = m.load_ms;
     if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
     std::cout << dump(j) << "\n";
@@ -249,7 +266,12 @@ int run_batch(const GenerateArgs& a) {
     load_weights(m, a.model, a.quiet);
     perf.load_ms = m.load_ms;
   }
-  const GenerateOptions base = base_options(a, tmpl);
+  GenerateOptions base = base_options(a, tmpl);
+  Speculation spec;
+  if (runnable > 0) spec = open_speculation(a.spec, m, a.model, base.sampling, a.quiet);
+  base.drafter = spec.drafter.get();
+  base.draft_max = a.spec.draft_max;
+  perf.speculative = base.drafter != nullptr;
   if (runnable > 0 && !a.quiet && !a.sampling.seed && base.sampling.temperature > 0)
     std::cerr << "seed: " << base.sampling.seed << "\n";
 
@@ -279,7 +301,7 @@ int run_batch(const GenerateArgs& a) {
         j["prompt_tokens"] = r.prompt_ids.size();
         j["generated_tokens"] = r.ids.size();
         j["seed"] = opt.sampling.seed;
-        j["timings"] = timings_json(r);
+        j["timings"] = timings_json(r, opt.drafter != nullptr);
         if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
         stopped = take_interrupt();
       } catch (const Error& e) {
@@ -330,6 +352,7 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
       ->check(token_count())
       ->capture_default_str();
   add_sampling_options(cmd, a->sampling);
+  add_spec_options(cmd, a->spec);
   auto* chat =
       cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
   auto* tmpl = cmd->add_option("--template", a->chat_template,
@@ -362,6 +385,7 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
       refuse("--logprobs goes with --json or --batch-file (streamed text has no room for it)");
     if (no_display->count() && (json->count() || batch->count()))
       refuse("--no-display-prompt goes with streamed text, not --json or --batch-file");
+    check_spec_options(a->spec);
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -406,6 +407,80 @@ std::string describe_sampling(const SamplingParams& p) {
   return s + fmt::format(", seed {}", p.seed);
 }
 
+void add_spec_options(CLI::App* cmd, SpecOptions& s) {
+  cmd->add_option("--spec", s.kind,
+                  "speculative decoding: lookup (drafts from n-grams of the context) or draft "
+                  "(a smaller model with the same vocabulary drafts, --draft-model)")
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            return in == "lookup" || in == "draft" ? "" : "must be lookup or draft, got " + in;
+          },
+          "lookup|draft"));
+  cmd->add_option("--draft-model", s.draft_model, "with --spec draft: the draft model's directory");
+  cmd->add_option("--draft-max", s.draft_max,
+                  "with --spec: most tokens drafted per step (adapted below it to the acceptance)")
+      ->check(whole(1, kMaxDraftMax))
+      ->capture_default_str();
+}
+
+void check_spec_options(const SpecOptions& s) {
+  if (s.kind == "draft" && s.draft_model.empty())
+    throw CLI::ValidationError("--spec draft needs --draft-model DIR (the drafting model)");
+  if (!s.draft_model.empty() && s.kind != "draft")
+    throw CLI::ValidationError("--draft-model goes with --spec draft");
+}
+
+namespace {
+
+// "" when the draft's tokenizer and model agree with the target's on every id, else what
+// differs first.
+std::string vocabulary_difference(const LoadedModel& target, const LoadedModel& draft) {
+  const int tv = target.spec->config.vocab, dv = draft.spec->config.vocab;
+  if (tv != dv) return fmt::format("{} ids in its vocabulary against the model's {}", dv, tv);
+  const Tokenizer &t = *target.tok, &d = *draft.tok;
+  if (t.vocab_size() != d.vocab_size())
+    return fmt::format("{} tokens in its tokenizer against the model's {}", d.vocab_size(),
+                       t.vocab_size());
+  for (int id = 0; id < t.vocab_size(); ++id)
+    if (t.piece(id) != d.piece(id))
+      return fmt::format("token {} is '{}' there and '{}' in the model", id, d.piece(id),
+                         t.piece(id));
+  if (t.bos_id() != d.bos_id())
+    return fmt::format("BOS id {} there and {} in the model", d.bos_id(), t.bos_id());
+  if (t.eos_ids() != d.eos_ids())
+    return fmt::format("EOS ids [{}] there and [{}] in the model", fmt::join(d.eos_ids(), ", "),
+                       fmt::join(t.eos_ids(), ", "));
+  return "";
+}
+
+}  // namespace
+
+Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
+                             const ModelOptions& target_opts, const SamplingParams& sampling,
+                             bool quiet) {
+  Speculation sp;
+  if (s.kind == "lookup") {
+    sp.drafter = std::make_unique<NgramDrafter>();
+  } else if (s.kind == "draft") {
+    ModelOptions o = target_opts;
+    o.dir = s.draft_model;
+    o.device = target.device;
+    o.context = target.session->context_length();
+    sp.draft = std::make_unique<LoadedModel>(open_model(o, /*quiet=*/true));
+    const std::string diff = vocabulary_difference(target, *sp.draft);
+    if (!diff.empty())
+      throw Error(fmt::format("--draft-model {}: its vocabulary differs from {}'s ({}); the "
+                              "draft model must share the model's tokenizer",
+                              s.draft_model, target_opts.dir, diff));
+    load_weights(*sp.draft, o, /*quiet=*/true);
+    note(quiet, fmt::format("draft model {} ({}) on {}, context {}", s.draft_model,
+                            format_text(sp.draft->spec->config), sp.draft->model->device_name(),
+                            sp.draft->session->context_length()));
+    sp.drafter = std::make_unique<ModelDrafter>(*sp.draft->session, sampling);
+  }
+  return sp;
+}
+
 void add_result(Perf& p, const GenerateResult& r) {
   p.prompt_ms += r.prompt_ms;
   p.prompt_tokens += (int64_t)r.prompt_ids.size() - r.n_cached;
@@ -415,6 +490,9 @@ void add_result(Perf& p, const GenerateResult& r) {
   p.sampled += r.n_sampled;
   p.device_chosen += r.n_device;
   p.generated += (int64_t)r.ids.size();
+  p.drafted += r.n_drafted;
+  p.accepted += r.n_accepted;
+  p.steps += r.n_steps;
 }
 
 void print_perf(const Perf& p, const std::string& device) {
@@ -435,6 +513,11 @@ void print_perf(const Perf& p, const std::string& device) {
   if (p.device_chosen > 0)
     s += fmt::format("perf: chosen by the model = {:5} tokens (its argmax or top-k sampler, timed in eval)\n",
                      p.device_chosen);
+  if (p.speculative)
+    s += fmt::format("perf:      speculative = {:5} drafted, {:5} accepted ({:.1f}%), {:.2f} "
+                     "tokens per step ({} steps)\n",
+                     p.drafted, p.accepted, p.drafted ? 100.0 * p.accepted / p.drafted : 0.0,
+                     p.steps ? (double)(p.accepted + p.steps) / p.steps : 0.0, p.steps);
   s += fmt::format("perf:       total time = {:10.2f} ms / {:5} tokens\n", total,
                    p.prompt_tokens + p.generated);
   std::cerr << s << std::flush;

@@ -14,6 +14,7 @@
 #include "engine/generate.h"
 #include "models/io/model_spec.h"
 #include "engine/sampler.h"
+#include "engine/speculative.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
@@ -98,6 +99,28 @@ SamplingParams resolve_sampling(const std::string& dir, const SamplingOptions& s
 // "temp 0.8, top-k 40, top-p 0.95, min-p 0.05, repeat-penalty 1 (last 64), seed 42", for --verbose.
 std::string describe_sampling(const SamplingParams& p);
 
+// Speculative decoding (engine/speculative.h, docs/speculative.md): --spec lookup|draft,
+// --draft-model DIR, --draft-max N.
+struct SpecOptions {
+  std::string kind;         // "" (off), "lookup" or "draft"
+  std::string draft_model;  // --spec draft: the drafting model's directory
+  int draft_max = kDefaultDraftMax;
+};
+// Adds the options; check_spec_options, from the command's callback, refuses the combinations
+// that would do nothing or cannot work (--spec draft without --draft-model, and the reverse).
+void add_spec_options(CLI::App* cmd, SpecOptions& s);
+void check_spec_options(const SpecOptions& s);
+struct Speculation {
+  std::unique_ptr<LoadedModel> draft;  // --spec draft: the draft model and its session
+  std::unique_ptr<Drafter> drafter;    // null without --spec
+};
+// The drafter --spec asks for. With --spec draft the draft model is opened on the target's
+// device with a session of the target's context, after its vocabulary is checked against the
+// target's (size, every token string, BOS and EOS ids): a difference is an error naming it.
+Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
+                             const ModelOptions& target_opts, const SamplingParams& sampling,
+                             bool quiet);
+
 // Totals of a run for the closing performance block (llama.cpp's llama_perf_context_print).
 struct Perf {
   double load_ms = 0;
@@ -109,6 +132,8 @@ struct Perf {
   int64_t sampled = 0;
   int64_t device_chosen = 0;  // tokens the model chose on its device (timed within eval)
   int64_t generated = 0;
+  int64_t drafted = 0, accepted = 0, steps = 0;  // speculative decoding
+  bool speculative = false;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
 };
 void add_result(Perf& p, const GenerateResult& r);
