@@ -2,6 +2,7 @@
 // at 1 .. 2048 tokens.
 // Per shape and token count M, in one run:
 //   gemv     M batch-1 GEMVs over the packed codes (the decode kernel; up to --gemv-max rows)
+//   fused    the fused dequantize + tensor-core GEMM over the packed codes (gemm_small.h; M <= 64)
 //   quant    the quantized GEMM path: dequantize to FP16 scratch + cuBLASLt (+ gather, act-order)
 //   f16      cuBLASLt alone on the already dequantized FP16 weight (the ceiling of quant)
 //   deq      the dequantization alone
@@ -11,9 +12,11 @@
 // from position 0, both kernels, and a device-to-device copy for the bandwidth ceiling.
 // quant / f16 is the fraction of the plain FP16 GEMM the quantized path reaches; the crossover
 // is the smallest M at which quant beats the GEMVs (kernels/gemm/gemm.h's kGemmMinRows).
+// fused / gemv1 is the fused GEMM's time over one batch-1 GEMV's (its targets on the 7B shapes at
+// 4-bit g128: within 1.3x up to M = 16, 2x at M = 64, and below quant at every M <= 64).
 //
-// Method: CUDA events around each call after warm-up, median of --reps. GEMV timings rotate over
-// enough weight copies (> 4 x L2) that the codes come from HBM; the GEMMs at the sizes where they
+// Method: CUDA events around each call after warm-up, median of --reps. GEMV and fused timings
+// rotate over enough weight copies (> 4 x L2) that the codes come from HBM; the GEMMs at the sizes where they
 // matter are compute-bound and their FP16 weights (34-180 MB) exceed L2 anyway.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -32,6 +35,7 @@
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_small.h"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gptq/gptq_format.h"
 #include "tools/llama7b_shapes.h"
@@ -141,11 +145,15 @@ int run(const Options& o) {
   KESTREL_CUDA_CHECK(cudaMemcpy(x.get(), xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
   cuda::GemmRunner runner;
 
+  // Powers of two, and the token counts that break the fused kernel's n-tiles of 8.
   std::vector<int> rows;
   for (int m = 1; m <= o.max_rows; m *= 2) rows.push_back(m);
+  for (int m : {3, 9, 17, 33})
+    if (m <= o.max_rows) rows.push_back(m);
+  std::sort(rows.begin(), rows.end());
 
   struct Cell {
-    double gemv = -1, quant = 0, f16 = 0;
+    double gemv = -1, fused = -1, quant = 0, f16 = 0;
   };
   std::vector<std::vector<Cell>> table(std::size(shapes), std::vector<Cell>(rows.size()));
   std::vector<double> deq_ms(std::size(shapes));
@@ -162,6 +170,14 @@ int run(const Options& o) {
     DeviceBuffer scratch(cuda::quant_gemm_scratch_elems(w, o.max_rows) * 2);
     const size_t wd_elems = (size_t)s.N * s.K;
     DeviceBuffer wd(wd_elems * 2);
+    // The fused GEMM's workspace (split-K partial sums): the largest any M <= 64 needs, zeroed
+    // once as gemm_small asks.
+    size_t fused_ws = 0;
+    for (int M : rows)
+      if (M <= cuda::kGemmSmallMaxRows)
+        fused_ws = std::max(fused_ws, cuda::gemm_small_workspace_bytes(w, M));
+    DeviceBuffer fws(std::max<size_t>(fused_ws, 16));
+    KESTREL_CUDA_CHECK(cudaMemset(fws.get(), 0, std::max<size_t>(fused_ws, 16)));
     deq_ms[si] = time_ms(o.reps, [&] { cuda::dequantize_f16(w, wd.as<__half>(), wd_elems, nullptr); });
 
     int next = 0;
@@ -175,6 +191,12 @@ int run(const Options& o) {
             cuda::gemv(wr, x.as<__half>() + (size_t)m * s.K, y.as<__half>() + (size_t)m * s.N, nullptr, nullptr);
           }
         });
+      if (M <= cuda::kGemmSmallMaxRows)
+        c.fused = time_ms(o.reps, [&] {
+          const GemvWeight& wr = rot[next++ % rot.size()];
+          cuda::gemm_small(wr, x.as<__half>(), M, y.as<__half>(), nullptr,
+                           fused_ws ? fws.get() : nullptr, fused_ws, nullptr);
+        });
       c.quant = time_ms(o.reps, [&] {
         cuda::quant_gemm(runner, w, x.as<__half>(), M, y.as<__half>(), nullptr, scratch.as<__half>(), nullptr);
       });
@@ -185,38 +207,58 @@ int run(const Options& o) {
     for (GemvWeight& r : rot) cuda::gemv_free(r);
   }
 
-  fmt::print("\n{:>8} {:>6} | {:>9} {:>9} {:>9} | {:>8} {:>8} | {:>7}\n", "shape", "M", "gemv ms",
-             "quant ms", "f16 ms", "quant TF", "f16 TF", "q/f16");
+  fmt::print("\n{:>8} {:>6} | {:>9} {:>9} {:>9} {:>9} | {:>8} {:>8} | {:>7} | {:>12} {:>11}\n",
+             "shape", "M", "gemv ms", "fused ms", "quant ms", "f16 ms", "quant TF", "f16 TF", "q/f16",
+             "fused/gemv1", "fused/quant");
   for (size_t si = 0; si < std::size(shapes); ++si) {
     const Shape& s = shapes[si];
     fmt::print("{:>8} dequantize alone: {:.3f} ms ({:.2f} TB/s of codes + fp16 out)\n", s.name,
                deq_ms[si], (s.N * s.K * (o.bits / 8.0 + 2.0)) / deq_ms[si] * 1e-9);
     int crossover = -1;
+    const double gemv1 = table[si][0].gemv;  // rows[0] is M = 1
+    double worst16 = 0, worst64 = 0;
+    bool fused_beats_quant = true;
     for (size_t ri = 0; ri < rows.size(); ++ri) {
       const Cell& c = table[si][ri];
       const double flop = 2.0 * rows[ri] * s.N * s.K;
       if (crossover < 0 && c.gemv >= 0 && c.quant < c.gemv) crossover = rows[ri];
-      fmt::print("{:>8} {:>6} | {:>9} {:>9.3f} {:>9.3f} | {:>8.1f} {:>8.1f} | {:>6.1f}%\n", s.name,
-                 rows[ri], c.gemv >= 0 ? fmt::format("{:.3f}", c.gemv) : std::string("-"), c.quant,
-                 c.f16, flop / c.quant * 1e-9, flop / c.f16 * 1e-9, 100.0 * c.f16 / c.quant);
+      auto ms = [](double v) { return v >= 0 ? fmt::format("{:.3f}", v) : std::string("-"); };
+      const bool ratio = c.fused >= 0 && gemv1 > 0;
+      if (c.fused >= 0) {
+        if (rows[ri] <= 16) worst16 = std::max(worst16, c.fused / gemv1);
+        worst64 = std::max(worst64, c.fused / gemv1);
+        fused_beats_quant = fused_beats_quant && c.fused < c.quant;
+      }
+      fmt::print("{:>8} {:>6} | {:>9} {:>9} {:>9.3f} {:>9.3f} | {:>8.1f} {:>8.1f} | {:>6.1f}% | {:>12} {:>11}\n",
+                 s.name, rows[ri], ms(c.gemv), ms(c.fused), c.quant, c.f16, flop / c.quant * 1e-9,
+                 flop / c.f16 * 1e-9, 100.0 * c.f16 / c.quant,
+                 ratio ? fmt::format("{:.2f}x", c.fused / gemv1) : std::string("-"),
+                 c.fused >= 0 ? fmt::format("{:.2f}x", c.fused / c.quant) : std::string("-"));
     }
     fmt::print("{:>8} crossover: quant beats M GEMVs from M = {}\n", s.name,
                crossover < 0 ? std::string("(not within the GEMV range)") : std::to_string(crossover));
+    if (gemv1 > 0 && worst64 > 0)
+      fmt::print("{:>8} fused: worst M <= 16 {:.2f}x gemv(M=1) (target 1.3x), worst M <= 64 {:.2f}x "
+                 "(target 2x), {} dequant + cuBLAS at every M <= 64\n",
+                 s.name, worst16, worst64, fused_beats_quant ? "beats" : "does NOT beat");
   }
   // One decoder layer (the four linears) per token count.
-  fmt::print("\n{:>6} | {:>10} {:>10} {:>10} | {:>7}\n", "M", "layer gemv", "layer quant",
-             "layer f16", "q/f16");
+  fmt::print("\n{:>6} | {:>10} {:>11} {:>10} {:>10} | {:>7}\n", "M", "layer gemv", "layer fused",
+             "layer quant", "layer f16", "q/f16");
   for (size_t ri = 0; ri < rows.size(); ++ri) {
-    double g = 0, q = 0, f = 0;
-    bool have_g = true;
+    double g = 0, fu = 0, q = 0, f = 0;
+    bool have_g = true, have_fu = true;
     for (size_t si = 0; si < std::size(shapes); ++si) {
       have_g = have_g && table[si][ri].gemv >= 0;
+      have_fu = have_fu && table[si][ri].fused >= 0;
       g += table[si][ri].gemv;
+      fu += table[si][ri].fused;
       q += table[si][ri].quant;
       f += table[si][ri].f16;
     }
-    fmt::print("{:>6} | {:>10} {:>10.3f} {:>10.3f} | {:>6.1f}%\n", rows[ri],
-               have_g ? fmt::format("{:.3f}", g) : std::string("-"), q, f, 100.0 * f / q);
+    fmt::print("{:>6} | {:>10} {:>11} {:>10.3f} {:>10.3f} | {:>6.1f}%\n", rows[ri],
+               have_g ? fmt::format("{:.3f}", g) : std::string("-"),
+               have_fu ? fmt::format("{:.3f}", fu) : std::string("-"), q, f, 100.0 * f / q);
   }
 
   // The memory sweep (prefill scratch against prompt speed): one layer's four quantized
@@ -284,7 +326,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   kestrel::Options o;
-  CLI::App app{"kestrel-bench-gemm: quantized GEMM (dequantize + cuBLASLt) vs FP16 cuBLASLt vs GEMVs, 7B shapes"};
+  CLI::App app{"kestrel-bench-gemm: quantized GEMM (fused small-M; dequantize + cuBLASLt) vs FP16 cuBLASLt vs GEMVs, 7B shapes"};
   app.add_option("--bits", o.bits, "2, 3, 4 or 8")->check(CLI::IsMember({2, 3, 4, 8}));
   app.add_option("--group-size", o.group, "32, 64, 128 or -1")->check(CLI::IsMember({32, 64, 128, -1}));
   app.add_flag("--act-order", o.act_order, "random act-order permutation");

@@ -1,0 +1,264 @@
+// The launcher of the fused small-M GEMM (gemm_small.h): argument checks, the split-K plan,
+// the workspace, the x gather of act-order (or unaligned) inputs, the launch. The kernels are in
+// gemm_small_kernel.cuh, compiled per bit width in gemm_small_b{2,3,4,8}.cu; docs/gemm-small.md
+// has the design.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemm/gemm_small.h"
+#include "kernels/gemm/gemm_small_kernel.cuh"
+#include "kernels/gemv/gemv_layout.h"
+
+namespace kestrel::cuda {
+namespace gemm_small_detail {
+namespace {
+
+// The most split-K ranges a row block is cut into: each adds a partial sum of the block's tile
+// to the workspace and to the last block's reduction.
+constexpr int kMaxSplits = 16;
+// A block's fixed cost in stage-times (its first loads' round trip, the partial-sum store and
+// the reduction), against which the split choice weighs shorter K ranges. A tuning constant.
+constexpr int kBlockOverheadStages = 2;
+
+size_t align256(size_t n) { return (n + 255) & ~size_t(255); }
+
+// x rows, when gathered: K rounded up to 8 (16-byte rows), zero past K.
+int64_t packed_ldx(const GemvWeight& w) { return (w.K + 7) / 8 * 8; }
+
+// The argument checks that need no device: every one gemm_small makes before its first CUDA
+// call, in the order a caller would want them reported.
+void check_args(const GemvWeight& w, const __half* x, int64_t M, const __half* y,
+                const __half* residual, const GemvEpilogue& out) {
+  if (!w.device) throw Error("gemm_small: the weight is empty (not prepared, or freed)");
+  if (w.bits != 2 && w.bits != 3 && w.bits != 4 && w.bits != 8)
+    throw Error("gemm_small: bits=" + std::to_string(w.bits) + " is not supported (2, 3, 4, 8)");
+  if (w.group_size != 0 && w.group_size != 32 && w.group_size != 64 && w.group_size != 128)
+    throw Error("gemm_small: effective group size " + std::to_string(w.group_size) +
+                " is not supported (32, 64, 128, per row)");
+  if (M < 1 || M > kGemmSmallMaxRows)
+    throw Error("gemm_small: M=" + std::to_string(M) + " is outside 1.." +
+                std::to_string(kGemmSmallMaxRows) + " (larger batches: quant_gemm)");
+  if (w.N <= 0 || w.K <= 0 || w.N > (int64_t(1) << 30) || w.K > (int64_t(1) << 30))
+    throw Error("gemm_small: weight shape [" + std::to_string(w.N) + ", " + std::to_string(w.K) +
+                "] out of range");
+  if (!x || !y) throw Error("gemm_small: x and y must be device pointers, got a null one");
+  if (x == y) throw Error("gemm_small: y must not alias x");
+  if (reinterpret_cast<uintptr_t>(x) & 15u) throw Error("gemm_small: x must be 16-byte aligned");
+  if (out.out_index || out.residual_index)
+    throw Error("gemm_small: GemvEpilogue::out_index and residual_index are not supported");
+  if (out.silu_mul) {
+    if (w.N % 2 != 0)
+      throw Error("gemm_small: the SiLU epilogue needs an even N ([gate | up]), got N=" +
+                  std::to_string(w.N));
+    if (residual || out.bias || out.relu)
+      throw Error("gemm_small: the SiLU epilogue goes without residual, bias and relu");
+  }
+}
+
+struct Plan {
+  Kernel kernel = nullptr;
+  int nt = 0, threads = 0, rows_per_block = 0;
+  int64_t row_blocks = 0;
+  int n_stages = 0, splits = 1;
+  size_t smem = 0;
+  bool pack = false;  // x gathered into the workspace first
+  int64_t ldx = 0;
+  size_t counters_bytes = 0, partial_bytes = 0, x_bytes = 0;
+  size_t workspace() const { return counters_bytes + partial_bytes + x_bytes; }
+};
+
+Kernel kernel_of(int bits, int gs, int nt) {
+  switch (bits) {
+    case 2: return kernel_2bit(gs, nt);
+    case 3: return kernel_3bit(gs, nt);
+    case 4: return kernel_4bit(gs, nt);
+    case 8: return kernel_8bit(gs, nt);
+    default: return nullptr;
+  }
+}
+
+// Raises the kernel's dynamic shared-memory limit (once per device and kernel) and returns its
+// resident blocks per SM at that size.
+int prepare_kernel(Kernel k, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*>, int> occ_cache;
+  const DeviceInfo& d = current_device_info();
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(d.id, reinterpret_cast<const void*>(k));
+  auto it = occ_cache.find(key);
+  if (it != occ_cache.end()) return it->second;
+  cudaFuncAttributes attr{};
+  KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
+  if (smem + attr.sharedSizeBytes > d.smem_per_block_optin)
+    throw Error("gemm_small: a block needs " + std::to_string(smem + attr.sharedSizeBytes) +
+                " bytes of shared memory, device " + std::to_string(d.id) + " allows " +
+                std::to_string(d.smem_per_block_optin));
+  KESTREL_CUDA_CHECK(
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int occ = 0;
+  KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, threads, smem));
+  if (occ < 1) throw Error("gemm_small: a block does not fit on device " + std::to_string(d.id));
+  occ_cache.emplace(key, occ);
+  return occ;
+}
+
+// Split-K: the count that minimises (waves of blocks) x (stages per block + a block's fixed
+// cost), the fewest among equals. Where N alone gives too few blocks (the 7B's o and down: 32
+// row blocks) the K axis is cut; where it gives more than a wave (gate|up) cutting K evens
+// the last wave.
+int choose_splits(int64_t row_blocks, int n_stages, int64_t slots) {
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  for (int s = 1; s <= std::min(n_stages, kMaxSplits); ++s) {
+    const int64_t waves = (row_blocks * s + slots - 1) / slots;
+    const int64_t cost = waves * ((n_stages + s - 1) / s + kBlockOverheadStages);
+    if (cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
+Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
+               const GemvEpilogue& out) {
+  Plan p;
+  p.nt = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
+  p.kernel = kernel_of(w.bits, w.group_size, p.nt);
+  if (!p.kernel)
+    throw Error("gemm_small: no kernel compiled for bits=" + std::to_string(w.bits) +
+                ", group " + std::to_string(w.group_size) + ", M=" + std::to_string(M));
+  const int warps = block_warps(w.bits);
+  p.threads = 32 * warps;
+  const int64_t out_rows = out.silu_mul ? w.N / 2 : w.N;
+  p.rows_per_block = (out.silu_mul ? 8 : 16) * warps;
+  p.row_blocks = (out_rows + p.rows_per_block - 1) / p.rows_per_block;
+  const int64_t units = w.chunks / gemv_detail::unit_chunks(w.bits);
+  p.n_stages = static_cast<int>((units + stage_units(w.bits) - 1) / stage_units(w.bits));
+  p.smem = smem_bytes(w.bits, w.group_size, p.nt);
+  if (launch.splits < 0 || launch.splits > std::min(p.n_stages, kMaxSplits))
+    throw Error("gemm_small: splits=" + std::to_string(launch.splits) + " is outside 1.." +
+                std::to_string(std::min(p.n_stages, kMaxSplits)) + " for K=" +
+                std::to_string(w.K) + " (" + std::to_string(p.n_stages) + " stages)");
+  p.pack = w.perm != nullptr || w.K % 8 != 0;
+  p.ldx = p.pack ? packed_ldx(w) : w.K;
+  if (p.row_blocks > INT32_MAX) throw Error("gemm_small: too many rows");
+
+  const int occ = prepare_kernel(p.kernel, p.threads, p.smem);
+  const int64_t slots = int64_t(occ) * current_device_info().sm_count;
+  p.splits = launch.splits > 0 ? launch.splits : choose_splits(p.row_blocks, p.n_stages, slots);
+  if (p.splits > 1) {
+    p.counters_bytes = align256(size_t(p.row_blocks) * sizeof(int));
+    p.partial_bytes = align256(size_t(p.splits) * p.row_blocks * p.threads * p.nt * 4 * sizeof(float));
+  }
+  if (p.pack) p.x_bytes = align256(size_t(M) * p.ldx * sizeof(__half));
+  return p;
+}
+
+// xp[m][j] = x[m][perm[j]] (x[m][j] without a permutation) for j < K, zero for K <= j < ldx.
+__global__ void pack_x_kernel(const __half* x, const int32_t* perm, int64_t M, int64_t K,
+                              int64_t ldx, __half* xp) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= M * ldx) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+  const int64_t m = i / ldx, j = i % ldx;
+  xp[i] = j < K ? x[m * K + (perm ? perm[j] : j)] : __float2half(0.f);
+}
+
+void launch_ex(const void* k, void** args, dim3 grid, int threads, size_t smem, bool pdl,
+               cudaStream_t s) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  KESTREL_CUDA_CHECK(cudaLaunchKernelExC(&cfg, k, args));
+}
+
+}  // namespace
+}  // namespace gemm_small_detail
+
+using namespace gemm_small_detail;
+
+size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
+                                  GemvEpilogue out) {
+  // Stand-in x and y (16-byte aligned, distinct) for the checks: the workspace does not depend
+  // on them.
+  alignas(16) static const __half probe[16] = {};
+  check_args(w, probe, M, probe + 8, nullptr, out);
+  return make_plan(w, M, launch, out).workspace();
+}
+
+void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
+                const __half* residual, void* workspace, size_t workspace_bytes, cudaStream_t s,
+                GemvEpilogue out, GemmSmallLaunch launch) {
+  check_args(w, x, M, y, residual, out);
+  if (workspace && (reinterpret_cast<uintptr_t>(workspace) & 15u))
+    throw Error("gemm_small: the workspace must be 16-byte aligned");
+  const Plan plan = make_plan(w, M, launch, out);
+  const size_t need = plan.workspace();
+  if (need > 0 && (!workspace || workspace_bytes < need))
+    throw Error("gemm_small: the workspace holds " + std::to_string(workspace ? workspace_bytes : 0) +
+                " bytes, M=" + std::to_string(M) + " on [" + std::to_string(w.N) + ", " +
+                std::to_string(w.K) + "] needs " + std::to_string(need) +
+                " (gemm_small_workspace_bytes)");
+
+  char* ws = static_cast<char*>(workspace);
+  Params p{};
+  p.codes = w.codes;
+  p.row_stride = int64_t(w.planes) * w.chunks;
+  p.scales = w.scales;
+  p.zeros = w.zeros;
+  p.G = static_cast<int>(w.groups);
+  p.zero_const = w.zero_const;
+  p.zero_offset = w.zero_offset;
+  p.nch = static_cast<int>(w.chunks / gemv_detail::unit_chunks(w.bits));
+  p.x = x;
+  p.ldx = static_cast<int>(plan.ldx);
+  p.kx = static_cast<int>(plan.pack ? plan.ldx : w.K);
+  p.M = static_cast<int>(M);
+  p.N = static_cast<int>(w.N);
+  p.silu_half = out.silu_mul ? static_cast<int>(w.N / 2) : 0;
+  p.rows = static_cast<int>(out.silu_mul ? w.N / 2 : w.N);
+  p.y = y;
+  p.residual = residual;
+  p.bias = out.bias;
+  p.relu = out.relu;
+  p.n_stages = plan.n_stages;
+  if (plan.splits > 1) {
+    p.counters = reinterpret_cast<int*>(ws);
+    p.partials = reinterpret_cast<float*>(ws + plan.counters_bytes);
+  }
+  if (plan.pack) {
+    __half* xp = reinterpret_cast<__half*>(ws + plan.counters_bytes + plan.partial_bytes);
+    const int64_t total = M * plan.ldx;
+    const int64_t blocks = (total + 255) / 256;
+    const __half* xin = x;
+    const int32_t* perm = w.perm;
+    int64_t mm = M, kk = w.K, ldx = plan.ldx;
+    void* args[] = {&xin, &perm, &mm, &kk, &ldx, &xp};
+    launch_ex(reinterpret_cast<const void*>(&pack_x_kernel), args,
+              dim3(static_cast<unsigned>(blocks)), 256, 0, launch.pdl, s);
+    p.x = xp;
+  }
+  void* args[] = {&p};
+  launch_ex(reinterpret_cast<const void*>(plan.kernel), args,
+            dim3(static_cast<unsigned>(plan.row_blocks), static_cast<unsigned>(plan.splits)),
+            plan.threads, plan.smem, launch.pdl, s);
+}
+
+}  // namespace kestrel::cuda

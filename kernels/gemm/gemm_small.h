@@ -1,0 +1,55 @@
+// Linear layers over a few tokens (M = 1..64): y [M, N] = x [M, K] W^T (+ epilogue) with the
+// GPTQ weight dequantized in registers and multiplied on the tensor cores, streaming the packed
+// weight once (Marlin's idea, on the GEMV kernels' own layout: no second copy of the weights).
+// Between the batch-1 GEMVs (kernels/gemv/gemv.h, M GEMVs read the weight M times) and the
+// dequantize + cuBLASLt path (kernels/gemm/gemm.h, which writes and reads an FP16 copy of the
+// weight). Design: docs/gemm-small.md.
+//
+// Host-facing: includable from plain C++.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/gemv/gemv.h"
+
+namespace kestrel::cuda {
+
+// The largest token count gemm_small takes (8 n-tiles of 8 tokens).
+constexpr int kGemmSmallMaxRows = 64;
+
+// How a call is spread over the GPU; a test or a benchmark may override the choice.
+struct GemmSmallLaunch {
+  int splits = 0;   // split-K ranges per row block (1 .. the weight's stages of 512 codes);
+                    // 0 = chosen to fill the SMs
+  bool pdl = true;  // programmatic dependent launch (the weight loads start before the
+                    // previous kernel in the stream ends)
+};
+
+// Bytes of device workspace a gemm_small call of M tokens on w needs (split-K partial sums and
+// their counters; act-order, or K not a multiple of 8: x gathered into its permuted, padded
+// layout),
+// for the current device and this launch. 0 when the call needs none. Queries the device.
+size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunch launch = {},
+                                  GemvEpilogue out = {});
+
+// y [M, N] = x [M, K] W^T + residual (+ bias, ReLU), or with out.silu_mul over a [gate | up]
+// weight y [M, N/2] = silu(gate) * up, each output as the GEMV computes it (gemv.h's
+// GemvEpilogue: the same rounding of gate and up, the same order of residual and bias).
+//   x [M, K], y [M, N] (or [M, N/2]), residual [M, N] or nullptr (may alias y, not x),
+//   row-major and contiguous; device pointers, x 16-byte aligned. M in 1 .. kGemmSmallMaxRows.
+//   out: silu_mul, bias and relu as in GemvEpilogue (silu_mul without residual, bias or relu);
+//        out_index and residual_index are not supported.
+//   workspace: gemm_small_workspace_bytes(w, M, launch, out) bytes, 16-byte aligned
+//        (nullptr when that is 0), zero-filled once when allocated: every call leaves its
+//        split-K counters at zero again. Calls that share one may not run concurrently.
+// The argument checks come before any CUDA call and throw kestrel::Error with one line; the
+// size of the workspace is checked once the launch is planned (that queries the device).
+void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
+                const __half* residual, void* workspace, size_t workspace_bytes, cudaStream_t s,
+                GemvEpilogue out = {}, GemmSmallLaunch launch = {});
+
+}  // namespace kestrel::cuda

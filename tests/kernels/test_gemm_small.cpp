@@ -1,0 +1,550 @@
+// The fused small-M GEMM (kernels/gemm/gemm_small.h) against the plain C++ reference
+// gptq::matmul_ref, over the shapes and formats that break its tiling:
+//   M      1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64 (n-tiles of 8 tokens: 1, 2, 4, 8)
+//   N      not a multiple of a block's rows (128; 64 at 8 bits; SiLU: 64 or 32 pairs)
+//   K      one stage of 512 codes, 1.56 stages, 4.06 stages (a last stage of one unit), and at
+//          8 bits K % 8 == 4 (x gathered into padded rows first)
+//   bits 2/3/4/8 x group 32/64/128/per row x sym/asym (v1 and v2 zeros) x act-order
+//   split-K forced to 1, 2, 3 and every stage apart; the plan's own choice on a 7B shape
+//   epilogues: residual (own buffer and aliasing y), bias, bias + ReLU, bias + residual, SiLU
+//   over a [gate | up] weight prepared from two parts.
+// Outputs past M are poisoned with NaN before the call and must stay so (no stray writes).
+//
+// Tolerance: ||y - ref|| / ||ref|| < 2e-3 (test_gemv_cuda's reasoning): the kernel rounds each
+// dequantized weight (q - z) * s to fp16 (2^-11 relative, averaging down over K) and the output
+// to fp16; products and sums are fp32 on the tensor cores. A wrong code, group, scale, zero
+// point, k position or token gives errors of order 1e-2 to 1.
+//
+// The argument checks (GemmSmallChecks) come before any CUDA call and need no GPU; every other
+// test is named Gpu* (ctest label gpu) and skips itself without one.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "engine/base/dtype.h"
+#include "engine/base/error.h"
+#include "kernels/common/cuda_utils.h"
+#include "kernels/gemm/gemm_small.h"
+#include "kernels/gemv/gemv.h"
+#include "kernels/gptq/gptq_format.h"
+#include "tests/support/compare.h"
+#include "tests/support/gpu.h"
+
+namespace kestrel {
+namespace {
+
+using cuda::DeviceBuffer;
+using cuda::GemmSmallLaunch;
+using cuda::GemvEpilogue;
+using cuda::GemvWeight;
+using ::testing::HasSubstr;
+
+constexpr double kTol = 2e-3;
+const int kAllM[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64};
+
+struct Format {
+  int bits = 4;
+  int group_size = 128;  // -1 = per row
+  bool sym = true;
+  bool act_order = false;
+  int zero_offset = 1;
+};
+
+std::string describe(const Format& f, int64_t N, int64_t K) {
+  return "bits=" + std::to_string(f.bits) + " group=" + std::to_string(f.group_size) +
+         (f.sym ? " sym" : " asym") + (f.act_order ? " act-order" : "") +
+         " zero_offset=" + std::to_string(f.zero_offset) + " N=" + std::to_string(N) +
+         " K=" + std::to_string(K);
+}
+
+// One random GPTQ linear in checkpoint tensors (N a multiple of 32: whole qzeros words at any
+// width, which matmul_ref requires).
+struct Linear {
+  Format f;
+  int64_t N = 0, K = 0, G = 0;
+  std::vector<uint32_t> qweight, qzeros;
+  std::vector<uint16_t> scales;
+  std::vector<int32_t> g_idx;
+  gptq::GptqView view;
+};
+
+Linear random_linear(const Format& f, int64_t N, int64_t K, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Linear L;
+  L.f = f;
+  L.N = N;
+  L.K = K;
+  L.G = f.group_size > 0 ? (K + f.group_size - 1) / f.group_size : 1;
+  const int maxq = (1 << f.bits) - 1;
+  std::uniform_int_distribution<int> code(0, maxq);
+  std::vector<uint8_t> codes(N * K);
+  for (auto& c : codes) c = static_cast<uint8_t>(code(rng));
+  std::vector<uint8_t> zeros(L.G * N);
+  for (auto& z : zeros)
+    z = static_cast<uint8_t>(f.sym ? (1 << (f.bits - 1)) - f.zero_offset : code(rng));
+  std::uniform_real_distribution<float> log_scale(std::log(2e-3f), std::log(2e-2f));
+  L.scales.resize(L.G * N);
+  for (auto& s : L.scales) s = float_to_half(std::exp(log_scale(rng)));
+  if (f.act_order) {
+    std::vector<int32_t> perm(K);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    L.g_idx = gptq::act_order_g_idx(perm, f.group_size);
+  }
+  L.qweight = gptq::pack_qweight(codes, N, K, f.bits);
+  L.qzeros = gptq::pack_qzeros(zeros, L.G, N, f.bits);
+  L.view.bits = f.bits;
+  L.view.group_size = f.group_size;
+  L.view.K = K;
+  L.view.N = N;
+  L.view.zero_offset = f.zero_offset;
+  L.view.qweight = L.qweight.data();
+  L.view.qzeros = L.qzeros.data();
+  L.view.scales = L.scales.data();
+  L.view.g_idx = L.g_idx.empty() ? nullptr : L.g_idx.data();
+  return L;
+}
+
+std::vector<uint16_t> random_halves(size_t n, float sd, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.f, sd);
+  std::vector<uint16_t> v(n);
+  for (auto& h : v) h = float_to_half(d(rng));
+  return v;
+}
+std::vector<float> to_floats(const std::vector<uint16_t>& h) {
+  std::vector<float> f(h.size());
+  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
+  return f;
+}
+template <class T>
+DeviceBuffer upload(const std::vector<T>& v) {
+  DeviceBuffer b(std::max<size_t>(v.size() * sizeof(T), 16));
+  KESTREL_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return b;
+}
+std::vector<uint16_t> download(const DeviceBuffer& b, size_t n) {
+  std::vector<uint16_t> v(n);
+  KESTREL_CUDA_CHECK(cudaMemcpy(v.data(), b.get(), n * 2, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// The inputs of one comparison: x for the most tokens, the reference W x for all of them.
+struct Case {
+  std::vector<uint16_t> xh;  // [64][K]
+  std::vector<float> ref;    // [64][N] = x W^T, fp32
+};
+Case make_case(const Linear& L, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Case c;
+  c.xh = random_halves(size_t(cuda::kGemmSmallMaxRows) * L.K, 1.0f, rng);
+  const std::vector<float> x = to_floats(c.xh);
+  c.ref.resize(size_t(cuda::kGemmSmallMaxRows) * L.N);
+  gptq::matmul_ref(L.view, x.data(), cuda::kGemmSmallMaxRows, c.ref.data());
+  return c;
+}
+
+// A stream as the engine uses (created, non-blocking: PDL launches), after the legacy
+// stream's uploads and memsets are done.
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() {
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
+    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  ~Stream() { cudaStreamDestroy(s); }
+};
+
+// Runs gemm_small for the first M tokens of xh; y holds M + 1 rows of `cols`, NaN-poisoned,
+// or starts as the residual when `alias` (y += residual in place). Returns all M + 1 rows.
+struct RunOpts {
+  GemvEpilogue out;
+  GemmSmallLaunch launch;
+  const std::vector<uint16_t>* residual = nullptr;  // [M][cols]
+  bool alias = false;
+  int repeat = 1;  // calls in a row on the same workspace (counters must come back to zero)
+};
+std::vector<uint16_t> run_small(const GemvWeight& w, const std::vector<uint16_t>& xh, int M,
+                                int64_t cols, const RunOpts& o, const std::vector<uint16_t>* bias = nullptr) {
+  const size_t n = size_t(M + 1) * cols;
+  std::vector<uint16_t> init(n, 0xFFFF);  // fp16 NaN
+  if (o.alias && o.residual) std::copy(o.residual->begin(), o.residual->begin() + size_t(M) * cols, init.begin());
+  DeviceBuffer dx = upload(std::vector<uint16_t>(xh.begin(), xh.begin() + size_t(M) * w.K));
+  DeviceBuffer dy = upload(init);
+  DeviceBuffer dr, db;
+  if (o.residual && !o.alias) dr = upload(std::vector<uint16_t>(o.residual->begin(), o.residual->begin() + size_t(M) * cols));
+  GemvEpilogue out = o.out;
+  if (bias) {
+    db = upload(*bias);
+    out.bias = db.as<__half>();
+  }
+  const size_t ws_bytes = cuda::gemm_small_workspace_bytes(w, M, o.launch, out);
+  DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
+  KESTREL_CUDA_CHECK(cudaMemset(ws.get(), 0, std::max<size_t>(ws_bytes, 16)));
+  const __half* res = o.residual ? (o.alias ? dy.as<__half>() : dr.as<__half>()) : nullptr;
+  Stream st;
+  for (int r = 0; r < o.repeat; ++r) {
+    if (o.alias && r > 0) {  // restore y = residual for the next in-place call
+      KESTREL_CUDA_CHECK(cudaMemcpyAsync(dy.get(), init.data(), size_t(M) * cols * 2,
+                                         cudaMemcpyHostToDevice, st.s));
+    }
+    cuda::gemm_small(w, dx.as<__half>(), M, dy.as<__half>(), res, ws_bytes ? ws.get() : nullptr,
+                     ws_bytes, st.s, out, o.launch);
+  }
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(st.s));
+  KESTREL_CUDA_CHECK(cudaGetLastError());
+  return download(dy, n);
+}
+
+// rel_err over the first M rows; the row past them must still be NaN.
+void expect_matches(const std::vector<uint16_t>& got, const std::vector<float>& ref, int M,
+                    int64_t cols, const std::string& what) {
+  std::vector<float> y = to_floats(std::vector<uint16_t>(got.begin(), got.begin() + size_t(M) * cols));
+  std::vector<float> r(ref.begin(), ref.begin() + size_t(M) * cols);
+  EXPECT_LT(test::rel_err(y, r), kTol) << what;
+  int64_t touched = 0;
+  for (int64_t i = 0; i < cols; ++i) touched += got[size_t(M) * cols + i] != 0xFFFF;
+  EXPECT_EQ(touched, 0) << what << ": outputs past M were written";
+  // The first bad element, to say where a layout error lies.
+  for (int m = 0; m < M; ++m)
+    for (int64_t i = 0; i < cols; ++i) {
+      const float a = y[size_t(m) * cols + i], b = r[size_t(m) * cols + i];
+      if (!(std::abs(a - b) <= 0.05f + 0.02f * std::abs(b))) {
+        ADD_FAILURE() << what << ": first mismatch at token " << m << ", output " << i << ": got "
+                      << a << ", reference " << b;
+        return;
+      }
+    }
+}
+
+std::vector<float> ref_rows(const Case& c, int64_t N, int M) {
+  return std::vector<float>(c.ref.begin(), c.ref.begin() + size_t(M) * N);
+}
+
+// ---- Formats x M x K ------------------------------------------------------------------------------
+
+std::vector<Format> all_formats() {
+  std::vector<Format> out;
+  for (int bits : {2, 3, 4, 8})
+    for (int gs : {32, 128, -1})
+      for (bool sym : {true, false}) {
+        Format f{bits, gs, sym, false, sym ? 1 : 0};
+        out.push_back(f);
+        if (gs != -1) {
+          Format a = f;
+          a.act_order = true;
+          if (!sym) a.zero_offset = 1;  // v1 zeros under act-order
+          out.push_back(a);
+        }
+      }
+  out.push_back(Format{4, 64, false, true, 0});
+  out.push_back(Format{3, 64, true, false, 1});
+  return out;
+}
+
+class GpuGemmSmallFormats : public ::testing::TestWithParam<Format> {};
+
+// Every M at N = 160 (not a multiple of 128 or 64 rows), K = 800 (1.56 stages).
+TEST_P(GpuGemmSmallFormats, EveryMMatchesReference) {
+  KESTREL_REQUIRE_GPU();
+  const Format f = GetParam();
+  const int64_t N = 160, K = 800;
+  Linear L = random_linear(f, N, K, 17);
+  GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+  const Case c = make_case(L, 3);
+  for (int M : kAllM) {
+    const auto got = run_small(w, c.xh, M, N, RunOpts{});
+    expect_matches(got, ref_rows(c, N, M), M, N, describe(f, N, K) + " M=" + std::to_string(M));
+  }
+  cuda::gemv_free(w);
+}
+
+// K of exactly one stage, and of four stages and one unit (the last stage mostly padding);
+// 8 bits also K % 8 == 4 (x gathered into padded rows). Split-K by the plan, then forced.
+TEST_P(GpuGemmSmallFormats, OddKAndSplitsMatchReference) {
+  KESTREL_REQUIRE_GPU();
+  const Format f = GetParam();
+  std::vector<int64_t> Ks = {512, 2080};
+  if (f.bits == 8) Ks.push_back(772);
+  for (int64_t K : Ks) {
+    const int64_t N = 96;
+    Linear L = random_linear(f, N, K, 23);
+    GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+    const Case c = make_case(L, 5);
+    for (int M : {1, 9, 33, 64})
+      for (int splits : {0, 2, 3}) {
+        RunOpts o;
+        o.launch.splits = splits;
+        const int64_t stages = (K + 511) / 512;
+        if (splits > stages) continue;
+        const auto got = run_small(w, c.xh, M, N, o);
+        expect_matches(got, ref_rows(c, N, M), M, N,
+                       describe(f, N, K) + " M=" + std::to_string(M) +
+                           " splits=" + std::to_string(splits));
+      }
+    cuda::gemv_free(w);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuGemmSmallFormats, ::testing::ValuesIn(all_formats()),
+                         [](const ::testing::TestParamInfo<Format>& i) {
+                           const Format& f = i.param;
+                           return "b" + std::to_string(f.bits) + "_g" +
+                                  (f.group_size > 0 ? std::to_string(f.group_size) : "row") +
+                                  (f.sym ? "_sym" : "_asym") + (f.act_order ? "_act" : "") +
+                                  "_v" + std::to_string(f.zero_offset == 0 ? 2 : 1);
+                         });
+
+// ---- Split-K ----------------------------------------------------------------------------------------
+
+// Every split count up to one stage per range, twice in a row on one workspace: the second call
+// must find its counters back at zero and give the same bits (the reduction runs in split order).
+TEST(GemmSmallSplits, GpuEverySplitIsDeterministicAndCorrect) {
+  KESTREL_REQUIRE_GPU();
+  const Format f{4, 128, false, true, 0};
+  const int64_t N = 288, K = 2560;  // 5 stages
+  Linear L = random_linear(f, N, K, 31);
+  GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+  const Case c = make_case(L, 7);
+  std::mt19937 rng(2);
+  for (int M : {3, 17, 64}) {
+    const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
+    std::vector<float> ref = ref_rows(c, N, M);
+    for (size_t i = 0; i < ref.size(); ++i) ref[i] += half_to_float(res[i]);
+    for (int splits = 1; splits <= 5; ++splits) {
+      RunOpts o;
+      o.launch.splits = splits;
+      o.residual = &res;
+      o.alias = true;
+      const auto once = run_small(w, c.xh, M, N, o);
+      o.repeat = 3;
+      const auto thrice = run_small(w, c.xh, M, N, o);
+      const std::string what = describe(f, N, K) + " M=" + std::to_string(M) +
+                               " splits=" + std::to_string(splits) + ", residual aliasing y";
+      expect_matches(once, ref, M, N, what);
+      EXPECT_EQ(once, thrice) << what << ": a repeated call differs";
+    }
+  }
+  cuda::gemv_free(w);
+}
+
+// A 7B shape (down: 4096 x 11008) with the plan's own split choice, against the reference.
+TEST(GemmSmallSplits, GpuDownShapeWithPlannedSplits) {
+  KESTREL_REQUIRE_GPU();
+  const Format f{4, 128, true, false, 1};
+  const int64_t N = 4096, K = 11008;
+  Linear L = random_linear(f, N, K, 41);
+  GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+  std::mt19937 rng(9);
+  const int M = 5;
+  std::vector<uint16_t> xh = random_halves(size_t(cuda::kGemmSmallMaxRows) * K, 1.0f, rng);
+  std::vector<float> x = to_floats(std::vector<uint16_t>(xh.begin(), xh.begin() + size_t(M) * K));
+  std::vector<float> ref(size_t(M) * N);
+  gptq::matmul_ref(L.view, x.data(), M, ref.data());
+  const auto got = run_small(w, xh, M, N, RunOpts{});
+  expect_matches(got, ref, M, N, describe(f, N, K) + " M=5, planned splits");
+  cuda::gemv_free(w);
+}
+
+// ---- Epilogues ----------------------------------------------------------------------------------------
+
+const Format kEpilogueFormats[] = {{4, 128, true, false, 1}, {3, 64, false, true, 0},
+                                   {2, 32, false, false, 0}, {8, -1, true, false, 1}};
+
+TEST(GemmSmallEpilogues, GpuResidualBiasReluMatchReference) {
+  KESTREL_REQUIRE_GPU();
+  for (const Format& f : kEpilogueFormats) {
+    const int64_t N = 224, K = 1056;
+    Linear L = random_linear(f, N, K, 51);
+    GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+    const Case c = make_case(L, 11);
+    std::mt19937 rng(4);
+    const std::vector<uint16_t> bias = random_halves(N, 0.5f, rng);
+    for (int M : {1, 8, 16, 33, 64})
+      for (int splits : {1, 2}) {
+        const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
+        const std::string what =
+            describe(f, N, K) + " M=" + std::to_string(M) + " splits=" + std::to_string(splits);
+        std::vector<float> base = ref_rows(c, N, M);
+        RunOpts o;
+        o.launch.splits = splits;
+        {  // residual in its own buffer
+          std::vector<float> ref = base;
+          for (size_t i = 0; i < ref.size(); ++i) ref[i] += half_to_float(res[i]);
+          o.residual = &res;
+          expect_matches(run_small(w, c.xh, M, N, o), ref, M, N, what + " residual");
+          o.alias = true;
+          expect_matches(run_small(w, c.xh, M, N, o), ref, M, N, what + " residual aliasing y");
+          o.alias = false;
+          o.residual = nullptr;
+        }
+        {  // bias alone, bias + ReLU, bias + residual + ReLU
+          std::vector<float> rb = base, rbr = base, rres = base;
+          for (int m = 0; m < M; ++m)
+            for (int64_t i = 0; i < N; ++i) {
+              const size_t k = size_t(m) * N + i;
+              rb[k] += half_to_float(bias[i]);
+              rbr[k] = std::max(rb[k], 0.f);
+              rres[k] = std::max(base[k] + half_to_float(res[k]) + half_to_float(bias[i]), 0.f);
+            }
+          expect_matches(run_small(w, c.xh, M, N, o, &bias), rb, M, N, what + " bias");
+          o.out.relu = true;
+          expect_matches(run_small(w, c.xh, M, N, o, &bias), rbr, M, N, what + " bias + relu");
+          o.residual = &res;
+          expect_matches(run_small(w, c.xh, M, N, o, &bias), rres, M, N,
+                         what + " residual + bias + relu");
+        }
+      }
+    cuda::gemv_free(w);
+  }
+}
+
+// SiLU(gate) * up over [gate | up] prepared from two parts, as the model fuses them: output i
+// pairs rows i and N/2 + i, each rounded to fp16 before the fp32 SiLU (GemvEpilogue::silu_mul).
+TEST(GemmSmallEpilogues, GpuSiluOfGateUpMatchesReference) {
+  KESTREL_REQUIRE_GPU();
+  for (const Format& f : kEpilogueFormats) {
+    const int64_t H = 96, K = 800;  // 96 pairs: not a multiple of a block's 64 (32) pairs
+    Linear gate = random_linear(f, H, K, 61);
+    Linear up = random_linear(f, H, K, 62);
+    if (f.act_order) up.view.g_idx = gate.view.g_idx;  // fused parts share g_idx
+    GemvWeight w = cuda::gemv_prepare({gate.view, up.view}, nullptr);
+    const Case cg = make_case(gate, 13);
+    std::vector<float> x = to_floats(cg.xh);
+    std::vector<float> ru(size_t(cuda::kGemmSmallMaxRows) * H);
+    gptq::matmul_ref(up.view, x.data(), cuda::kGemmSmallMaxRows, ru.data());
+    for (int M : kAllM)
+      for (int splits : {1, 2}) {
+        std::vector<float> ref(size_t(M) * H);
+        for (size_t i = 0; i < ref.size(); ++i) {
+          const float g = half_to_float(float_to_half(cg.ref[i]));
+          const float u = half_to_float(float_to_half(ru[i]));
+          ref[i] = g / (1.0f + std::exp(-g)) * u;
+        }
+        RunOpts o;
+        o.out.silu_mul = true;
+        o.launch.splits = splits;
+        expect_matches(run_small(w, cg.xh, M, H, o), ref, M, H,
+                       describe(f, 2 * H, K) + " SiLU M=" + std::to_string(M) +
+                           " splits=" + std::to_string(splits));
+      }
+    cuda::gemv_free(w);
+  }
+}
+
+// ---- Argument checks: before any CUDA call, no GPU needed -------------------------------------------
+
+GemvWeight fake_weight() {
+  static char storage[16];
+  GemvWeight w;
+  w.bits = 4;
+  w.group_size = 128;
+  w.N = 256;
+  w.K = 512;
+  w.planes = 1;
+  w.chunks = 16;
+  w.groups = 8;
+  w.device = storage;
+  return w;
+}
+
+std::string message_of(const GemvWeight& w, const __half* x, int64_t M, __half* y,
+                       const __half* residual, GemvEpilogue out = {}) {
+  try {
+    cuda::gemm_small(w, x, M, y, residual, nullptr, 0, nullptr, out);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Device-looking pointers, never dereferenced: every check below fails first.
+const __half* kX = reinterpret_cast<const __half*>(uintptr_t(0x10000));
+__half* const kY = reinterpret_cast<__half*>(uintptr_t(0x20000));
+
+TEST(GemmSmallChecks, RefusesMOutside1To64) {
+  EXPECT_EQ(message_of(fake_weight(), kX, 0, kY, nullptr),
+            "gemm_small: M=0 is outside 1..64 (larger batches: quant_gemm)");
+  EXPECT_EQ(message_of(fake_weight(), kX, 65, kY, nullptr),
+            "gemm_small: M=65 is outside 1..64 (larger batches: quant_gemm)");
+  EXPECT_THAT(message_of(fake_weight(), kX, -3, kY, nullptr), HasSubstr("M=-3"));
+}
+
+TEST(GemmSmallChecks, RefusesAnEmptyWeightFirst) {
+  GemvWeight w = fake_weight();
+  w.device = nullptr;
+  EXPECT_EQ(message_of(w, nullptr, 0, nullptr, nullptr),
+            "gemm_small: the weight is empty (not prepared, or freed)");
+}
+
+TEST(GemmSmallChecks, RefusesUnsupportedFormats) {
+  GemvWeight w = fake_weight();
+  w.bits = 5;
+  EXPECT_THAT(message_of(w, kX, 4, kY, nullptr), HasSubstr("bits=5 is not supported"));
+  w = fake_weight();
+  w.group_size = 96;
+  EXPECT_THAT(message_of(w, kX, 4, kY, nullptr), HasSubstr("group size 96 is not supported"));
+}
+
+TEST(GemmSmallChecks, RefusesNullMisalignedAndAliasedPointers) {
+  EXPECT_THAT(message_of(fake_weight(), nullptr, 4, kY, nullptr), HasSubstr("null"));
+  EXPECT_THAT(message_of(fake_weight(), kX, 4, nullptr, nullptr), HasSubstr("null"));
+  EXPECT_EQ(message_of(fake_weight(), kX, 4, const_cast<__half*>(kX), nullptr),
+            "gemm_small: y must not alias x");
+  EXPECT_EQ(message_of(fake_weight(), kX + 1, 4, kY, nullptr),
+            "gemm_small: x must be 16-byte aligned");
+}
+
+TEST(GemmSmallChecks, RefusesEpiloguesItDoesNotHave) {
+  GemvEpilogue silu;
+  silu.silu_mul = true;
+  GemvWeight odd = fake_weight();
+  odd.N = 255;
+  EXPECT_EQ(message_of(odd, kX, 4, kY, nullptr, silu),
+            "gemm_small: the SiLU epilogue needs an even N ([gate | up]), got N=255");
+  EXPECT_EQ(message_of(fake_weight(), kX, 4, kY, kX, silu),
+            "gemm_small: the SiLU epilogue goes without residual, bias and relu");
+  GemvEpilogue silu_relu = silu;
+  silu_relu.relu = true;
+  EXPECT_THAT(message_of(fake_weight(), kX, 4, kY, nullptr, silu_relu),
+              HasSubstr("without residual, bias and relu"));
+  GemvEpilogue idx;
+  idx.out_index = reinterpret_cast<const int32_t*>(uintptr_t(0x30000));
+  EXPECT_THAT(message_of(fake_weight(), kX, 4, kY, nullptr, idx),
+              HasSubstr("out_index and residual_index are not supported"));
+}
+
+// The workspace size is checked once the launch is planned (it depends on the device).
+TEST(GemmSmallChecks, GpuRefusesASmallWorkspace) {
+  KESTREL_REQUIRE_GPU();
+  const Format f{4, 128, true, true, 1};
+  Linear L = random_linear(f, 96, 1024, 71);
+  GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+  GemmSmallLaunch l;
+  l.splits = 2;
+  const size_t need = cuda::gemm_small_workspace_bytes(w, 8, l);
+  ASSERT_GT(need, 0u);
+  DeviceBuffer x(8 * 1024 * 2), y(8 * 96 * 2), ws(need);
+  try {
+    cuda::gemm_small(w, x.as<__half>(), 8, y.as<__half>(), nullptr, ws.get(), need - 1, nullptr,
+                     {}, l);
+    ADD_FAILURE() << "a workspace one byte short was accepted";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("needs " + std::to_string(need)));
+  }
+  l.splits = 3;  // K = 1024: two stages
+  EXPECT_THROW(cuda::gemm_small_workspace_bytes(w, 8, l), Error);
+  cuda::gemv_free(w);
+}
+
+}  // namespace
+}  // namespace kestrel
