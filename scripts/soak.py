@@ -65,8 +65,14 @@ def main():
 
     cmd = [a.kestrel, "chat", "-m", a.model, "-c", str(a.ctx), "-n", str(a.reply_tokens),
            "--device", a.device, "--template", "raw", "--temp", "0.8", "-s", "1"]
+    # CUDA loads a kernel's module when it first runs (lazy loading), which takes device
+    # memory the first time a rare path runs (a prompt length's attention kernel, say): not a
+    # leak, but indistinguishable from one in nvidia-smi. Loading every module at start keeps
+    # the device figure to what the engine allocates.
+    env = dict(os.environ)
+    env.setdefault("CUDA_MODULE_LOADING", "EAGER")
     p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True, bufsize=1)
+                         stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
     rng = random.Random(1)
     replies, samples = [], []  # (reply tokens, tok/s, context), (replies so far, rss, device)
     total, rollovers, first_roll, t0 = 0, 0, None, time.time()
