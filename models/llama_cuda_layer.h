@@ -32,6 +32,12 @@ struct LayerRowsScratch {
   __half* act = nullptr;      // [rows, intermediate]
   __half* weights = nullptr;  // dequantized GPTQ weight (quant_gemm_scratch_elems); unused
                               // when every linear is dense
+  // The fused small-M GEMM (DecodeTuning::small_gemm_max_rows): steps of 3 .. small_max_rows
+  // tokens run their whole quantized linears through it, in this workspace
+  // (gemm_small_workspace_bytes of the largest call, zero-filled once). 0 = never.
+  int small_max_rows = 0;
+  void* small_ws = nullptr;
+  size_t small_ws_bytes = 0;
 };
 
 // Observers of layer_forward_rows (the quantizer's calibration hooks).

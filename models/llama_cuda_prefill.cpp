@@ -20,6 +20,7 @@
 #include "kernels/common/cuda_utils.h"
 #include "kernels/embedding/embedding_cuda.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/gemm/gemm_small.h"
 #include "kernels/gemm/nll_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/rope/rope_rows_cuda.h"
@@ -48,6 +49,9 @@ struct LlamaCuda::PrefillState {
   __half* scratch = nullptr;       // dequantized weight (+ gathered input under act-order)
   float* logits = nullptr;         // [rows, vocab] or [1, vocab] until all rows are wanted
   int logits_rows = 0;
+  int small_max_rows = 0;          // the fused small-M GEMM's steps (LayerRowsScratch)
+  void* small_ws = nullptr;
+  size_t small_ws_bytes = 0;
 
   // Allocates or throws DeviceError (the caller retries with fewer rows).
   void* take(size_t bytes) { return mem.alloc(bytes, " for the prefill scratch"); }
@@ -134,8 +138,19 @@ LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(const GpuSequence& q, int max_row
 
 namespace {
 
+// Fewer tokens than this run as batch-1 GEMVs even with the fused small-M GEMM on: two GEMVs
+// cost less than one fused pass at its current efficiency (docs/performance.md).
+constexpr int kSmallGemmMinRows = 3;
+
 void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T, __half* y,
-                const __half* residual, __half* scratch, cudaStream_t s) {
+                const __half* residual, const LayerRowsScratch& b, cudaStream_t s) {
+  // A whole quantized linear over a few tokens: one fused pass over its codes. (Its parts,
+  // when it could not be fused, write column slices of y, which gemm_small does not.)
+  if (T >= kSmallGemmMinRows && T <= b.small_max_rows && L.quantized) {
+    cuda::gemm_small(L.q, x, T, y, residual, b.small_ws, b.small_ws_bytes, s);
+    return;
+  }
+  __half* scratch = b.weights;
   int64_t n0 = 0;  // unfused parts: each into its columns of y [T, L.N]
   for (const GpuLinear* p : L.leaves()) {
     __half* yp = y + n0;
@@ -176,7 +191,7 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   if (tap(LinearGroup::QKV, b.xb, c.hidden)) return;
   // [T, q | k | v] (+ the q|k|v biases, laid down first and accumulated onto as a residual)
   if (L.qkv.bias) cuda::broadcast_rows_f16(L.qkv.bias, T, qkv_n, b.qkv, qkv_n, s);
-  run_linear(gemm, L.qkv, b.xb, T, b.qkv, L.qkv.bias ? b.qkv : nullptr, b.weights, s);
+  run_linear(gemm, L.qkv, b.xb, T, b.qkv, L.qkv.bias ? b.qkv : nullptr, b, s);
   if (c.qk_norm)  // Qwen3: RMSNorm over each head of q and k, before RoPE
     cuda::head_rms_norm_f16(b.qkv, qkv_n, T, c.n_heads, c.n_kv_heads, c.head_dim, L.q_norm,
                             L.k_norm, c.rms_eps, s);
@@ -185,7 +200,7 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   cuda::attention_prefill_f16(b.qkv, qkv_n, k_cache, v_cache, pos0, T, c.sliding_window,
                               c.n_heads, c.n_kv_heads, c.head_dim, b.att, s);  // [T, q_dim]
   if (tap(LinearGroup::O, b.att, c.q_dim())) return;
-  run_linear(gemm, L.o, b.att, T, x, x, b.weights, s);
+  run_linear(gemm, L.o, b.att, T, x, x, b, s);
 
   // MLP block, xb = norm(x + bo): x += Wdown (silu(Wgate xb) * Wup xb), or (ReLU)
   // x += Wfc2 relu(Wfc1 xb + b1) + b2
@@ -195,17 +210,17 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
     // fc1 into the gate|up buffer (xb, which it reads, shares act's)
     const int64_t inter = c.intermediate;
     cuda::broadcast_rows_f16(L.gate_up.bias, T, inter, b.gate_up, inter, s);
-    run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, b.gate_up, b.weights, s);  // [T, inter] + b1
+    run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, b.gate_up, b, s);  // [T, inter] + b1
     cuda::relu_f16(b.gate_up, (int64_t)T * inter, s);
     if (tap(LinearGroup::Down, b.gate_up, c.intermediate)) return;
-    run_linear(gemm, L.down, b.gate_up, T, x, x, b.weights, s);
+    run_linear(gemm, L.down, b.gate_up, T, x, x, b, s);
     cuda::add_rows_f16(x, c.hidden, L.down.bias, T, c.hidden, s);  // + b2
     return;
   }
-  run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, nullptr, b.weights, s);  // [T, gate | up]
+  run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, nullptr, b, s);  // [T, gate | up]
   cuda::silu_mul_rows_f16(b.gate_up, T, c.intermediate, b.act, s);
   if (tap(LinearGroup::Down, b.act, c.intermediate)) return;
-  run_linear(gemm, L.down, b.act, T, x, x, b.weights, s);
+  run_linear(gemm, L.down, b.act, T, x, x, b, s);
 }
 
 void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
@@ -241,6 +256,21 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
         st->scratch = halves(scratch);
         st->logits = static_cast<float*>(st->take(vocab * sizeof(float)));
         st->logits_rows = 1;
+        if (tuning_.small_gemm_max_rows >= kSmallGemmMinRows) {
+          // Outside the memory plan: split-K partials of a few MiB at most, only when asked.
+          st->small_max_rows = std::min({tuning_.small_gemm_max_rows, cuda::kGemmSmallMaxRows, rows});
+          size_t ws = 0;
+          for (const GpuLayer& L : w_.layers)
+            for (const GpuLinear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down})
+              if (lin->quantized)
+                for (int m = kSmallGemmMinRows; m <= st->small_max_rows; ++m)
+                  ws = std::max(ws, cuda::gemm_small_workspace_bytes(lin->q, m));
+          if (ws > 0) {
+            st->small_ws = st->take(ws);
+            KESTREL_CUDA_CHECK(cudaMemsetAsync(st->small_ws, 0, ws, stream_));
+          }
+          st->small_ws_bytes = ws;
+        }
         prefill_ = std::move(st);
         break;
       } catch (const DeviceError&) {
@@ -268,7 +298,10 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
     else
       cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
 
-    const LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
+    LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
+    scratch.small_max_rows = S.small_max_rows;
+    scratch.small_ws = S.small_ws;
+    scratch.small_ws_bytes = S.small_ws_bytes;
     for (int l = 0; l < c.n_layers; ++l)
       layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, p0, q.key_cache + l * kv_layer,
                          q.value_cache + l * kv_layer, scratch, s);

@@ -18,6 +18,11 @@ struct DecodeTuning {
   // One decode graph per range of positions ([0, 512), [512, 1024), ... each twice the last),
   // attention's grid sized for the range; false captures one range, the whole context.
   bool graph_ranges = true;
+  // Passes of 3 .. this many tokens (prompt chunks, speculative verification; at most 64) run
+  // their quantized linears through the fused small-M GEMM (kernels/gemm/gemm_small.h), which
+  // reads each weight once for all the tokens, instead of one GEMV per token or dequantize +
+  // cuBLASLt. 0 = off: the default until the model-level runs have been measured.
+  int small_gemm_max_rows = 0;
 };
 
 }  // namespace kestrel

@@ -302,6 +302,11 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                 "run the generic quantized GEMV kernel instead of the specialized ones");
   cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
                 "capture one decode graph for the whole context instead of one per range");
+  cmd->add_option("--small-gemm", a->tuning.small_gemm_max_rows,
+                  "prompt chunks and verify passes of 3 .. N tokens run their quantized linears "
+                  "through the fused small-M GEMM (0 = off, up to 64)")
+      ->check(CLI::Range(0, 64))
+      ->capture_default_str();
   add_spec_options(cmd, a->spec);
   auto* file = cmd->add_option("-f,--file", a->prompt_file,
                                "with --spec: the prompt, from a file (instead of random tokens)");
