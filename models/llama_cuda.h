@@ -99,6 +99,7 @@ class LlamaCuda final : public Model {
   void forward(LlamaCudaSession& q, const int* tokens, int n, int pos, float* logits,
                float* all_logits);
   int forward_argmax(LlamaCudaSession& q, int token, int pos);
+  void forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int n, int pos, int* out);
   void forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos, const int* targets,
                    double* nll);
   std::vector<OpTime> profile_step(LlamaCudaSession& q, int token, int pos);
@@ -113,8 +114,11 @@ class LlamaCuda final : public Model {
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;
   };
+  // Runs tokens[0..n) at positions pos.. in chunks. Per row, on request: all_logits (to the
+  // host), nll of targets (the log-softmax on the device), argmax (each row's greedy successor,
+  // taken on the device); logits: the last row's.
   void prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
-               float* all_logits, const int* targets, float* nll);
+               float* all_logits, const int* targets, float* nll, int* argmax = nullptr);
   std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
   int prefill_chunk_ = 2048;
 
@@ -162,6 +166,10 @@ class LlamaCudaSession final : public Session {
     m_.forward(*this, tokens, n, pos, logits, all_logits);
   }
   int forward_argmax(int token, int pos) override { return m_.forward_argmax(*this, token, pos); }
+  // Speculative verification: the rows' argmax on the device, only n ids reach the host.
+  void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override {
+    m_.forward_argmax_rows(*this, tokens, n, pos, out);
+  }
   // Steps chained on the device: each step's argmax feeds the next step's token and position,
   // so step i + 1 is queued before token i reaches the host (DecodeRun).
   std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override;

@@ -22,6 +22,7 @@
 #include "kernels/gemm/gemm.h"
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemm/nll_cuda.h"
+#include "kernels/sampling/argmax_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/rope/rope_rows_cuda.h"
 #include "models/llama_cuda.h"
@@ -224,14 +225,14 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
 }
 
 void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
-                        float* all_logits, const int* targets, float* nll) {
+                        float* all_logits, const int* targets, float* nll, int* argmax) {
   const ModelConfig& c = cfg_;
   for (int i = 0; i < n; ++i)
     KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab,
                   fmt::format("token id {} at prompt index {} is outside the vocabulary ({})",
                               tokens[i], i, c.vocab));
   const size_t vocab = c.vocab;
-  const bool want_rows = all_logits || nll;
+  const bool want_rows = all_logits || nll || argmax;
 
   // Scratch for the largest chunk that fits: halve on out-of-memory (the KV cache may have
   // taken most of the GPU), down to 16 tokens.
@@ -317,6 +318,11 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
         cuda::nll_rows_f32(S.logits, S.targets, T, c.vocab, S.nll, s);
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(nll + c0, S.nll, T * sizeof(float), cudaMemcpyDeviceToHost, s));
       }
+      if (argmax) {  // into targets' buffer, which only the NLL uses
+        cuda::argmax_rows_f32(S.logits, T, c.vocab, S.targets, s);
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(argmax + c0, S.targets, T * sizeof(int),
+                                           cudaMemcpyDeviceToHost, s));
+      }
       if (all_logits)
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(all_logits + (size_t)c0 * vocab, S.logits,
                                            (size_t)T * vocab * sizeof(float), cudaMemcpyDeviceToHost, s));
@@ -332,6 +338,18 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
     // The next chunk overwrites tokens, targets and the head's buffers: wait for the copies.
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
   }
+}
+
+void LlamaCuda::forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int n, int pos,
+                                    int* out) {
+  KESTREL_CHECK(n > 0, "forward_argmax_rows: no tokens");
+  KESTREL_CHECK(pos + n <= q.q_.ctx,
+                fmt::format("{} tokens do not fit the context of {}", pos + n, q.q_.ctx));
+  if (n == 1) {  // one row: the decode step's graph, as plain greedy decoding runs it
+    out[0] = forward_argmax(q, tokens[0], pos);
+    return;
+  }
+  prefill(q.q_, tokens, n, pos, nullptr, nullptr, nullptr, nullptr, out);
 }
 
 void LlamaCuda::forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos,

@@ -76,6 +76,37 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   }
 }
 
+// One block per row of fp32 logits; the same scan and reduction as argmax_kernel.
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_rows_kernel(const float* __restrict__ x, int n, int* __restrict__ out) {
+  const float* row = x + (size_t)blockIdx.x * n;
+  float best = -INFINITY;
+  int idx = INT_MAX;  // as argmax_kernel: "nothing beat -inf"
+  for (int i = threadIdx.x; i < n; i += kArgmaxThreads) {
+    const float v = __ldg(row + i);
+    if (v > best) { best = v; idx = i; }
+  }
+  for (int o = 16; o > 0; o >>= 1)
+    take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
+                __shfl_xor_sync(0xffffffffu, idx, o));
+  __shared__ float s_val[kArgmaxThreads / 32];
+  __shared__ int s_idx[kArgmaxThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    s_val[warp] = best;
+    s_idx[warp] = idx;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = s_val[lane];
+    idx = s_idx[lane];
+    for (int o = 16; o > 0; o >>= 1)
+      take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
+                  __shfl_xor_sync(0xffffffffu, idx, o));
+    if (lane == 0) out[blockIdx.x] = idx == INT_MAX ? 0 : idx;
+  }
+}
+
 __global__ void half_to_float_kernel(const __half* __restrict__ in, float* __restrict__ out,
                                      int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -94,6 +125,13 @@ void argmax_f16(const __half* logits, int n, int* d_out_token, cudaStream_t stre
     launch_pdl(argmax_kernel<false>, dim3(1), dim3(kArgmaxThreads), 0, stream, logits, n,
                d_out_token, feed, host_out);
   }
+}
+
+void argmax_rows_f32(const float* logits, int rows, int n, int* out, cudaStream_t stream) {
+  KESTREL_CHECK(rows > 0 && n > 0, "argmax_rows_f32: rows and n must be positive, got " +
+                                       std::to_string(rows) + " and " + std::to_string(n));
+  argmax_rows_kernel<<<rows, kArgmaxThreads, 0, stream>>>(logits, n, out);
+  KESTREL_CUDA_CHECK_LAUNCH();
 }
 
 void half_to_float(const __half* in, float* out, int n, cudaStream_t stream) {

@@ -15,6 +15,12 @@ namespace kestrel::cuda {
 void argmax_f16(const __half* logits, int n, int* d_out_token, cudaStream_t stream,
                 int* feed = nullptr, int* host_out = nullptr);
 
+// out[r] = the index of the largest of logits[r * n .. r * n + n - 1] (fp32), for each of
+// `rows` rows, with argmax_f16's rules (the first index on ties, NaN never wins, 0 when
+// nothing beats -inf): a speculative verify pass's greedy successors, one block per row.
+// out is device memory [rows].
+void argmax_rows_f32(const float* logits, int rows, int n, int* out, cudaStream_t stream);
+
 // out[i] = float(in[i]) for i < n.
 void half_to_float(const __half* in, float* out, int n, cudaStream_t stream);
 

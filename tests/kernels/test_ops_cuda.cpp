@@ -793,6 +793,48 @@ TEST(ArgmaxCuda, MaxAtTheEnds) {
   }
 }
 
+// A verify pass's rows: each row's first maximum, NaN never winning and a row of -inf and NaN
+// giving 0, over row lengths that are not a multiple of the block (8193) and row counts of one
+// to a draft's worth.
+TEST(ArgmaxCuda, RowsOfFp32LogitsEachTheirFirstMaximum) {
+  KESTREL_REQUIRE_GPU();
+  auto reference = [](const float* x, int n) {
+    float best = -INFINITY;
+    int idx = -1;
+    for (int i = 0; i < n; ++i)
+      if (x[i] > best) {  // false for NaN
+        best = x[i];
+        idx = i;
+      }
+    return idx < 0 ? 0 : idx;
+  };
+  for (const int n : {1, 7, 8192, 8193, 32000}) {
+    for (const int rows : {1, 3, 9, 65}) {
+      std::mt19937 rng(101 + n + rows);
+      std::uniform_real_distribution<float> u(-30.0f, -1.0f);
+      std::vector<float> x((size_t)rows * n);
+      for (float& v : x) v = u(rng);
+      for (int r = 0; r < rows; ++r) {
+        float* row = x.data() + (size_t)r * n;
+        switch (r % 5) {
+          case 1: row[0] = NAN; break;                      // NaN first: not the answer
+          case 2: row[n - 1] = 5.0f; row[n / 2] = 5.0f; break;  // a tie: the earlier one
+          case 3: for (int i = 0; i < n; ++i) row[i] = (i % 2) ? NAN : -INFINITY; break;
+          case 4: row[n - 1] = 100.0f; break;               // the last element
+          default: break;
+        }
+      }
+      Dev<float> d(x);
+      Dev<int> out(rows);
+      out.poison();
+      cuda::argmax_rows_f32(d.get(), rows, n, out.get(), nullptr);
+      const std::vector<int> got = out.download();
+      for (int r = 0; r < rows; ++r)
+        ASSERT_EQ(got[r], reference(x.data() + (size_t)r * n, n)) << "n " << n << " row " << r;
+    }
+  }
+}
+
 // Chained decoding: the argmax also becomes the next step's {token, pos + 1} and reaches a
 // pinned host slot.
 TEST(ArgmaxCuda, FeedsTheNextStepAndTheHost) {

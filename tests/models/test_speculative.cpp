@@ -17,6 +17,8 @@
 #include "engine/speculative.h"
 #include "models/io/model_spec.h"
 #include "models/llama.h"
+#include "models/llama_cuda.h"
+#include "tests/support/gpu.h"
 #include "tests/support/synth_model.h"
 #include "tokenizer/tokenizer.h"
 
@@ -172,6 +174,73 @@ TEST(SpecRealModel, DocsLlamaGreedyLookupIsPlainDecoding) {
   EXPECT_EQ(r.text, plain.text);
   EXPECT_EQ(r.finish_reason, plain.finish_reason);
   EXPECT_GT(r.n_accepted, 0);
+}
+
+// ---- The CUDA engine ----
+//
+// Its verify pass (forward_argmax_rows) takes each row's argmax on the device from the rows'
+// fp32 logits: the same ids as an argmax of the logits forward() hands back for the same rows.
+TEST(SpecCuda, GpuArgmaxRowsAreTheArgmaxOfTheRowsLogits) {
+  KESTREL_REQUIRE_GPU();
+  for (const ModelFormat& f : {ModelFormat{"spec_q4_act", "gptq", 4, 128, true, false, "gptq"},
+                               ModelFormat{"spec_q3", "gptq", 3, 128, false, false, "gptq"},
+                               ModelFormat{"spec_fp16", "fp16", 16, 0, false, false, "gptq"}}) {
+    const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/7);
+    const ModelSpec spec = load_model_spec(dir.string());
+    for (const int small_gemm : {0, 64}) {
+      DecodeTuning tuning;
+      tuning.small_gemm_max_rows = small_gemm;
+      LlamaCuda model(spec, true, tuning);
+      auto s = model.new_cuda_session(256);
+      const int vocab = spec.config.vocab;
+      std::vector<int> tokens(40);
+      for (int i = 0; i < 40; ++i) tokens[i] = 3 + (i * 37) % (vocab - 3);
+      int pos = 0;
+      for (const int n : {1, 2, 5, 9, 17}) {
+        std::vector<float> all((size_t)n * vocab), last(vocab);
+        s->forward(tokens.data(), n, pos, last.data(), all.data());
+        std::vector<int> ids(n, -1);
+        s->forward_argmax_rows(tokens.data(), n, pos, ids.data());
+        for (int i = 0; i < n; ++i) {
+          const float* row = all.data() + (size_t)i * vocab;
+          EXPECT_EQ(ids[i], (int)(std::max_element(row, row + vocab) - row))
+              << f.name << " small_gemm " << small_gemm << " n " << n << " row " << i;
+        }
+        pos += n;
+      }
+    }
+    fs::remove_all(dir);
+  }
+}
+
+// Greedy lookup decoding on the GPU gives plain greedy decoding's tokens on the real model,
+// with the verify pass through the default rows path and through the fused small-M GEMM.
+// (The verify pass rounds differently from the decode step; only an exact near tie of the
+// top two logits could tell them apart, which this text does not have.)
+TEST(SpecCuda, GpuDocsLlamaGreedyLookupIsPlainDecoding) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path dir = fs::path(KESTREL_DATA_DIR) / "docs-llama-19m-gptq4";
+  const ModelSpec spec = load_model_spec(dir.string());
+  const std::unique_ptr<Tokenizer> tok = Tokenizer::load(dir.string());
+  std::string text = "The install script sets up cmake, ninja and the compiler. ";
+  text = text + text + "Then run the build script: it builds the programs into build. " + text;
+  const std::vector<int> prompt = tok->encode(text);
+  for (const int small_gemm : {0, 64}) {
+    DecodeTuning tuning;
+    tuning.small_gemm_max_rows = small_gemm;
+    LlamaCuda model(spec, true, tuning);
+    GenerateOptions o = greedy(96);
+    o.ignore_eos = false;
+    const GenerateResult plain = generate(*model.new_cuda_session(1024), *tok, prompt, o);
+    NgramDrafter lookup;
+    o.drafter = &lookup;
+    for (const int draft_max : {3, 8}) {
+      o.draft_max = draft_max;
+      const GenerateResult r = generate(*model.new_cuda_session(1024), *tok, prompt, o);
+      EXPECT_EQ(r.ids, plain.ids) << "small_gemm " << small_gemm << " draft_max " << draft_max;
+      EXPECT_GT(r.n_accepted, 0);
+    }
+  }
 }
 
 class SpecTiny : public ::testing::Test {
