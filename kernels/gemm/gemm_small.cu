@@ -66,13 +66,17 @@ void check_args(const GemvWeight& w, const __half* x, int64_t M, const __half* y
 
 struct Plan {
   Kernel kernel = nullptr;
-  int nt = 0, threads = 0, rows_per_block = 0;
+  int nt = 0, token_groups = 1;  // n-tiles per block; blocks side by side per row block
+  int warps = 0, threads = 0, rows_per_block = 0;
   int64_t row_blocks = 0;
-  int n_stages = 0, splits = 1;
+  int n_stages = 0, splits = 1, stages = 0;
+  bool x_once = false;
+  int x_slots = 0;
   size_t smem = 0;
   bool pack = false;  // x gathered into the workspace first
   int64_t ldx = 0;
   size_t counters_bytes = 0, partial_bytes = 0, x_bytes = 0;
+  int64_t blocks() const { return row_blocks * token_groups; }  // gridDim.x
   size_t workspace() const { return counters_bytes + partial_bytes + x_bytes; }
 };
 
@@ -86,76 +90,137 @@ Kernel kernel_of(int bits, int gs, int nt) {
   }
 }
 
-// Raises the kernel's dynamic shared-memory limit (once per device and kernel) and returns its
-// resident blocks per SM at that size.
-int prepare_kernel(Kernel k, int threads, size_t smem) {
+// The dynamic shared memory a block of kernel k may use on the current device: the opt-in
+// limit less the kernel's static shared memory. Raises the kernel's limit to it once per
+// (device, kernel), so that any plan's ring up to it launches.
+size_t prepare_kernel(Kernel k) {
   static std::mutex mu;
-  static std::map<std::tuple<int, const void*>, int> occ_cache;
+  static std::map<std::tuple<int, const void*>, size_t> limits;
   const DeviceInfo& d = current_device_info();
   std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_tuple(d.id, reinterpret_cast<const void*>(k));
-  auto it = occ_cache.find(key);
-  if (it != occ_cache.end()) return it->second;
+  auto it = limits.find(key);
+  if (it != limits.end()) return it->second;
   cudaFuncAttributes attr{};
   KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
-  if (smem + attr.sharedSizeBytes > d.smem_per_block_optin)
-    throw Error("gemm_small: a block needs " + std::to_string(smem + attr.sharedSizeBytes) +
-                " bytes of shared memory, device " + std::to_string(d.id) + " allows " +
-                std::to_string(d.smem_per_block_optin));
+  const size_t limit = d.smem_per_block_optin > attr.sharedSizeBytes
+                           ? d.smem_per_block_optin - attr.sharedSizeBytes
+                           : 0;
   KESTREL_CUDA_CHECK(
-      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  limits.emplace(key, limit);
+  return limit;
+}
+
+// Resident blocks per SM of kernel k in blocks of `threads` with `smem` bytes (cached: a
+// query per call would cost microseconds of host time); 0 when a block does not fit.
+int blocks_per_sm(Kernel k, int threads, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> cache;
+  const DeviceInfo& d = current_device_info();
+  if (smem > prepare_kernel(k)) return 0;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(d.id, reinterpret_cast<const void*>(k), threads, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
   int occ = 0;
   KESTREL_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, k, threads, smem));
-  if (occ < 1) throw Error("gemm_small: a block does not fit on device " + std::to_string(d.id));
-  occ_cache.emplace(key, occ);
+  cache.emplace(key, occ);
   return occ;
 }
 
-// Split-K: the count that minimises (waves of blocks) x (stages per block + a block's fixed
-// cost), the fewest among equals. Where N alone gives too few blocks (the 7B's o and down: 32
-// row blocks) the K axis is cut; where it gives more than a wave (gate|up) cutting K evens
-// the last wave.
-int choose_splits(int64_t row_blocks, int n_stages, int64_t slots) {
-  int best = 1;
+// The time of a grid of `blocks` blocks of `work` stage-times each, `occ` resident per SM, in
+// stage-times: waves of resident blocks x (stages per block + a block's fixed cost). A wave
+// counts each resident block as streaming at a whole SM's rate: true where a block's rate is
+// bound by its own latency (bytes in flight, dependent mma chains), not where co-resident
+// blocks share a bandwidth limit; the sweep (kestrel-bench-gemm --fused-sweep) measures which.
+int64_t grid_cost(int64_t blocks, int64_t work, int occ, int64_t sms) {
+  const int64_t waves = (blocks + sms * occ - 1) / (sms * occ);
+  return waves * (work + kBlockOverheadStages);
+}
+
+// Split-K: the count with the least grid_cost, the fewest among equals. Where N alone gives
+// too few blocks (the 7B's o and down: 32 row blocks) the K axis is cut; where it gives more
+// than a wave (gate|up) cutting K evens the last wave. occ_of(s): resident blocks per SM at s
+// splits (x staged once takes shared memory by the length of a split's range), 0 where a
+// block does not fit.
+template <class OccOf>
+int choose_splits(int64_t blocks, int n_stages, int64_t sms, OccOf occ_of) {
+  int best = 0;
   int64_t best_cost = INT64_MAX;
   for (int s = 1; s <= std::min(n_stages, kMaxSplits); ++s) {
-    const int64_t waves = (row_blocks * s + slots - 1) / slots;
-    const int64_t cost = waves * ((n_stages + s - 1) / s + kBlockOverheadStages);
+    const int occ = occ_of(s);
+    if (occ < 1) continue;
+    const int64_t cost = grid_cost(blocks * s, (n_stages + s - 1) / s, occ, sms);
     if (cost < best_cost) best = s, best_cost = cost;
   }
   return best;
 }
 
+std::string plan_name(const Plan& p) {
+  return "warps=" + std::to_string(p.warps) + " stages=" + std::to_string(p.stages) +
+         " token_tiles=" + std::to_string(p.nt) + (p.x_once ? " x_once" : "");
+}
+
 Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
                const GemvEpilogue& out) {
   Plan p;
-  p.nt = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : 8;
+  const GemmSmallLaunch& l = launch;
+  if (l.warps != 0 && l.warps != 2 && l.warps != 4 && l.warps != 8)
+    throw Error("gemm_small: warps=" + std::to_string(l.warps) + " is not 2, 4 or 8");
+  if (l.stages != 0 && (l.stages < 2 || l.stages > kMaxStages))
+    throw Error("gemm_small: stages=" + std::to_string(l.stages) + " is outside 2.." +
+                std::to_string(kMaxStages));
+  if (l.token_tiles != 0 && l.token_tiles != 1 && l.token_tiles != 2 && l.token_tiles != 4 &&
+      l.token_tiles != 8)
+    throw Error("gemm_small: token_tiles=" + std::to_string(l.token_tiles) +
+                " is not 1, 2, 4 or 8");
+  // n-tiles: M's, rounded up to a compiled count, or fewer per block in token groups.
+  const int tiles = static_cast<int>((M + 7) / 8);
+  const int need = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
+  p.nt = l.token_tiles > 0 ? std::min(l.token_tiles, need) : need;
+  p.token_groups = (tiles + p.nt - 1) / p.nt;
   p.kernel = kernel_of(w.bits, w.group_size, p.nt);
   if (!p.kernel)
     throw Error("gemm_small: no kernel compiled for bits=" + std::to_string(w.bits) +
                 ", group " + std::to_string(w.group_size) + ", M=" + std::to_string(M));
-  const int warps = block_warps(w.bits);
-  p.threads = 32 * warps;
+  p.warps = l.warps > 0 ? l.warps : block_warps(w.bits);
+  p.threads = 32 * p.warps;
+  p.stages = l.stages > 0 ? l.stages : pipeline_stages(p.nt);
+  p.x_once = l.x_once;
   const int64_t out_rows = out.silu_mul ? w.N / 2 : w.N;
-  p.rows_per_block = (out.silu_mul ? 8 : 16) * warps;
+  p.rows_per_block = (out.silu_mul ? 8 : 16) * p.warps;
   p.row_blocks = (out_rows + p.rows_per_block - 1) / p.rows_per_block;
   const int64_t units = w.chunks / gemv_detail::unit_chunks(w.bits);
   p.n_stages = static_cast<int>((units + stage_units(w.bits) - 1) / stage_units(w.bits));
-  p.smem = smem_bytes(w.bits, w.group_size, p.nt);
-  if (launch.splits < 0 || launch.splits > std::min(p.n_stages, kMaxSplits))
-    throw Error("gemm_small: splits=" + std::to_string(launch.splits) + " is outside 1.." +
+  if (l.splits < 0 || l.splits > std::min(p.n_stages, kMaxSplits))
+    throw Error("gemm_small: splits=" + std::to_string(l.splits) + " is outside 1.." +
                 std::to_string(std::min(p.n_stages, kMaxSplits)) + " for K=" +
                 std::to_string(w.K) + " (" + std::to_string(p.n_stages) + " stages)");
   p.pack = w.perm != nullptr || w.K % 8 != 0;
   p.ldx = p.pack ? packed_ldx(w) : w.K;
-  if (p.row_blocks > INT32_MAX) throw Error("gemm_small: too many rows");
+  if (p.blocks() > INT32_MAX) throw Error("gemm_small: too many rows");
 
-  const int occ = prepare_kernel(p.kernel, p.threads, p.smem);
-  const int64_t slots = int64_t(occ) * current_device_info().sm_count;
-  p.splits = launch.splits > 0 ? launch.splits : choose_splits(p.row_blocks, p.n_stages, slots);
+  // Shared memory at s splits: the ring, and x of a ring's stages or of the longest range.
+  auto x_slots_of = [&](int s) { return p.x_once ? (p.n_stages + s - 1) / s : p.stages; };
+  auto smem_of = [&](int s) {
+    return smem_bytes(w.bits, w.group_size, p.nt, p.warps, p.stages, x_slots_of(s));
+  };
+  auto occ_of = [&](int s) { return blocks_per_sm(p.kernel, p.threads, smem_of(s)); };
+  const int64_t sms = current_device_info().sm_count;
+  p.splits = l.splits > 0 ? l.splits : choose_splits(p.blocks(), p.n_stages, sms, occ_of);
+  if (p.splits < 1 || occ_of(p.splits) < 1)
+    throw Error("gemm_small: the plan " + plan_name(p) + " needs " +
+                std::to_string(smem_of(p.splits > 0 ? p.splits : std::min(p.n_stages, kMaxSplits))) +
+                " bytes of shared memory a block for M=" + std::to_string(M) + ", K=" +
+                std::to_string(w.K) + "; device " + std::to_string(current_device_info().id) +
+                " allows " + std::to_string(prepare_kernel(p.kernel)));
+  p.x_slots = x_slots_of(p.splits);
+  p.smem = smem_of(p.splits);
   if (p.splits > 1) {
-    p.counters_bytes = align256(size_t(p.row_blocks) * sizeof(int));
-    p.partial_bytes = align256(size_t(p.splits) * p.row_blocks * p.threads * p.nt * 4 * sizeof(float));
+    p.counters_bytes = align256(size_t(p.blocks()) * sizeof(int));
+    p.partial_bytes =
+        align256(size_t(p.splits) * p.blocks() * p.threads * p.nt * 4 * sizeof(float));
   }
   if (p.pack) p.x_bytes = align256(size_t(M) * p.ldx * sizeof(__half));
   return p;
@@ -193,6 +258,20 @@ void launch_ex(const void* k, void** args, dim3 grid, int threads, size_t smem, 
 }  // namespace gemm_small_detail
 
 using namespace gemm_small_detail;
+
+GemmSmallLaunch gemm_small_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
+                                GemvEpilogue out) {
+  alignas(16) static const __half probe[16] = {};
+  check_args(w, probe, M, probe + 8, nullptr, out);
+  const Plan p = make_plan(w, M, launch, out);
+  GemmSmallLaunch r = launch;
+  r.splits = p.splits;
+  r.warps = p.warps;
+  r.stages = p.stages;
+  r.token_tiles = p.nt;
+  r.x_once = p.x_once;
+  return r;
+}
 
 size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
                                   GemvEpilogue out) {
@@ -239,6 +318,10 @@ void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
   p.bias = out.bias;
   p.relu = out.relu;
   p.n_stages = plan.n_stages;
+  p.stages = plan.stages;
+  p.x_once = plan.x_once;
+  p.x_slots = plan.x_slots;
+  p.token_groups = plan.token_groups;
   if (plan.splits > 1) {
     p.counters = reinterpret_cast<int*>(ws);
     p.partials = reinterpret_cast<float*>(ws + plan.counters_bytes);
@@ -257,7 +340,7 @@ void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
   }
   void* args[] = {&p};
   launch_ex(reinterpret_cast<const void*>(plan.kernel), args,
-            dim3(static_cast<unsigned>(plan.row_blocks), static_cast<unsigned>(plan.splits)),
+            dim3(static_cast<unsigned>(plan.blocks()), static_cast<unsigned>(plan.splits)),
             plan.threads, plan.smem, launch.pdl, s);
 }
 

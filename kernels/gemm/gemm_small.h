@@ -21,13 +21,33 @@ namespace kestrel::cuda {
 // The largest token count gemm_small takes (8 n-tiles of 8 tokens).
 constexpr int kGemmSmallMaxRows = 64;
 
-// How a call is spread over the GPU; a test or a benchmark may override the choice.
+// How a call is spread over the GPU: the launch plan. Every field 0 (false) is chosen by the
+// planner (docs/gemm-small.md, "The launch plan"); a benchmark (kestrel-bench-gemm
+// --fused-sweep) or a test may set any of them. None of them changes the result beyond the
+// order of fp32 sums (split-K). A plan that does not fit (shared memory, a split count past
+// the stages) is refused with kestrel::Error.
 struct GemmSmallLaunch {
-  int splits = 0;   // split-K ranges per row block (1 .. the weight's stages of 512 codes);
-                    // 0 = chosen to fill the SMs
-  bool pdl = true;  // programmatic dependent launch (the weight loads start before the
-                    // previous kernel in the stream ends)
+  int splits = 0;       // split-K ranges per row block (1 .. the weight's stages of 512 codes,
+                        // at most 16); 0 = chosen to fill the SMs
+  int warps = 0;        // warps per block, 16 weight rows each (8 SiLU pairs): 2, 4 or 8;
+                        // 0 = 8 (4 at 8 bits)
+  int stages = 0;       // depth of the cp.async ring of weight stages: 2 .. 8; 0 = 4 at up to
+                        // 16 tokens a block, 3 at 32, 2 at 64
+  int token_tiles = 0;  // n-tiles of 8 tokens a block computes: 1, 2, 4, 8; fewer than M needs
+                        // runs the tokens as groups of blocks side by side over the same rows
+                        // (each dequantizes the weights again; they read them from L2);
+                        // 0 = all of M in one block
+  bool x_once = false;  // x of a block's whole K range staged into shared memory before the
+                        // first stage, not with each stage (needs room for all of it)
+  bool pdl = true;      // programmatic dependent launch (the weight loads start before the
+                        // previous kernel in the stream ends)
 };
+
+// The plan a gemm_small call of M tokens on w makes for `launch`: every 0 field resolved (for
+// the current device). Throws kestrel::Error, as the call would, for arguments or a plan it
+// refuses. Queries the device.
+GemmSmallLaunch gemm_small_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch = {},
+                                GemvEpilogue out = {});
 
 // Bytes of device workspace a gemm_small call of M tokens on w needs (split-K partial sums and
 // their counters; act-order, or K not a multiple of 8: x gathered into its permuted, padded

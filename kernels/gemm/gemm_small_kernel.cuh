@@ -58,21 +58,29 @@ constexpr int unit_codes(int bits) {
   return gemv_detail::chunk_codes(bits) * gemv_detail::unit_chunks(bits);
 }
 constexpr int stage_units(int bits) { return kStageCodes / unit_codes(bits); }
-// Warps per block, each owning one 16-row m-tile: 8 (128 rows), but 4 at 8 bits, whose stage of
-// 512 codes is twice the bytes per row, so that a stage is 32 KB of weights either way.
+// The most warps a block may have (GemmSmallLaunch::warps: 2, 4 or 8), each owning one 16-row
+// m-tile; the kernels are compiled for blocks of up to this many threads.
+constexpr int kMaxWarps = 8;
+constexpr int kMaxStages = 8;  // the deepest cp.async ring (cp_async_wait_upto's cases)
+// The default warps per block: 8 (128 rows), but 4 at 8 bits, whose stage of 512 codes is twice
+// the bytes per row, so that a stage is 32 KB of weights either way.
 constexpr int block_warps(int bits) { return bits == 8 ? 4 : 8; }
-// Pipeline depth by n-tiles: x's share of a stage grows with the tokens (8 KB per n-tile).
+// The default pipeline depth by n-tiles: x's share of a stage grows with the tokens (8 KB per
+// n-tile) when x is staged with each stage.
 constexpr int pipeline_stages(int nt) { return nt <= 2 ? 4 : nt == 4 ? 3 : 2; }
 constexpr int groups_per_stage(int gs) { return gs == 0 ? 0 : kStageCodes / gs; }
 
-// Dynamic shared memory of one block: per stage weights | x | scales | zero points.
-constexpr size_t stage_bytes(int bits, int gs, int nt) {
-  const int rows = 16 * block_warps(bits);
+// Shared memory of a block (drawn at gemm_small_kernel): an x area of `x_slots` stages of x
+// (one per ring stage, or every stage of the block's K range when x is staged once), then the
+// ring of `stages` weight stages, each weights | scales | zero points.
+constexpr size_t weight_stage_bytes(int bits, int gs, int warps) {
+  const int rows = 16 * warps;
   return size_t(rows) * stage_units(bits) * gemv_detail::unit_loads(bits) * 16 +
-         size_t(nt) * 8 * kStageCodes * 2 + size_t(rows) * groups_per_stage(gs) * 3;
+         size_t(rows) * groups_per_stage(gs) * 3;
 }
-constexpr size_t smem_bytes(int bits, int gs, int nt) {
-  return stage_bytes(bits, gs, nt) * pipeline_stages(nt);
+constexpr size_t x_stage_bytes(int nt) { return size_t(nt) * 8 * kStageCodes * 2; }
+constexpr size_t smem_bytes(int bits, int gs, int nt, int warps, int stages, int x_slots) {
+  return weight_stage_bytes(bits, gs, warps) * stages + x_stage_bytes(nt) * x_slots;
 }
 
 struct Params {
@@ -93,8 +101,12 @@ struct Params {
   const __half* bias;     // [rows] or nullptr
   bool relu;
   int n_stages;           // stages of kStageCodes along the padded K
-  float* partials;        // split-K: [splits][row blocks][threads][NT * 4]
-  int* counters;          // split-K: [row blocks], zero between calls
+  int stages;             // depth of the weight ring, 2 .. kMaxStages
+  bool x_once;            // x of the block's whole K range staged up front (x_slots of it)
+  int x_slots;            // stages of x in shared memory: `stages`, or the longest K range
+  int token_groups;       // blocks side by side on one row block, NT n-tiles of tokens each
+  float* partials;        // split-K: [splits][gridDim.x][threads][NT * 4]
+  int* counters;          // split-K: [gridDim.x], zero between calls
 };
 
 using Kernel = void (*)(Params);
@@ -137,6 +149,18 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+// wait_group takes an immediate: the ring depth is a run-time choice, so one case per depth.
+__device__ __forceinline__ void cp_async_wait_upto(int pending) {
+  switch (pending) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    default: cp_async_wait<kMaxStages - 2>(); break;
+  }
 }
 
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -256,27 +280,52 @@ __device__ __forceinline__ int weight_row(const Params& p, int tile, int r) {
   return row < p.N ? row : -1;
 }
 
+// Blocks of kMaxWarps that must fit on an SM by registers: 2 (at most 128 registers a thread)
+// where the kernel needs no more without spilling, so that two blocks of 8 warps (four of 4)
+// may share an SM when their shared memory fits; 1 for 8 n-tiles (32 accumulators a thread)
+// and 8 bits at 4 n-tiles.
+constexpr int min_blocks(int bits, int nt) { return nt >= 8 || (bits == 8 && nt >= 4) ? 1 : 2; }
+
 // BITS 2/3/4/8; GS the effective group size (32, 64, 128, 0 = one per row); NT n-tiles of 8
-// tokens (1, 2, 4, 8: M <= 8 NT).
+// tokens per block (1, 2, 4, 8). The rest of the plan is read at run time (GemmSmallLaunch):
+// warps per block (blockDim.x / 32), the ring depth, how x is staged, token groups; so that
+// trying a plan costs no template instantiation.
 //
-// Block (bx, by): m-tiles bx * kWarps .. + kWarps - 1 (one per warp), stages [s0, s1) of K, the
-// by-th of gridDim.y split-K ranges. Each stage: the block's rows x kStageCodes of weights
-// (their scales and zero points), and x of all tokens at those k, copied by cp.async into a ring
-// of kP stages (kP - 1 in flight while one is computed).
+// Block (blockIdx.x = row block * token_groups + token group, blockIdx.y = split): m-tiles
+// rb * W .. + W - 1 (one per warp), tokens tg * 8 NT .. + 8 NT - 1, stages [s0, s1) of K, the
+// y-th of gridDim.y split-K ranges. The token groups of one row block are consecutive blocks,
+// so that they run side by side and all but the first find the weights in L2.
+//
+// Shared memory, `stages` = P ring slots of weights and x_slots of x:
+//
+//   | x slot 0 | x slot 1 | ... | x_slots - 1 | ring 0: W | S | Z | ring 1: W | S | Z | ... P - 1 |
+//     x of all NT*8 tokens at a stage's 512 k    W weights [warp][unit][row][slot] (3-bit: [plane])
+//     (8 KB per n-tile)                          S scales [row][group]  Z zero points [row][group]
+//
+// x staged per stage (x_once false): x slot = ring slot, copied with the stage's weights.
+// x staged once (x_once): x slot i = stage s0 + i, all copied before the first stage is used
+// (the block's x then costs no copies per stage, and the ring holds weights only).
+// Each stage: the block's rows x kStageCodes of weights (their scales and zero points) by
+// cp.async into the ring, P - 1 stages in flight while one is computed.
 template <int BITS, int GS, int NT>
-__global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(const Params p) {
+__global__ void __launch_bounds__(32 * kMaxWarps, min_blocks(BITS, NT)) gemm_small_kernel(const Params p) {
   using F = Piece<BITS>;
-  constexpr int kW = block_warps(BITS), kT = 32 * kW, kRows = 16 * kW;
   constexpr int kS = stage_units(BITS), kQ = F::kSlots, kE = F::kGroups;
-  constexpr int kP = pipeline_stages(NT);
   constexpr int kGps = groups_per_stage(GS);
-  constexpr int kWsVecs = kRows * kS * kQ;            // uint4 of weights per stage
   constexpr int kXVecs = NT * 8 * kStageCodes / 8;    // uint4 of x per stage
-  constexpr size_t kStage = stage_bytes(BITS, GS, NT);
+  constexpr size_t kXStage = x_stage_bytes(NT);
+  // Weight copies per thread and stage: 16 rows x kS units x kQ slots per warp, 32 lanes.
+  constexpr int kWIters = 16 * kS * kQ / 32;
+  static_assert(kWIters * 32 == 16 * kS * kQ, "a warp's weight copies divide among its lanes");
 
   extern __shared__ uint4 smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int tile0 = blockIdx.x * kW;
+  const int threads = blockDim.x, block_rows = threads / 2;  // 16 rows per warp of 32 threads
+  const int ws_vecs = block_rows * kS * kQ;        // uint4 of weights per stage
+  const size_t ring_stage = weight_stage_bytes(BITS, GS, threads / 32);
+  const int rb = blockIdx.x / p.token_groups, m0 = (blockIdx.x % p.token_groups) * NT * 8;
+  const int tile0 = rb * (threads / 32);
+  const int ring_stages = p.stages;
 
   // Split-K range of this block.
   const int splits = gridDim.y;
@@ -284,14 +333,17 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
   const int s1 = int(int64_t(p.n_stages) * (blockIdx.y + 1) / splits);
   const int n = s1 - s0;
 
-  auto ws_of = [&](int buf) { return reinterpret_cast<uint4*>(reinterpret_cast<char*>(smem) + buf * kStage); };
-  auto xs_of = [&](int buf) { return ws_of(buf) + kWsVecs; };
-  auto sc_of = [&](int buf) { return reinterpret_cast<__half*>(xs_of(buf) + kXVecs); };
-  auto zs_of = [&](int buf) { return reinterpret_cast<uint8_t*>(sc_of(buf) + kRows * kGps); };
+  char* const ring = reinterpret_cast<char*>(smem) + p.x_slots * kXStage;
+  auto ws_of = [&](int buf) { return reinterpret_cast<uint4*>(ring + buf * ring_stage); };
+  auto sc_of = [&](int buf) { return reinterpret_cast<__half*>(ws_of(buf) + ws_vecs); };
+  auto zs_of = [&](int buf) { return reinterpret_cast<uint8_t*>(sc_of(buf) + block_rows * kGps); };
+  auto xs_of = [&](int slot) {
+    return reinterpret_cast<uint4*>(reinterpret_cast<char*>(smem) + slot * kXStage);
+  };
 
   const uint64_t pol = evict_first_policy();
 
-  // Weights, scales and zero points of stage st into buffer buf.
+  // Weights, scales and zero points of stage st into ring slot buf.
   //   Shared layout per warp tile (2/4/8-bit): [unit us][row r][slot] uint4; 3-bit: [us][plane]
   //   [row] (Piece::load). Threads take consecutive units of one (row, slot), which are
   //   consecutive 16-byte pieces of the GEMV layout (slot q of units 32i .. 32i+31 lies together),
@@ -299,9 +351,11 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
   //   divides 32 and stages start at multiples of kS).
   auto issue_weights = [&](int st, int buf) {
     uint4* ws = ws_of(buf);
-    for (int i = tid; i < kWsVecs; i += kT) {
-      const int us = i % kS, rest = i / kS, q = rest % kQ, rb = rest / kQ;
-      const int wt = rb >> 4, r = rb & 15;
+#pragma unroll
+    for (int it = 0; it < kWIters; ++it) {
+      const int i = tid + it * threads;
+      const int us = i % kS, rest = i / kS, q = rest % kQ, rbk = rest / kQ;
+      const int wt = rbk >> 4, r = rbk & 15;
       const int row = weight_row(p, tile0 + wt, r);
       const int u = st * kS + us;
       const bool ok = row >= 0 && u < p.nch;
@@ -318,40 +372,41 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
       // multiple of 8, so a piece lies wholly inside or past the row's groups.
       constexpr int kSB = kGps * 2 < 16 ? kGps * 2 : 16, kSPer = kGps * 2 / kSB;
       __half* sc = sc_of(buf);
-      for (int i = tid; i < kRows * kSPer; i += kT) {
-        const int rb = i / kSPer, pc = i % kSPer;
-        const int row = weight_row(p, tile0 + (rb >> 4), rb & 15);
+      for (int i = tid; i < block_rows * kSPer; i += threads) {
+        const int rr = i / kSPer, pc = i % kSPer;
+        const int row = weight_row(p, tile0 + (rr >> 4), rr & 15);
         const int gi = st * kGps + pc * (kSB / 2);
         const bool ok = row >= 0 && gi < p.G;
         const __half* src = ok ? p.scales + int64_t(row) * p.G + gi : p.scales;
-        cp_async_small<kSB>(smem_u32(sc + rb * kGps + pc * (kSB / 2)), src, ok);
+        cp_async_small<kSB>(smem_u32(sc + rr * kGps + pc * (kSB / 2)), src, ok);
       }
       if (p.zeros) {
         constexpr int kZB = kGps < 8 ? kGps : 8, kZPer = kGps / kZB;
         uint8_t* zs = zs_of(buf);
-        for (int i = tid; i < kRows * kZPer; i += kT) {
-          const int rb = i / kZPer, pc = i % kZPer;
-          const int row = weight_row(p, tile0 + (rb >> 4), rb & 15);
+        for (int i = tid; i < block_rows * kZPer; i += threads) {
+          const int rr = i / kZPer, pc = i % kZPer;
+          const int row = weight_row(p, tile0 + (rr >> 4), rr & 15);
           const int gi = st * kGps + pc * kZB;
           const bool ok = row >= 0 && gi < p.G;
           const uint8_t* src = ok ? p.zeros + int64_t(row) * p.G + gi : p.zeros;
-          cp_async_small<kZB>(smem_u32(zs + rb * kGps + pc * kZB), src, ok);
+          cp_async_small<kZB>(smem_u32(zs + rr * kGps + pc * kZB), src, ok);
         }
       }
     }
   };
-  // x of stage st: token m's 8 codes at stage offset 8c land where lane (g = m % 8, t) of
-  // n-tile m / 8 reads them: xs[((nt * kS + us) * kE + e) * 32 + g * 4 + t] (8c = us*UC +
-  // t*PC + 8e), so that a warp's read of one (n-tile, unit, group) is 512 contiguous bytes.
-  auto issue_x = [&](int st, int buf) {
-    uint4* xs = xs_of(buf);
-    for (int i = tid; i < kXVecs; i += kT) {
+  // x of stage st into x slot `slot`: token m0 + m's 8 codes at stage offset 8c land where lane
+  // (g = m % 8, t) of n-tile m / 8 reads them: xs[((nt * kS + us) * kE + e) * 32 + g * 4 + t]
+  // (8c = us*UC + t*PC + 8e), so that a warp's read of one (n-tile, unit, group) is 512
+  // contiguous bytes.
+  auto issue_x = [&](int st, int slot) {
+    uint4* xs = xs_of(slot);
+    for (int i = tid; i < kXVecs; i += threads) {
       const int c = i % (kStageCodes / 8), m = i / (kStageCodes / 8);
       const int k = st * kStageCodes + 8 * c;
       const int us = c / (F::kUnitCodes / 8), rem = c % (F::kUnitCodes / 8);
       const int tt = rem / kE, e = rem % kE;
-      const bool ok = m < p.M && k < p.kx;
-      const __half* src = ok ? p.x + int64_t(m) * p.ldx + k : p.x;
+      const bool ok = m0 + m < p.M && k < p.kx;
+      const __half* src = ok ? p.x + int64_t(m0 + m) * p.ldx + k : p.x;
       const int dst = (((m >> 3) * kS + us) * kE + e) * 32 + (m & 7) * 4 + tt;
       cp_async_zfill(smem_u32(xs + dst), src, ok);
     }
@@ -372,18 +427,19 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
     }
   }
 
-  // Prologue: the weights of the first kP - 1 stages before the wait on the previous kernel
-  // (they do not depend on it), then x, one commit group per stage.
-#pragma unroll
-  for (int i = 0; i < kP - 1; ++i)
+  // Prologue: the weights of the first P - 1 stages before the wait on the previous kernel
+  // (they do not depend on it), then x (all of the block's, or the first P - 1 stages'), one
+  // commit group per stage; every copy before the first commit lands in group 0.
+  for (int i = 0; i < ring_stages - 1; ++i)
     if (i < n) issue_weights(s0 + i, i);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-#pragma unroll
-  for (int i = 0; i < kP - 1; ++i) {
-    if (i < n) issue_x(s0 + i, i);
+  if (p.x_once)
+    for (int i = 0; i < n; ++i) issue_x(s0 + i, i);
+  for (int i = 0; i < ring_stages - 1; ++i) {
+    if (!p.x_once && i < n) issue_x(s0 + i, i);
     cp_async_commit();
   }
 
@@ -391,22 +447,25 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
+  // buf: the ring slot of stage i; nbuf: that of stage i + P - 1 (the slot stage i - 1 freed).
+  int buf = 0, nbuf = ring_stages - 1;
   for (int i = 0; i < n; ++i) {
-    cp_async_wait<kP - 2>();
-    __syncthreads();  // stage i landed for every thread; buffer (i - 1) % kP is free again
+    cp_async_wait_upto(ring_stages - 2);
+    __syncthreads();  // stage i landed for every thread; slot (i - 1) % P is free again
     {
-      const int nx = i + kP - 1;
+      const int nx = i + ring_stages - 1;
       if (nx < n) {
-        issue_weights(s0 + nx, nx % kP);
-        issue_x(s0 + nx, nx % kP);
+        issue_weights(s0 + nx, nbuf);
+        if (!p.x_once) issue_x(s0 + nx, nbuf);
       }
       cp_async_commit();
     }
-    const int buf = i % kP;
     const uint4* ws = ws_of(buf) + warp * kS * 16 * kQ;
-    const uint4* xs = xs_of(buf);
+    const uint4* xs = xs_of(p.x_once ? i : buf);
     const __half* sc = sc_of(buf) + warp * 16 * kGps;
     const uint8_t* zs = zs_of(buf) + warp * 16 * kGps;
+    buf = buf + 1 == ring_stages ? 0 : buf + 1;
+    nbuf = nbuf + 1 == ring_stages ? 0 : nbuf + 1;
 #pragma unroll
     for (int us = 0; us < kS; ++us) {
       const typename F::Codes c0 = F::load(ws + us * 16 * kQ, g, t);
@@ -447,13 +506,13 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
   cp_async_wait<0>();
 
   // Split-K: every block stores its partial sums (fragment order, one float4 per n-tile per
-  // thread); the last block of a row block to arrive sums them in split order (deterministic)
-  // and runs the epilogue, then resets the counter for the next call.
+  // thread); the last block of a (row block, token group) to arrive sums them in split order
+  // (deterministic) and runs the epilogue, then resets the counter for the next call.
   if (gridDim.y > 1) {
     __shared__ int last;
     float4* part = reinterpret_cast<float4*>(p.partials);
-    const int64_t stride = int64_t(gridDim.x) * kT * NT;  // float4 per split
-    const int64_t mine = (int64_t(blockIdx.x) * kT + tid) * NT;
+    const int64_t stride = int64_t(gridDim.x) * threads * NT;  // float4 per split
+    const int64_t mine = (int64_t(blockIdx.x) * threads + tid) * NT;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
       __stcg(part + int64_t(blockIdx.y) * stride + mine + j,
@@ -476,13 +535,13 @@ __global__ void __launch_bounds__(32 * block_warps(BITS), 1) gemm_small_kernel(c
     if (tid == 0) p.counters[blockIdx.x] = 0;
   }
 
-  // Epilogue: c[2h + j] is row g + 8h, token 8 nt + 2t + j.
+  // Epilogue: c[2h + j] is row g + 8h, token m0 + 8 nt + 2t + j.
   const int tile = tile0 + warp;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const int m = nt * 8 + 2 * t + j;
+      const int m = m0 + nt * 8 + 2 * t + j;
       if (m >= p.M) continue;
       if (p.silu_half) {
         // As the GEMV's SiLU epilogue: gate and up rounded to fp16, fp32 math, one rounding.

@@ -1,5 +1,6 @@
 // The fused small-M GEMM (kernels/gemm/gemm_small.h) against the plain C++ reference
-// gptq::matmul_ref, over the shapes and formats that break its tiling:
+// (gptq::dequantize_ref, the weights rounded to fp16, fp32 sums: below), over the shapes and
+// formats that break its tiling:
 //   M      1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64 (n-tiles of 8 tokens: 1, 2, 4, 8)
 //   N      not a multiple of a block's rows (128; 64 at 8 bits; SiLU: 64 or 32 pairs)
 //   K      one stage of 512 codes, 1.56 stages, 4.06 stages (a last stage of one unit), and at
@@ -8,12 +9,19 @@
 //   split-K forced to 1, 2, 3 and every stage apart; the plan's own choice on a 7B shape
 //   epilogues: residual (own buffer and aliasing y), bias, bias + ReLU, bias + residual, SiLU
 //   over a [gate | up] weight prepared from two parts.
+//   launch plans: every GemmSmallLaunch variant (warps per block, ring depth, x staged once,
+//          token groups) on a subset of formats, plain, SiLU and residual, with split-K.
 // Outputs past M are poisoned with NaN before the call and must stay so (no stray writes).
 //
-// Tolerance: ||y - ref|| / ||ref|| < 2e-3 (test_gemv_cuda's reasoning): the kernel rounds each
-// dequantized weight (q - z) * s to fp16 (2^-11 relative, averaging down over K) and the output
-// to fp16; products and sums are fp32 on the tensor cores. A wrong code, group, scale, zero
-// point, k position or token gives errors of order 1e-2 to 1.
+// The reference is what gemm_small specifies: each weight dequantized by the plain formula
+// (gptq::dequantize_ref) and rounded once to fp16, as dequantize_f16 writes it for cuBLAS and
+// as the kernel's hmul2 rounds it; products and sums in fp32. Against fp32 weights the
+// rounding (2^-12 relative per weight) shows at 8 bits, whose rows sum terms of up to 2.5 to
+// outputs of ~17 rms: a gate that cancels to ~0 carries ~1e-2 of it, which SiLU(gate) x up
+// multiplies by |up| (~40) past any per-element tolerance that holds for the other formats.
+// Tolerance: ||y - ref|| / ||ref|| < 2e-3: what is left is the fp32 summation order of the
+// tensor cores and split-K, and the fp16 output. A wrong code, group, scale, zero point, k
+// position or token gives errors of order 1e-2 to 1.
 //
 // The argument checks (GemmSmallChecks) come before any CUDA call and need no GPU; every other
 // test is named Gpu* (ctest label gpu) and skips itself without one.
@@ -68,7 +76,7 @@ std::string describe(const Format& f, int64_t N, int64_t K) {
 }
 
 // One random GPTQ linear in checkpoint tensors (N a multiple of 32: whole qzeros words at any
-// width, which matmul_ref requires).
+// width, which gptq's reference requires).
 struct Linear {
   Format f;
   int64_t N = 0, K = 0, G = 0;
@@ -138,18 +146,35 @@ std::vector<uint16_t> download(const DeviceBuffer& b, size_t n) {
   return v;
 }
 
+// y [M, N] = x [M, K] W^T, W dequantized by the reference formula and each weight rounded to
+// fp16 (the header says why), fp32 sums.
+std::vector<float> matmul_f16_weights(const gptq::GptqView& v, const std::vector<float>& x,
+                                      int64_t M) {
+  std::vector<float> W(size_t(v.N) * v.K);
+  gptq::dequantize_ref(v, W.data());
+  for (float& w : W) w = half_to_float(float_to_half(w));
+  std::vector<float> y(size_t(M) * v.N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < v.N; ++n) {
+      const float* xm = x.data() + m * v.K;
+      const float* wn = W.data() + n * v.K;
+      float acc = 0.f;
+      for (int64_t k = 0; k < v.K; ++k) acc += xm[k] * wn[k];
+      y[size_t(m) * v.N + n] = acc;
+    }
+  return y;
+}
+
 // The inputs of one comparison: x for the most tokens, the reference W x for all of them.
 struct Case {
   std::vector<uint16_t> xh;  // [64][K]
-  std::vector<float> ref;    // [64][N] = x W^T, fp32
+  std::vector<float> ref;    // [64][N] = x W^T, fp16 weights, fp32 sums
 };
 Case make_case(const Linear& L, uint32_t seed) {
   std::mt19937 rng(seed);
   Case c;
   c.xh = random_halves(size_t(cuda::kGemmSmallMaxRows) * L.K, 1.0f, rng);
-  const std::vector<float> x = to_floats(c.xh);
-  c.ref.resize(size_t(cuda::kGemmSmallMaxRows) * L.N);
-  gptq::matmul_ref(L.view, x.data(), cuda::kGemmSmallMaxRows, c.ref.data());
+  c.ref = matmul_f16_weights(L.view, to_floats(c.xh), cuda::kGemmSmallMaxRows);
   return c;
 }
 
@@ -347,9 +372,8 @@ TEST(GemmSmallSplits, GpuDownShapeWithPlannedSplits) {
   std::mt19937 rng(9);
   const int M = 5;
   std::vector<uint16_t> xh = random_halves(size_t(cuda::kGemmSmallMaxRows) * K, 1.0f, rng);
-  std::vector<float> x = to_floats(std::vector<uint16_t>(xh.begin(), xh.begin() + size_t(M) * K));
-  std::vector<float> ref(size_t(M) * N);
-  gptq::matmul_ref(L.view, x.data(), M, ref.data());
+  const std::vector<float> ref = matmul_f16_weights(
+      L.view, to_floats(std::vector<uint16_t>(xh.begin(), xh.begin() + size_t(M) * K)), M);
   const auto got = run_small(w, xh, M, N, RunOpts{});
   expect_matches(got, ref, M, N, describe(f, N, K) + " M=5, planned splits");
   cuda::gemv_free(w);
@@ -408,28 +432,35 @@ TEST(GemmSmallEpilogues, GpuResidualBiasReluMatchReference) {
   }
 }
 
+// The SiLU epilogue's reference for the first M tokens: gate and up ([64][H] each) rounded to
+// fp16, silu(gate) * up in fp32.
+std::vector<float> silu_of(const std::vector<float>& gate, const std::vector<float>& up, int M,
+                           int64_t H) {
+  std::vector<float> ref(size_t(M) * H);
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const float g = half_to_float(float_to_half(gate[i]));
+    const float u = half_to_float(float_to_half(up[i]));
+    ref[i] = g / (1.0f + std::exp(-g)) * u;
+  }
+  return ref;
+}
+
 // SiLU(gate) * up over [gate | up] prepared from two parts, as the model fuses them: output i
 // pairs rows i and N/2 + i, each rounded to fp16 before the fp32 SiLU (GemvEpilogue::silu_mul).
 TEST(GemmSmallEpilogues, GpuSiluOfGateUpMatchesReference) {
   KESTREL_REQUIRE_GPU();
   for (const Format& f : kEpilogueFormats) {
-    const int64_t H = 96, K = 800;  // 96 pairs: not a multiple of a block's 64 (32) pairs
+    const int64_t H = 96, K = 800;  // 96 pairs: not a multiple of a block's 64 (at 8 bits
+                                    // 32: three whole blocks)
     Linear gate = random_linear(f, H, K, 61);
     Linear up = random_linear(f, H, K, 62);
     if (f.act_order) up.view.g_idx = gate.view.g_idx;  // fused parts share g_idx
     GemvWeight w = cuda::gemv_prepare({gate.view, up.view}, nullptr);
     const Case cg = make_case(gate, 13);
-    std::vector<float> x = to_floats(cg.xh);
-    std::vector<float> ru(size_t(cuda::kGemmSmallMaxRows) * H);
-    gptq::matmul_ref(up.view, x.data(), cuda::kGemmSmallMaxRows, ru.data());
+    const std::vector<float> ru = matmul_f16_weights(up.view, to_floats(cg.xh), cuda::kGemmSmallMaxRows);
     for (int M : kAllM)
       for (int splits : {1, 2}) {
-        std::vector<float> ref(size_t(M) * H);
-        for (size_t i = 0; i < ref.size(); ++i) {
-          const float g = half_to_float(float_to_half(cg.ref[i]));
-          const float u = half_to_float(float_to_half(ru[i]));
-          ref[i] = g / (1.0f + std::exp(-g)) * u;
-        }
+        const std::vector<float> ref = silu_of(cg.ref, ru, M, H);
         RunOpts o;
         o.out.silu_mul = true;
         o.launch.splits = splits;
@@ -437,6 +468,168 @@ TEST(GemmSmallEpilogues, GpuSiluOfGateUpMatchesReference) {
                        describe(f, 2 * H, K) + " SiLU M=" + std::to_string(M) +
                            " splits=" + std::to_string(splits));
       }
+    cuda::gemv_free(w);
+  }
+}
+
+// ---- Launch plans ------------------------------------------------------------------------------------
+
+// Every combination of the plan's knobs (GemmSmallLaunch) but split-K, which each test varies
+// on top: warps per block 2/4/8 (32..128 rows, 16..64 SiLU pairs), ring depth 2, 3, 5, x
+// staged with each stage or once per K range, all tokens in one block or one n-tile per block
+// (token groups of blocks side by side, 2..8 of them).
+std::vector<GemmSmallLaunch> plan_variants() {
+  std::vector<GemmSmallLaunch> out;
+  for (int warps : {2, 4, 8})
+    for (int stages : {2, 3, 5})
+      for (int tiles : {0, 1})
+        for (bool once : {false, true}) {
+          GemmSmallLaunch l;
+          l.warps = warps;
+          l.stages = stages;
+          l.token_tiles = tiles;
+          l.x_once = once;
+          out.push_back(l);
+        }
+  return out;
+}
+
+std::string plan_label(const GemmSmallLaunch& l) {
+  return "w" + std::to_string(l.warps) + "_s" + std::to_string(l.stages) + "_t" +
+         std::to_string(l.token_tiles) + (l.x_once ? "_xonce" : "_xstage");
+}
+
+// Whether the call of o fits the device: a plan whose shared memory does not fit is refused
+// (and must say so), and the test skips that combination.
+bool plan_fits(const GemvWeight& w, int M, const RunOpts& o, const std::string& what) {
+  try {
+    cuda::gemm_small_workspace_bytes(w, M, o.launch, o.out);
+    return true;
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("bytes of shared memory")) << what;
+    return false;
+  }
+}
+
+// The formats each plan runs: asymmetric act-order (gathered x, v2 zeros), 8-bit per row, 3-bit
+// (three planes), 2-bit.
+const Format kPlanFormats[] = {{4, 128, false, true, 0}, {8, -1, true, false, 1},
+                               {3, 64, true, false, 1}, {2, 32, false, false, 0}};
+
+class GpuGemmSmallPlans : public ::testing::TestWithParam<GemmSmallLaunch> {};
+
+// N = 160 (not a multiple of 64 or 128 rows), K = 2080 (5 stages, the last one unit: x staged
+// once holds 5, or 2 at 3 splits), M across n-tiles and token groups (M = 40: 5 groups of one
+// n-tile, the last partial), split-K by the plan and forced; the residual aliasing y with
+// bias and ReLU (the epilogue's token offset); SiLU over [gate | up].
+TEST_P(GpuGemmSmallPlans, MatchReference) {
+  KESTREL_REQUIRE_GPU();
+  const GemmSmallLaunch plan = GetParam();
+  int ran = 0;
+  std::mt19937 rng(6);
+  for (const Format& f : kPlanFormats) {
+    const int64_t N = 160, K = 2080;
+    Linear L = random_linear(f, N, K, 81);
+    GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+    const Case c = make_case(L, 19);
+    for (int M : {1, 9, 17, 40, 64})
+      for (int splits : {0, 3}) {
+        RunOpts o;
+        o.launch = plan;
+        o.launch.splits = splits;
+        const std::string what = describe(f, N, K) + " M=" + std::to_string(M) +
+                                 " splits=" + std::to_string(splits) + " " + plan_label(plan);
+        if (!plan_fits(w, M, o, what)) continue;
+        ++ran;
+        expect_matches(run_small(w, c.xh, M, N, o), ref_rows(c, N, M), M, N, what);
+      }
+    {
+      const int M = 40;
+      const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
+      const std::vector<uint16_t> bias = random_halves(N, 0.5f, rng);
+      std::vector<float> ref = ref_rows(c, N, M);
+      for (int m = 0; m < M; ++m)
+        for (int64_t i = 0; i < N; ++i) {
+          const size_t k = size_t(m) * N + i;
+          ref[k] = std::max(ref[k] + half_to_float(res[k]) + half_to_float(bias[i]), 0.f);
+        }
+      RunOpts o;
+      o.launch = plan;
+      o.launch.splits = 2;
+      o.residual = &res;
+      o.alias = true;
+      o.out.relu = true;
+      const std::string what = describe(f, N, K) + " M=40 splits=2 residual aliasing y + bias + relu " +
+                               plan_label(plan);
+      if (plan_fits(w, M, o, what)) {
+        ++ran;
+        expect_matches(run_small(w, c.xh, M, N, o, &bias), ref, M, N, what);
+      }
+    }
+    cuda::gemv_free(w);
+
+    const int64_t H = 96, Ks = 800;
+    Linear gate = random_linear(f, H, Ks, 61);
+    Linear up = random_linear(f, H, Ks, 62);
+    if (f.act_order) up.view.g_idx = gate.view.g_idx;
+    GemvWeight wg = cuda::gemv_prepare({gate.view, up.view}, nullptr);
+    const Case cg = make_case(gate, 13);
+    const std::vector<float> ru =
+        matmul_f16_weights(up.view, to_floats(cg.xh), cuda::kGemmSmallMaxRows);
+    for (int M : {7, 33})
+      for (int splits : {0, 2}) {
+        RunOpts o;
+        o.launch = plan;
+        o.launch.splits = splits;
+        o.out.silu_mul = true;
+        const std::string what = describe(f, 2 * H, Ks) + " SiLU M=" + std::to_string(M) +
+                                 " splits=" + std::to_string(splits) + " " + plan_label(plan);
+        if (!plan_fits(wg, M, o, what)) continue;
+        ++ran;
+        expect_matches(run_small(wg, cg.xh, M, H, o), silu_of(cg.ref, ru, M, H), M, H, what);
+      }
+    cuda::gemv_free(wg);
+  }
+  EXPECT_GT(ran, 0) << plan_label(plan) << ": no call fits";
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuGemmSmallPlans, ::testing::ValuesIn(plan_variants()),
+                         [](const ::testing::TestParamInfo<GemmSmallLaunch>& i) {
+                           return plan_label(i.param);
+                         });
+
+// The planner's own choice is the design's plan (docs/gemm-small.md): 8 warps (4 at 8 bits),
+// a ring of 4, 4, 3, 2 stages at 1, 2, 4, 8 n-tiles, all tokens in one block, x with each
+// stage; a field that is set comes back as it was.
+TEST(GemmSmallPlans, GpuDefaultIsTheDesignPlan) {
+  KESTREL_REQUIRE_GPU();
+  for (int bits : {4, 8}) {
+    const Format f{bits, 128, true, false, 1};
+    Linear L = random_linear(f, 256, 4096, 91);
+    GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+    const int want_stages[] = {4, 4, 3, 2}, want_tiles[] = {1, 2, 4, 8};
+    int i = 0;
+    for (int M : {8, 16, 32, 64}) {
+      const GemmSmallLaunch p = cuda::gemm_small_plan(w, M);
+      EXPECT_EQ(p.warps, bits == 8 ? 4 : 8) << "bits=" << bits << " M=" << M;
+      EXPECT_EQ(p.stages, want_stages[i]) << "bits=" << bits << " M=" << M;
+      EXPECT_EQ(p.token_tiles, want_tiles[i]) << "bits=" << bits << " M=" << M;
+      EXPECT_FALSE(p.x_once);
+      EXPECT_GE(p.splits, 1);
+      ++i;
+    }
+    GemmSmallLaunch l;
+    l.warps = 2;
+    l.stages = 3;
+    l.token_tiles = 1;
+    l.x_once = true;
+    l.splits = 2;
+    const GemmSmallLaunch p = cuda::gemm_small_plan(w, 64, l);
+    EXPECT_EQ(p.warps, 2);
+    EXPECT_EQ(p.stages, 3);
+    EXPECT_EQ(p.token_tiles, 1);
+    EXPECT_TRUE(p.x_once);
+    EXPECT_EQ(p.splits, 2);
     cuda::gemv_free(w);
   }
 }
@@ -521,6 +714,33 @@ TEST(GemmSmallChecks, RefusesEpiloguesItDoesNotHave) {
   idx.out_index = reinterpret_cast<const int32_t*>(uintptr_t(0x30000));
   EXPECT_THAT(message_of(fake_weight(), kX, 4, kY, nullptr, idx),
               HasSubstr("out_index and residual_index are not supported"));
+}
+
+std::string plan_message(const GemmSmallLaunch& l) {
+  try {
+    cuda::gemm_small(fake_weight(), kX, 4, kY, nullptr, nullptr, 0, nullptr, {}, l);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// A plan's fields are checked before the device is asked anything.
+TEST(GemmSmallChecks, RefusesPlansItDoesNotHave) {
+  GemmSmallLaunch l;
+  l.warps = 3;
+  EXPECT_EQ(plan_message(l), "gemm_small: warps=3 is not 2, 4 or 8");
+  l = {};
+  l.stages = 1;
+  EXPECT_EQ(plan_message(l), "gemm_small: stages=1 is outside 2..8");
+  l.stages = 9;
+  EXPECT_EQ(plan_message(l), "gemm_small: stages=9 is outside 2..8");
+  l = {};
+  l.token_tiles = 3;
+  EXPECT_EQ(plan_message(l), "gemm_small: token_tiles=3 is not 1, 2, 4 or 8");
+  l = {};
+  l.splits = 2;  // K = 512: one stage
+  EXPECT_EQ(plan_message(l), "gemm_small: splits=2 is outside 1..1 for K=512 (1 stages)");
 }
 
 // The workspace size is checked once the launch is planned (it depends on the device).

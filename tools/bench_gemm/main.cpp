@@ -14,6 +14,10 @@
 // is the smallest M at which quant beats the GEMVs (kernels/gemm/gemm.h's kGemmMinRows).
 // fused / gemv1 is the fused GEMM's time over one batch-1 GEMV's (its targets on the 7B shapes at
 // 4-bit g128: within 1.3x up to M = 16, 2x at M = 64, and below quant at every M <= 64).
+// With --fused-sweep, only the fused GEMM's launch plans instead: per shape and M in
+// --sweep-m, every candidate GemmSmallLaunch (warps per block, ring depth, token tiles, x staged
+// once or per stage, split-K) that fits, the default plan's time next to the best one's, the
+// best few listed, and one layer's total under each (which plan to make the default).
 //
 // Method: CUDA events around each call after warm-up, median of --reps. GEMV and fused timings
 // rotate over enough weight copies (> 4 x L2) that the codes come from HBM; the GEMMs at the sizes where they
@@ -26,7 +30,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <random>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/base/device.h"
@@ -56,6 +62,10 @@ struct Options {
   // cuBLASLt workspace (MiB), at each token count; run when either list is not just 32.
   std::vector<int> slice_mib{32}, workspace_mib{32};
   std::vector<int> sweep_rows{128, 256, 512, 1024, 2048};
+  // The fused GEMM's plan sweep (--fused-sweep) and its token counts.
+  bool fused_sweep = false;
+  std::vector<int> fused_sweep_m{1, 4, 8, 16, 32, 64};
+  int fused_top = 5;  // plans listed per (shape, M)
 };
 
 // A random GPTQ linear: any word of random bits is a valid stream of codes.
@@ -109,6 +119,117 @@ double time_ms(int reps, Fn fn) {
   return ms[reps / 2];
 }
 
+std::string plan_label(const cuda::GemmSmallLaunch& l) {
+  return fmt::format("w{} st{} tt{} {} sp{}", l.warps, l.stages, l.token_tiles,
+                     l.x_once ? "x-once " : "x-stage", l.splits);
+}
+
+// The candidate plans of the sweep for M tokens: warps 2/4/8 x ring 2/3/4/6 x token tiles (all
+// of M's n-tiles, half, a quarter) x x once or per stage x split-K (the planner's, then forced).
+std::vector<cuda::GemmSmallLaunch> fused_candidates(int M) {
+  const int tiles = (M + 7) / 8;
+  const int need = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
+  std::vector<cuda::GemmSmallLaunch> out;
+  for (int warps : {2, 4, 8})
+    for (int stages : {2, 3, 4, 6})
+      for (int tt = need; tt >= std::max(1, need / 4); tt /= 2)
+        for (bool once : {false, true})
+          for (int splits : {0, 1, 2, 3, 4, 6, 8, 12, 16}) {
+            cuda::GemmSmallLaunch l;
+            l.warps = warps;
+            l.stages = stages;
+            l.token_tiles = tt;
+            l.x_once = once;
+            l.splits = splits;
+            out.push_back(l);
+          }
+  return out;
+}
+
+// --fused-sweep: every candidate plan of the fused GEMM per (shape, M), timed as the main table
+// times it (weights rotated past L2).
+int run_fused_sweep(const Options& o, const std::vector<Shape>& shapes, const DeviceBuffer& x,
+                    DeviceBuffer& y, std::mt19937& rng) {
+  const cuda::DeviceInfo& dev = cuda::current_device_info();
+  struct Timed {
+    cuda::GemmSmallLaunch plan;
+    double ms;
+  };
+  // [shape][M]: the default plan and the best found.
+  std::vector<std::vector<Timed>> defaults(shapes.size()), bests(shapes.size());
+  std::vector<double> gemv1(shapes.size());
+  std::vector<int> ms;  // x holds --max-rows tokens
+  for (int M : o.fused_sweep_m)
+    if (M <= o.max_rows) ms.push_back(M);
+  for (size_t si = 0; si < shapes.size(); ++si) {
+    const Shape& s = shapes[si];
+    GemvWeight w = random_weight(s, o, rng);
+    const int copies = (int)std::max<size_t>(2, 4 * dev.l2_bytes / w.device_bytes + 1);
+    std::vector<GemvWeight> rot{w};
+    for (int i = 1; i < copies; ++i) rot.push_back(cuda::gemv_clone(w, nullptr));
+    int next = 0;
+    gemv1[si] = time_ms(o.reps, [&] {
+      cuda::gemv(rot[next++ % rot.size()], x.as<__half>(), y.as<__half>(), nullptr, nullptr);
+    });
+    for (int M : ms) {
+      // The plans that fit, resolved, and the largest workspace among them.
+      std::vector<cuda::GemmSmallLaunch> plans;
+      std::set<std::tuple<int, int, int, bool, int>> seen;  // a forced split may be the planner's
+      size_t ws_bytes = 16;
+      for (const cuda::GemmSmallLaunch& c : fused_candidates(M)) {
+        try {
+          const size_t b = cuda::gemm_small_workspace_bytes(w, M, c);
+          const cuda::GemmSmallLaunch r = cuda::gemm_small_plan(w, M, c);
+          if (!seen.insert({r.warps, r.stages, r.token_tiles, r.x_once, r.splits}).second) continue;
+          plans.push_back(r);
+          ws_bytes = std::max(ws_bytes, b);
+        } catch (const Error&) {
+          // A plan the device or the shape refuses (shared memory, splits past the stages).
+        }
+      }
+      DeviceBuffer ws(ws_bytes);
+      auto time_plan = [&](const cuda::GemmSmallLaunch& l) {
+        // Plans lay out their split-K counters differently: zeroed before each, as a caller
+        // zeroes a workspace once.
+        KESTREL_CUDA_CHECK(cudaMemset(ws.get(), 0, ws_bytes));
+        return time_ms(o.reps, [&] {
+          cuda::gemm_small(rot[next++ % rot.size()], x.as<__half>(), M, y.as<__half>(), nullptr,
+                           ws.get(), ws_bytes, nullptr, {}, l);
+        });
+      };
+      const cuda::GemmSmallLaunch def = cuda::gemm_small_plan(w, M);
+      const double def_ms = time_plan({});
+      std::vector<Timed> timed;
+      for (const cuda::GemmSmallLaunch& l : plans) timed.push_back({l, time_plan(l)});
+      std::sort(timed.begin(), timed.end(), [](const Timed& a, const Timed& b) { return a.ms < b.ms; });
+      defaults[si].push_back({def, def_ms});
+      bests[si].push_back(timed.empty() ? Timed{def, def_ms} : timed[0]);
+      fmt::print("{:>8} M={:<3} default {:<28} {:.4f} ms ({:.2f}x gemv1) | best {:<28} {:.4f} ms "
+                 "({:.2f}x gemv1, {:.2f}x faster) | {} plans\n",
+                 s.name, M, plan_label(def), def_ms, def_ms / gemv1[si], plan_label(bests[si].back().plan),
+                 bests[si].back().ms, bests[si].back().ms / gemv1[si], def_ms / bests[si].back().ms,
+                 timed.size());
+      for (size_t i = 0; i < timed.size() && i < size_t(o.fused_top); ++i)
+        fmt::print("{:>14} #{} {:<28} {:.4f} ms\n", "", i + 1, plan_label(timed[i].plan), timed[i].ms);
+    }
+    for (GemvWeight& r : rot) cuda::gemv_free(r);
+  }
+  // One layer (the four linears) per M: the default plans against the best of each.
+  fmt::print("\n{:>6} | {:>12} {:>12} {:>12} | {:>10}\n", "M", "layer gemv1", "default ms",
+             "best ms", "def/best");
+  double g1 = 0;
+  for (double v : gemv1) g1 += v;
+  for (size_t mi = 0; mi < ms.size(); ++mi) {
+    double d = 0, b = 0;
+    for (size_t si = 0; si < shapes.size(); ++si) d += defaults[si][mi].ms, b += bests[si][mi].ms;
+    fmt::print("{:>6} | {:>12.4f} {:>12.4f} {:>12.4f} | {:>9.2f}x\n", ms[mi], g1, d, b,
+               d / b);
+  }
+  fmt::print("(plan: w warps per block, st ring stages, tt token tiles per block, x once or per "
+             "stage, sp split-K ranges; gemv1 = one batch-1 GEMV)\n");
+  return 0;
+}
+
 int run(const Options& o) {
   const cuda::DeviceInfo& dev = cuda::current_device_info();
   fmt::print("device: {} ({} SMs, L2 {} MB)\n", dev.name, dev.sm_count, dev.l2_bytes >> 20);
@@ -143,6 +264,7 @@ int run(const Options& o) {
   for (auto& v : xh) v = float_to_half(nd(rng));
   DeviceBuffer x(xh.size() * 2), y((size_t)o.max_rows * maxN * 2);
   KESTREL_CUDA_CHECK(cudaMemcpy(x.get(), xh.data(), xh.size() * 2, cudaMemcpyHostToDevice));
+  if (o.fused_sweep) return run_fused_sweep(o, shapes, x, y, rng);
   cuda::GemmRunner runner;
 
   // Powers of two, and the token counts that break the fused kernel's n-tiles of 8.
@@ -281,8 +403,7 @@ int run(const Options& o) {
               scratch_elems, cuda::quant_gemm_scratch_elems(w, o.max_rows, mem.slice_halves));
         DeviceBuffer scratch(scratch_elems * 2);
         for (int M : o.sweep_rows) {
-          if (M > o.max_rows) continue;
-          const double ms = time_ms(o.reps, [&] {
+              const double ms = time_ms(o.reps, [&] {
             for (const GemvWeight& w : ws)
               cuda::quant_gemm(r, w, x.as<__half>(), M, y.as<__half>(), nullptr,
                                scratch.as<__half>(), nullptr);
@@ -340,6 +461,11 @@ int main(int argc, char** argv) {
   app.add_option("--workspace-mib", o.workspace_mib, "memory sweep: cuBLASLt workspaces, MiB")
       ->check(CLI::Range(0, 1024));
   app.add_option("--sweep-rows", o.sweep_rows, "memory sweep: token counts")->check(CLI::Range(1, 8192));
+  app.add_flag("--fused-sweep", o.fused_sweep,
+               "time every launch plan of the fused small-M GEMM per shape and M (only that)");
+  app.add_option("--sweep-m", o.fused_sweep_m, "fused sweep: token counts")->check(CLI::Range(1, 64));
+  app.add_option("--sweep-top", o.fused_top, "fused sweep: plans listed per shape and M")
+      ->check(CLI::NonNegativeNumber);
   app.set_version_flag("--version", "kestrel-bench-gemm " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
   // Without a GPU, say so as kestrel does (engine/base/device.h), not as the first CUDA call fails.
