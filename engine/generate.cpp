@@ -6,6 +6,7 @@
 #include <random>
 
 #include "engine/base/error.h"
+#include "engine/speculative.h"
 
 namespace kestrel {
 
@@ -87,12 +88,12 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
   const int vocab = model.config().vocab;
   const SamplingParams& sp = sampler.params();
   const bool greedy = sp.temperature <= 0.0f;
-  const bool penalties = sp.repeat_penalty != 1.0f || sp.frequency_penalty != 0.0f ||
-                         sp.presence_penalty != 0.0f;
+  const bool penalties = sampler.has_penalties();
   // Greedy without penalties or logprobs needs only each row's argmax, which a GPU model takes
   // on the device (Session::forward_argmax_rows).
   const bool argmax_rows = greedy && !penalties && opt.logprobs <= 0;
   std::mt19937_64 rng(sp.seed ^ 0x9E3779B97F4A7C15ULL);  // the accept/reject test's own stream
+  opt.drafter->restart(sp.seed);
   DraftLength length(opt.draft_max);
   Draft draft;
   std::vector<int> tokens, best;
@@ -327,8 +328,7 @@ GenerateResult generate_cached(Session& session, const Tokenizer& tok,
                                const std::function<void(std::string_view)>& on_text) {
   KESTREL_CHECK(!prompt_ids.empty(), "the prompt is empty (no tokens to start from)");
   std::vector<int>& cache = session.cached;
-  size_t keep = 0;
-  while (keep < cache.size() && keep < prompt_ids.size() && cache[keep] == prompt_ids[keep]) ++keep;
+  size_t keep = shared_prefix(cache, prompt_ids);
   // The last prompt id always runs: its logits start the generation.
   keep = std::min(keep, prompt_ids.size() - 1);
   // Whatever happens below, the cache is only known up to the shared prefix.

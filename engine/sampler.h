@@ -36,6 +36,10 @@ class Sampler {
   // `logits` is modified in place by the penalties.
   int sample(float* logits, int vocab, const std::vector<int>& history);
   const SamplingParams& params() const { return p_; }
+  // Whether any penalty changes the logits (repetition, frequency or presence).
+  bool has_penalties() const {
+    return p_.repeat_penalty != 1.0f || p_.frequency_penalty != 0.0f || p_.presence_penalty != 0.0f;
+  }
 
   // The penalties alone, as sample() applies them (exposed for tests and logprobs).
   void apply_penalties(float* logits, int vocab, const std::vector<int>& history);

@@ -4,6 +4,12 @@
 
 namespace kestrel {
 
+size_t shared_prefix(const std::vector<int>& a, const std::vector<int>& b) {
+  size_t n = 0;
+  while (n < a.size() && n < b.size() && a[n] == b[n]) ++n;
+  return n;
+}
+
 void NgramDrafter::propose(const std::vector<int>& history, int k, Draft& out) {
   out.clear();
   const int n = (int)history.size();
@@ -20,26 +26,39 @@ void NgramDrafter::propose(const std::vector<int>& history, int k, Draft& out) {
   }
 }
 
-ModelDrafter::ModelDrafter(Session& draft, const SamplingParams& sampling)
-    : s_(draft), sampler_(sampling), rng_(sampling.seed ^ 0x5DEECE66DULL),
+ModelDrafter::ModelDrafter(Session& draft, const SamplingParams& sampling, int target_vocab)
+    : target_vocab_(target_vocab > 0 ? target_vocab : draft.config().vocab),
+      s_(draft),
+      sampler_(sampling),
+      rng_(sampling.seed ^ 0x5DEECE66DULL),
       logits_(draft.config().vocab) {}
+
+void ModelDrafter::restart(uint64_t seed) { rng_.seed(seed ^ 0x5DEECE66DULL); }
 
 void ModelDrafter::propose(const std::vector<int>& history, int k, Draft& out) {
   out.clear();
   const int n = (int)history.size();
-  k = std::min(k, s_.context_length() - n);
+  // The draft runs positions n-1 .. n+k-2: its last id is proposed, never run.
+  k = std::min(k, s_.context_length() - n + 1);
   if (k <= 0 || n == 0) return;
   std::vector<int>& cache = s_.cached;
-  size_t keep = 0;
-  while (keep < cache.size() && keep < history.size() && cache[keep] == history[keep]) ++keep;
+  size_t keep = shared_prefix(cache, history);
   keep = std::min(keep, history.size() - 1);  // the last id runs: its logits draft the first
+  // An id past the draft's table (the target's padding rows) cannot run in it: no draft.
+  for (size_t i = keep; i < history.size(); ++i)
+    if (history[i] < 0 || history[i] >= (int)logits_.size()) return;
   cache.resize(keep);
   const SamplingParams& sp = sampler_.params();
   const bool greedy = sp.temperature <= 0.0f;
-  const int vocab = (int)logits_.size();
+  // The device's argmax sees raw logits: with penalties, or ids the target lacks, the host
+  // takes the argmax of the transformed logits instead.
+  const bool raw_argmax = greedy && !sampler_.has_penalties() &&
+                          (int)logits_.size() <= target_vocab_;
+  // Ids past the target's vocabulary (a larger draft table's padding) are never proposed.
+  const int vocab = std::min((int)logits_.size(), target_vocab_);
   std::vector<int> seq = history;  // for the penalties of the draft's transform
   int id = -1;
-  if (greedy && n - (int)keep == 1) {
+  if (raw_argmax && n - (int)keep == 1) {
     id = s_.forward_argmax(history.back(), n - 1);
   } else {
     s_.forward(history.data() + keep, n - (int)keep, (int)keep, logits_.data());
@@ -47,7 +66,7 @@ void ModelDrafter::propose(const std::vector<int>& history, int k, Draft& out) {
   cache.insert(cache.end(), history.begin() + keep, history.end());
   for (int i = 0; i < k; ++i) {
     if (i > 0) {
-      if (greedy) {
+      if (raw_argmax) {
         id = s_.forward_argmax(out.ids.back(), n + i - 1);
       } else {
         s_.forward(&out.ids.back(), 1, n + i - 1, logits_.data());
@@ -62,6 +81,7 @@ void ModelDrafter::propose(const std::vector<int>& history, int k, Draft& out) {
     } else {
       sampler_.apply_penalties(logits_.data(), vocab, seq);
       out.q.push_back(sampler_.distribution(logits_.data(), vocab));
+      out.q.back().resize(target_vocab_, 0.0);  // over the target's ids
       id = draw_from(out.q.back(), rng_);
     }
     out.ids.push_back(id);

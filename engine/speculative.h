@@ -6,6 +6,7 @@
 // plain decoding; docs/speculative.md has the algorithm and why it is exact.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <random>
 #include <string>
@@ -37,6 +38,10 @@ class Drafter {
   // runs next), written to `out` (cleared first). Fewer or none when it knows nothing better.
   virtual void propose(const std::vector<int>& history, int k, Draft& out) = 0;
   virtual std::string name() const = 0;
+  // Called as each generation starts, with its seed: a drafter that draws at random restarts
+  // its stream there, so that a seed pins a generation's output whatever ran before it (a
+  // batch's earlier lines, a chat's earlier turns), as it does without speculation.
+  virtual void restart(uint64_t /*seed*/) {}
 };
 
 // Prompt lookup decoding (llama.cpp's lookup, vLLM's ngram proposer): finds the most recent
@@ -61,13 +66,18 @@ class NgramDrafter final : public Drafter {
 // caller moved it (a new prompt, a chat dropping its oldest exchanges). Greedy sampling (a
 // temperature of 0) drafts the argmax; otherwise the drafts are drawn by `sampling`'s
 // transform of the draft logits, and their distributions are handed back for the test.
+// The two models may have embedding tables of different sizes over one tokenizer (Qwen2.5's
+// small models pad to 151,936 ids, the large to 152,064): drafts stay below target_vocab (0 =
+// the draft's own), and each q is a distribution over the target's ids, zero past the draft's.
 class ModelDrafter final : public Drafter {
  public:
-  ModelDrafter(Session& draft, const SamplingParams& sampling);
+  ModelDrafter(Session& draft, const SamplingParams& sampling, int target_vocab = 0);
   void propose(const std::vector<int>& history, int k, Draft& out) override;
   std::string name() const override { return "draft"; }
+  void restart(uint64_t seed) override;
 
  private:
+  int target_vocab_;
   Session& s_;
   Sampler sampler_;  // its distribution() only: the transform of the draft's logits
   std::mt19937_64 rng_;
@@ -94,6 +104,9 @@ class DraftLength {
 // max(0, p - q) normalized (for a point mass: p without x). *accepted says which.
 int accept_or_resample(const std::vector<double>& p, int x, const std::vector<double>* q,
                        std::mt19937_64& rng, bool* accepted);
+
+// The length of the longest common prefix of a and b.
+size_t shared_prefix(const std::vector<int>& a, const std::vector<int>& b);
 
 // An id drawn from the distribution p [vocab] (summing to 1 up to rounding).
 int draw_from(const std::vector<double>& p, std::mt19937_64& rng);

@@ -25,8 +25,7 @@ class SpecCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     for (const auto& [name, extra] : {std::pair<std::string, std::string>{"target", "--seed 3 --layers 2"},
-                                      {"draft", "--seed 4 --layers 1"},
-                                      {"other_vocab", "--seed 4 --layers 1 --vocab 1100"}}) {
+                                      {"draft", "--seed 4 --layers 1"}}) {
       const auto r = run_command(kSynth + " --shape tiny --dtype gptq --bits 4 "
                                           "--group-size 64 --quiet " + extra + " --out " +
                                  (scratch() / name).string());
@@ -55,11 +54,18 @@ TEST_F(SpecCli, MistakesAreOneLine) {
                         "--draft-max: must be between 1 and 64, got 0");
   expect_one_line_error(run_command(gen("-p hi --spec lookup --draft-max 65")),
                         "--draft-max: must be between 1 and 64, got 65");
-  expect_one_line_error(run_command(gen("-p hi -q --spec draft --draft-model " + dir("other_vocab"))),
+  // Another tokenizer (the docs model's SentencePiece against the tiny models' BPE).
+  const std::string docs = std::string(KESTREL_DATA_DIR) + "/docs-llama-19m-gptq4";
+  expect_one_line_error(run_command(gen("-p hi -q --spec draft --draft-model " + docs)),
                         "its vocabulary differs");
   expect_one_line_error(
       run_command(kKestrel + " chat --device cpu -m " + dir("target") + " --spec draft </dev/null"),
       "--spec draft needs --draft-model");
+  expect_one_line_error(run_command(gen("-p hi --draft-max 4")), "--draft-max goes with --spec");
+  // A mistyped draft directory is named before the model loads.
+  expect_one_line_error(run_command(gen("-p hi --spec draft --draft-model " + dir("missing"))),
+                        "--draft-model " + dir("missing") + ": no such directory");
+  expect_one_line_error(run_command(gen("-p hi -md " + dir("draft"))), "--draft-model DIR");
   const std::string bench = kKestrel + " bench --device cpu -m " + dir("target");
   expect_one_line_error(run_command(bench + " --spec lookup -n 8 -r 1"), "--spec needs a text prompt");
   expect_one_line_error(run_command(bench + " --prompt hi -n 8 -r 1"), "-f and --prompt go with --spec");
@@ -89,6 +95,27 @@ TEST_F(SpecCli, GenerateGreedyTextIsPlainDecodings) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("speculative ="), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("tokens per step"), std::string::npos) << r.err;
+}
+
+// A draft model over the same tokenizer with a larger embedding table (padding rows, as
+// between Qwen2.5's small and large models) drafts, and the text is still plain decoding's. An
+// option given twice takes its last value, as llama.cpp's do.
+TEST_F(SpecCli, DraftWithAPaddedTableAndRepeatedOptions) {
+  const auto cfg = nlohmann::json::parse(kestrel::test::read_file(scratch() / "target" / "config.json"));
+  const int vocab = cfg["vocab_size"].get<int>();
+  const auto synth = run_command(kSynth + " --shape tiny --dtype gptq --bits 4 --group-size 64 "
+                                          "--quiet --seed 4 --layers 1 --tokenizer " + dir("target") +
+                                 " --vocab " + std::to_string(vocab + 64) + " --out " + dir("padded"));
+  ASSERT_EQ(synth.code, 0) << synth.err;
+  const auto plain = run_command(gen("-p " + kPrompt + " -n 32 --temp 0 --ignore-eos --json -q"));
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  const auto r = run_command(gen("-p " + kPrompt + " -n 32 --temp 0 --ignore-eos --json -q "
+                                 "--spec lookup --spec draft --draft-model " + dir("padded")));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out), want = nlohmann::json::parse(plain.out);
+  EXPECT_EQ(j["ids"], want["ids"]);
+  EXPECT_GT(j["timings"]["drafted_tokens"].get<int>(), 0);
+  EXPECT_EQ(j["timings"]["steps"].get<int>() > 0, true);
 }
 
 // A conversation whose context is so short that the oldest exchanges are dropped: the

@@ -56,6 +56,12 @@ inline void write_file(const std::filesystem::path& path, const std::string& tex
   std::ofstream(path, std::ios::binary) << text;
 }
 
+// The whole of a file, as it is (binary); empty when it cannot be read.
+inline std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
 // English-like text from a small vocabulary with random punctuation and line breaks: `words`
 // words, the same for the same seed (perplexity and calibration inputs).
 inline std::string make_text(int words, uint32_t seed) {

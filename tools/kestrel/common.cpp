@@ -59,6 +59,10 @@ std::string unknown_option_message(const std::string& opt) {
   // llama.cpp's options that Kestrel has no use for say why.
   if (opt == "-ngl" || opt == "--n-gpu-layers" || opt == "--gpu-layers")
     return "unknown option " + opt + " (the whole model runs on one device: --device cpu|cuda)";
+  if (opt == "-md" || opt == "--model-draft")
+    return "unknown option " + opt + " (the draft model is --draft-model DIR, with --spec draft)";
+  if (opt == "--draft" || opt == "--draft-n" || opt == "--draft-min")
+    return "unknown option " + opt + " (the most tokens drafted per step is --draft-max N)";
   return "unknown option " + opt;
 }
 
@@ -410,16 +414,19 @@ std::string describe_sampling(const SamplingParams& p) {
 void add_spec_options(CLI::App* cmd, SpecOptions& s) {
   cmd->add_option("--spec", s.kind,
                   "speculative decoding: lookup (drafts from n-grams of the context) or draft "
-                  "(a smaller model with the same vocabulary drafts, --draft-model)")
+                  "(a smaller model with the same vocabulary drafts, --draft-model); default off")
       ->check(CLI::Validator(
           [](std::string& in) -> std::string {
-            return in == "lookup" || in == "draft" ? "" : "must be lookup or draft, got " + in;
+            if (in == "lookup" || in == "draft") return "";
+            if (!in.empty() && in[0] == '-') return "needs a value, lookup or draft, before " + in;
+            return "must be lookup or draft, got " + in;
           },
           "lookup|draft"));
   cmd->add_option("--draft-model", s.draft_model, "with --spec draft: the draft model's directory");
   cmd->add_option("--draft-max", s.draft_max,
                   "with --spec: most tokens drafted per step (adapted below it to the acceptance)")
       ->check(whole(1, kMaxDraftMax))
+      ->each([&s](const std::string&) { s.draft_max_given = true; })
       ->capture_default_str();
 }
 
@@ -428,6 +435,17 @@ void check_spec_options(const SpecOptions& s) {
     throw CLI::ValidationError("--spec draft needs --draft-model DIR (the drafting model)");
   if (!s.draft_model.empty() && s.kind != "draft")
     throw CLI::ValidationError("--draft-model goes with --spec draft");
+  if (s.draft_max_given && s.kind.empty())
+    throw CLI::ValidationError("--draft-max goes with --spec lookup or --spec draft");
+  // A mistyped draft directory is found before the model loads, not after.
+  if (!s.draft_model.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::exists(s.draft_model, ec))
+      throw CLI::ValidationError("--draft-model " + s.draft_model + ": no such directory");
+    if (!std::filesystem::is_directory(s.draft_model, ec))
+      throw CLI::ValidationError("--draft-model " + s.draft_model +
+                                 ": not a directory (a model directory is expected)");
+  }
 }
 
 namespace {
@@ -435,8 +453,8 @@ namespace {
 // "" when the draft's tokenizer and model agree with the target's on every id, else what
 // differs first.
 std::string vocabulary_difference(const LoadedModel& target, const LoadedModel& draft) {
-  const int tv = target.spec->config.vocab, dv = draft.spec->config.vocab;
-  if (tv != dv) return fmt::format("{} ids in its vocabulary against the model's {}", dv, tv);
+  // The embedding tables may differ in size (padding rows past the tokenizer's ids, as
+  // between Qwen2.5's small and large models); the tokenizers must not.
   const Tokenizer &t = *target.tok, &d = *draft.tok;
   if (t.vocab_size() != d.vocab_size())
     return fmt::format("{} tokens in its tokenizer against the model's {}", d.vocab_size(),
@@ -465,18 +483,36 @@ Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
     ModelOptions o = target_opts;
     o.dir = s.draft_model;
     o.device = target.device;
-    o.context = target.session->context_length();
-    sp.draft = std::make_unique<LoadedModel>(open_model(o, /*quiet=*/true));
+    // Errors of the draft's files say which model they are about.
+    auto as_draft = [&](auto&& load) {
+      try {
+        return load();
+      } catch (const Error& e) {
+        throw Error(fmt::format("--draft-model {}: {}", s.draft_model, e.what()));
+      }
+    };
+    sp.draft = std::make_unique<LoadedModel>(as_draft([&] {
+      // The target's context, or the draft's own limit where that is shorter: past it the
+      // draft proposes nothing and the target decodes on alone.
+      const ModelSpec probe = load_model_spec(o.dir);
+      o.context = target.session->context_length();
+      if (probe.config.max_pos > 0) o.context = std::min(o.context, probe.config.max_pos);
+      return open_model(o, /*quiet=*/true);
+    }));
     const std::string diff = vocabulary_difference(target, *sp.draft);
     if (!diff.empty())
       throw Error(fmt::format("--draft-model {}: its vocabulary differs from {}'s ({}); the "
                               "draft model must share the model's tokenizer",
                               s.draft_model, target_opts.dir, diff));
-    load_weights(*sp.draft, o, /*quiet=*/true);
+    as_draft([&] {
+      load_weights(*sp.draft, o, /*quiet=*/true);
+      return 0;
+    });
     note(quiet, fmt::format("draft model {} ({}) on {}, context {}", s.draft_model,
                             format_text(sp.draft->spec->config), sp.draft->model->device_name(),
                             sp.draft->session->context_length()));
-    sp.drafter = std::make_unique<ModelDrafter>(*sp.draft->session, sampling);
+    sp.drafter = std::make_unique<ModelDrafter>(*sp.draft->session, sampling,
+                                                target.spec->config.vocab);
   }
   return sp;
 }
@@ -493,6 +529,8 @@ void add_result(Perf& p, const GenerateResult& r) {
   p.drafted += r.n_drafted;
   p.accepted += r.n_accepted;
   p.steps += r.n_steps;
+  // Every id but a generation's first came from a verify pass.
+  if (r.n_steps > 0) p.step_ids += (int64_t)r.ids.size() - 1;
 }
 
 void print_perf(const Perf& p, const std::string& device) {
@@ -517,7 +555,7 @@ void print_perf(const Perf& p, const std::string& device) {
     s += fmt::format("perf:      speculative = {:5} drafted, {:5} accepted ({:.1f}%), {:.2f} "
                      "tokens per step ({} steps)\n",
                      p.drafted, p.accepted, p.drafted ? 100.0 * p.accepted / p.drafted : 0.0,
-                     p.steps ? (double)(p.accepted + p.steps) / p.steps : 0.0, p.steps);
+                     p.steps ? (double)p.step_ids / p.steps : 0.0, p.steps);
   s += fmt::format("perf:       total time = {:10.2f} ms / {:5} tokens\n", total,
                    p.prompt_tokens + p.generated);
   std::cerr << s << std::flush;

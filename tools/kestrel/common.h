@@ -105,6 +105,7 @@ struct SpecOptions {
   std::string kind;         // "" (off), "lookup" or "draft"
   std::string draft_model;  // --spec draft: the drafting model's directory
   int draft_max = kDefaultDraftMax;
+  bool draft_max_given = false;  // --draft-max on the command line (it needs --spec)
 };
 // Adds the options; check_spec_options, from the command's callback, refuses the combinations
 // that would do nothing or cannot work (--spec draft without --draft-model, and the reverse).
@@ -133,6 +134,7 @@ struct Perf {
   int64_t device_chosen = 0;  // tokens the model chose on its device (timed within eval)
   int64_t generated = 0;
   int64_t drafted = 0, accepted = 0, steps = 0;  // speculative decoding
+  int64_t step_ids = 0;  // the ids those steps produced (tokens per step = step_ids / steps)
   bool speculative = false;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
 };

@@ -45,6 +45,13 @@ int main(int argc, char** argv) {
         };
       });
 
+  // An option given twice takes the last value, as llama.cpp's do (CLI11 would refuse with
+  // "At Most 1 required but received 2"); options that collect values (--stop, -r) keep all.
+  for (CLI::App* cmd : app.get_subcommands([](CLI::App*) { return true; }))
+    for (CLI::Option* o : cmd->get_options())
+      if (o->get_expected_max() == 1 && o->get_type_size() == 1)
+        o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+
   // The command comes first; CLI11 alone would answer "kestrel server" with "A subcommand is
   // required" and read llama.cpp's -ngl 99 as -n gl.
   if (argc < 2) {
