@@ -79,13 +79,6 @@ struct CpuWeights {
 // Activations of one token, and the KV cache: one sequence's state (LlamaCpuSession).
 struct CpuRunState {
   int ctx = 0;                 // positions the cache holds
-  std::vector<float> x;        // [hidden] residual stream
-  std::vector<float> xb;       // [hidden] normalised input of a block
-  std::vector<float> q;        // [n_heads * head_dim]
-  std::vector<float> k, v;     // [n_kv_heads * head_dim]
-  std::vector<float> att;      // [n_heads * head_dim] attention output
-  std::vector<float> gate, up; // [intermediate]
-  std::vector<float> proj;     // [hidden] output of o_proj / down_proj
   std::vector<float> key_cache;    // [n_layers, ctx, n_kv_heads * head_dim]
   std::vector<float> value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
 };
@@ -105,13 +98,13 @@ class LlamaCpu final : public Model {
   // Activations and a zeroed KV cache of `context` positions (0 = max_position_embeddings).
   CpuRunState run_state(int context) const;
 
-  // One token at one position: the readable forward pass. Writes logits [vocab].
+  // One token at one position (forward_rows of one row). Writes logits [vocab].
   void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
-  // forward_token's ops over n consecutive tokens at positions pos .. pos+n-1, each linear
-  // taking the n rows in one call (its weights unpacked once), every row computed with the
-  // very arithmetic forward_token gives it: logits [n, vocab] equal n forward_token calls bit
-  // for bit. Speculative decoding's greedy verification on the CPU, whose output must be
-  // token for token that of decoding one token at a time.
+  // The readable forward pass over n consecutive tokens at positions pos .. pos+n-1, each
+  // linear taking the n rows in one call (its weights unpacked once), every row computed with
+  // the arithmetic it gets alone: logits [n, vocab] equal n one-token calls bit for bit.
+  // Speculative decoding's greedy verification on the CPU, whose output must be token for
+  // token that of decoding one token at a time.
   void forward_rows(CpuRunState& s, const int* tokens, int n, int pos, float* logits) const;
   // forward() with all_logits runs up to this many tokens through forward_rows.
   static constexpr int kRowsMax = 65;
@@ -167,7 +160,6 @@ class LlamaCpuSession final : public Session {
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
     m_.forward(s_, tokens, n, pos, logits, all_logits);
   }
-  void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override;
   void forward_token(int token, int pos, float* logits) { m_.forward_token(s_, token, pos, logits); }
   void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr) {
     m_.layer_forward(s_, layer, x, T, pos0, taps);

@@ -85,15 +85,6 @@ CpuRunState LlamaCpu::run_state(int context) const {
   CpuRunState s;
   s.ctx = context > 0 ? context : cfg_.max_pos;
   cfg_.check_context(s.ctx);
-  s.x.resize(cfg_.hidden);
-  s.xb.resize(cfg_.hidden);
-  s.q.resize(cfg_.q_dim());
-  s.k.resize(cfg_.kv_dim());
-  s.v.resize(cfg_.kv_dim());
-  s.att.resize(cfg_.q_dim());
-  s.gate.resize(cfg_.intermediate);
-  s.up.resize(cfg_.intermediate);
-  s.proj.resize(cfg_.hidden);
   const size_t cache = (size_t)cfg_.n_layers * s.ctx * cfg_.kv_dim();
   s.key_cache.assign(cache, 0.0f);
   s.value_cache.assign(cache, 0.0f);
@@ -127,57 +118,12 @@ void LlamaCpu::position_qk(const CpuLayer& L, float* q, float* k, int pos) const
 }
 
 void LlamaCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {
-  const ModelConfig& c = cfg_;
-  const int hidden = c.hidden, kv_dim = c.kv_dim();
-  KESTREL_CHECK(pos >= 0 && pos < st.ctx, "position " + std::to_string(pos) +
-                                             " is past the context of " + std::to_string(st.ctx));
-
-  // x [hidden] = embed[token] (+ the learned row of pos)
-  embed(&token, 1, pos, st.x.data());
-
-  for (int l = 0; l < c.n_layers; ++l) {
-    const CpuLayer& L = w_.layers[l];
-    float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
-    float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
-
-    // Attention block: xb = norm(x); q, k, v = xb Wq, xb Wk, xb Wv (+ biases); per-head norms
-    // and RoPE on q and k.
-    norm(st.x.data(), L.input_norm, L.input_norm_bias, 1, st.xb.data());
-    L.q.forward(st.xb.data(), 1, st.q.data());
-    L.k.forward(st.xb.data(), 1, st.k.data());
-    L.v.forward(st.xb.data(), 1, st.v.data());
-    position_qk(L, st.q.data(), st.k.data(), pos);
-    std::copy(st.k.begin(), st.k.end(), k_cache + (size_t)pos * kv_dim);
-    std::copy(st.v.begin(), st.v.end(), v_cache + (size_t)pos * kv_dim);
-
-    // Causal attention over positions [first, pos]; Mistral's sliding window limits first.
-    const int first = c.sliding_window > 0 ? std::max(0, pos - c.sliding_window + 1) : 0;
-    attention_ref(st.q.data(), k_cache + (size_t)first * kv_dim, v_cache + (size_t)first * kv_dim,
-                  c.n_heads, c.n_kv_heads, c.head_dim, pos - first + 1, st.att.data());
-
-    // x += att Wo
-    L.o.forward(st.att.data(), 1, st.proj.data());
-    for (int i = 0; i < hidden; ++i) st.x[i] += st.proj[i];
-
-    // MLP block, xb = norm(x): x += (silu(xb Wgate) * (xb Wup)) Wdown, or (ReLU MLP)
-    // x += relu(xb Wfc1) Wfc2.
-    norm(st.x.data(), L.post_norm, L.post_norm_bias, 1, st.xb.data());
-    L.up.forward(st.xb.data(), 1, st.up.data());
-    if (c.mlp == MlpKind::GatedSiLU) {
-      L.gate.forward(st.xb.data(), 1, st.gate.data());
-      silu_mul_ref(st.gate.data(), st.up.data(), c.intermediate, st.up.data());
-    } else {
-      relu_ref(st.up.data(), c.intermediate);
-    }
-    L.down.forward(st.up.data(), 1, st.proj.data());
-    for (int i = 0; i < hidden; ++i) st.x[i] += st.proj[i];
-  }
-
-  // logits [vocab] = norm(x) Wlm_head
-  norm(st.x.data(), w_.final_norm, w_.final_norm_bias, 1, st.xb.data());
-  w_.lm_head.forward(st.xb.data(), 1, logits);
+  forward_rows(st, &token, 1, pos, logits);
 }
 
+// The readable forward pass, over n consecutive tokens (one, for a decode step; a speculative
+// draft's few, for its verification): each linear takes the n rows in one call, and every row
+// gets the arithmetic it would get alone.
 void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
                             float* logits) const {
   const ModelConfig& c = cfg_;
@@ -190,21 +136,29 @@ void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
   std::vector<float> q(N * q_dim), att(N * q_dim);                     // [n, q_dim]
   std::vector<float> k(N * kv_dim), v(N * kv_dim);                     // [n, kv_dim]
   std::vector<float> gate(N * inter), up(N * inter);                   // [n, intermediate]
+
+  // x = embed[token] (+ the learned row of its position)
   embed(tokens, n, pos, x.data());
+
   for (int l = 0; l < c.n_layers; ++l) {
     const CpuLayer& L = w_.layers[l];
     float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
     float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
+
+    // Attention block: xb = norm(x); q, k, v = xb Wq, xb Wk, xb Wv (+ biases); per-head norms
+    // and RoPE on q and k. Every row's K/V goes into the cache before any row attends.
     norm(x.data(), L.input_norm, L.input_norm_bias, n, xb.data());
     L.q.forward(xb.data(), n, q.data());
     L.k.forward(xb.data(), n, k.data());
     L.v.forward(xb.data(), n, v.data());
-    // Every row's K/V goes into the cache before any row attends: row i reads rows < i.
     for (int i = 0; i < n; ++i) {
       position_qk(L, &q[i * q_dim], &k[i * kv_dim], pos + i);
       std::copy_n(&k[i * kv_dim], kv_dim, k_cache + (size_t)(pos + i) * kv_dim);
       std::copy_n(&v[i * kv_dim], kv_dim, v_cache + (size_t)(pos + i) * kv_dim);
     }
+
+    // Causal attention of the row at position p over [first, p]; Mistral's sliding window
+    // limits first.
     for (int i = 0; i < n; ++i) {
       const int p = pos + i;
       const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
@@ -212,8 +166,13 @@ void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
                     v_cache + (size_t)first * kv_dim, c.n_heads, c.n_kv_heads, c.head_dim,
                     p - first + 1, &att[i * q_dim]);
     }
+
+    // x += att Wo
     L.o.forward(att.data(), n, proj.data());
     for (size_t i = 0; i < N * hidden; ++i) x[i] += proj[i];
+
+    // MLP block, xb = norm(x): x += (silu(xb Wgate) * (xb Wup)) Wdown, or (ReLU MLP)
+    // x += relu(xb Wfc1) Wfc2.
     norm(x.data(), L.post_norm, L.post_norm_bias, n, xb.data());
     L.up.forward(xb.data(), n, up.data());
     if (c.mlp == MlpKind::GatedSiLU) {
@@ -225,21 +184,10 @@ void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
     L.down.forward(up.data(), n, proj.data());
     for (size_t i = 0; i < N * hidden; ++i) x[i] += proj[i];
   }
+
+  // logits [n, vocab] = norm(x) Wlm_head
   norm(x.data(), w_.final_norm, w_.final_norm_bias, n, xb.data());
   w_.lm_head.forward(xb.data(), n, logits);
-}
-
-void LlamaCpuSession::forward_argmax_rows(const int* tokens, int n, int pos, int* out) {
-  const size_t vocab = config().vocab;
-  std::vector<float> logits(n * vocab);
-  m_.forward_rows(s_, tokens, n, pos, logits.data());
-  for (int i = 0; i < n; ++i) {
-    const float* row = logits.data() + i * vocab;
-    int best = 0;  // the first on ties, as Session::forward_argmax
-    for (size_t j = 1; j < vocab; ++j)
-      if (row[j] > row[best]) best = (int)j;
-    out[i] = best;
-  }
 }
 
 void LlamaCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
@@ -248,8 +196,9 @@ void LlamaCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float
   KESTREL_CHECK(pos + n <= st.ctx, std::to_string(pos + n) + " tokens do not fit the context of " +
                                      std::to_string(st.ctx));
   // Every row's logits of a short run are a speculative verification (or as cheap either
-  // way): they get forward_token's arithmetic, so that the ids verified equal those decoded
-  // one at a time. Long runs (prompts, perplexity windows) take the BLAS batch.
+  // way): forward_rows gives each row the arithmetic of a decode step, so that the ids
+  // verified equal those decoded one at a time. Long runs (prompts, perplexity windows) take
+  // the BLAS batch.
   if (all_logits && n > 1 && n <= kRowsMax) {
     forward_rows(st, tokens, n, pos, all_logits);
     std::copy_n(all_logits + (size_t)(n - 1) * cfg_.vocab, cfg_.vocab, logits);
