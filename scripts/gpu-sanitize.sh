@@ -15,6 +15,8 @@
 #              with what is left (the constructors that throw after allocating): memcheck only
 #   ops        test_ops_cuda: norms, RoPE, decode attention, argmax and top-k sampling, the
 #              captured RoPE + attention graphs
+#   gemm_small test_gemm_small: the fused small-M GEMM over every format and M (memcheck), its
+#              launch plans and epilogues (all tools; split-K counters, the cp.async ring)
 #   gemv       test_gemv_cuda: epilogues, fused parts, fused input ops, residuals, the
 #              specialized kernels, launch shapes, the fp16 GEMV, and 12 of the 64 GemvFormats
 #              (each width at sym g128, asym act-order g32, sym act-order per-row)
@@ -47,7 +49,7 @@ done
 [ -n "$cs" ] || { echo "gpu-sanitize: compute-sanitizer not found" >&2; exit 1; }
 "$build/kestrel" devices > /dev/null 2>&1 || { echo "gpu-sanitize: no usable GPU: $("$build/kestrel" devices 2>&1)" >&2; exit 1; }
 for b in tests/test_llama_cuda tests/test_ops_cuda tests/test_gemv_cuda tests/test_prefill_cuda \
-         tests/test_families kestrel kestrel-synth; do
+         tests/test_families tests/test_gemm_small kestrel kestrel-synth; do
   [ -x "$build/$b" ] || { echo "gpu-sanitize: $build/$b is not built (scripts/build.sh)" >&2; exit 1; }
 done
 
@@ -65,17 +67,19 @@ f_gemv_full='GemvEpilogue.*:GemvFused.*:GemvInputOps.*:GemvResidual.*:GemvSpecia
 f_gemv_small='GemvEpilogue.*:GemvInputOps.*:GemvSpecialized.*:GemvShapes.LaunchShapesAgree:*GemvFormats.*/b4_g128_sym:*GemvFormats.*/b3_g64_asym_act:*GemvFormats.*/b8_grow_sym'
 f_prefill='*GemmFormats.*:GemmSlices.*:DenseLinear.*:*AttnPrefill.*:RopeRows.*:Nll.*:*Prefill.*'
 f_families='*Families.Gpu*'
+f_gemm_small_full='*GpuGemmSmall*:GemmSmall*.Gpu*'
+f_gemm_small_small='*GpuGemmSmallPlans*:GemmSmall*.Gpu*'
 
 runs_for() {  # runs_for TOOL: the runs this tool takes
   if [ -n "${RUNS:-}" ]; then echo "$RUNS"; return; fi
   case "$1" in
-    memcheck) echo "sessions memory ops gemv prefill families generate" ;;
+    memcheck) echo "sessions memory ops gemv gemm_small prefill families generate" ;;
     # initcheck does not see what cuBLASLt writes (its Hopper kernels store through the tensor
     # memory accelerator): every read of a GEMM's output is reported as uninitialized
     # (scripts/initcheck-cublaslt.cu shows it on a bare cuBLASLt call). So initcheck takes the
     # runs that never read one.
-    initcheck) echo "ops gemv" ;;
-    *) echo "sessions ops gemv prefill generate" ;;
+    initcheck) echo "ops gemv gemm_small" ;;
+    *) echo "sessions ops gemv gemm_small prefill generate" ;;
   esac
 }
 
@@ -111,14 +115,18 @@ one_run() {  # one_run TOOL RUN
   local opts=(--tool "$tool" --error-exitcode 86 --report-api-errors no --print-limit 50)
   [ "$tool" = memcheck ] && opts+=(--leak-check full)
   local gemv="$f_gemv_small" sessions="$f_sessions_small" prefill="$f_prefill"
-  [ "$tool" = memcheck ] && { gemv="$f_gemv_full"; sessions="$f_sessions"; }
-  if [ -n "${FILTER:-}" ]; then gemv="$FILTER"; sessions="$FILTER"; prefill="$FILTER"; fi
+  local gemm_small="$f_gemm_small_small"
+  [ "$tool" = memcheck ] && { gemv="$f_gemv_full"; sessions="$f_sessions"; gemm_small="$f_gemm_small_full"; }
+  if [ -n "${FILTER:-}" ]; then
+    gemv="$FILTER"; sessions="$FILTER"; prefill="$FILTER"; gemm_small="$FILTER"
+  fi
   local log="$logs/$tool-$run.log" start=$SECONDS rc
   case "$run" in
     sessions) "$cs" "${opts[@]}" "$build/tests/test_llama_cuda" --gtest_filter="$sessions" > "$log" 2>&1 ;;
     memory)   "$cs" "${opts[@]}" "$build/tests/test_llama_cuda" --gtest_filter="$f_memory" > "$log" 2>&1 ;;
     ops)      "$cs" "${opts[@]}" "$build/tests/test_ops_cuda" --gtest_filter="$f_ops" > "$log" 2>&1 ;;
     gemv)     "$cs" "${opts[@]}" "$build/tests/test_gemv_cuda" --gtest_filter="$gemv" > "$log" 2>&1 ;;
+    gemm_small) "$cs" "${opts[@]}" "$build/tests/test_gemm_small" --gtest_filter="$gemm_small" > "$log" 2>&1 ;;
     prefill)  "$cs" "${opts[@]}" "$build/tests/test_prefill_cuda" --gtest_filter="$prefill" > "$log" 2>&1 ;;
     families) "$cs" "${opts[@]}" "$build/tests/test_families" --gtest_filter="$f_families" > "$log" 2>&1 ;;
     generate) generate_runs "${opts[@]}" > "$log" 2>&1 ;;
@@ -148,7 +156,7 @@ for tool in "${tools[@]}"; do
   esac
   for run in $(runs_for "$tool"); do
     case "$run" in
-      sessions|memory|ops|gemv|prefill|families|generate) ;;
+      sessions|memory|ops|gemv|gemm_small|prefill|families|generate) ;;
       *) echo "gpu-sanitize: unknown run $run" >&2; exit 1 ;;
     esac
   done

@@ -29,6 +29,28 @@ __device__ __forceinline__ void take_better(float& av, int& ai, float bv, int bi
   }
 }
 
+// The block's best (value, index) from each thread's, in thread 0 (other threads: unspecified).
+__device__ __forceinline__ void block_best(float& best, int& idx) {
+  for (int o = 16; o > 0; o >>= 1)
+    take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
+                __shfl_xor_sync(0xffffffffu, idx, o));
+  __shared__ float s_val[kArgmaxThreads / 32];
+  __shared__ int s_idx[kArgmaxThreads / 32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    s_val[warp] = best;
+    s_idx[warp] = idx;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = s_val[lane];
+    idx = s_idx[lane];
+    for (int o = 16; o > 0; o >>= 1)
+      take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
+                  __shfl_xor_sync(0xffffffffu, idx, o));
+  }
+}
+
 template <bool kVec>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const __half* __restrict__ x, int n, int* __restrict__ out, int* feed,
@@ -55,25 +77,8 @@ __global__ void __launch_bounds__(kArgmaxThreads)
       if (v > best) { best = v; idx = i; }
     }
   }
-  for (int o = 16; o > 0; o >>= 1)
-    take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
-                __shfl_xor_sync(0xffffffffu, idx, o));
-  __shared__ float s_val[kArgmaxThreads / 32];
-  __shared__ int s_idx[kArgmaxThreads / 32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    s_val[warp] = best;
-    s_idx[warp] = idx;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    best = s_val[lane];
-    idx = s_idx[lane];
-    for (int o = 16; o > 0; o >>= 1)
-      take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
-                  __shfl_xor_sync(0xffffffffu, idx, o));
-    if (lane == 0) hand_out_token(idx == INT_MAX ? 0 : idx, out, feed, host_out);
-  }
+  block_best(best, idx);
+  if (threadIdx.x == 0) hand_out_token(idx == INT_MAX ? 0 : idx, out, feed, host_out);
 }
 
 // One block per row of fp32 logits; the same scan and reduction as argmax_kernel.
@@ -86,25 +91,8 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     const float v = __ldg(row + i);
     if (v > best) { best = v; idx = i; }
   }
-  for (int o = 16; o > 0; o >>= 1)
-    take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
-                __shfl_xor_sync(0xffffffffu, idx, o));
-  __shared__ float s_val[kArgmaxThreads / 32];
-  __shared__ int s_idx[kArgmaxThreads / 32];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) {
-    s_val[warp] = best;
-    s_idx[warp] = idx;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    best = s_val[lane];
-    idx = s_idx[lane];
-    for (int o = 16; o > 0; o >>= 1)
-      take_better(best, idx, __shfl_xor_sync(0xffffffffu, best, o),
-                  __shfl_xor_sync(0xffffffffu, idx, o));
-    if (lane == 0) out[blockIdx.x] = idx == INT_MAX ? 0 : idx;
-  }
+  block_best(best, idx);
+  if (threadIdx.x == 0) out[blockIdx.x] = idx == INT_MAX ? 0 : idx;
 }
 
 __global__ void half_to_float_kernel(const __half* __restrict__ in, float* __restrict__ out,
