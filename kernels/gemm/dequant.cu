@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/common/bits.cuh"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/gemv/gemv_layout.h"
@@ -42,20 +43,6 @@ struct DequantParams {
   int64_t N, K;
   __half* out;            // [N, K]
 };
-
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
-  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-__device__ __forceinline__ __half2 as_half2(uint32_t u) {
-  __half2 h;
-  memcpy(&h, &u, sizeof u);
-  return h;
-}
-__device__ __forceinline__ uint32_t as_u32(__half2 h) {
-  uint32_t u;
-  memcpy(&u, &h, sizeof u);
-  return u;
-}
 
 __device__ __forceinline__ uint32_t plane_word(const uint4 (&v)[3], int pl, int u) {
   return pl == 0 ? word_of(v[0], u) : pl == 1 ? word_of(v[1], u) : word_of(v[2], u);
@@ -134,7 +121,7 @@ __global__ void __launch_bounds__(256) dequant_kernel(const DequantParams p) {
   codes8<BITS>(v, e, pairs);
   uint32_t o[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) o[j] = as_u32(__hmul2(__hsub2(as_half2(pairs[j]), as_half2(mz)), s2));
+  for (int j = 0; j < 4; ++j) o[j] = as_u32(__hmul2(__hsub2(as_h2(pairs[j]), as_h2(mz)), s2));
   __half* dst = p.out + n * p.K + k0;
   if ((p.K % 8) == 0 && k0 + 8 <= p.K) {
     *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemm/gemm_small_kernel.cuh"
 #include "kernels/gemv/gemv_layout.h"
@@ -239,20 +240,6 @@ __global__ void pack_x_kernel(const __half* x, const int32_t* perm, int64_t M, i
   xp[i] = j < K ? x[m * K + (perm ? perm[j] : j)] : __float2half(0.f);
 }
 
-void launch_ex(const void* k, void** args, dim3 grid, int threads, size_t smem, bool pdl,
-               cudaStream_t s) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelExC(&cfg, k, args));
-}
 
 }  // namespace
 }  // namespace gemm_small_detail
@@ -332,16 +319,13 @@ void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
     const int64_t blocks = (total + 255) / 256;
     const __half* xin = x;
     const int32_t* perm = w.perm;
-    int64_t mm = M, kk = w.K, ldx = plan.ldx;
-    void* args[] = {&xin, &perm, &mm, &kk, &ldx, &xp};
-    launch_ex(reinterpret_cast<const void*>(&pack_x_kernel), args,
-              dim3(static_cast<unsigned>(blocks)), 256, 0, launch.pdl, s);
+    launch_maybe_pdl(pack_x_kernel, dim3(static_cast<unsigned>(blocks)), dim3(256), 0, s,
+                     launch.pdl, xin, perm, M, w.K, plan.ldx, xp);
     p.x = xp;
   }
-  void* args[] = {&p};
-  launch_ex(reinterpret_cast<const void*>(plan.kernel), args,
-            dim3(static_cast<unsigned>(plan.blocks()), static_cast<unsigned>(plan.splits)),
-            plan.threads, plan.smem, launch.pdl, s);
+  launch_maybe_pdl(plan.kernel,
+                   dim3(static_cast<unsigned>(plan.blocks()), static_cast<unsigned>(plan.splits)),
+                   dim3(plan.threads), plan.smem, s, launch.pdl, p);
 }
 
 }  // namespace kestrel::cuda

@@ -44,6 +44,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/bits.cuh"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/gemv/gemv_layout.h"
 
@@ -172,31 +173,6 @@ __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// (a & b) | c in one lop3: drops a pair of codes into the mantissas of an fp16 pair.
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-  return r;
-}
-// (a & m) | (b & ~m).
-__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
-  return r;
-}
-__device__ __forceinline__ __half2 as_h2(uint32_t u) {
-  __half2 h;
-  memcpy(&h, &u, sizeof u);
-  return h;
-}
-__device__ __forceinline__ uint32_t as_u32(__half2 h) {
-  uint32_t u;
-  memcpy(&u, &h, sizeof u);
-  return u;
-}
-__device__ __forceinline__ uint32_t word_of(const uint4& v, int j) {
-  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
 __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // ---- Formats ----------------------------------------------------------------------------------------

@@ -118,6 +118,7 @@
 
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/pdl.cuh"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gemv/gemv_kernel.cuh"
 #include "kernels/gemv/gemv_layout.h"
@@ -315,17 +316,8 @@ GemvLaunch plan_quant(Kernel k, int warps, int64_t N, size_t smem, GemvLaunch hi
 void launch(Kernel k, const KParams& p, int grid, int threads, bool pdl, size_t smem,
             cudaStream_t s) {
   ensure_smem(k, smem);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(std::max(grid, 1)));
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  KESTREL_CUDA_CHECK(cudaLaunchKernelEx(&cfg, k, p));
+  launch_maybe_pdl(k, dim3(static_cast<unsigned>(std::max(grid, 1))), dim3(threads), smem, s, pdl,
+                   p);
 }
 
 }  // namespace

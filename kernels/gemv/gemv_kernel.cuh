@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "kernels/common/bits.cuh"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
@@ -132,34 +133,12 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
-// (a & b) | c in one instruction: the mask-and-magic step of the dequantization.
-__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-  return r;
-}
-// (a & m) | (b & ~m): bit select, one lop3.
-__device__ __forceinline__ uint32_t select_bits(uint32_t a, uint32_t b, uint32_t m) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xE4;" : "=r"(r) : "r"(a), "r"(b), "r"(m));
-  return r;
-}
-
-__device__ __forceinline__ __half2 h2(uint32_t u) {
-  __half2 h;
-  static_assert(sizeof(h) == sizeof(u));
-  memcpy(&h, &u, sizeof(u));
-  return h;
-}
-__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
-  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
 __device__ __forceinline__ float hsum(__half2 v) { return __low2float(v) + __high2float(v); }
 
 // q - z for a pair of codes that lop3 put at mantissa bit p under magic M = 2^(10-p):
 // t - (M + z), with M + z as bits: magic | z << p (z << p stays inside the mantissa).
 __device__ __forceinline__ __half2 minus_zero(uint32_t t, uint32_t mz) {
-  return __hsub2(h2(t), h2(mz));
+  return __hsub2(as_h2(t), as_h2(mz));
 }
 
 // ---- One 4-bit (or 3-bit nibble) word: 8 codes against 8 x values -------------------------
@@ -170,10 +149,10 @@ __device__ __forceinline__ __half2 nibble_word_int(uint32_t w, uint4 xv, uint32_
                                                    uint32_t mz4, __half2 acc) {
   constexpr uint32_t lo = kMask * 0x00010001u, hi = kMask * 0x00100010u;
   const uint32_t w8 = w >> 8;
-  acc = __hfma2(minus_zero(and_or(w, lo, 0x64006400u), mz0), h2(xv.x), acc);
-  acc = __hfma2(minus_zero(and_or(w, hi, 0x54005400u), mz4), h2(xv.y), acc);
-  acc = __hfma2(minus_zero(and_or(w8, lo, 0x64006400u), mz0), h2(xv.z), acc);
-  acc = __hfma2(minus_zero(and_or(w8, hi, 0x54005400u), mz4), h2(xv.w), acc);
+  acc = __hfma2(minus_zero(and_or(w, lo, 0x64006400u), mz0), as_h2(xv.x), acc);
+  acc = __hfma2(minus_zero(and_or(w, hi, 0x54005400u), mz4), as_h2(xv.y), acc);
+  acc = __hfma2(minus_zero(and_or(w8, lo, 0x64006400u), mz0), as_h2(xv.z), acc);
+  acc = __hfma2(minus_zero(and_or(w8, hi, 0x54005400u), mz4), as_h2(xv.w), acc);
   return acc;
 }
 
@@ -292,7 +271,7 @@ struct QuantOp {
           const uint4 xv = xs[(4 * j + w) * stride];
 #pragma unroll
           for (int r = 0; r < R; ++r)
-            h[r] = nibble_word_int<15>(word(f.q[r][j], w), xv, mz0[r][g], mz4[r][g], h[r]);
+            h[r] = nibble_word_int<15>(word_of(f.q[r][j], w), xv, mz0[r][g], mz4[r][g], h[r]);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = fmaf(scale(f, r, g), hsum(h[r]), acc[r]);
@@ -312,17 +291,17 @@ struct QuantOp {
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             const uint32_t mz = 0x64006400u | (zero(f, p, r, g) * 0x00010001u);
-            const __half2 s = h2(scale_bits(f, r, g) * 0x00010001u);
-            const uint32_t w0 = word(f.q[r][j], 2 * v), w1 = word(f.q[r][j], 2 * v + 1);
+            const __half2 s = as_h2(scale_bits(f, r, g) * 0x00010001u);
+            const uint32_t w0 = word_of(f.q[r][j], 2 * v), w1 = word_of(f.q[r][j], 2 * v + 1);
             // prmt: bytes (0,1) / (2,3) of the word each under a 0x64 byte = 1024 + q.
             h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4140u), mz), s),
-                           h2(xv.x), h[r]);
+                           as_h2(xv.x), h[r]);
             h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4342u), mz), s),
-                           h2(xv.y), h[r]);
+                           as_h2(xv.y), h[r]);
             h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4140u), mz), s),
-                           h2(xv.z), h[r]);
+                           as_h2(xv.z), h[r]);
             h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4342u), mz), s),
-                           h2(xv.w), h[r]);
+                           as_h2(xv.w), h[r]);
           }
         }
       }
@@ -348,13 +327,13 @@ struct QuantOp {
             __half2 h = __float2half2_rn(0.f);
 #pragma unroll
             for (int wi = 0; wi < 2; ++wi) {
-              const uint32_t w = word(f.q[r][j], 2 * pc + wi), w8 = w >> 8;
+              const uint32_t w = word_of(f.q[r][j], 2 * pc + wi), w8 = w >> 8;
               const uint4 xa = xv[2 * wi], xb = xv[2 * wi + 1];
 #pragma unroll
               for (int sl = 0; sl < 4; ++sl) {
                 const uint32_t m = 0x00030003u << (2 * sl);
-                h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), h2(word(xa, sl)), h);
-                h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), h2(word(xb, sl)), h);
+                h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), as_h2(word_of(xa, sl)), h);
+                h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), as_h2(word_of(xb, sl)), h);
               }
             }
             acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
@@ -371,7 +350,7 @@ struct QuantOp {
         for (int r = 0; r < R; ++r) {
           const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
           const uint32_t mz0 = 0x64006400u | z2, mz4 = 0x54005400u | (z2 << 4);
-          const uint32_t a = word(f.q[r][0], pc), b = word(f.q[r][1], pc), c = word(f.q[r][2], pc);
+          const uint32_t a = word_of(f.q[r][0], pc), b = word_of(f.q[r][1], pc), c = word_of(f.q[r][2], pc);
           const uint32_t d = select_bits(a >> 3, select_bits(b >> 2, c >> 1, 0x22222222u),
                                          0x11111111u);
           __half2 h = __float2half2_rn(0.f);
@@ -409,13 +388,13 @@ struct F16Op {
     const uint4 xv = xs[0];
     float2 x[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] = __half22float2(h2(word(xv, j)));
+    for (int j = 0; j < 4; ++j) x[j] = __half22float2(as_h2(word_of(xv, j)));
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float a = acc[r];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float2 w = __half22float2(h2(word(f.q[r], j)));
+        const float2 w = __half22float2(as_h2(word_of(f.q[r], j)));
         a = fmaf(w.x, x[j].x, a);
         a = fmaf(w.y, x[j].y, a);
       }
@@ -463,7 +442,7 @@ __device__ __forceinline__ float sum_squares8(uint4 raw) {
   float ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(h2(word(raw, j)));
+    const float2 f = __half22float2(as_h2(word_of(raw, j)));
     ss += f.x * f.x + f.y * f.y;
   }
   return ss;
@@ -474,7 +453,7 @@ __device__ __forceinline__ float2 shifted_sums8(uint4 raw, float c) {
   float s = 0.f, ss = 0.f;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(h2(word(raw, j)));
+    const float2 f = __half22float2(as_h2(word_of(raw, j)));
     const float a = f.x - c, b = f.y - c;
     s += a + b;
     ss += a * a + b * b;
@@ -566,8 +545,8 @@ __device__ __forceinline__ uint4 apply_input8(const KParams& p, uint4 raw, uint4
   uint32_t out[4];
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const float2 a = __half22float2(h2(word(raw, j))), b = __half22float2(h2(word(other, j)));
-    const float2 c = __half22float2(h2(word(bias, j)));
+    const float2 a = __half22float2(as_h2(word_of(raw, j))), b = __half22float2(as_h2(word_of(other, j)));
+    const float2 c = __half22float2(as_h2(word_of(bias, j)));
     const __half2 r = p.norm_w ? __floats2half2_rn(norm1(p, a.x, b.x, c.x, st),
                                                    norm1(p, a.y, b.y, c.y, st))
                                : __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y));
@@ -698,7 +677,7 @@ __device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_
     mbar_wait(bar, 0);
     NormStats st;
     if (p.norm_w)
-      st = norm_stats8<T>(p, nnat, __low2float(h2(x_raw[0].x)), [&](int v) { return x_raw[v]; });
+      st = norm_stats8<T>(p, nnat, __low2float(as_h2(x_raw[0].x)), [&](int v) { return x_raw[v]; });
     auto other = [&](int v) { return p.norm_w ? n_raw[v] : input_other8(p, 8 * v); };
     auto bias = [&](int v) {
       return p.layer_norm && p.norm_b ? b_raw[v] : make_uint4(0, 0, 0, 0);
