@@ -589,12 +589,22 @@ std::vector<double> Sampler::distribution(const float* logits, int vocab) {
     const double z = weigh(logits, vocab, m, 1.0f, floor, buf_.data(), spans_.data(),
                            spans_.data() + 2 * n_spans).all;
     const double need = p_.top_p * z;
-    std::sort(kept.begin(), kept.end(), [&](int a, int b) {
+    auto before = [&](int a, int b) {
       return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-    });
+    };
+    // The nucleus is usually a few dozen tokens of a vocabulary of 32K-150K: sort only as far
+    // as the walk needs, a growing head at a time (the order is total, so each head is what a
+    // full sort would put there). Speculative decoding calls this for every verified row.
     double ahead = 0;
-    size_t n_in = 0;
-    while (n_in < kept.size() && ahead < need) ahead += buf_[kept[n_in++]];
+    size_t n_in = 0, sorted = 0, head = 64;
+    for (;;) {
+      head = std::min(head, kept.size());
+      std::partial_sort(kept.begin() + sorted, kept.begin() + head, kept.end(), before);
+      sorted = head;
+      while (n_in < sorted && ahead < need) ahead += buf_[kept[n_in++]];
+      if (ahead >= need || sorted == kept.size()) break;
+      head *= 4;
+    }
     kept.resize(n_in);
   }
   double total = 0;
