@@ -98,6 +98,7 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
   for (cudaEvent_t& e : chain_done_)
     KESTREL_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   KESTREL_CUDA_CHECK(cudaMallocHost(&host_logits_, c.vocab * sizeof(float)));
+  KESTREL_CUDA_CHECK(cudaMallocHost(&host_rows_, (1 + 2 * kVerifyMaxRows) * sizeof(int)));
 
   // The weights and indices went up with cudaMemcpy on the legacy stream, which stream_ (non-
   // blocking) does not wait for, and a pageable copy may return before it lands: the whole
@@ -170,6 +171,7 @@ LlamaCudaSession::~LlamaCudaSession() { release(); }
 void LlamaCudaSession::release() {
   if (!mem_.empty()) cudaStreamSynchronize(m_.stream_);
   graphs_.clear();
+  verify_graphs_.clear();
   mem_.free_all();
 }
 
@@ -208,6 +210,7 @@ LlamaCuda::~LlamaCuda() {
   mem_.free_all();  // the weights sit in its arena: the GEMV weights own no memory of their own
   if (host_io_) cudaFreeHost(host_io_);
   if (host_logits_) cudaFreeHost(host_logits_);
+  if (host_rows_) cudaFreeHost(host_rows_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 

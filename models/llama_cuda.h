@@ -1,11 +1,13 @@
 // The decoder families (models/io/family.h) on an NVIDIA GPU: batch-1 decoding with fused
 // dequant-GEMVs, FP16 activations and KV cache, and the whole decode step captured as CUDA graphs
-// (one per range of positions) and replayed. (Named after the first family it ran.)
+// (one per range of positions) and replayed, as are speculative verify passes (one graph per
+// token count). (Named after the first family it ran.)
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -119,8 +121,30 @@ class LlamaCuda final : public Model {
   // taken on the device); logits: the last row's.
   void prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
                float* all_logits, const int* targets, float* nll, int* argmax = nullptr);
+  // The prefill's scratch, made on first use (for chunks of up to min(prefill_chunk_, q.ctx)
+  // tokens, fewer where memory is short), with the logits of every row where want_rows.
+  PrefillState& prefill_state(const GpuSequence& q, bool want_rows);
+  // Enqueues a chunk of T rows through the embedding and the layers into the scratch's x: the
+  // tokens in d_tokens (device), at positions p0 .. p0 + T - 1, or from *d_pos (device) on
+  // where d_pos is set.
+  void record_rows(PrefillState& S, const GpuSequence& q, const int* d_tokens, int T, int p0,
+                   const int* d_pos, cudaStream_t s);
+  // Enqueues the output head over the chunk's T rows: their fp32 logits into the scratch.
+  void record_rows_logits(PrefillState& S, int T, cudaStream_t s);
+  void check_tokens(const int* tokens, int n) const;  // throws Error on an id past the vocab
   std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
   int prefill_chunk_ = 2048;
+  uint64_t prefill_generations_ = 0;  // PrefillStates made so far (each one's generation)
+
+  // Speculative verify passes of 2 .. kVerifyMaxRows rows as CUDA graphs
+  // (DecodeTuning::verify_graphs): one per session and row count (VerifyGraphs), captured after
+  // the first pass of that count, which runs uncaptured. Each graph copies the position and
+  // the tokens from host_rows_, runs the rows, the output head and the rows' argmax over the
+  // prefill's scratch of one generation, and copies the ids back to host_rows_.
+  static constexpr int kVerifyMaxRows = 65;  // a draft of up to 64 and the token before it
+  void record_verify(const GpuSequence& q, int n, cudaStream_t s);
+  // pinned: [0] pos, [1 .. 1 + kVerifyMaxRows) tokens, [1 + kVerifyMaxRows ..) the ids
+  int* host_rows_ = nullptr;
 
   // Enqueues one decode step over sequence q (the token and position are read from device
   // memory; all heads but the chained ones first copy them from host_io_) for positions
@@ -166,10 +190,13 @@ class LlamaCudaSession final : public Session {
     m_.forward(*this, tokens, n, pos, logits, all_logits);
   }
   int forward_argmax(int token, int pos) override { return m_.forward_argmax(*this, token, pos); }
-  // Speculative verification: the rows' argmax on the device, only n ids reach the host.
+  // Speculative verification: the rows' argmax on the device, only n ids reach the host;
+  // replayed from a CUDA graph per n once that n has run (DecodeTuning::verify_graphs).
   void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override {
     m_.forward_argmax_rows(*this, tokens, n, pos, out);
   }
+  // Verify-pass graphs this session holds now (for tests and diagnostics).
+  int verify_graphs_held() const { return verify_graphs_.size(); }
   // Steps chained on the device: each step's argmax feeds the next step's token and position,
   // so step i + 1 is queued before token i reaches the host (DecodeRun).
   std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override;
@@ -193,6 +220,7 @@ class LlamaCudaSession final : public Session {
   GpuSequence q_;
   DeviceMemory mem_;
   DecodeGraphs graphs_;  // per range of positions and head, bound to q_
+  VerifyGraphs verify_graphs_;  // per row count, bound to q_ and the model's prefill scratch
 };
 
 }  // namespace kestrel

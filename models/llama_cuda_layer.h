@@ -38,6 +38,10 @@ struct LayerRowsScratch {
   int small_max_rows = 0;
   void* small_ws = nullptr;
   size_t small_ws_bytes = 0;
+  // [1] device: the first position, read by the kernels in place of layer_forward_rows' pos0,
+  // so that a captured CUDA graph of the step (a speculative verify pass) replays at any
+  // position. nullptr = pos0.
+  const int* pos0 = nullptr;
 };
 
 // Observers of layer_forward_rows (the quantizer's calibration hooks).
@@ -51,8 +55,11 @@ struct GpuLayerTaps {
 };
 
 // x [T, hidden] (the residual stream, in and out) through layer L at positions pos0 ..
-// pos0 + T - 1; their K/V go into k_cache/v_cache ([ctx, kv_dim], this layer's), and token i
-// attends causally over cache rows up to pos0 + i (Mistral's window applied). Enqueued on s.
+// pos0 + T - 1 (pos0 = *b.pos0 on the device where b.pos0 is set; the argument is then only
+// checked to be >= 0); their K/V go into k_cache/v_cache ([ctx, kv_dim], this layer's), and
+// token i attends causally over cache rows up to pos0 + i (Mistral's window applied).
+// Enqueued on s; nothing in it synchronises, so that (without taps) it may be captured in a
+// CUDA graph.
 void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
                         int T, int pos0, __half* k_cache, __half* v_cache,
                         const LayerRowsScratch& b, cudaStream_t s,

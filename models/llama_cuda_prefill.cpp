@@ -8,8 +8,11 @@
 //   then the output head for the rows whose logits are wanted.
 // GPTQ linears dequantize into an FP16 scratch and run cuBLASLt (below kGemmMinRows rows they
 // run batch-1 GEMVs instead, kernels/gemm/gemm.h). The chunk's K and V stay in the cache for the
-// decode graph that follows. Nothing here is captured in a graph: a chunk is a few hundred
-// launches doing milliseconds of work.
+// decode graph that follows. A prompt's chunks are launched from the host: a chunk is a few
+// hundred launches doing milliseconds of work. A speculative verify pass (2 .. 65 rows, the
+// rows' argmax on the device) is a few hundred launches doing microseconds of work on a small
+// model, so it is captured as a CUDA graph per session and row count and replayed
+// (forward_argmax_rows; models/gpu/graphs.h, VerifyGraphs).
 #include <algorithm>
 #include <cstring>
 #include <fmt/format.h>
@@ -53,6 +56,8 @@ struct LlamaCuda::PrefillState {
   int small_max_rows = 0;          // the fused small-M GEMM's steps (LayerRowsScratch)
   void* small_ws = nullptr;
   size_t small_ws_bytes = 0;
+  int* rows_in = nullptr;          // [1 + kVerifyMaxRows] a verify graph's position, tokens
+  uint64_t generation = 0;         // which of the model's PrefillStates (VerifyGraphs)
 
   // Allocates or throws DeviceError (the caller retries with fewer rows).
   void* take(size_t bytes) { return mem.alloc(bytes, " for the prefill scratch"); }
@@ -197,9 +202,10 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
     cuda::head_rms_norm_f16(b.qkv, qkv_n, T, c.n_heads, c.n_kv_heads, c.head_dim, L.q_norm,
                             L.k_norm, c.rms_eps, s);
   cuda::rope_kv_write_rows_f16(b.qkv, qkv_n, T, pos0, k_cache, v_cache, c.n_heads, c.n_kv_heads,
-                               c.head_dim, c.rope_scaling(), s);
+                               c.head_dim, c.rope_scaling(), s, b.pos0);
   cuda::attention_prefill_f16(b.qkv, qkv_n, k_cache, v_cache, pos0, T, c.sliding_window,
-                              c.n_heads, c.n_kv_heads, c.head_dim, b.att, s);  // [T, q_dim]
+                              c.n_heads, c.n_kv_heads, c.head_dim, b.att, s,  // [T, q_dim]
+                              cuda::PrefillAttnKernel::Mma, b.pos0);
   if (tap(LinearGroup::O, b.att, c.q_dim())) return;
   run_linear(gemm, L.o, b.att, T, x, x, b, s);
 
@@ -224,16 +230,16 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   run_linear(gemm, L.down, b.act, T, x, x, b, s);
 }
 
-void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
-                        float* all_logits, const int* targets, float* nll, int* argmax) {
-  const ModelConfig& c = cfg_;
+void LlamaCuda::check_tokens(const int* tokens, int n) const {
   for (int i = 0; i < n; ++i)
-    KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < c.vocab,
+    KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab,
                   fmt::format("token id {} at prompt index {} is outside the vocabulary ({})",
-                              tokens[i], i, c.vocab));
-  const size_t vocab = c.vocab;
-  const bool want_rows = all_logits || nll || argmax;
+                              tokens[i], i, cfg_.vocab));
+}
 
+LlamaCuda::PrefillState& LlamaCuda::prefill_state(const GpuSequence& q, bool want_rows) {
+  const ModelConfig& c = cfg_;
+  const size_t vocab = c.vocab;
   // Scratch for the largest chunk that fits: halve on out-of-memory (the KV cache may have
   // taken most of the GPU), down to 16 tokens.
   if (!prefill_) {
@@ -257,6 +263,7 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
         st->scratch = halves(scratch);
         st->logits = static_cast<float*>(st->take(vocab * sizeof(float)));
         st->logits_rows = 1;
+        st->rows_in = static_cast<int*>(st->take((1 + kVerifyMaxRows) * sizeof(int)));
         if (tuning_.small_gemm_max_rows >= kSmallGemmMinRows) {
           // Outside the memory plan: split-K partials of a few MiB at most, only when asked.
           st->small_max_rows = std::min({tuning_.small_gemm_max_rows, cuda::kGemmSmallMaxRows, rows});
@@ -272,6 +279,7 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
           }
           st->small_ws_bytes = ws;
         }
+        st->generation = ++prefill_generations_;
         prefill_ = std::move(st);
         break;
       } catch (const DeviceError&) {
@@ -281,37 +289,61 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
     }
   }
   PrefillState& S = *prefill_;
+  // The head's logits grow once, to every row of a chunk: the buffer a verify graph binds is
+  // never replaced after that (the one-row buffer before it stays allocated with the state).
   if (want_rows && S.logits_rows < S.rows) {
     S.logits = static_cast<float*>(S.take((size_t)S.rows * vocab * sizeof(float)));
     S.logits_rows = S.rows;
   }
+  return S;
+}
 
+void LlamaCuda::record_rows(PrefillState& S, const GpuSequence& q, const int* d_tokens, int T,
+                            int p0, const int* d_pos, cudaStream_t s) {
+  const ModelConfig& c = cfg_;
+  if (w_.positions)  // x [T, hidden] = embedding + learned positions (OPT), from row p0 or *d_pos
+    cuda::embedding_positions_f16(
+        w_.embed, w_.positions + (size_t)((d_pos ? 0 : p0) + c.position_offset) * c.hidden,
+        d_tokens, d_pos, T, c.hidden, S.x, s);
+  else
+    cuda::embedding_tokens_f16(w_.embed, d_tokens, T, c.hidden, S.x, s);  // x [T, hidden]
+
+  LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
+  scratch.small_max_rows = S.small_max_rows;
+  scratch.small_ws = S.small_ws;
+  scratch.small_ws_bytes = S.small_ws_bytes;
+  scratch.pos0 = d_pos;
   const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
+  for (int l = 0; l < c.n_layers; ++l)
+    layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, d_pos ? 0 : p0, q.key_cache + l * kv_layer,
+                       q.value_cache + l * kv_layer, scratch, s);
+}
+
+// Output head: FP32 logits straight from the GEMM's FP32 accumulators.
+void LlamaCuda::record_rows_logits(PrefillState& S, int T, cudaStream_t s) {
+  const ModelConfig& c = cfg_;
+  norm_rows(c, S.x, nullptr, w_.final_norm, w_.final_norm_bias, T, S.xb, s);
+  S.gemm.gemm_f32(S.xb, w_.lm_head, T, c.vocab, c.hidden, S.logits, s);  // [T, vocab]
+}
+
+void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
+                        float* all_logits, const int* targets, float* nll, int* argmax) {
+  const ModelConfig& c = cfg_;
+  check_tokens(tokens, n);
+  const size_t vocab = c.vocab;
+  const bool want_rows = all_logits || nll || argmax;
+  PrefillState& S = prefill_state(q, want_rows);
+
   cudaStream_t s = stream_;
   for (int c0 = 0; c0 < n; c0 += S.rows) {
     const int T = std::min(S.rows, n - c0);
     const int p0 = pos + c0;
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.tokens, tokens + c0, T * sizeof(int), cudaMemcpyHostToDevice, s));
-    if (w_.positions)  // x [T, hidden] = embedding + learned positions (OPT)
-      cuda::embedding_positions_f16(
-          w_.embed, w_.positions + (size_t)(p0 + c.position_offset) * c.hidden, S.tokens,
-          nullptr, T, c.hidden, S.x, s);
-    else
-      cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
+    record_rows(S, q, S.tokens, T, p0, nullptr, s);
 
-    LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
-    scratch.small_max_rows = S.small_max_rows;
-    scratch.small_ws = S.small_ws;
-    scratch.small_ws_bytes = S.small_ws_bytes;
-    for (int l = 0; l < c.n_layers; ++l)
-      layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, p0, q.key_cache + l * kv_layer,
-                         q.value_cache + l * kv_layer, scratch, s);
-
-    // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
     const bool last = c0 + T == n;
     if (want_rows) {
-      norm_rows(c, S.x, nullptr, w_.final_norm, w_.final_norm_bias, T, S.xb, s);
-      S.gemm.gemm_f32(S.xb, w_.lm_head, T, c.vocab, c.hidden, S.logits, s);  // [T, vocab]
+      record_rows_logits(S, T, s);
       if (nll) {
         KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.targets, targets + c0, T * sizeof(int),
                                            cudaMemcpyHostToDevice, s));
@@ -340,6 +372,24 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
   }
 }
 
+// The verify pass of n rows as the uncaptured prefill runs it (one chunk, the rows' argmax into
+// targets' buffer), with the position and the tokens read on the device from rows_in, which
+// the graph fills from host_rows_ first, and the ids copied to host_rows_ last. Only pinned
+// memory on the host side, and no synchronisation: the whole of it is captured.
+void LlamaCuda::record_verify(const GpuSequence& q, int n, cudaStream_t s) {
+  PrefillState& S = *prefill_;
+  KESTREL_CHECK(n >= 2 && n <= kVerifyMaxRows && n <= S.rows && S.logits_rows >= n,
+                fmt::format("internal: a verify graph of {} rows over a scratch of {} rows and "
+                            "logits of {}", n, S.rows, S.logits_rows));
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.rows_in, host_rows_, (1 + n) * sizeof(int),
+                                     cudaMemcpyHostToDevice, s));
+  record_rows(S, q, S.rows_in + 1, n, 0, S.rows_in, s);
+  record_rows_logits(S, n, s);
+  cuda::argmax_rows_f32(S.logits, n, cfg_.vocab, S.targets, s);
+  KESTREL_CUDA_CHECK(cudaMemcpyAsync(host_rows_ + 1 + kVerifyMaxRows, S.targets, n * sizeof(int),
+                                     cudaMemcpyDeviceToHost, s));
+}
+
 void LlamaCuda::forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int n, int pos,
                                     int* out) {
   KESTREL_CHECK(n > 0, "forward_argmax_rows: no tokens");
@@ -349,7 +399,28 @@ void LlamaCuda::forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int 
     out[0] = forward_argmax(q, tokens[0], pos);
     return;
   }
+  // A pass longer than a chunk (a chunk shortened by set_prefill_chunk or short memory) runs
+  // uncaptured, in chunks.
+  const bool graphs = tuning_.verify_graphs && n <= kVerifyMaxRows;
+  if (graphs && prefill_) {
+    if (cudaGraphExec_t g = q.verify_graphs_.get(n, prefill_->generation)) {
+      KESTREL_CHECK(pos >= 0, fmt::format("position {} is negative", pos));
+      check_tokens(tokens, n);
+      host_rows_[0] = pos;
+      std::memcpy(host_rows_ + 1, tokens, n * sizeof(int));
+      KESTREL_CUDA_CHECK(cudaGraphLaunch(g, stream_));
+      KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::memcpy(out, host_rows_ + 1 + kVerifyMaxRows, n * sizeof(int));
+      return;
+    }
+  }
   prefill(q.q_, tokens, n, pos, nullptr, nullptr, nullptr, nullptr, out);
+  // The pass just run made what the graph binds (the scratch, the logits of every row) and
+  // chose cuBLASLt's algorithms and the fused GEMM's plans for these shapes, so that the
+  // capture only records launches. It is replayed from the next pass of n rows on.
+  if (graphs && n <= prefill_->rows)
+    q.verify_graphs_.put(n, prefill_->generation,
+                         capture_graph(stream_, [&] { record_verify(q.q_, n, stream_); }));
 }
 
 void LlamaCuda::forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos,

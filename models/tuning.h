@@ -1,7 +1,8 @@
 // Choices of the CUDA decode path that a benchmark may want to flip, given to the model at
-// load (kestrel bench --att-heads, --gemv-warps, --gemv-generic, --no-graph-ranges). The
-// defaults are the measured best on the H200 (docs/tuning.md); each field is covered by a test
-// that runs the model both ways against the CPU reference.
+// load (kestrel bench --att-heads, --gemv-warps, --gemv-generic, --no-graph-ranges,
+// --small-gemm, --no-verify-graphs). The defaults are the measured best on the H200
+// (docs/tuning.md); each field is covered by a test that runs the model both ways (against the
+// CPU reference, or against the other setting where both must agree bit for bit).
 #pragma once
 
 namespace kestrel {
@@ -23,6 +24,11 @@ struct DecodeTuning {
   // reads each weight once for all the tokens, instead of one GEMV per token or dequantize +
   // cuBLASLt. 0 = off: the default until the model-level runs have been measured.
   int small_gemm_max_rows = 0;
+  // Speculative verify passes (forward_argmax_rows of 2 .. 65 tokens) replayed from a CUDA
+  // graph per session and token count, captured after that count's first pass; false launches
+  // every pass's kernels from the host. Either way the same kernels run with the same
+  // arguments: the ids are identical. Off by default until the graphs have run on the GPU.
+  bool verify_graphs = false;
 };
 
 }  // namespace kestrel

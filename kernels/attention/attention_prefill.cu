@@ -67,9 +67,14 @@ struct Params {
   const __half* k;
   const __half* v;
   int pos0, T, window, group, kv_dim, out_stride;
+  const int* d_pos0;  // where set, the first position is read from it (pos0 unused)
   __half* out;
   float scale_log2;
 };
+
+__device__ __forceinline__ int first_position(const Params& p) {
+  return p.d_pos0 ? __ldg(p.d_pos0) : p.pos0;
+}
 
 // ---- Wmma kernel -----------------------------------------------------------------------------
 
@@ -90,6 +95,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Param
   const int t0 = tile * kBQ;
   const int rows = min(kBQ, p.T - t0);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int pos0 = first_position(p);
   const uint4 zero = make_uint4(0, 0, 0, 0);
 
   for (int i = tid; i < kBQ * V8; i += kThreads) {
@@ -108,12 +114,12 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Param
     wmma::load_matrix_sync(qf[kk], Qs + warp * 16 * L::LDH + kk * 16, L::LDH);
 
   const int row = warp * 16 + (lane >> 1);  // this lane's query row in the block
-  const int qpos = p.pos0 + t0 + row;
+  const int qpos = pos0 + t0 + row;
   const int hc = (lane & 1) * 32;           // its 32 of the tile's 64 columns
   float m_run = -INFINITY, l_run = 0.0f;
 
-  const int hi = p.pos0 + t0 + rows - 1;  // the last key any query of the block sees
-  const int lo = p.window > 0 ? max(0, p.pos0 + t0 + 1 - p.window) : 0;
+  const int hi = pos0 + t0 + rows - 1;  // the last key any query of the block sees
+  const int lo = p.window > 0 ? max(0, pos0 + t0 + 1 - p.window) : 0;
   for (int kv0 = lo; kv0 <= hi; kv0 += kBK) {
     __syncthreads();  // every warp is done with the previous K, V tile
     for (int i = tid; i < kBK * V8; i += kThreads) {
@@ -287,6 +293,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const P
   const int rows = min(kBQ, p.T - t0);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int gq = lane >> 2, tq = lane & 3;
+  const int pos0 = first_position(p);
 
   for (int i = tid; i < kBQ * V8; i += kThreads) {
     const int r = i / V8, c = (i % V8) * 8;
@@ -310,10 +317,10 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const P
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
-  const int qpos[2] = {p.pos0 + t0 + warp * 16 + gq, p.pos0 + t0 + warp * 16 + gq + 8};
+  const int qpos[2] = {pos0 + t0 + warp * 16 + gq, pos0 + t0 + warp * 16 + gq + 8};
 
-  const int hi = p.pos0 + t0 + rows - 1;  // the last key any query of the block sees
-  const int lo = p.window > 0 ? max(0, p.pos0 + t0 + 1 - p.window) : 0;
+  const int hi = pos0 + t0 + rows - 1;  // the last key any query of the block sees
+  const int lo = p.window > 0 ? max(0, pos0 + t0 + 1 - p.window) : 0;
   for (int kv0 = lo; kv0 <= hi; kv0 += kBK) {
     __syncthreads();  // every warp is done with the previous K, V tile
     load_tile<D>(Ks, p.k, kv0, hi, p.kv_dim, g, tid);
@@ -441,7 +448,8 @@ void launch(const Params& p, int n_heads, PrefillAttnKernel kernel, cudaStream_t
 void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_cache,
                            const __half* v_cache, int pos0, int T, int sliding_window,
                            int n_heads, int n_kv_heads, int head_dim, __half* out,
-                           cudaStream_t stream, PrefillAttnKernel kernel) {
+                           cudaStream_t stream, PrefillAttnKernel kernel,
+                           const int* d_pos0) {
   KESTREL_CHECK(head_dim == 64 || head_dim == 128,
                 "attention_prefill_f16: head_dim " + std::to_string(head_dim) +
                     " is not supported (64 or 128)");
@@ -463,6 +471,7 @@ void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_ca
   p.k = k_cache;
   p.v = v_cache;
   p.pos0 = pos0;
+  p.d_pos0 = d_pos0;
   p.T = T;
   p.window = sliding_window;
   p.group = n_heads / n_kv_heads;

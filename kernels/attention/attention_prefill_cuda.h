@@ -22,9 +22,14 @@ enum class PrefillAttnKernel { Mma, Wmma };
 // first = max(0, pos0 + t + 1 - sliding_window) when sliding_window > 0, else 0. Query head h
 // reads KV head h / (n_heads / n_kv_heads); scale 1/sqrt(head_dim). head_dim 64 or 128;
 // anything else (or n_heads not a multiple of n_kv_heads) is a kestrel::Error.
+// With d_pos0 (device memory, [1]) the first position is read from *d_pos0 inside the kernel
+// and pos0 is not used past the argument checks. The grid depends on T and n_heads only and
+// each block derives its range of keys from the position, so a captured CUDA graph (a
+// speculative verify pass) replays at whatever position the host last wrote there.
 void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_cache,
                            const __half* v_cache, int pos0, int T, int sliding_window,
                            int n_heads, int n_kv_heads, int head_dim, __half* out,
-                           cudaStream_t stream, PrefillAttnKernel kernel = PrefillAttnKernel::Mma);
+                           cudaStream_t stream, PrefillAttnKernel kernel = PrefillAttnKernel::Mma,
+                           const int* d_pos0 = nullptr);
 
 }  // namespace kestrel::cuda

@@ -15,11 +15,14 @@ namespace {
 
 using namespace rope_detail;
 
+// The first position is *d_pos0 where given (a graph replayed at any position), else pos0.
 __global__ void rope_kv_write_rows_kernel(__half* qkv, int64_t row_stride, int pos0,
-                                          __half* k_cache, __half* v_cache, int n_heads,
-                                          int n_kv_heads, int head_dim, const InvFreq inv_freq) {
+                                          const int* __restrict__ d_pos0, __half* k_cache,
+                                          __half* v_cache, int n_heads, int n_kv_heads,
+                                          int head_dim, const InvFreq inv_freq) {
   const int token = blockIdx.y;
-  rope_kv_row(qkv + (int64_t)token * row_stride, k_cache, v_cache, pos0 + token,
+  const int first = d_pos0 ? __ldg(d_pos0) : pos0;
+  rope_kv_row(qkv + (int64_t)token * row_stride, k_cache, v_cache, first + token,
               blockIdx.x * blockDim.x + threadIdx.x, n_heads, n_kv_heads, head_dim, inv_freq);
 }
 
@@ -27,7 +30,8 @@ __global__ void rope_kv_write_rows_kernel(__half* qkv, int64_t row_stride, int p
 
 void rope_kv_write_rows_f16(__half* qkv, int64_t row_stride, int T, int pos0, __half* k_cache,
                             __half* v_cache, int n_heads, int n_kv_heads, int head_dim,
-                            const RopeScaling& rope, cudaStream_t stream) {
+                            const RopeScaling& rope, cudaStream_t stream,
+                            const int* d_pos0) {
   const InvFreq inv_freq = make_inv_freq("rope_kv_write_rows_f16", head_dim, rope);
   KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && T >= 1 && pos0 >= 0 && T <= 65535,
                 "rope_kv_write_rows_f16: bad sizes n_heads " + std::to_string(n_heads) +
@@ -37,8 +41,9 @@ void rope_kv_write_rows_f16(__half* qkv, int64_t row_stride, int T, int pos0, __
                 "rope_kv_write_rows_f16: row stride " + std::to_string(row_stride) +
                     " is shorter than q|k|v");
   const dim3 grid((threads_per_row(n_heads, n_kv_heads, head_dim) + kThreads - 1) / kThreads, T);
-  rope_kv_write_rows_kernel<<<grid, kThreads, 0, stream>>>(qkv, row_stride, pos0, k_cache, v_cache,
-                                                           n_heads, n_kv_heads, head_dim, inv_freq);
+  rope_kv_write_rows_kernel<<<grid, kThreads, 0, stream>>>(qkv, row_stride, pos0, d_pos0, k_cache,
+                                                           v_cache, n_heads, n_kv_heads, head_dim,
+                                                           inv_freq);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

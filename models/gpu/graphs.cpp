@@ -47,4 +47,32 @@ void DecodeGraphs::clear() {
   range_end_.clear();
 }
 
+cudaGraphExec_t VerifyGraphs::get(int n, uint64_t generation) {
+  if (generation != generation_) {
+    clear();
+    generation_ = generation;
+  }
+  return n >= 0 && n < (int)graphs_.size() ? graphs_[n] : nullptr;
+}
+
+void VerifyGraphs::put(int n, uint64_t generation, cudaGraphExec_t g) {
+  if (generation != generation_) {
+    clear();
+    generation_ = generation;
+  }
+  if (n >= (int)graphs_.size()) graphs_.resize(n + 1, nullptr);
+  if (graphs_[n]) cudaGraphExecDestroy(graphs_[n]);
+  graphs_[n] = g;
+}
+
+int VerifyGraphs::size() const {
+  return (int)std::count_if(graphs_.begin(), graphs_.end(), [](cudaGraphExec_t g) { return g; });
+}
+
+void VerifyGraphs::clear() {
+  for (cudaGraphExec_t g : graphs_)
+    if (g) cudaGraphExecDestroy(g);
+  graphs_.clear();
+}
+
 }  // namespace kestrel

@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -42,6 +43,31 @@ class DecodeGraphs {
   int heads_ = 0;
   std::vector<int> range_end_;           // each range's end, the last the context
   std::vector<cudaGraphExec_t> graphs_;  // [range][head]
+};
+
+// A sequence's graphs of the speculative verify pass: one per row count n, each captured the
+// first time its n runs and replayed at any position (the kernels read the position from device
+// memory). A graph binds the sequence's KV cache and the model's prefill scratch of one
+// generation: the scratch may be made again (a new chunk length, an out-of-memory retry), and
+// graphs of an older generation are destroyed, never replayed, once a newer one is asked for.
+class VerifyGraphs {
+ public:
+  VerifyGraphs() = default;
+  VerifyGraphs(const VerifyGraphs&) = delete;
+  VerifyGraphs& operator=(const VerifyGraphs&) = delete;
+  ~VerifyGraphs() { clear(); }
+
+  // The graph for n rows over the scratch of `generation`; nullptr where there is none (those
+  // of another generation are destroyed first: none of them may be running).
+  cudaGraphExec_t get(int n, uint64_t generation);
+  // Keeps g (captured over the scratch of `generation`) as the graph for n rows.
+  void put(int n, uint64_t generation, cudaGraphExec_t g);
+  int size() const;  // graphs held
+  void clear();      // destroys them (none may be running)
+
+ private:
+  uint64_t generation_ = 0;
+  std::vector<cudaGraphExec_t> graphs_;  // [n], nullptr where not captured
 };
 
 }  // namespace kestrel

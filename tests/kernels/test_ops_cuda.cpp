@@ -687,9 +687,15 @@ TEST(EmbeddingCuda, AddsLearnedPositions) {
   cuda::embedding_positions_f16(dt.half(), dp.half(), dtok.get(), dpos.get(), (int)tokens.size(),
                                 hidden, dout.half(), nullptr);
   expect_rows(5);
+  const auto from_device = dout.download();
   cuda::embedding_positions_f16(dt.half(), dp.half() + 2 * hidden, dtok.get(), nullptr,
                                 (int)tokens.size(), hidden, dout.half(), nullptr);
   expect_rows(2);
+  // The same first position by value (the table from its row) and from device memory (a
+  // captured verify pass): the same bits.
+  cuda::embedding_positions_f16(dt.half(), dp.half() + 5 * hidden, dtok.get(), nullptr,
+                                (int)tokens.size(), hidden, dout.half(), nullptr);
+  EXPECT_EQ(dout.download(), from_device);
 }
 
 TEST(EmbeddingCuda, CopiesRowsExactly) {

@@ -3,9 +3,11 @@
 //   QuantGemm    the many-row linear (dequantize + cuBLASLt, and the GEMV crossover) against
 //                gptq::matmul_ref for 1 .. 2048 rows, every bit width, act-order, asym, residual
 //   RopeRows     RoPE + KV write of a chunk against rope_ref, and bitwise equal to the decode
-//                kernel run token by token (the decode that follows a prefill reads those rows)
+//                kernel run token by token (the decode that follows a prefill reads those rows);
+//                the first position by value and from device memory give the same bits
 //   AttnPrefill  causal tensor-core attention of a chunk over a partly filled cache against
-//                attention_ref query by query (GQA, head_dim 64 / 128, sliding window)
+//                attention_ref query by query (GQA, head_dim 64 / 128, sliding window); the
+//                first position by value and from device memory give the same bits
 //   Nll          per-row log-softmax at the target against a host computation in double
 //   Prefill      whole models: chunked prefill then decode equals token-by-token decode (and
 //                the CPU engine), greedy tokens identical
@@ -303,6 +305,21 @@ TEST(RopeRows, MatchesReferenceAndDecodeKernel) {
   const std::vector<uint16_t> kcache = download<uint16_t>(kc, ctx * kv_dim);
   const std::vector<uint16_t> vcache = download<uint16_t>(vc, ctx * kv_dim);
 
+  // The first position read on the device (a captured verify pass; the host's pos0 then
+  // unused): bitwise the same rows and cache.
+  {
+    DeviceBuffer rows2 = upload(qkv.data(), qkv.size() * 2);
+    DeviceBuffer kc3(ctx * kv_dim * 2), vc3(ctx * kv_dim * 2), dpos0 = upload(&pos0, sizeof(int));
+    KESTREL_CUDA_CHECK(cudaMemset(kc3.get(), 0, ctx * kv_dim * 2));
+    KESTREL_CUDA_CHECK(cudaMemset(vc3.get(), 0, ctx * kv_dim * 2));
+    cuda::rope_kv_write_rows_f16(rows2.as<__half>(), stride, T, /*pos0=*/0, kc3.as<__half>(),
+                                 vc3.as<__half>(), H, KVH, D, RopeScaling{theta, factor}, nullptr,
+                                 dpos0.as<int>());
+    EXPECT_EQ(download<uint16_t>(rows2, qkv.size()), rows) << "device pos0: rotated rows";
+    EXPECT_EQ(download<uint16_t>(kc3, ctx * kv_dim), kcache) << "device pos0: K cache";
+    EXPECT_EQ(download<uint16_t>(vc3, ctx * kv_dim), vcache) << "device pos0: V cache";
+  }
+
   // The decode kernel, one token at a time, into its own cache.
   DeviceBuffer kc2(ctx * kv_dim * 2), vc2(ctx * kv_dim * 2), dpos(sizeof(int));
   KESTREL_CUDA_CHECK(cudaMemset(kc2.get(), 0, ctx * kv_dim * 2));
@@ -385,8 +402,17 @@ TEST_P(AttnPrefill, MatchesReferenceQueryByQuery) {
     KESTREL_CUDA_CHECK(cudaMemset(dout.get(), 0xFF, (size_t)a.T * q_dim * 2));  // NaN poison
     cuda::attention_prefill_f16(dq.as<__half>(), stride, dk.as<__half>(), dv.as<__half>(), a.pos0,
                                 a.T, a.window, a.H, a.KVH, a.D, dout.as<__half>(), nullptr, kernel);
-    const std::vector<float> got = to_floats(download<uint16_t>(dout, (size_t)a.T * q_dim));
+    const std::vector<uint16_t> got_bits = download<uint16_t>(dout, (size_t)a.T * q_dim);
+    const std::vector<float> got = to_floats(got_bits);
     EXPECT_LT(rel_err(got, ref), 3e-3) << name;
+    // The first position read on the device (a captured verify pass; the host's pos0 then
+    // unused): bitwise the same output.
+    DeviceBuffer dpos0 = upload(&a.pos0, sizeof(int));
+    KESTREL_CUDA_CHECK(cudaMemset(dout.get(), 0xFF, (size_t)a.T * q_dim * 2));
+    cuda::attention_prefill_f16(dq.as<__half>(), stride, dk.as<__half>(), dv.as<__half>(),
+                                /*pos0=*/0, a.T, a.window, a.H, a.KVH, a.D, dout.as<__half>(),
+                                nullptr, kernel, dpos0.as<int>());
+    EXPECT_EQ(download<uint16_t>(dout, (size_t)a.T * q_dim), got_bits) << name << ", device pos0";
     // Row by row too: a wrong mask on a single query must not hide in the norm of the chunk.
     for (int t = 0; t < a.T; ++t) {
       std::vector<float> g(got.begin() + (size_t)t * q_dim, got.begin() + (size_t)(t + 1) * q_dim);

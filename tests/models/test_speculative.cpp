@@ -12,6 +12,9 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <random>
+#include <string>
+#include <vector>
 
 #include "engine/generate.h"
 #include "engine/speculative.h"
@@ -20,6 +23,7 @@
 #include "models/llama_cuda.h"
 #include "tests/support/gpu.h"
 #include "tests/support/synth_model.h"
+#include "tools/synth/synth.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -241,6 +245,233 @@ TEST(SpecCuda, GpuDocsLlamaGreedyLookupIsPlainDecoding) {
       EXPECT_GT(r.n_accepted, 0);
     }
   }
+}
+
+// ---- Verify passes as CUDA graphs (DecodeTuning::verify_graphs) ----
+//
+// A graph replays the kernels the uncaptured pass launches, with the same arguments but the
+// position and the tokens read from device memory: the ids, and the KV cache the pass leaves,
+// are bit for bit those of a model that launches every pass from the host. Both models of a
+// comparison load the same weights with the same tuning but that one field, and every position
+// any pass or decode step reads was written identically in both caches first.
+
+// A tiny model of a family (tools/synth: llama, mistral with its window of 32, qwen2's biases,
+// qwen3's head norms, opt's learned positions and LayerNorm) in one weight format.
+struct VerifyCase {
+  std::string name, arch;
+  ModelFormat f;
+};
+
+fs::path write_verify_model(const VerifyCase& v, uint64_t seed) {
+  const fs::path dir = kestrel::test::scratch() / ("verify_" + v.name);
+  fs::remove_all(dir);
+  synth::SynthOptions o;
+  o.shape = "tiny";
+  o.arch = v.arch;
+  o.n_layers = 2;
+  o.dtype = v.f.dtype;
+  o.bits = v.f.bits;
+  o.group_size = v.f.group_size;
+  o.act_order = v.f.act_order;
+  o.asym = v.f.asym;
+  o.g_idx_per_linear = v.f.g_idx_per_linear;
+  o.format = v.f.format;
+  o.n_heads = v.f.heads;
+  o.n_kv_heads = v.f.kv_heads;
+  o.seed = seed;
+  o.out = dir.string();
+  o.quiet = true;
+  synth::write_model(o);
+  return dir;
+}
+
+// The pass counts of the verify path: 2 .. 5 rows run batch-1 GEMVs (or from 3 on the fused
+// small-M GEMM), 9 .. 33 the dequantize + cuBLASLt GEMMs (or the fused GEMM), 65 cuBLASLt at
+// any setting (past the fused GEMM's 64).
+const std::vector<int> kVerifyRows = {2, 3, 5, 9, 17, 33, 65};
+
+// Two sessions over the same weights, one replaying verify graphs and one launching every
+// pass from the host, kept in step: each call runs on both and checks that they agree.
+class VerifyPair {
+ public:
+  VerifyPair(LlamaCudaSession& graphs, LlamaCudaSession& plain, int vocab, uint32_t seed)
+      : g_(graphs), p_(plain), vocab_(vocab), rng_(seed) {}
+
+  // Random tokens for positions [filled, end) through forward() on both: every cache row a
+  // later pass attends over holds the same K/V in both.
+  void fill_to(int end) {
+    if (end <= filled_) return;
+    const std::vector<int> t = tokens(end - filled_);
+    std::vector<float> a(vocab_), b(vocab_);
+    g_.forward(t.data(), (int)t.size(), filled_, a.data(), nullptr);
+    p_.forward(t.data(), (int)t.size(), filled_, b.data(), nullptr);
+    ASSERT_EQ(a, b) << "prompt up to " << end;
+    filled_ = end;
+  }
+
+  // A verify pass of n rows at pos (the cache filled up to pos first) on both: the same ids;
+  // then, where the context has room, one decode step after it on both, whose logits read
+  // the K/V the pass wrote: bitwise the same.
+  void verify(int n, int pos, const std::string& what) {
+    SCOPED_TRACE(what + ": n " + std::to_string(n) + " at position " + std::to_string(pos));
+    fill_to(pos);
+    const std::vector<int> t = tokens(n);
+    std::vector<int> a(n, -1), b(n, -2);
+    g_.forward_argmax_rows(t.data(), n, pos, a.data());
+    p_.forward_argmax_rows(t.data(), n, pos, b.data());
+    EXPECT_EQ(a, b);
+    for (int id : a) ASSERT_TRUE(id >= 0 && id < vocab_) << id;
+    filled_ = std::max(filled_, pos + n);
+    ++passes_;
+    if (pos + n >= g_.context_length()) return;
+    std::vector<float> la(vocab_), lb(vocab_);
+    g_.forward(&a[n - 1], 1, pos + n, la.data(), nullptr);
+    p_.forward(&a[n - 1], 1, pos + n, lb.data(), nullptr);
+    EXPECT_EQ(la, lb) << "the decode step after the pass";
+    filled_ = std::max(filled_, pos + n + 1);
+  }
+
+  int passes() const { return passes_; }
+
+ private:
+  std::vector<int> tokens(int n) {
+    std::uniform_int_distribution<int> d(3, vocab_ - 1);
+    std::vector<int> t(n);
+    for (int& x : t) x = d(rng_);
+    return t;
+  }
+  LlamaCudaSession& g_;
+  LlamaCudaSession& p_;
+  int vocab_;
+  std::mt19937 rng_;
+  int filled_ = 0, passes_ = 0;
+};
+
+DecodeTuning verify_tuning(bool graphs, int small_gemm) {
+  DecodeTuning t;
+  t.verify_graphs = graphs;
+  t.small_gemm_max_rows = small_gemm;
+  return t;
+}
+
+// Every pass count, first used (the uncaptured pass, then the capture), then replayed at
+// positions across 512 and 1024 (where the decode graphs change range) going back over rows
+// already written (rejected drafts), and at the end of the context; in several formats and
+// families, with the fused small-M GEMM off and on.
+TEST(SpecCuda, GpuVerifyGraphsEqualUncapturedPasses) {
+  KESTREL_REQUIRE_GPU();
+  const std::vector<VerifyCase> cases = {
+      {"fp16", "llama", {"fp16", "fp16", 16, 0, false, false, "gptq"}},
+      {"q4_g128_act", "llama", {"q4_g128_act", "gptq", 4, 128, true, false, "gptq"}},
+      {"q4_act_unfused", "llama",
+       {"q4_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true}},
+      {"q3_g64", "llama", {"q3_g64", "gptq", 3, 64, false, false, "gptq"}},
+      {"q2_g32_v2", "llama", {"q2_g32_v2", "gptq", 2, 32, false, false, "gptq_v2"}},
+      {"q8_perchannel_asym", "llama",
+       {"q8_perchannel_asym", "gptq", 8, -1, false, true, "gptq_v2"}},
+      {"mistral_q4", "mistral", {"mistral_q4", "gptq", 4, 128, false, false, "gptq"}},
+      {"qwen2_q4_asym", "qwen2", {"qwen2_q4_asym", "gptq", 4, 32, false, true, "gptq_v2"}},
+      {"qwen3_fp16", "qwen3", {"qwen3_fp16", "fp16", 16, 0, false, false, "gptq"}},
+      {"opt_q4", "opt", {"opt_q4", "gptq", 4, 128, false, false, "gptq"}},
+      {"opt_fp16", "opt", {"opt_fp16", "fp16", 16, 0, false, false, "gptq"}},
+  };
+  const int ctx = 1200;
+  for (const VerifyCase& v : cases) {
+    const fs::path dir = write_verify_model(v, /*seed=*/31);
+    const ModelSpec spec = load_model_spec(dir.string());
+    ASSERT_GE(spec.config.max_pos, ctx) << v.name;
+    for (const int small_gemm : {0, 64}) {
+      SCOPED_TRACE(v.name + " small_gemm " + std::to_string(small_gemm));
+      LlamaCuda graph_model(spec, true, verify_tuning(true, small_gemm));
+      LlamaCuda plain_model(spec, true, verify_tuning(false, small_gemm));
+      auto gs = graph_model.new_cuda_session(ctx);
+      auto ps = plain_model.new_cuda_session(ctx);
+      ASSERT_EQ(gs->context_length(), ctx);
+      VerifyPair pair(*gs, *ps, spec.config.vocab, 41 + small_gemm);
+      pair.fill_to(40);
+      int pos = 40;
+      for (const int n : kVerifyRows) {  // first use of each n: uncaptured, then captured
+        pair.verify(n, pos, "first use");
+        pos += n / 2 + 1;  // about half the draft accepted
+      }
+      EXPECT_EQ(gs->verify_graphs_held(), (int)kVerifyRows.size());
+      EXPECT_EQ(ps->verify_graphs_held(), 0);
+      for (const int n : kVerifyRows) pair.verify(n, pos + 3 * n, "replay");
+      for (auto it = kVerifyRows.rbegin(); it != kVerifyRows.rend(); ++it)
+        pair.verify(*it, 512 - *it / 2, "across 512, backwards");
+      for (const int n : kVerifyRows) pair.verify(n, 1024 - n + 1, "ending past 1024");
+      for (const int n : kVerifyRows) pair.verify(n, 1024, "from 1024");
+      for (const int n : kVerifyRows) pair.verify(n, ctx - n, "the end of the context");
+      for (const int n : {65, 2, 33, 3, 17, 5, 9})
+        pair.verify(n, 700 + n, "after every n was captured");
+      EXPECT_EQ(gs->verify_graphs_held(), (int)kVerifyRows.size());
+    }
+    fs::remove_all(dir);
+  }
+}
+
+// Two sessions of one model take turns with verify passes: their graphs share the model's
+// prefill scratch and never its KV caches. Between them, prompts through the prefill (which
+// uses the same scratch), a session destroyed and another opened, and the prefill's scratch
+// made again (a new chunk length): the graphs over the old scratch are dropped and captured
+// again, and a pass longer than a chunk runs uncaptured.
+TEST(SpecCuda, GpuVerifyGraphsOfTwoSessionsAlternate) {
+  KESTREL_REQUIRE_GPU();
+  const VerifyCase v{"two_q4_act", "llama", {"two_q4_act", "gptq", 4, 128, true, false, "gptq"}};
+  const fs::path dir = write_verify_model(v, /*seed=*/33);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int vocab = spec.config.vocab;
+  for (const int small_gemm : {0, 64}) {
+    SCOPED_TRACE("small_gemm " + std::to_string(small_gemm));
+    LlamaCuda graph_model(spec, true, verify_tuning(true, small_gemm));
+    LlamaCuda plain_model(spec, true, verify_tuning(false, small_gemm));
+    auto g1 = graph_model.new_cuda_session(700), g2 = graph_model.new_cuda_session(1100);
+    auto p1 = plain_model.new_cuda_session(700), p2 = plain_model.new_cuda_session(1100);
+    auto one = std::make_unique<VerifyPair>(*g1, *p1, vocab, 51);
+    auto two = std::make_unique<VerifyPair>(*g2, *p2, vocab, 52);
+    one->fill_to(30);
+    two->fill_to(90);
+    for (int round = 0; round < 3; ++round) {
+      const std::string r = "round " + std::to_string(round);
+      for (size_t i = 0; i < kVerifyRows.size(); ++i) {
+        const int n = kVerifyRows[i], m = kVerifyRows[kVerifyRows.size() - 1 - i];
+        one->verify(n, 30 + 200 * round + 2 * n, "session 1, " + r);
+        two->verify(m, 90 + 300 * round + m, "session 2, " + r);
+      }
+    }
+    EXPECT_EQ(g1->verify_graphs_held(), (int)kVerifyRows.size());
+    EXPECT_EQ(g2->verify_graphs_held(), (int)kVerifyRows.size());
+
+    // A long prompt in session 2 (through the shared scratch), then session 1's graphs again.
+    two->fill_to(1000);
+    for (const int n : kVerifyRows) one->verify(n, 600 - n, "session 1 after session 2's prompt");
+
+    // Session 2 ends; a third opens and captures its own graphs; session 1 goes on.
+    two.reset();
+    g2.reset();
+    p2.reset();
+    auto g3 = graph_model.new_cuda_session(900);
+    auto p3 = plain_model.new_cuda_session(900);
+    VerifyPair three(*g3, *p3, vocab, 53);
+    for (const int n : kVerifyRows) {
+      three.verify(n, 100 + n, "session 3");
+      one->verify(n, 300 + n, "session 1 beside session 3");
+    }
+    for (const int n : kVerifyRows) three.verify(n, 800 - n, "session 3 replayed");
+    EXPECT_EQ(g3->verify_graphs_held(), (int)kVerifyRows.size());
+
+    // The scratch made again for chunks of 48 tokens (on both models, so that prompts run in
+    // the same chunks): the graphs over the old scratch are dropped when next asked for, passes
+    // of up to 48 rows captured again, 65 rows run in two chunks, uncaptured.
+    graph_model.set_prefill_chunk(48);
+    plain_model.set_prefill_chunk(48);
+    for (const int n : kVerifyRows) one->verify(n, 200 + n, "session 1, chunks of 48");
+    EXPECT_EQ(g1->verify_graphs_held(), (int)kVerifyRows.size() - 1);
+    for (const int n : kVerifyRows) three.verify(n, 400 + n, "session 3, chunks of 48");
+    for (const int n : kVerifyRows) one->verify(n, 500 - n, "session 1, chunks of 48, replayed");
+    EXPECT_EQ(g3->verify_graphs_held(), (int)kVerifyRows.size() - 1);
+  }
+  fs::remove_all(dir);
 }
 
 class SpecTiny : public ::testing::Test {

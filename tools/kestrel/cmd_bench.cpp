@@ -28,7 +28,7 @@ struct BenchArgs {
   uint64_t seed = 1234;
   bool profile = false;
   DecodeTuning tuning;  // the CUDA decode path's choices (docs/tuning.md)
-  bool gemv_generic = false, no_graph_ranges = false;
+  bool gemv_generic = false, no_graph_ranges = false, verify_graphs = false;
   SpecOptions spec;
   std::string prompt_file, prompt_text;  // a text prompt instead of random tokens (--spec)
 };
@@ -129,15 +129,21 @@ int run_bench(BenchArgs a) {
   if (a.model.context == 0) a.model.context = a.n_prompt + a.n_gen;
   a.tuning.gemv_specialized = !a.gemv_generic;
   a.tuning.graph_ranges = !a.no_graph_ranges;
+  a.tuning.verify_graphs = a.verify_graphs;
   const bool quiet = a.output != "md";
   LoadedModel m = open_model(a.model, quiet);
   load_weights(m, a.model, quiet, a.tuning);
   Session& b = *m.session;
   const Model& model = *m.model;
   const int vocab = b.config().vocab;
-  if (a.n_prompt + a.n_gen > b.context_length())
-    throw Error(fmt::format("-p {} plus -n {} exceed the context of {}", a.n_prompt, a.n_gen,
+  if (a.n_prompt + a.n_gen > b.context_length()) {
+    const std::string prompt =
+        !a.prompt_file.empty() ? fmt::format("the prompt of {} ({} tokens)", a.prompt_file, a.n_prompt)
+        : !a.prompt_text.empty() ? fmt::format("the prompt ({} tokens)", a.n_prompt)
+                                 : fmt::format("-p {}", a.n_prompt);
+    throw Error(fmt::format("{} plus -n {} exceed the context of {}", prompt, a.n_gen,
                             b.context_length()));
+  }
 
   std::mt19937_64 rng(a.seed);
   std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
@@ -200,8 +206,10 @@ int run_bench(BenchArgs a) {
                           {"draft_max", a.spec.draft_max},
                           {"gen_tokens_per_s",
                            {{"mean", gs.mean}, {"sd", gs.sd}, {"samples", sb->tg_spec}}},
+                          // Totals over the -r repetitions (the warm-up left out).
                           {"drafted_tokens", sb->drafted},
                           {"accepted_tokens", sb->accepted},
+                          {"steps", sb->steps},
                           {"acceptance_rate", acceptance},
                           {"tokens_per_step", per_step},
                           {"same_tokens_as_plain", sb->same}};
@@ -231,15 +239,17 @@ int run_bench(BenchArgs a) {
     // The model by its directory's name, as llama-bench names it by its file.
     const std::string name = model_name(a.model.dir), type = format_text(c);
     const size_t w = std::max<size_t>(name.size(), 5), wt = std::max<size_t>(type.size(), 4);
-    std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>7} | {:>18} |\n",
-                             "model", w, "type", wt, "size", "params", "device", "test", "t/s");
-    std::cout << fmt::format("| {:-<{}} | {:-<{}} | {:->10} | {:->9} | {:-<21} | {:->7} | {:->18} |\n",
-                             "", w, "", wt, "", "", "", "", "");
+    const size_t wtest = std::max<size_t>(sb ? spec_test.size() : 0, 7);  // "tg128+lookup"
+    std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>18} |\n",
+                             "model", w, "type", wt, "size", "params", "device", "test", wtest,
+                             "t/s");
+    std::cout << fmt::format("| {:-<{}} | {:-<{}} | {:->10} | {:->9} | {:-<21} | {:->{}} | {:->18} |\n",
+                             "", w, "", wt, "", "", "", "", wtest, "");
     auto row = [&](const std::string& test, Stat s) {
       std::cout << fmt::format(
-          "| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>7} | {:>9.2f} ± {:>6.2f} |\n", name, w,
-          type, wt, size_text(size_bytes), params_text(params), b.device_name(), test, s.mean,
-          s.sd);
+          "| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>9.2f} ± {:>6.2f} |\n", name, w,
+          type, wt, size_text(size_bytes), params_text(params), b.device_name(), test, wtest,
+          s.mean, s.sd);
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
@@ -302,10 +312,21 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                 "run the generic quantized GEMV kernel instead of the specialized ones");
   cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
                 "capture one decode graph for the whole context instead of one per range");
+  cmd->add_flag("--verify-graphs", a->verify_graphs,
+                "replay each speculative verify pass from a CUDA graph instead of launching its "
+                "kernels from the host");
   cmd->add_option("--small-gemm", a->tuning.small_gemm_max_rows,
                   "prompt chunks and verify passes of 3 .. N tokens run their quantized linears "
                   "through the fused small-M GEMM (0 = off, up to 64)")
-      ->check(CLI::Range(0, 64))
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            // 1 and 2 would do nothing: two rows or fewer always run as GEMVs.
+            const int v = std::atoi(in.c_str());
+            return in == std::to_string(v) && (v == 0 || (v >= 3 && v <= 64))
+                       ? ""
+                       : "must be 0 (off) or 3 to 64, got " + in;
+          },
+          "0|3..64"))
       ->capture_default_str();
   add_spec_options(cmd, a->spec);
   auto* file = cmd->add_option("-f,--file", a->prompt_file,
