@@ -45,6 +45,7 @@
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gptq/gptq_format.h"
+#include "tests/support/gptq_formats.h"
 #include "tests/support/compare.h"
 #include "tests/support/gpu.h"
 
@@ -60,20 +61,8 @@ using ::testing::HasSubstr;
 constexpr double kTol = 2e-3;
 const int kAllM[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64};
 
-struct Format {
-  int bits = 4;
-  int group_size = 128;  // -1 = per row
-  bool sym = true;
-  bool act_order = false;
-  int zero_offset = 1;
-};
-
-std::string describe(const Format& f, int64_t N, int64_t K) {
-  return "bits=" + std::to_string(f.bits) + " group=" + std::to_string(f.group_size) +
-         (f.sym ? " sym" : " asym") + (f.act_order ? " act-order" : "") +
-         " zero_offset=" + std::to_string(f.zero_offset) + " N=" + std::to_string(N) +
-         " K=" + std::to_string(K);
-}
+using Format = kestrel::test::GptqFormat;
+using kestrel::test::describe;
 
 // One random GPTQ linear in checkpoint tensors (N a multiple of 32: whole qzeros words at any
 // width, which gptq's reference requires).

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tests/support/gptq_formats.h"
 #include "tests/support/gpu.h"
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
@@ -43,20 +44,8 @@ using cuda::GemvWeight;
 
 constexpr double kTol = 2e-3;
 
-struct Format {
-  int bits = 4;
-  int group_size = 128;  // -1 = per row
-  bool sym = true;
-  bool act_order = false;
-  int zero_offset = 1;
-};
-
-std::string describe(const Format& f, int64_t N, int64_t K) {
-  return "bits=" + std::to_string(f.bits) + " group=" + std::to_string(f.group_size) +
-         (f.sym ? " sym" : " asym") + (f.act_order ? " act-order" : "") +
-         " zero_offset=" + std::to_string(f.zero_offset) + " N=" + std::to_string(N) +
-         " K=" + std::to_string(K);
-}
+using Format = kestrel::test::GptqFormat;
+using kestrel::test::describe;
 
 // One random quantized linear, in plain arrays, that can be packed at any N <= N_gen.
 struct Linear {
