@@ -121,6 +121,11 @@ bool peer_gone(int fd) {
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
+// Seconds an idle keep-alive connection is kept open, and what the Keep-Alive header tells
+// clients (Server::run says why they differ).
+constexpr int kKeepAliveIdleSeconds = 10;
+constexpr int kKeepAliveHintSeconds = 2;
+
 // cpp-httplib's server with a listen backlog for many clients connecting at once (the library
 // builds in 5, which makes a burst of connections wait for SYN retries).
 class HttpServer : public httplib::Server {
@@ -173,12 +178,26 @@ class Server {
 
   int run() {
     HttpServer svr;
-    const int threads = a_.parallel + a_.queue + 32;  // the slots, the line, idle keep-alives
+    const int threads = a_.parallel + a_.queue + 64;  // the slots, the line, idle keep-alives
     svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-    // An idle keep-alive connection holds a thread; past the 32 spare ones a new connection
-    // waits in the library's queue, unseen by the slots' 429, until one frees. Two seconds
-    // (the library's default is five) bounds that wait for clients that pool connections.
-    svr.set_keep_alive_timeout(2);
+    // Keep-alive (docs/hardening.md). A server that closes an idle connection races the
+    // client's next request on it: a client that wrote it before it read the close gets the
+    // connection reset, the request unanswered. Clients that honour the Keep-Alive hint stop
+    // reusing before it (Node's fetch at timeout - 2 s, so never for 2 s), but by a clock
+    // that stops while their process stalls (an event loop blocked for seconds, as the serve
+    // test's kestrel generate calls block it under ASan); others keep connections by their own
+    // expiry (openai-python's httpx: 5 s). So the hint stays short, and the server waits much
+    // longer than it says before it closes. An idle connection holds a thread meanwhile: past
+    // the 64 spare ones a new connection waits in the library's queue, unseen by the slots'
+    // 429, for at most that long.
+    svr.set_keep_alive_timeout(kKeepAliveIdleSeconds);
+    svr.set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
+      // cpp-httplib 0.11 writes its own wait as the hint; the hint is the shorter one.
+      if (!res.has_header("Keep-Alive")) return;  // "Connection: close" instead
+      res.headers.erase("Keep-Alive");
+      res.set_header("Keep-Alive", fmt::format("timeout={}, max={}", kKeepAliveHintSeconds,
+                                               CPPHTTPLIB_KEEPALIVE_MAX_COUNT));
+    });
     // SO_REUSEADDR (a restart may bind while old connections linger) but not the library's
     // SO_REUSEPORT, under which a second server on a taken port would bind too and be handed
     // half of its connections.
