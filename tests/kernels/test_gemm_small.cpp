@@ -45,6 +45,7 @@
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gptq/gptq_format.h"
+#include "tests/support/engine_stream.h"
 #include "tests/support/gptq_formats.h"
 #include "tests/support/compare.h"
 #include "tests/support/gpu.h"
@@ -167,16 +168,7 @@ Case make_case(const Linear& L, uint32_t seed) {
   return c;
 }
 
-// A stream as the engine uses (created, non-blocking: PDL launches), after the legacy
-// stream's uploads and memsets are done.
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() {
-    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
-    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~Stream() { cudaStreamDestroy(s); }
-};
+using Stream = kestrel::test::EngineStream;
 
 // Runs gemm_small for the first M tokens of xh; y holds M + 1 rows of `cols`, NaN-poisoned,
 // or starts as the residual when `alias` (y += residual in place). Returns all M + 1 rows.

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tests/support/engine_stream.h"
 #include "tests/support/gptq_formats.h"
 #include "tests/support/gpu.h"
 #include "engine/base/dtype.h"
@@ -164,20 +165,7 @@ DeviceBuffer upload(const std::vector<T>& v) {
   return b;
 }
 
-// A created stream, as the engine uses: the kernels launch with programmatic dependent launch
-// there. Such a stream does not wait for the legacy stream, on which upload() copies and
-// cudaMemset poisons (a pageable cudaMemcpy may return before its copy lands, and cudaMemset
-// on device memory is asynchronous), so the device is synchronised before it is handed out.
-struct EngineStream {
-  cudaStream_t s = nullptr;
-  EngineStream() {
-    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
-    KESTREL_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  }
-  ~EngineStream() { cudaStreamDestroy(s); }
-  EngineStream(const EngineStream&) = delete;
-  EngineStream& operator=(const EngineStream&) = delete;
-};
+using kestrel::test::EngineStream;
 
 // Runs y = W x (+ residual) on the GPU; y is poisoned with NaN first.
 template <class Launch>
