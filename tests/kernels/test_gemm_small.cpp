@@ -45,6 +45,7 @@
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gptq/gptq_format.h"
+#include "tests/support/device_data.h"
 #include "tests/support/engine_stream.h"
 #include "tests/support/gptq_formats.h"
 #include "tests/support/compare.h"
@@ -63,6 +64,8 @@ constexpr double kTol = 2e-3;
 const int kAllM[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64};
 
 using Format = kestrel::test::GptqFormat;
+using kestrel::test::to_floats;
+using kestrel::test::upload;
 using kestrel::test::describe;
 
 // One random GPTQ linear in checkpoint tensors (N a multiple of 32: whole qzeros words at any
@@ -118,17 +121,6 @@ std::vector<uint16_t> random_halves(size_t n, float sd, std::mt19937& rng) {
   std::vector<uint16_t> v(n);
   for (auto& h : v) h = float_to_half(d(rng));
   return v;
-}
-std::vector<float> to_floats(const std::vector<uint16_t>& h) {
-  std::vector<float> f(h.size());
-  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
-  return f;
-}
-template <class T>
-DeviceBuffer upload(const std::vector<T>& v) {
-  DeviceBuffer b(std::max<size_t>(v.size() * sizeof(T), 16));
-  KESTREL_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
 }
 std::vector<uint16_t> download(const DeviceBuffer& b, size_t n) {
   std::vector<uint16_t> v(n);

@@ -23,6 +23,7 @@
 #include <tuple>
 #include <vector>
 
+#include "tests/support/device_data.h"
 #include "tests/support/engine_stream.h"
 #include "tests/support/gptq_formats.h"
 #include "tests/support/gpu.h"
@@ -46,6 +47,8 @@ using cuda::GemvWeight;
 constexpr double kTol = 2e-3;
 
 using Format = kestrel::test::GptqFormat;
+using kestrel::test::to_floats;
+using kestrel::test::upload;
 using kestrel::test::describe;
 
 // One random quantized linear, in plain arrays, that can be packed at any N <= N_gen.
@@ -152,18 +155,7 @@ std::vector<uint16_t> random_x(int64_t K, std::mt19937& rng) {
   return x;
 }
 
-std::vector<float> to_float(const std::vector<uint16_t>& h) {
-  std::vector<float> f(h.size());
-  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
-  return f;
-}
 
-template <class T>
-DeviceBuffer upload(const std::vector<T>& v) {
-  DeviceBuffer b(v.size() * sizeof(T));
-  KESTREL_CUDA_CHECK(cudaMemcpy(b.get(), v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return b;
-}
 
 using kestrel::test::EngineStream;
 
@@ -193,7 +185,7 @@ std::vector<float> run(int64_t N, const std::vector<uint16_t>& x,
   }
   std::vector<uint16_t> yh(N);
   KESTREL_CUDA_CHECK(cudaMemcpy(yh.data(), dy.get(), N * 2, cudaMemcpyDeviceToHost));
-  return to_float(yh);
+  return to_floats(yh);
 }
 
 // ||y - ref|| / max(||ref||, ||terms||), failing on any non-finite output. The second norm,
@@ -245,7 +237,7 @@ void check_quant(const Linear& L, int64_t n, std::mt19937& rng, bool residual = 
   std::vector<uint16_t> r;
   if (residual) r = random_x(n, rng);
   double terms2 = 0;
-  std::vector<float> ref = reference(L, n, to_float(x), &terms2);
+  std::vector<float> ref = reference(L, n, to_floats(x), &terms2);
   if (residual)
     for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);
   const std::vector<float> y =
@@ -424,15 +416,15 @@ enum class InputOp { RmsNorm, SiluMul, LayerNorm };
 
 std::vector<float> fused_input(const std::vector<uint16_t>& x, int64_t K, const std::vector<uint16_t>& norm_w,
                                float eps, InputOp op, const std::vector<uint16_t>& norm_b = {}) {
-  const std::vector<float> xf = to_float(x);
+  const std::vector<float> xf = to_floats(x);
   std::vector<float> out(K);
   if (op == InputOp::SiluMul) {
     silu_mul_ref(xf.data(), xf.data() + K, K, out.data());
   } else if (op == InputOp::LayerNorm) {
-    const std::vector<float> wf = to_float(norm_w), bf = to_float(norm_b);
+    const std::vector<float> wf = to_floats(norm_w), bf = to_floats(norm_b);
     layer_norm_ref(xf.data(), wf.data(), norm_b.empty() ? nullptr : bf.data(), eps, 1, K, out.data());
   } else {
-    const std::vector<float> wf = to_float(norm_w);
+    const std::vector<float> wf = to_floats(norm_w);
     rms_norm_ref(xf.data(), wf.data(), eps, 1, K, out.data());
   }
   for (float& v : out) v = half_to_float(float_to_half(v));
@@ -539,8 +531,8 @@ TEST(GemvEpilogue, SiluMulOfFusedGateUp) {
               cuda::gemv(w, dx, dy, nullptr, st, {}, cuda::GemvEpilogue{true});
             });
         double terms2 = 0;
-        const std::vector<float> g = reference(gate, I, to_float(x), &terms2);
-        const std::vector<float> u = reference(up, I, to_float(x), &terms2);
+        const std::vector<float> g = reference(gate, I, to_floats(x), &terms2);
+        const std::vector<float> u = reference(up, I, to_floats(x), &terms2);
         expect_silu_mul_of(y, both, I);
         std::vector<float> ref(I);
         for (int64_t i = 0; i < I; ++i) ref[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
@@ -637,7 +629,7 @@ TEST(GemvEpilogue, IndexedStoreFeedsThePermutedInput) {
                                    << half_to_float(yh[n]);
         // And right: down's reference on the natural h.
         double terms2 = 0;
-        expect_close(to_float(yph), reference(down, Nd, to_float(hh), &terms2), terms2, what);
+        expect_close(to_floats(yph), reference(down, Nd, to_floats(hh), &terms2), terms2, what);
         cuda::gemv_free(gu);
         cuda::gemv_free(d);
       }
@@ -698,7 +690,7 @@ TEST(GemvEpilogue, ResidualReadAndStoredThroughIndexes) {
       ASSERT_EQ(yih[oi[i]], yh[i]) << "row " << i << " stored at " << oi[i];
     // And right: the reference plus the residual.
     double terms2 = 0;
-    std::vector<float> ref = reference(L, c.N, to_float(x), &terms2);
+    std::vector<float> ref = reference(L, c.N, to_floats(x), &terms2);
     for (int64_t i = 0; i < c.N; ++i) ref[i] += half_to_float(r_nat[i]);
     std::vector<float> got(c.N);
     for (int64_t i = 0; i < c.N; ++i) got[i] = half_to_float(yih[oi[i]]);
@@ -841,7 +833,7 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
               // rounding errors by the other's value, which kTol does not bound.
               double terms2 = 0;
               std::vector<float> ref =
-                  reference(L, n, norm ? fused_input(x, K, norm_w, 1e-5f, InputOp::RmsNorm) : to_float(x),
+                  reference(L, n, norm ? fused_input(x, K, norm_w, 1e-5f, InputOp::RmsNorm) : to_floats(x),
                             &terms2);
               if (res)
                 for (int64_t i = 0; i < n; ++i) ref[i] += half_to_float(r[i]);
@@ -961,7 +953,7 @@ TEST(GemvEpilogue, BiasAndReluAfterTheResidual) {
             return ref;
           };
           double terms2 = 0;
-          const std::vector<float> ref = finish(reference(L, n, to_float(x), &terms2));
+          const std::vector<float> ref = finish(reference(L, n, to_floats(x), &terms2));
           for (bool specialized : {true, false}) {
             GemvWeight wk = w;
             wk.launch.specialized = specialized;
@@ -977,7 +969,7 @@ TEST(GemvEpilogue, BiasAndReluAfterTheResidual) {
           std::normal_distribution<float> d(0.f, 0.02f);
           for (auto& v : W) v = float_to_half(d(rng));
           std::vector<float> ref16(n);
-          const std::vector<float> xf = to_float(x);
+          const std::vector<float> xf = to_floats(x);
           matmul_f16w_ref(xf.data(), W.data(), nullptr, 1, n, K, ref16.data());
           double t2 = 0;
           for (int64_t i = 0; i < n; ++i)
@@ -1023,7 +1015,7 @@ TEST(GemvFused, ThreePartsMatchConcatenatedReferences) {
     std::vector<float> ref;
     double terms2 = 0;
     for (const Linear& L : Ls) {
-      const std::vector<float> part = reference(L, L.N, to_float(x), &terms2);
+      const std::vector<float> part = reference(L, L.N, to_floats(x), &terms2);
       ref.insert(ref.end(), part.begin(), part.end());
     }
     const std::vector<float> y = run(
@@ -1377,7 +1369,7 @@ TEST(GemvF16, MatchesReference) {
         std::vector<uint16_t> r;
         if (residual) r = random_x(N, rng);
         std::vector<float> ref(N);
-        matmul_f16w_ref(to_float(x).data(), W.data(), nullptr, 1, N, K, ref.data());
+        matmul_f16w_ref(to_floats(x).data(), W.data(), nullptr, 1, N, K, ref.data());
         double terms2 = 0;
         for (int64_t n = 0; n < N; ++n)
           for (int64_t k = 0; k < K; ++k) {

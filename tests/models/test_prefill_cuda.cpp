@@ -47,6 +47,7 @@
 #include "models/llama.h"
 #include "models/llama_cuda.h"
 #include "tests/support/compare.h"
+#include "tests/support/device_data.h"
 #include "tests/support/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -58,6 +59,7 @@ using cuda::DeviceBuffer;
 
 
 using kestrel::test::rel_err;
+using kestrel::test::to_floats;
 
 // Random fp16 values (as bits) and their float values.
 std::vector<uint16_t> random_halves(size_t n, float scale, std::mt19937& rng) {
@@ -65,11 +67,6 @@ std::vector<uint16_t> random_halves(size_t n, float scale, std::mt19937& rng) {
   std::vector<uint16_t> h(n);
   for (auto& v : h) v = float_to_half(d(rng));
   return h;
-}
-std::vector<float> to_floats(const std::vector<uint16_t>& h) {
-  std::vector<float> f(h.size());
-  for (size_t i = 0; i < h.size(); ++i) f[i] = half_to_float(h[i]);
-  return f;
 }
 
 DeviceBuffer upload(const void* p, size_t bytes) {
