@@ -31,6 +31,14 @@
 #   RUNS="sessions prefill"   limits any tool to those runs
 #   FILTER='gtest filter'     replaces the runs' own filters (with RUNS naming one test binary)
 #   PARALLEL=1                runs a tool's runs at once (the memory run still alone, last)
+#   SHARDS=N                  cuts each test binary's run into N gtest shards run at once (one
+#                             log; racecheck slows the tests 50-100x, and a device call is short)
+#
+# racecheck reports races inside cuBLASLt's own kernels (nvjet_*), which synchronise through
+# Hopper's asynchronous barriers that racecheck does not model (docs/hardening.md). A run whose
+# every reported race lies in an nvjet kernel passes, its count noted; any other race fails it.
+# (Leaving those kernels uninstrumented, --kernel-name-exclude kns=nvjet, makes them fault
+# under the tool.)
 #
 # API errors are not reported by the tool (--report-api-errors no): every CUDA call's status is
 # checked by the code itself (KESTREL_CUDA_CHECK fails the test), and some tests make calls fail
@@ -121,14 +129,29 @@ one_run() {  # one_run TOOL RUN
     gemv="$FILTER"; sessions="$FILTER"; prefill="$FILTER"; gemm_small="$FILTER"
   fi
   local log="$logs/$tool-$run.log" start=$SECONDS rc
+  # A test binary under the tool: in SHARDS gtest shards at once, their logs joined in order.
+  tests_run() {  # tests_run BINARY FILTER
+    local n="${SHARDS:-1}" i r=0
+    if [ "$n" -le 1 ] || [ "$run" = memory ]; then
+      "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$log" 2>&1
+      return
+    fi
+    for ((i = 0; i < n; i++)); do
+      GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i \
+        "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$log.$i" 2>&1 &
+    done
+    for ((i = 0; i < n; i++)); do wait -n || r=$?; done
+    for ((i = 0; i < n; i++)); do echo "== shard $i of $n"; cat "$log.$i"; rm -f "$log.$i"; done > "$log"
+    return $r
+  }
   case "$run" in
-    sessions) "$cs" "${opts[@]}" "$build/tests/test_llama_cuda" --gtest_filter="$sessions" > "$log" 2>&1 ;;
-    memory)   "$cs" "${opts[@]}" "$build/tests/test_llama_cuda" --gtest_filter="$f_memory" > "$log" 2>&1 ;;
-    ops)      "$cs" "${opts[@]}" "$build/tests/test_ops_cuda" --gtest_filter="$f_ops" > "$log" 2>&1 ;;
-    gemv)     "$cs" "${opts[@]}" "$build/tests/test_gemv_cuda" --gtest_filter="$gemv" > "$log" 2>&1 ;;
-    gemm_small) "$cs" "${opts[@]}" "$build/tests/test_gemm_small" --gtest_filter="$gemm_small" > "$log" 2>&1 ;;
-    prefill)  "$cs" "${opts[@]}" "$build/tests/test_prefill_cuda" --gtest_filter="$prefill" > "$log" 2>&1 ;;
-    families) "$cs" "${opts[@]}" "$build/tests/test_families" --gtest_filter="$f_families" > "$log" 2>&1 ;;
+    sessions) tests_run test_llama_cuda "$sessions" ;;
+    memory)   tests_run test_llama_cuda "$f_memory" ;;
+    ops)      tests_run test_ops_cuda "$f_ops" ;;
+    gemv)     tests_run test_gemv_cuda "$gemv" ;;
+    gemm_small) tests_run test_gemm_small "$gemm_small" ;;
+    prefill)  tests_run test_prefill_cuda "$prefill" ;;
+    families) tests_run test_families "$f_families" ;;
     generate) generate_runs "${opts[@]}" > "$log" 2>&1 ;;
   esac
   rc=$?
@@ -137,14 +160,26 @@ one_run() {  # one_run TOOL RUN
   # (racecheck writes RACECHECK SUMMARY lines, "0 hazards displayed (0 errors, 0 warnings)".)
   errors="$(grep -hE '(ERROR|RACECHECK) SUMMARY' "$log" \
             | grep -vE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' | head -3)"
-  tests="$(grep -hE '^\[  (PASSED|FAILED)  \]' "$log" | head -2 | tr '\n' ' ')"
+  tests="$(grep -hoE '^\[  (PASSED|FAILED)  \] [0-9]+' "$log" |
+           awk '{n[$2] += $4} END {for (k in n) printf "%s %d tests; ", k, n[k]}')"
+  # racecheck: hazards all in cuBLASLt's nvjet kernels are noted, not counted (above).
+  local races nvjet note=""
+  races=$(grep -cE '(Read|Write) access at' "$log")
+  nvjet=$(grep -E '(Read|Write) access at' "$log" | grep -c 'nvjet')
+  if [ "$tool" = racecheck ] && [ -n "$errors" ] && [ "$races" -gt 0 ] && [ "$races" = "$nvjet" ] &&
+     ! grep -q 'Internal Sanitizer Error' "$log"; then
+    errors="" note="$races race reports, all in cuBLASLt's nvjet kernels; "
+    # The tool's exit code for its reports; the tests' own verdict is in the log.
+    [ $rc -eq 86 ] && ! grep -qE '^\[  FAILED  \]' "$log" && rc=0
+  fi
   # A filter that matches nothing, or GPU tests skipped under the tool, check nothing.
-  grep -q 'Running 0 tests' "$log" && errors="${errors}the filter matches no test; "
+  grep -qE '^\[==========\] Running [1-9]' "$log" || [ "$run" = generate ] ||
+    errors="${errors}the filter matches no test; "
   grep -qE '^\[  SKIPPED \]' "$log" && errors="${errors}tests skipped (no usable GPU under the tool?); "
   if [ $rc -ne 0 ] || [ -n "$errors" ] || ! grep -qE '(ERROR|RACECHECK) SUMMARY' "$log"; then
     line="FAIL $tool $run (exit $rc, $((SECONDS - start)) s): ${errors:-no error summary} $tests -> $log"
   else
-    line="ok   $tool $run ($((SECONDS - start)) s) $tests"
+    line="ok   $tool $run ($((SECONDS - start)) s) $note$tests"
   fi
   echo "gpu-sanitize: $line" | tee -a "$work/verdicts"
 }

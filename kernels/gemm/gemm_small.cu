@@ -26,6 +26,12 @@ namespace {
 // The most split-K ranges a row block is cut into: each adds a partial sum of the block's tile
 // to the workspace and to the last block's reduction.
 constexpr int kMaxSplits = 16;
+// The split-K counters' region at the start of every workspace, the same place and size for
+// every call: calls of any M, weight and plan share one workspace (the model's passes do), and
+// each leaves its counters at zero, so no call's partial sums or gathered x may ever be laid
+// over another call's counters. A plan with more blocks than this is not split.
+constexpr int64_t kMaxCounters = 16384;
+constexpr size_t kCountersBytes = kMaxCounters * sizeof(int);
 // A block's fixed cost in stage-times (its first loads' round trip, the partial-sum store and
 // the reduction), against which the split choice weighs shorter K ranges. A tuning constant.
 constexpr int kBlockOverheadStages = 2;
@@ -152,6 +158,7 @@ int choose_splits(int64_t blocks, int n_stages, int64_t sms, OccOf occ_of) {
   for (int s = 1; s <= std::min(n_stages, kMaxSplits); ++s) {
     const int occ = occ_of(s);
     if (occ < 1) continue;
+    if (s > 1 && blocks > kMaxCounters) break;
     const int64_t cost = grid_cost(blocks * s, (n_stages + s - 1) / s, occ, sms);
     if (cost < best_cost) best = s, best_cost = cost;
   }
@@ -216,14 +223,17 @@ Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
                 " bytes of shared memory a block for M=" + std::to_string(M) + ", K=" +
                 std::to_string(w.K) + "; device " + std::to_string(current_device_info().id) +
                 " allows " + std::to_string(prepare_kernel(p.kernel)));
+  if (p.splits > 1 && p.blocks() > kMaxCounters)
+    throw Error("gemm_small: splits=" + std::to_string(p.splits) + " over " +
+                std::to_string(p.blocks()) + " blocks; split-K takes at most " +
+                std::to_string(kMaxCounters) + " blocks");
   p.x_slots = x_slots_of(p.splits);
   p.smem = smem_of(p.splits);
-  if (p.splits > 1) {
-    p.counters_bytes = align256(size_t(p.blocks()) * sizeof(int));
+  if (p.splits > 1)
     p.partial_bytes =
         align256(size_t(p.splits) * p.blocks() * p.threads * p.nt * 4 * sizeof(float));
-  }
   if (p.pack) p.x_bytes = align256(size_t(M) * p.ldx * sizeof(__half));
+  if (p.partial_bytes + p.x_bytes > 0) p.counters_bytes = kCountersBytes;
   return p;
 }
 

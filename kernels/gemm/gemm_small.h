@@ -65,7 +65,9 @@ size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunc
 //        out_index and residual_index are not supported.
 //   workspace: gemm_small_workspace_bytes(w, M, launch, out) bytes, 16-byte aligned
 //        (nullptr when that is 0), zero-filled once when allocated: every call leaves its
-//        split-K counters at zero again. Calls that share one may not run concurrently.
+//        split-K counters at zero again. Calls of any M, weight and plan may share one (as
+//        large as the largest they need): the counters have a fixed place at its start that
+//        no call's other data overlaps. Calls that share one may not run concurrently.
 // The argument checks come before any CUDA call and throw kestrel::Error with one line; the
 // size of the workspace is checked once the launch is planned (that queries the device).
 void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,

@@ -372,8 +372,9 @@ TEST(SpecCuda, GpuVerifyGraphsEqualUncapturedPasses) {
       {"mistral_q4", "mistral", {"mistral_q4", "gptq", 4, 128, false, false, "gptq"}},
       {"qwen2_q4_asym", "qwen2", {"qwen2_q4_asym", "gptq", 4, 32, false, true, "gptq_v2"}},
       {"qwen3_fp16", "qwen3", {"qwen3_fp16", "fp16", 16, 0, false, false, "gptq"}},
-      {"opt_q4", "opt", {"opt_q4", "gptq", 4, 128, false, false, "gptq"}},
-      {"opt_fp16", "opt", {"opt_fp16", "fp16", 16, 0, false, false, "gptq"}},
+      // (OPT has no grouped-query attention: as many K/V heads as query heads.)
+      {"opt_q4", "opt", {"opt_q4", "gptq", 4, 128, false, false, "gptq", 4, 4}},
+      {"opt_fp16", "opt", {"opt_fp16", "fp16", 16, 0, false, false, "gptq", 4, 4}},
   };
   const int ctx = 1200;
   for (const VerifyCase& v : cases) {

@@ -1,6 +1,7 @@
 // kestrel bench: prompt and generation throughput in the manner of llama-bench. Random
 // prompt tokens, one warm-up run, then r repetitions; every generated token is synchronised
 // and read back by the host, as in real generation. Reports mean and standard deviation.
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <memory>
@@ -29,6 +30,7 @@ struct BenchArgs {
   bool profile = false;
   DecodeTuning tuning;  // the CUDA decode path's choices (docs/tuning.md)
   bool gemv_generic = false, no_graph_ranges = false, verify_graphs = false;
+  int verify_rows = 0;  // --verify N: also time verify passes of N tokens
   SpecOptions spec;
   std::string prompt_file, prompt_text;  // a text prompt instead of random tokens (--spec)
 };
@@ -70,6 +72,16 @@ SpecBench run_spec_bench(const BenchArgs& a, LoadedModel& m, const std::vector<i
 struct Stat {
   double mean = 0, sd = 0;
 };
+
+// Timed verify passes per repetition (--verify).
+constexpr int kVerifyPasses = 20;
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
+}
 
 Stat stats(const std::vector<double>& v) {
   Stat s;
@@ -126,7 +138,7 @@ int run_bench(BenchArgs a) {
     a.n_prompt = (int)text_ids.size();
   }
   if (a.n_prompt == 0 && a.n_gen == 0) throw Error("nothing to measure: -p and -n are both 0");
-  if (a.model.context == 0) a.model.context = a.n_prompt + a.n_gen;
+  if (a.model.context == 0) a.model.context = a.n_prompt + std::max(a.n_gen, a.verify_rows);
   a.tuning.gemv_specialized = !a.gemv_generic;
   a.tuning.graph_ranges = !a.no_graph_ranges;
   a.tuning.verify_graphs = a.verify_graphs;
@@ -136,19 +148,21 @@ int run_bench(BenchArgs a) {
   Session& b = *m.session;
   const Model& model = *m.model;
   const int vocab = b.config().vocab;
-  if (a.n_prompt + a.n_gen > b.context_length()) {
+  if (a.n_prompt + std::max(a.n_gen, a.verify_rows) > b.context_length()) {
     const std::string prompt =
         !a.prompt_file.empty() ? fmt::format("the prompt of {} ({} tokens)", a.prompt_file, a.n_prompt)
         : !a.prompt_text.empty() ? fmt::format("the prompt ({} tokens)", a.n_prompt)
                                  : fmt::format("-p {}", a.n_prompt);
-    throw Error(fmt::format("{} plus -n {} exceed the context of {}", prompt, a.n_gen,
+    throw Error(fmt::format("{} plus {} exceed the context of {}", prompt,
+                            a.verify_rows > a.n_gen ? fmt::format("--verify {}", a.verify_rows)
+                                                    : fmt::format("-n {}", a.n_gen),
                             b.context_length()));
   }
 
   std::mt19937_64 rng(a.seed);
   std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
   std::vector<float> logits(vocab);
-  std::vector<double> pp, tg;
+  std::vector<double> pp, tg, verify_ms;
   std::optional<SpecBench> sb;
   if (!a.spec.kind.empty()) {
     sb = run_spec_bench(a, m, text_ids);
@@ -177,6 +191,19 @@ int run_bench(BenchArgs a) {
       const double s = std::chrono::duration<double>(clock::now() - t0).count();
       if (rep >= 0) tg.push_back(a.n_gen / s);
     }
+    if (a.verify_rows > 0) {
+      // Speculative verification's pass: N tokens at the position after the prompt, each row's
+      // argmax back on the host, as a verify step of generate() runs it. The first pass of the
+      // warm-up captures its graph where verify graphs are on.
+      std::vector<int> rows(a.verify_rows), ids(a.verify_rows);
+      for (int i = 0; i < kVerifyPasses; ++i) {
+        for (int& t : rows) t = tok(rng);
+        t0 = clock::now();
+        b.forward_argmax_rows(rows.data(), a.verify_rows, a.n_prompt, ids.data());
+        const double ms = std::chrono::duration<double, std::milli>(clock::now() - t0).count();
+        if (rep >= 0) verify_ms.push_back(ms);
+      }
+    }
   }
 
   const ModelConfig& c = b.config();
@@ -184,6 +211,8 @@ int run_bench(BenchArgs a) {
   const int64_t params = count_params(c);
   const Stat p = stats(pp), g = stats(tg);
   const Stat gs = sb ? stats(sb->tg_spec) : Stat{};
+  const double verify_median = median(verify_ms);
+  const double step_ms = g.mean > 0 ? 1000.0 / g.mean : 0.0;
   const std::string spec_test = fmt::format("tg{}+{}", a.n_gen, a.spec.kind);
   const double acceptance = sb && sb->drafted ? (double)sb->accepted / sb->drafted : 0.0;
   const double per_step = sb && sb->steps ? (double)sb->step_tokens / sb->steps : 0.0;
@@ -213,6 +242,13 @@ int run_bench(BenchArgs a) {
                           {"acceptance_rate", acceptance},
                           {"tokens_per_step", per_step},
                           {"same_tokens_as_plain", sb->same}};
+    if (a.verify_rows > 0)
+      j["verify"] = {{"rows", a.verify_rows},
+                     {"position", a.n_prompt},
+                     {"ms_median", verify_median},
+                     {"passes", verify_ms.size()},
+                     {"decode_step_ms", step_ms},
+                     {"ratio_to_decode_step", step_ms > 0 ? verify_median / step_ms : 0.0}};
     j["gpu_weight_bytes"] = model.weight_bytes();
     j["gpu_cache_bytes"] = b.cache_bytes();
     j["gpu_bytes_after_load"] = model.device_bytes_after_load();
@@ -235,6 +271,9 @@ int run_bench(BenchArgs a) {
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
     if (sb) row(spec_test, gs);
+    // A verify pass as tokens/s through it: N tokens over the median pass.
+    if (a.verify_rows > 0 && verify_median > 0)
+      row(fmt::format("verify{}", a.verify_rows), Stat{a.verify_rows * 1000.0 / verify_median, 0});
   } else {
     // The model by its directory's name, as llama-bench names it by its file.
     const std::string name = model_name(a.model.dir), type = format_text(c);
@@ -260,6 +299,14 @@ int run_bench(BenchArgs a) {
           "step; the same tokens as plain greedy decoding: {}\n",
           a.spec.kind, a.spec.draft_max, sb->drafted, sb->accepted, 100 * acceptance, per_step,
           sb->same ? "yes" : "NO");
+    }
+    if (a.verify_rows > 0) {
+      std::cout << fmt::format("\nverify pass of {} tokens at position {}: {:.4f} ms (median of {})",
+                               a.verify_rows, a.n_prompt, verify_median, verify_ms.size());
+      if (step_ms > 0)
+        std::cout << fmt::format(", {:.2f}x a decode step ({:.4f} ms = 1 / tg{} mean)",
+                                 verify_median / step_ms, step_ms, a.n_gen);
+      std::cout << "\n";
     }
     if (a.profile) print_profile(b.profile_step(1, a.n_prompt + a.n_gen - 1));
     if (m.device == "cuda") {
@@ -328,6 +375,10 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
           },
           "0|3..64"))
       ->capture_default_str();
+  cmd->add_option("--verify", a->verify_rows,
+                  "also time speculative verify passes of N tokens (2..65) after the prompt, "
+                  "against a decode step")
+      ->check(whole(2, 65));
   add_spec_options(cmd, a->spec);
   auto* file = cmd->add_option("-f,--file", a->prompt_file,
                                "with --spec: the prompt, from a file (instead of random tokens)");
@@ -347,6 +398,8 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                                  "prompt is the text");
     if (a->profile && !a->spec.kind.empty())
       throw CLI::ValidationError("--profile goes without --spec");
+    if (a->verify_rows > 0 && !a->spec.kind.empty())
+      throw CLI::ValidationError("--verify goes without --spec (it times the pass alone)");
     action = [a] { return run_bench(*a); };
   });
 }
