@@ -29,7 +29,7 @@ struct BenchArgs {
   uint64_t seed = 1234;
   bool profile = false;
   DecodeTuning tuning;  // the CUDA decode path's choices (docs/tuning.md)
-  bool gemv_generic = false, no_graph_ranges = false, verify_graphs = false;
+  bool gemv_generic = false, no_graph_ranges = false, no_verify_graphs = false;
   int verify_rows = 0;  // --verify N: also time verify passes of N tokens
   SpecOptions spec;
   std::string prompt_file, prompt_text;  // a text prompt instead of random tokens (--spec)
@@ -141,7 +141,7 @@ int run_bench(BenchArgs a) {
   if (a.model.context == 0) a.model.context = a.n_prompt + std::max(a.n_gen, a.verify_rows);
   a.tuning.gemv_specialized = !a.gemv_generic;
   a.tuning.graph_ranges = !a.no_graph_ranges;
-  a.tuning.verify_graphs = a.verify_graphs;
+  a.tuning.verify_graphs = !a.no_verify_graphs;
   const bool quiet = a.output != "md";
   LoadedModel m = open_model(a.model, quiet);
   load_weights(m, a.model, quiet, a.tuning);
@@ -359,9 +359,9 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                 "run the generic quantized GEMV kernel instead of the specialized ones");
   cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
                 "capture one decode graph for the whole context instead of one per range");
-  cmd->add_flag("--verify-graphs", a->verify_graphs,
-                "replay each speculative verify pass from a CUDA graph instead of launching its "
-                "kernels from the host");
+  cmd->add_flag("--no-verify-graphs", a->no_verify_graphs,
+                "launch each speculative verify pass's kernels from the host instead of replaying "
+                "a CUDA graph");
   cmd->add_option("--small-gemm", a->tuning.small_gemm_max_rows,
                   "prompt chunks and verify passes of 3 .. N tokens run their quantized linears "
                   "through the fused small-M GEMM (0 = off, up to 64)")
