@@ -23,6 +23,12 @@
 #   prefill    test_prefill_cuda: dequantize, quantized GEMM and its slices, dense rows, the
 #              prefill attention, RoPE rows, NLL, chunked prefill against token-by-token decode
 #   families   test_families: every family's GPU forward against transformers (or its refusal)
+#   spec       test_speculative: the rows' argmax on the device, verify passes replayed from
+#              CUDA graphs (the device-position forms of the embedding, RoPE and attention
+#              kernels) against host-launched ones, greedy lookup on the docs model
+#   quantize   test_quantize_cuda: the GPU quantizer (Hessian, GPTQ factor and solve, RTN,
+#              relative error, a layer's forward with taps), and test_quantize's CUDA end-to-end
+#              runs
 #   generate   kestrel-synth tiny GPTQ models (4-bit g128 act-order; 3-bit asymmetric g64), then
 #              `kestrel generate` of a 48-token prompt (prefill GEMM path) and 24 tokens (decode
 #              graphs), greedy and sampled
@@ -57,7 +63,8 @@ done
 [ -n "$cs" ] || { echo "gpu-sanitize: compute-sanitizer not found" >&2; exit 1; }
 "$build/kestrel" devices > /dev/null 2>&1 || { echo "gpu-sanitize: no usable GPU: $("$build/kestrel" devices 2>&1)" >&2; exit 1; }
 for b in tests/test_llama_cuda tests/test_ops_cuda tests/test_gemv_cuda tests/test_prefill_cuda \
-         tests/test_families tests/test_gemm_small kestrel kestrel-synth; do
+         tests/test_families tests/test_gemm_small tests/test_speculative tests/test_quantize_cuda \
+         tests/test_quantize kestrel kestrel-synth; do
   [ -x "$build/$b" ] || { echo "gpu-sanitize: $build/$b is not built (scripts/build.sh)" >&2; exit 1; }
 done
 
@@ -77,17 +84,20 @@ f_prefill='*GemmFormats.*:GemmSlices.*:DenseLinear.*:*AttnPrefill.*:RopeRows.*:N
 f_families='*Families.Gpu*'
 f_gemm_small_full='*GpuGemmSmall*:GemmSmall*.Gpu*'
 f_gemm_small_small='*GpuGemmSmallPlans*:GemmSmall*.Gpu*'
+f_spec='SpecCuda.*'
+f_quantize='*'
+f_quantize_e2e='EndToEnd.Cuda*:*CudaFamilies.*'
 
 runs_for() {  # runs_for TOOL: the runs this tool takes
   if [ -n "${RUNS:-}" ]; then echo "$RUNS"; return; fi
   case "$1" in
-    memcheck) echo "sessions memory ops gemv gemm_small prefill families generate" ;;
+    memcheck) echo "sessions memory ops gemv gemm_small prefill families spec quantize generate" ;;
     # initcheck does not see what cuBLASLt writes (its Hopper kernels store through the tensor
     # memory accelerator): every read of a GEMM's output is reported as uninitialized
     # (scripts/initcheck-cublaslt.cu shows it on a bare cuBLASLt call). So initcheck takes the
     # runs that never read one.
     initcheck) echo "ops gemv gemm_small" ;;
-    *) echo "sessions ops gemv gemm_small prefill generate" ;;
+    *) echo "sessions ops gemv gemm_small prefill spec quantize generate" ;;
   esac
 }
 
@@ -123,26 +133,35 @@ one_run() {  # one_run TOOL RUN
   local opts=(--tool "$tool" --error-exitcode 86 --report-api-errors no --print-limit 50)
   [ "$tool" = memcheck ] && opts+=(--leak-check full)
   local gemv="$f_gemv_small" sessions="$f_sessions_small" prefill="$f_prefill"
-  local gemm_small="$f_gemm_small_small"
+  local gemm_small="$f_gemm_small_small" spec="$f_spec"
   [ "$tool" = memcheck ] && { gemv="$f_gemv_full"; sessions="$f_sessions"; gemm_small="$f_gemm_small_full"; }
   if [ -n "${FILTER:-}" ]; then
-    gemv="$FILTER"; sessions="$FILTER"; prefill="$FILTER"; gemm_small="$FILTER"
+    gemv="$FILTER"; sessions="$FILTER"; prefill="$FILTER"; gemm_small="$FILTER"; spec="$FILTER"
   fi
   local log="$logs/$tool-$run.log" start=$SECONDS rc
-  # A test binary under the tool: in SHARDS gtest shards at once, their logs joined in order.
-  tests_run() {  # tests_run BINARY FILTER
-    local n="${SHARDS:-1}" i r=0
+  # A test binary under the tool, into OUT (default the run's log): in SHARDS gtest shards at
+  # once, their logs joined in order.
+  tests_run() {  # tests_run BINARY FILTER [OUT]
+    local n="${SHARDS:-1}" i r=0 out="${3:-$log}"
     if [ "$n" -le 1 ] || [ "$run" = memory ]; then
-      "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$log" 2>&1
+      "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$out" 2>&1
       return
     fi
     for ((i = 0; i < n; i++)); do
       GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i \
-        "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$log.$i" 2>&1 &
+        "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$out.$i" 2>&1 &
     done
     for ((i = 0; i < n; i++)); do wait -n || r=$?; done
-    for ((i = 0; i < n; i++)); do echo "== shard $i of $n"; cat "$log.$i"; rm -f "$log.$i"; done > "$log"
+    for ((i = 0; i < n; i++)); do echo "== shard $i of $n"; cat "$out.$i"; rm -f "$out.$i"; done > "$out"
     return $r
+  }
+  # The quantizer's two binaries, one log.
+  quantize_run() {
+    local r1 r2
+    tests_run test_quantize_cuda "$f_quantize" "$log.1"; r1=$?
+    tests_run test_quantize "$f_quantize_e2e" "$log.2"; r2=$?
+    cat "$log.1" "$log.2" > "$log"; rm -f "$log.1" "$log.2"
+    return $((r1 != 0 ? r1 : r2))
   }
   case "$run" in
     sessions) tests_run test_llama_cuda "$sessions" ;;
@@ -152,6 +171,8 @@ one_run() {  # one_run TOOL RUN
     gemm_small) tests_run test_gemm_small "$gemm_small" ;;
     prefill)  tests_run test_prefill_cuda "$prefill" ;;
     families) tests_run test_families "$f_families" ;;
+    spec)     tests_run test_speculative "$spec" ;;
+    quantize) quantize_run ;;
     generate) generate_runs "${opts[@]}" > "$log" 2>&1 ;;
   esac
   rc=$?
@@ -191,7 +212,7 @@ for tool in "${tools[@]}"; do
   esac
   for run in $(runs_for "$tool"); do
     case "$run" in
-      sessions|memory|ops|gemv|gemm_small|prefill|families|generate) ;;
+      sessions|memory|ops|gemv|gemm_small|prefill|families|spec|quantize|generate) ;;
       *) echo "gpu-sanitize: unknown run $run" >&2; exit 1 ;;
     esac
   done
