@@ -1,7 +1,8 @@
 // Batch-1 GEMV kernels: fused GPTQ dequantize + dot product, and plain fp16, streaming the
 // weights once at the memory-bandwidth limit. This file: the design, the run-time quantized
 // kernel, the fp16 kernel and the dispatch; the device code is in gemv_kernel.cuh, and the
-// kernels specialized per bit width compile in gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu.
+// kernels specialized per bit width compile in gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu,
+// gemv_spec8.cu.
 //
 // ---------------------------------------------------------------------------------------------
 // What a GEMV must move. y[N] = W[N,K] x[K]: every weight byte once, x and y once. Llama-2-7B
@@ -16,8 +17,9 @@
 // a large share of a GEMV that moves a few tens of MB.
 //
 // ---------------------------------------------------------------------------------------------
-// Work decomposition, quantized. 16 warps per SM, as one block or (symmetric 3/4/8-bit, K and N
-// >= 4096: spec_block_warps) two blocks of 8; each block stages x into shared memory once.
+// Work decomposition, quantized. 16 warps per SM, as one block or (symmetric weights, K and N
+// >= 4096, rows of more than 16 units: spec_block_warps) two blocks of 8; each block stages x
+// into shared memory once.
 // Warp w of the W in the grid owns a run of rows and streams them R = 2 at a time: in blocks of
 // 8 warps, where every warp has a step, whole steps of R rows, one more to each of the grid's
 // first warps where they do not divide evenly (their blocks start first; the others exit a step
@@ -158,11 +160,13 @@ Kernel quant_kernel_for_group(int gs) {
 // (K and N >= 4096 at 4 bits: every lane of a warp has a unit of each row, and the grid has
 // about two rows per warp), one block of 16 otherwise. With two blocks, the next kernel's block
 // starts (and issues its first weight loads) on an SM as soon as half of it is done; where K is
-// small, 8 warps lost more than that gained (measured: docs/gemv-notes.md). `forced`
-// (GemvLaunch::block_warps) 8 or 16 overrides the choice.
-int spec_block_warps(int64_t N, int64_t K, int forced) {
+// small, 8 warps lost more than that gained (measured: docs/gemv-notes.md). Rows of at most 16
+// units (2 bits at K = 4096) take one block of 16 too: the half-warp kernels that give lanes
+// 16-31 a row step of their own come in blocks of 16 only. `forced` (GemvLaunch::block_warps) 8
+// or 16 overrides the choice.
+int spec_block_warps(int64_t N, int64_t K, int units, int forced) {
   if (forced == 8 || forced == 16) return forced;
-  return K >= 4096 && N >= 4096 ? 8 : kQuantWarps;
+  return K >= 4096 && N >= 4096 && units > 16 ? 8 : kQuantWarps;
 }
 
 // Rows of 33-64 units (3 and 4 bits, 4096 < K <= 8192: the 1.1B's down, K = 5632, 44 units)
@@ -183,6 +187,7 @@ QuantKernel spec_kernel(int bits, int gs, int spec, int warps,
                         RowSplit split = RowSplit::kWhole) {
   if (spec == kDynamic) return {nullptr, 0};
   switch (bits) {
+    case 2: return spec_kernel_2bit(gs, spec, warps, split);
     case 3: return spec_kernel_3bit(gs, spec, warps, split);
     case 4: return spec_kernel_4bit(gs, spec, warps, split);
     case 8: return spec_kernel_8bit(gs, spec, warps, split);
@@ -419,7 +424,7 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
   if (w.launch.specialized) {
     const int spec = spec_of(p);
     qk = spec_kernel(w.bits, w.group_size, spec,
-                     spec_block_warps(w.N, w.K, w.launch.block_warps));
+                     spec_block_warps(w.N, w.K, p.nch, w.launch.block_warps));
     // Blocks of 8 warps only where two fit on an SM (x's shared memory grows with K).
     if (qk.k && qk.warps < kQuantWarps &&
         blocks_per_sm(qk.k, 32 * qk.warps, need) * qk.warps < kQuantWarps)

@@ -1,7 +1,7 @@
 // The batch-1 GEMV kernels' device code (gemv.cu describes the design), shared by the
 // translation units that compile its kernels: gemv.cu (the run-time quantized kernel, the fp16
-// GEMV, the dispatch) and gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the kernels specialized
-// per bit width, compiled in parallel). Device code: include from .cu files only.
+// GEMV, the dispatch) and gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the
+// kernels specialized per bit width, compiled in parallel). Device code: include from .cu files only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -87,7 +87,7 @@ struct QuantKernel {
 enum SpecFlags : int { kPerm = 1, kNorm = 2, kResidual = 4, kSiluPair = 8, kIndexed = 16 };
 constexpr int kDynamic = -1;
 
-// How a row step meets the warps (3 and 4 bits, blocks of 16 warps; kWhole otherwise):
+// How a row step meets the warps (2, 3 and 4 bits, blocks of 16 warps; kWhole otherwise):
 //   kWhole     a warp takes a step of R rows (or one SiLU pair), every unit group of them;
 //   kHalfWarp  each half-warp takes a step (kHalf: rows of at most 16 units);
 //   kWarpPair  two warps take a step, one unit group each (kPair: rows of 33-64 units).
@@ -96,6 +96,7 @@ enum class RowSplit { kWhole, kHalfWarp, kWarpPair };
 // The specialized kernel of one bit width for a call's flags (spec_of, not kDynamic) in blocks
 // of `warps` (8 or 16) with row steps split as `split` says, or {nullptr, 0} where none is
 // compiled: one per gemv_spec*.cu.
+QuantKernel spec_kernel_2bit(int gs, int spec, int warps, RowSplit split);
 QuantKernel spec_kernel_3bit(int gs, int spec, int warps, RowSplit split);
 QuantKernel spec_kernel_4bit(int gs, int spec, int warps, RowSplit split);
 QuantKernel spec_kernel_8bit(int gs, int spec, int warps, RowSplit split);
@@ -1171,9 +1172,10 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
 // ---- The specialized kernels of bit width B, by group size, flags and block size -------------
 
 // The symmetric B-bit kernel of group size GS for a call's flags (spec_of, not kDynamic), in
-// blocks of `warps`, its row steps split as `split` says. The split kernels are compiled at 3 and
-// 4 bits (units of 128 codes) in blocks of kQuantWarps: the half-warp ones for every op, the
-// warp-pair ones for the down role's (none, residual, indexed residual).
+// blocks of `warps`, its row steps split as `split` says. The split kernels are compiled in
+// blocks of kQuantWarps: the half-warp ones for every op at 2, 3 and 4 bits (rows of at most 16
+// units: K <= 4096 at 2 bits, whose units are 256 codes, so every linear of a 7B but down), the
+// warp-pair ones for the down role's ops (none, residual, indexed residual) at 3 and 4 bits.
 template <int B, int GS, int OPS>
 QuantKernel spec_kernel_for_perm(bool perm, int warps, RowSplit split) {
   if (split == RowSplit::kWhole) {
@@ -1184,11 +1186,13 @@ QuantKernel spec_kernel_for_perm(bool perm, int warps, RowSplit split) {
             kQuantWarps};
   }
   if (warps != kQuantWarps) return {nullptr, 0};
-  if constexpr (B == 3 || B == 4) {
+  if constexpr (B == 2 || B == 3 || B == 4) {
     if (split == RowSplit::kHalfWarp)
       return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, kQuantWarps, true>
                    : gemv_quant_kernel<B, GS, OPS, kQuantWarps, true>,
               kQuantWarps};
+  }
+  if constexpr (B == 3 || B == 4) {
     if constexpr (OPS == 0 || OPS == kResidual || OPS == (kResidual | kIndexed))
       return {perm ? gemv_quant_kernel<B, GS, OPS | kPerm, kQuantWarps, false, true>
                    : gemv_quant_kernel<B, GS, OPS, kQuantWarps, false, true>,

@@ -757,16 +757,17 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
   KESTREL_REQUIRE_GPU();
   std::mt19937 rng(61);
   enum Ops { kNone, kNorm, kResidual, kAliased, kNormSilu };
-  // Every bit width with specialized kernels (3, 4, 8); 2-bit and asymmetric weights run the
-  // run-time kernel either way, checked here once each.
+  // Every bit width with specialized kernels (2, 3, 4, 8); asymmetric weights run the run-time
+  // kernel either way, checked here once each.
   for (int bits : {4, 3, 8, 2})
     for (int gs : {32, 64, 128, -1})
       for (bool act : {false, true})
         for (bool sym : {true, false})
-          // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps); the others 16. K <= 2048
-          // (rows of at most 16 units) takes the half-warp kernels at 3 and 4 bits: 352 and 1920
-          // leave some of a half's lanes without a unit, 2048 none; 34, 2562 and 1030 rows end
-          // on a part of a (double) step, and 17, 1,281 and 515 SiLU pairs on one half of it.
+          // 4098 x 4096: blocks of 8 warps (gemv.cu, spec_block_warps) at 3, 4 and 8 bits; the
+          // others 16. K <= 2048 (rows of at most 16 units) takes the half-warp kernels at 3 and
+          // 4 bits, K <= 4096 at 2 bits (units of 256 codes; 4096 fills every lane): 352 and
+          // 1920 leave some of a half's lanes without a unit, 2048 none; 34, 2562 and 1030 rows
+          // end on a part of a (double) step, and 17, 1,281 and 515 SiLU pairs on one half of it.
           // K = 5632 and 4224 (44 and 33 units: a second group of 12 and 1) take the warp-pair
           // kernels at 3 and 4 bits without the RMSNorm; 70 and 1030 rows end on a part of a step.
           for (auto [n, K] : {std::pair<int64_t, int64_t>{34, 352}, {1056, 4096}, {4098, 4096},
@@ -774,7 +775,6 @@ TEST(GemvSpecialized, SameOutputAsTheRunTimeKernel) {
             for (Ops ops : {kNone, kNorm, kResidual, kAliased, kNormSilu}) {
               if (!sym && (gs != 128 || ops != kNone)) continue;
               if (n == 4098 && gs != 128) continue;
-              if (bits == 2 && (gs != 128 || act || ops != kNone)) continue;
               Format f;
               f.bits = bits;
               f.group_size = gs;
