@@ -82,9 +82,9 @@ function kestrelJson(args) {
   return JSON.parse(execFileSync(kestrel, args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] }));
 }
 // `kestrel generate --json`'s answer for a prompt (--chat: as a user message).
-function generate(prompt, n, { chat = false, temp = 0, seed, stop } = {}) {
+function generate(prompt, n, { chat = false, temp = 0, seed, stop, extra = [] } = {}) {
   const args = ['generate', '--device', 'cpu', '-t', '1', '-m', model, '-c', String(CONTEXT), '-p', prompt, '-n', String(n),
-                '--temp', String(temp), '--json', '-q'];
+                '--temp', String(temp), '--json', '-q', ...extra];
   if (chat) args.push('--chat');
   if (seed !== undefined) args.push('-s', String(seed));
   if (stop !== undefined) args.push('--stop', stop);
@@ -494,6 +494,44 @@ test('load: 32 concurrent streaming clients, each text that of kestrel generate'
     await new Promise((r) => setTimeout(r, 10));
   }
   assert.deepEqual(await main.health(), { status: 'ok', slots_idle: 4, slots_processing: 0, queued: 0 });
+});
+
+test('--spec: the text of kestrel generate --spec, concurrent slots, drafts counted in usage', async () => {
+  // A draft model the size of the target (the model itself): every greedy draft is kept.
+  const draftArgs = ['--spec', 'draft', '--draft-model', model, '--draft-max', '4'];
+  const draft = new Server(['-c', String(CONTEXT), '--parallel', '2', ...draftArgs]);
+  const lookup = new Server(['-c', String(CONTEXT), '--parallel', '2', '--spec', 'lookup']);
+  try {
+    await Promise.all([draft.ready, lookup.ready]);
+    assert.match(draft.log, /speculative draft \(draft-max 4\)/);
+    const prompt = 'the river runs past the mill, the river runs past the mill, the river';
+    const plain = generate(prompt, 16);
+    for (const srv of [draft, lookup]) {
+      // Two greedy requests at once, one streamed, on the two slots: each the plain text.
+      const [r, stream] = await Promise.all([
+        srv.client().completions.create({ model: MODEL_ID, prompt, max_tokens: 16, temperature: 0 }),
+        srv.client().completions.create({ model: MODEL_ID, prompt, max_tokens: 16, temperature: 0, stream: true }),
+      ]);
+      let text = '';
+      for await (const c of stream) text += c.choices[0]?.text ?? '';
+      assert.equal(r.choices[0].text, plain.text);
+      assert.equal(text, plain.text);
+      const d = r.usage.completion_tokens_details;
+      assert.ok(d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0, JSON.stringify(r.usage));
+      if (srv === draft) assert.equal(d.rejected_prediction_tokens, 0, JSON.stringify(r.usage));
+    }
+    // Sampled: speculation draws its own random numbers, so the seeded text is that of
+    // kestrel generate with the same --spec.
+    const s = await draft.client().completions.create({ model: MODEL_ID, prompt, max_tokens: 16, temperature: 0.9, seed: 77 });
+    assert.equal(s.choices[0].text, generate(prompt, 16, { temp: 0.9, seed: 77, extra: draftArgs }).text);
+  } finally {
+    await Promise.all([draft.stop(), lookup.stop()]);
+  }
+  // --draft-max without --spec is refused, as in generate.
+  const bad = new Server(['--draft-max', '4']);
+  const { code } = await bad.exited;
+  assert.equal(code, 1);
+  assert.match(bad.log, /--draft-max goes with --spec/);
 });
 
 test('SIGINT and SIGTERM: in-flight requests end, the server exits 0', async () => {

@@ -59,6 +59,7 @@ struct ServeArgs {
   int timeout = 60;
   bool log_prompts = false;
   bool quiet = false;
+  SpecOptions spec;
 };
 
 // What the access log learns of the request a thread is serving: cpp-httplib calls the
@@ -146,9 +147,10 @@ std::string model_id(const ServeArgs& a) {
 
 class Server {
  public:
-  Server(const ServeArgs& a, LoadedModel& m, std::optional<ChatTemplate> tmpl)
+  Server(const ServeArgs& a, LoadedModel& m, std::optional<ChatTemplate> tmpl,
+         std::unique_ptr<LoadedModel> draft)
       : a_(a), m_(m), tmpl_(std::move(tmpl)), id_(model_id(a)), created_(std::time(nullptr)),
-        rng_(std::random_device{}()) {
+        draft_(std::move(draft)), rng_(std::random_device{}()) {
     defaults_.sampling = resolve_sampling(a.model.dir, a.sampling);
     defaults_.max_tokens = a.n_predict;
     defaults_.stop = a.sampling.stop;
@@ -170,6 +172,19 @@ class Server {
     for (auto& s : raw)
       sessions_.push_back(a.parallel == 1 ? std::move(s)
                                           : std::make_unique<server::TurnTakingSession>(std::move(s), turn_));
+    // --spec draft: a session of the draft model per slot, taking the draft model's turn. (A
+    // GPU short of memory may give one less context: its drafter then proposes nothing past
+    // it, and the slot decodes on alone.)
+    if (draft_) {
+      const int dctx = draft_->session->context_length();
+      std::vector<std::unique_ptr<Session>> d;
+      d.push_back(std::move(draft_->session));
+      for (int i = 1; i < a.parallel; ++i) d.push_back(draft_->model->new_session(dctx, a.quiet));
+      for (auto& s : d)
+        draft_sessions_.push_back(
+            a.parallel == 1 ? std::move(s)
+                            : std::make_unique<server::TurnTakingSession>(std::move(s), draft_turn_));
+    }
     slots_ = std::make_unique<server::Slots>(a.parallel, a.queue, [this](int i) -> const std::vector<int>& {
       return sessions_[i]->cached;
     });
@@ -379,6 +394,14 @@ class Server {
       }
       Session& session = *sessions_[lease->slot()];
       const server::ResponseMeta rm = meta(endpoint);
+      // The request's drafter, drafting with its own sampling (kept alive by the stream below).
+      std::shared_ptr<Drafter> drafter;
+      if (a_.spec.kind == "lookup") drafter = std::make_shared<NgramDrafter>();
+      if (a_.spec.kind == "draft")
+        drafter = std::make_shared<ModelDrafter>(*draft_sessions_[lease->slot()],
+                                                 p->options.sampling, m_.spec->config.vocab);
+      p->options.drafter = drafter.get();
+      p->options.draft_max = a_.spec.draft_max;
 
       if (!cr.stream) {
         p->options.cancelled = [this, gone] { return stopping_.load() || gone(); };
@@ -398,7 +421,7 @@ class Server {
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [this, request, p, rm, lease, gone, &session](size_t, httplib::DataSink& sink) {
+          [this, request, p, rm, lease, gone, drafter, &session](size_t, httplib::DataSink& sink) {
             bool ok = true;
             auto send = [&](const std::string& s) {
               if (ok && !sink.write(s.data(), s.size())) ok = false;
@@ -479,6 +502,11 @@ class Server {
   server::RequestDefaults defaults_;
   server::TurnLock turn_;
   std::vector<std::unique_ptr<Session>> sessions_;
+  // --spec draft: the draft model (declared before its sessions, which it outlives), its
+  // sessions by slot and their turn.
+  std::unique_ptr<LoadedModel> draft_;
+  server::TurnLock draft_turn_;
+  std::vector<std::unique_ptr<Session>> draft_sessions_;
   std::unique_ptr<server::Slots> slots_;
   std::atomic<bool> stopping_{false}, listener_failed_{false};
   std::mutex rng_mutex_, log_mutex_;
@@ -493,6 +521,10 @@ int run_serve(const ServeArgs& a) {
   std::optional<ChatTemplate> tmpl(ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why));
   if (!why.empty()) note(a.quiet, "note: " + why);
   load_weights(m, a.model, a.quiet);
+  // --spec draft loads the draft model now (its errors before the server listens); the
+  // drafters themselves are made per request, with the request's sampling.
+  std::unique_ptr<LoadedModel> draft =
+      open_speculation(a.spec, m, a.model, SamplingParams{}, a.quiet).draft;
 
   // From here SIGINT and SIGTERM are taken by sigwait in Server::run, never delivered to a
   // thread (the server's threads inherit this mask); a write to a closed connection is an
@@ -504,10 +536,14 @@ int run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
-  Server s(a, m, std::move(tmpl));
-  note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens, queue {}", model_id(a),
+  Server s(a, m, std::move(tmpl), std::move(draft));
+  note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens, queue {}{}", model_id(a),
                             m.device, a.parallel, a.parallel == 1 ? "" : "s",
-                            context_length(m, a.model), a.queue));
+                            context_length(m, a.model), a.queue,
+                            a.spec.kind.empty()
+                                ? ""
+                                : fmt::format(", speculative {} (draft-max {})", a.spec.kind,
+                                              a.spec.draft_max)));
   return s.run();
 }
 
@@ -550,7 +586,9 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
       ->capture_default_str();
   cmd->add_flag("--log-prompts", a->log_prompts, "also write each prompt's text to the access log");
   cmd->add_flag("-q,--quiet", a->quiet, "no notes on stderr (the listening line and the access log stay)");
+  add_spec_options(cmd, a->spec);
   cmd->callback([a, &action] {
+    check_spec_options(a->spec);
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);

@@ -19,10 +19,16 @@ std::string finish_reason(const GenerateResult& r) {
 
 json usage_json(const GenerateResult& r) {
   const int prompt = (int)r.prompt_ids.size(), completion = (int)r.ids.size();
-  return {{"prompt_tokens", prompt},
-          {"completion_tokens", completion},
-          {"total_tokens", prompt + completion},
-          {"prompt_tokens_details", {{"cached_tokens", r.n_cached}}}};
+  json u = {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion},
+            {"prompt_tokens_details", {{"cached_tokens", r.n_cached}}}};
+  // Speculative decoding (kestrel serve --spec): the drafted ids the model kept and those it
+  // did not, in the fields OpenAI gives its predicted outputs.
+  if (r.n_steps > 0)
+    u["completion_tokens_details"] = {{"accepted_prediction_tokens", r.n_accepted},
+                                      {"rejected_prediction_tokens", r.n_drafted - r.n_accepted}};
+  return u;
 }
 
 std::string token_text(const Tokenizer& tok, int id) {

@@ -32,6 +32,11 @@ int TurnTakingSession::forward_argmax(int token, int pos) {
   return inner_->forward_argmax(token, pos);
 }
 
+void TurnTakingSession::forward_argmax_rows(const int* tokens, int n, int pos, int* out) {
+  std::lock_guard<TurnLock> turn(turn_);
+  inner_->forward_argmax_rows(tokens, n, pos, out);
+}
+
 Slots::Slots(int n_slots, int max_queue, std::function<const std::vector<int>&(int)> cached)
     : busy_(n_slots, false), released_at_(n_slots, 0), max_queue_(max_queue), cached_(std::move(cached)) {}
 

@@ -53,6 +53,8 @@ class TurnTakingSession final : public Session {
   size_t cache_bytes() const override { return inner_->cache_bytes(); }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
+  // A speculative verify pass is one turn: it leaves nothing in the model's state.
+  void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override;
 
  private:
   std::unique_ptr<Session> inner_;
