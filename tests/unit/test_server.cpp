@@ -296,6 +296,18 @@ const ResponseMeta kMeta{"id-1", 1700000000, "tiny"};
 
 }  // namespace
 
+// A speculative generation (kestrel serve --spec): its drafted ids, kept and not, in OpenAI's
+// predicted-output fields.
+TEST_F(ServerPrepare, SpeculativeUsageCountsTheDrafts) {
+  GenerateResult r = result();
+  r.n_steps = 1;
+  r.n_drafted = 5;
+  r.n_accepted = 1;
+  const json j = completion_response(chat({{"messages", kMessages}}), kMeta, r, *tok_);
+  EXPECT_EQ(j["usage"]["completion_tokens_details"]["accepted_prediction_tokens"], 1);
+  EXPECT_EQ(j["usage"]["completion_tokens_details"]["rejected_prediction_tokens"], 4);
+}
+
 TEST_F(ServerPrepare, ChatResponse) {
   CompletionRequest req = chat({{"messages", kMessages}, {"logprobs", true}, {"top_logprobs", 1}});
   const json j = completion_response(req, kMeta, result(), *tok_);
@@ -311,6 +323,7 @@ TEST_F(ServerPrepare, ChatResponse) {
   EXPECT_EQ(j["usage"]["completion_tokens"], 2);
   EXPECT_EQ(j["usage"]["total_tokens"], 5);
   EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+  EXPECT_FALSE(j["usage"].contains("completion_tokens_details")) << "no speculation, no drafts";
   const json& lp = j["choices"][0]["logprobs"]["content"];
   ASSERT_EQ(lp.size(), 2u);
   EXPECT_EQ(lp[0]["token"], token_text(*tok_, 4));
