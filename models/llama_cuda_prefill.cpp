@@ -6,8 +6,9 @@
 //     SiLU*up -> down GEMM (+ residual)   [OPT: fc1 GEMM + bias -> ReLU -> fc2 GEMM + residual
 //     + bias]
 //   then the output head for the rows whose logits are wanted.
-// GPTQ linears dequantize into an FP16 scratch and run cuBLASLt (below kGemmMinRows rows they
-// run batch-1 GEMVs instead, kernels/gemm/gemm.h). The chunk's K and V stay in the cache for the
+// GPTQ linears over 3 .. 64 rows run the fused small-M GEMM (kernels/gemm/gemm_small.h,
+// DecodeTuning::small_gemm_max_rows); over more they dequantize into an FP16 scratch and run
+// cuBLASLt; over 1 or 2 rows they run batch-1 GEMVs. The chunk's K and V stay in the cache for the
 // decode graph that follows. A prompt's chunks are launched from the host: a chunk is a few
 // hundred launches doing milliseconds of work. A speculative verify pass (2 .. 65 rows, the
 // rows' argmax on the device) is a few hundred launches doing microseconds of work on a small
@@ -265,7 +266,9 @@ LlamaCuda::PrefillState& LlamaCuda::prefill_state(const GpuSequence& q, bool wan
         st->logits_rows = 1;
         st->rows_in = static_cast<int*>(st->take((1 + kVerifyMaxRows) * sizeof(int)));
         if (tuning_.small_gemm_max_rows >= kSmallGemmMinRows) {
-          // Outside the memory plan: split-K partials of a few MiB at most, only when asked.
+          // Outside the memory plan: the split-K partials and gathered x of the largest call
+          // (gemm_small_workspace_bytes; under 20 MiB on a 7B), which the halving of the rows
+          // below also covers when the device is short.
           st->small_max_rows = std::min({tuning_.small_gemm_max_rows, cuda::kGemmSmallMaxRows, rows});
           size_t ws = 0;
           for (const GpuLayer& L : w_.layers)

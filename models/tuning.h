@@ -22,14 +22,15 @@ struct DecodeTuning {
   // Passes of 3 .. this many tokens (prompt chunks, speculative verification; at most 64) run
   // their quantized linears through the fused small-M GEMM (kernels/gemm/gemm_small.h), which
   // reads each weight once for all the tokens, instead of one GEMV per token or dequantize +
-  // cuBLASLt. 0 = off. 64 by default: on the H200 it is faster per 7B layer than M GEMVs from
-  // M = 3 and than dequantize + cuBLASLt at every M <= 64 (docs/gemm-small.md).
+  // cuBLASLt. 0 = off. 64 (all it takes) by default: reading each weight once for all the
+  // rows, a layer costs less than M GEMVs from M = 3 on and less than dequantize + cuBLASLt,
+  // which writes and reads an FP16 copy of every weight (docs/gemm-small.md).
   int small_gemm_max_rows = 64;
   // Speculative verify passes (forward_argmax_rows of 2 .. 65 tokens) replayed from a CUDA
   // graph per session and token count, captured after that count's first pass; false launches
   // every pass's kernels from the host. Either way the same kernels run with the same
-  // arguments: the ids are identical. On by default (a verify pass of 8 tokens on the docs
-  // model: 0.53 ms launched, 0.31 ms replayed; docs/speculative.md).
+  // arguments: the ids are identical. On by default: a pass is hundreds of short kernels, whose
+  // host launches would otherwise cost more than the kernels (docs/speculative.md).
   bool verify_graphs = true;
 };
 

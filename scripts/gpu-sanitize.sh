@@ -30,8 +30,8 @@
 #              relative error, a layer's forward with taps), and test_quantize's CUDA end-to-end
 #              runs
 #   generate   kestrel-synth tiny GPTQ models (4-bit g128 act-order; 3-bit asymmetric g64), then
-#              `kestrel generate` of a 48-token prompt (prefill GEMM path) and 24 tokens (decode
-#              graphs), greedy and sampled
+#              `kestrel generate` of a 107-token prompt (dequantize + cuBLASLt path) and 24
+#              tokens (decode graphs), greedy and sampled
 # racecheck, initcheck and synccheck take the smaller sets (gemv and sessions reduced, no
 # families) as they run slower; initcheck only the runs that read no cuBLASLt output (below).
 #   RUNS="sessions prefill"   limits any tool to those runs
@@ -124,7 +124,8 @@ generate_runs() {
       --temp 0.8 --top-k 20 --seed 5 --ignore-eos -q || return 1
   done
 }
-prompt="The river runs past the mill and under the old stone bridge, where the children wait for the boats that bring the bread and the letters from the town on the hill above the valley every morning"
+# Over 64 tokens, so that it runs through dequantize + cuBLASLt, not the fused small-M GEMM.
+prompt="The river runs past the mill and under the old stone bridge, where the children wait for the boats that bring the bread and the letters from the town on the hill above the valley every morning, and the miller counts the sacks of grain while the water turns the wheel and the birds sing in the trees along the bank"
 
 deferred=()
 # One tool over one run; its verdict line goes to stdout and to $work/verdicts.
@@ -142,7 +143,8 @@ one_run() {  # one_run TOOL RUN
   # A test binary under the tool, into OUT (default the run's log): in SHARDS gtest shards at
   # once, their logs joined in order.
   tests_run() {  # tests_run BINARY FILTER [OUT]
-    local n="${SHARDS:-1}" i r=0 out="${3:-$log}"
+    local n="${SHARDS:-1}" i r=0 st pids=()
+    local out="${3:-$log}"
     if [ "$n" -le 1 ] || [ "$run" = memory ]; then
       "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$out" 2>&1
       return
@@ -150,8 +152,14 @@ one_run() {  # one_run TOOL RUN
     for ((i = 0; i < n; i++)); do
       GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i \
         "$cs" "${opts[@]}" "$build/tests/$1" --gtest_filter="$2" > "$out.$i" 2>&1 &
+      pids+=($!)
     done
-    for ((i = 0; i < n; i++)); do wait -n || r=$?; done
+    # Each shard by its pid (wait -n loses children that end together). The tool's own exit
+    # code for its reports (86) yields to any other failure (a crash, a failed test).
+    for i in "${pids[@]}"; do
+      wait "$i"; st=$?
+      if [ $st -ne 0 ] && { [ $r -eq 0 ] || [ $r -eq 86 ]; }; then r=$st; fi
+    done
     for ((i = 0; i < n; i++)); do echo "== shard $i of $n"; cat "$out.$i"; rm -f "$out.$i"; done > "$out"
     return $r
   }
@@ -193,6 +201,11 @@ one_run() {  # one_run TOOL RUN
     # The tool's exit code for its reports; the tests' own verdict is in the log.
     [ $rc -eq 86 ] && ! grep -qE '^\[  FAILED  \]' "$log" && rc=0
   fi
+  # Every test process that started must have ended (a shard that crashed has no summary).
+  local started ended
+  started=$(grep -cE '^\[==========\] Running [0-9]+ tests?' "$log")
+  ended=$(grep -cE '^\[==========\] [0-9]+ tests? from .* ran\.' "$log")
+  [ "$started" = "$ended" ] || errors="${errors}$((started - ended)) test process(es) ended early; "
   # A filter that matches nothing, or GPU tests skipped under the tool, check nothing.
   grep -qE '^\[==========\] Running [1-9]' "$log" || [ "$run" = generate ] ||
     errors="${errors}the filter matches no test; "

@@ -66,9 +66,9 @@ constexpr int kMaxStages = 8;  // the deepest cp.async ring (cp_async_wait_upto'
 // The default warps per block: 8 (128 rows), but 4 at 8 bits, whose stage of 512 codes is twice
 // the bytes per row, so that a stage is 32 KB of weights either way.
 constexpr int block_warps(int bits) { return bits == 8 ? 4 : 8; }
-// The default pipeline depth: 2 stages at every n-tile count. Deeper rings hold more bytes in
-// flight per block but fewer blocks per SM; kestrel-bench-gemm --fused-sweep on the H200 found
-// 2 the fastest or within 3% of it on the 7B shapes at every M (docs/gemm-small.md).
+// The default pipeline depth: 2 stages at every n-tile count. A deeper ring holds more bytes in
+// flight per block but leaves room for fewer blocks per SM, and the blocks' independent streams
+// hide the load latency better than one block's deeper ring (docs/gemm-small.md, the sweep).
 constexpr int pipeline_stages(int /*nt*/) { return 2; }
 constexpr int groups_per_stage(int gs) { return gs == 0 ? 0 : kStageCodes / gs; }
 

@@ -35,9 +35,9 @@ struct GemvLaunch {
                     // weights into L2) while the previous kernel in the stream drains
   // Quantized kernel only (the model's DecodeTuning sets these at load):
   int block_warps = 0;      // warps per block of the specialized kernels: 0 = by the shape, 8, 16
-  // Symmetric 3-, 4- and 8-bit weights run the kernels compiled for their format and fused
-  // ops (gemv_kernel.cuh); false runs the one kernel that tests them at run time (what 2-bit
-  // and asymmetric weights run). Both compute the same values, but for the fused RMSNorm
+  // Symmetric weights run the kernels compiled for their format and fused ops
+  // (gemv_kernel.cuh); false runs the one kernel that tests them at run time (what asymmetric
+  // weights run). Both compute the same values, but for the fused RMSNorm
   // where the specialized kernel runs blocks of 8 warps (its sum of squares in another order).
   bool specialized = true;
 };

@@ -78,8 +78,8 @@ struct QuantKernel {
 // OPT's fc1 (its bias, then ReLU). Within the kernels that fix a norm, LayerNorm (with its bias)
 // is a run-time choice, as are a bias after the residual and ReLU within those that fix a
 // residual: each costs a test in the staging or the epilogue only. kDynamic keeps every
-// test at run time: 2-bit weights, asymmetric weights (their zero points take the registers
-// back: 109-128 compiled in) and any other combination (the SiLU-times-up input op). The
+// test at run time: asymmetric weights (their zero points take the registers back: 109-128
+// compiled in) and any other combination (the SiLU-times-up input op). The
 // specialized kernels decode faster at every bit width they cover (measured: docs/gemv-notes.md);
 // GemvLaunch::specialized = false runs the kDynamic kernel for all weights instead.
 // kIndexed: the residual read and the output stored through res_index and y_index (o and down
@@ -993,8 +993,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   }
   // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
   // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
-  // kHalf (rows of at most 16 units: K <= 2048 at 3 and 4 bits, where a warp's lanes 16-31
-  // would idle): the two half-warps take a row step each, lanes 16h .. 16h + 15 the rows of
+  // kHalf (rows of at most 16 units: K <= 2048 at 3 and 4 bits, K <= 4096 at 2, where a
+  // warp's lanes 16-31 would idle): the two half-warps take a row step each, lanes 16h .. 16h + 15 the rows of
   // half h, so a warp step is 2 R rows or two pairs (gemv.cu says why).
   const int half = kHalf ? lane >> 4 : 0, ulane = kHalf ? lane & 15 : lane;
   const int rstep = p.silu_pair ? p.silu_pair : 1, per_half = p.silu_pair ? 1 : R;

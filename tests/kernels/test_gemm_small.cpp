@@ -617,8 +617,8 @@ INSTANTIATE_TEST_SUITE_P(All, GpuGemmSmallPlans, ::testing::ValuesIn(plan_varian
                          });
 
 // The planner's own choice is the design's plan (docs/gemm-small.md): 8 warps (4 at 8 bits),
-// a ring of 4, 4, 3, 2 stages at 1, 2, 4, 8 n-tiles, all tokens in one block, x with each
-// stage; a field that is set comes back as it was.
+// a ring of 2 stages, all tokens in one block, x with each stage; a field that is set comes
+// back as it was.
 TEST(GemmSmallPlans, GpuDefaultIsTheDesignPlan) {
   KESTREL_REQUIRE_GPU();
   for (int bits : {4, 8}) {

@@ -470,6 +470,14 @@ class Prefill : public ::testing::TestWithParam<ModelCase> {};
 
 int argmax_of(const float* v, int n) { return (int)(std::max_element(v, v + n) - v); }
 
+// The chunks here run dequantize + cuBLASLt (the fused small-M GEMM off: chunks of 64 would
+// take it by default; SmallGemmPassesMatchTheCpu below runs the same chunks through it).
+DecodeTuning without_small_gemm() {
+  DecodeTuning t;
+  t.small_gemm_max_rows = 0;
+  return t;
+}
+
 TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
   KESTREL_REQUIRE_GPU();
   const ModelCase& c = GetParam();
@@ -477,7 +485,7 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
 
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab, ctx = 256, n_prompt = 150, steps = 24;
-  LlamaCuda chunked_model(spec, true), stepwise_model(spec, true);
+  LlamaCuda chunked_model(spec, true, without_small_gemm()), stepwise_model(spec, true);
   auto chunked = chunked_model.new_cuda_session(ctx);
   auto stepwise = stepwise_model.new_cuda_session(ctx);
   chunked_model.set_prefill_chunk(64);  // chunks of 64, 64, 22: crosses two boundaries
@@ -554,7 +562,8 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
   }
   EXPECT_EQ(nll[n_prompt - 1], 0.0f);
 
-  // A short prompt (below the GEMM crossover: batch-1 GEMVs per row) at a later position.
+  // A short prompt (below the GEMM crossover, and with the fused GEMM off: batch-1 GEMVs per
+  // row) at a later position.
   std::vector<float> short_last(vocab);
   chunked->forward(prompt.data(), 5, 100, short_last.data(), nullptr);
   for (int i = 0; i < 5; ++i) stepwise->forward(&prompt[i], 1, 100 + i, step.data(), nullptr);
@@ -565,7 +574,7 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
 // The fused small-M GEMM in the model (DecodeTuning::small_gemm_max_rows): a prompt in chunks
 // of 64, 64 and 22 tokens and passes of 3 to 9 tokens at later positions (speculative
 // verification's size) run every quantized linear through it. Its logits agree with the CPU
-// engine as closely as the default path's do (2e-2 of the rms; a wrong tile or token column
+// engine as closely as the unfused path's do (2e-2 of the rms; a wrong tile or token column
 // gives errors of order 1), and the cache it writes serves the decode step after it.
 TEST_P(Prefill, SmallGemmPassesMatchTheCpu) {
   KESTREL_REQUIRE_GPU();

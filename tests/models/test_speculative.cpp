@@ -218,7 +218,7 @@ TEST(SpecCuda, GpuArgmaxRowsAreTheArgmaxOfTheRowsLogits) {
 }
 
 // Greedy lookup decoding on the GPU gives plain greedy decoding's tokens on the real model,
-// with the verify pass through the default rows path and through the fused small-M GEMM.
+// with the verify pass through the rows path without the fused small-M GEMM and with it.
 // (The verify pass rounds differently from the decode step; only an exact near tie of the
 // top two logits could tell them apart, which this text does not have.)
 TEST(SpecCuda, GpuDocsLlamaGreedyLookupIsPlainDecoding) {

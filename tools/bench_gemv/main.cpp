@@ -29,10 +29,12 @@
 #include "kernels/gemv/gemv.h"
 #include "tools/bench_gemv/loads.h"
 #include "tools/llama7b_shapes.h"
+#include "tools/median.h"
 
 namespace kestrel {
 namespace {
 
+using bench::median;
 using cuda::DeviceBuffer;
 using cuda::GemvLaunch;
 using cuda::GemvWeight;
@@ -70,12 +72,6 @@ struct Options {
   int bits = 0, group = 0;
   bool loads = false;  // --loads: the loads-only kernels instead (loads.cu)
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 // Median microseconds per launch: the rotation fn(0) .. fn(copies - 1) captured in one graph as
 // many times as it takes to reach 128 launches (the graph's own start, a few microseconds, is

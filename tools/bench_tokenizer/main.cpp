@@ -16,20 +16,17 @@
 
 #include "engine/base/error.h"
 #include "tokenizer/tokenizer.h"
+#include "tools/median.h"
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using kestrel::bench::median;
 
 double seconds(const std::function<void()>& f) {
   const auto t0 = Clock::now();
   f();
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // The first `bytes` of the file, cut back to a character boundary.
