@@ -47,6 +47,7 @@
 #include "kernels/gptq/gptq_format.h"
 #include "tests/support/device_data.h"
 #include "tests/support/engine_stream.h"
+#include "tests/support/fake_weight.h"
 #include "tests/support/gptq_formats.h"
 #include "tests/support/compare.h"
 #include "tests/support/gpu.h"
@@ -67,6 +68,7 @@ using Format = kestrel::test::GptqFormat;
 using kestrel::test::to_floats;
 using kestrel::test::upload;
 using kestrel::test::describe;
+using kestrel::test::fake_gemv_weight;
 
 // One random GPTQ linear in checkpoint tensors (N a multiple of 32: whole qzeros words at any
 // width, which gptq's reference requires).
@@ -654,20 +656,6 @@ TEST(GemmSmallPlans, GpuDefaultIsTheDesignPlan) {
 
 // ---- Argument checks: before any CUDA call, no GPU needed -------------------------------------------
 
-GemvWeight fake_weight() {
-  static char storage[16];
-  GemvWeight w;
-  w.bits = 4;
-  w.group_size = 128;
-  w.N = 256;
-  w.K = 512;
-  w.planes = 1;
-  w.chunks = 16;
-  w.groups = 8;
-  w.device = storage;
-  return w;
-}
-
 std::string message_of(const GemvWeight& w, const __half* x, int64_t M, __half* y,
                        const __half* residual, GemvEpilogue out = {}) {
   try {
@@ -683,60 +671,60 @@ const __half* kX = reinterpret_cast<const __half*>(uintptr_t(0x10000));
 __half* const kY = reinterpret_cast<__half*>(uintptr_t(0x20000));
 
 TEST(GemmSmallChecks, RefusesMOutside1To64) {
-  EXPECT_EQ(message_of(fake_weight(), kX, 0, kY, nullptr),
+  EXPECT_EQ(message_of(fake_gemv_weight(), kX, 0, kY, nullptr),
             "gemm_small: M=0 is outside 1..64 (larger batches: quant_gemm)");
-  EXPECT_EQ(message_of(fake_weight(), kX, 65, kY, nullptr),
+  EXPECT_EQ(message_of(fake_gemv_weight(), kX, 65, kY, nullptr),
             "gemm_small: M=65 is outside 1..64 (larger batches: quant_gemm)");
-  EXPECT_THAT(message_of(fake_weight(), kX, -3, kY, nullptr), HasSubstr("M=-3"));
+  EXPECT_THAT(message_of(fake_gemv_weight(), kX, -3, kY, nullptr), HasSubstr("M=-3"));
 }
 
 TEST(GemmSmallChecks, RefusesAnEmptyWeightFirst) {
-  GemvWeight w = fake_weight();
+  GemvWeight w = fake_gemv_weight();
   w.device = nullptr;
   EXPECT_EQ(message_of(w, nullptr, 0, nullptr, nullptr),
             "gemm_small: the weight is empty (not prepared, or freed)");
 }
 
 TEST(GemmSmallChecks, RefusesUnsupportedFormats) {
-  GemvWeight w = fake_weight();
+  GemvWeight w = fake_gemv_weight();
   w.bits = 5;
   EXPECT_THAT(message_of(w, kX, 4, kY, nullptr), HasSubstr("bits=5 is not supported"));
-  w = fake_weight();
+  w = fake_gemv_weight();
   w.group_size = 96;
   EXPECT_THAT(message_of(w, kX, 4, kY, nullptr), HasSubstr("group size 96 is not supported"));
 }
 
 TEST(GemmSmallChecks, RefusesNullMisalignedAndAliasedPointers) {
-  EXPECT_THAT(message_of(fake_weight(), nullptr, 4, kY, nullptr), HasSubstr("null"));
-  EXPECT_THAT(message_of(fake_weight(), kX, 4, nullptr, nullptr), HasSubstr("null"));
-  EXPECT_EQ(message_of(fake_weight(), kX, 4, const_cast<__half*>(kX), nullptr),
+  EXPECT_THAT(message_of(fake_gemv_weight(), nullptr, 4, kY, nullptr), HasSubstr("null"));
+  EXPECT_THAT(message_of(fake_gemv_weight(), kX, 4, nullptr, nullptr), HasSubstr("null"));
+  EXPECT_EQ(message_of(fake_gemv_weight(), kX, 4, const_cast<__half*>(kX), nullptr),
             "gemm_small: y must not alias x");
-  EXPECT_EQ(message_of(fake_weight(), kX + 1, 4, kY, nullptr),
+  EXPECT_EQ(message_of(fake_gemv_weight(), kX + 1, 4, kY, nullptr),
             "gemm_small: x must be 16-byte aligned");
 }
 
 TEST(GemmSmallChecks, RefusesEpiloguesItDoesNotHave) {
   GemvEpilogue silu;
   silu.silu_mul = true;
-  GemvWeight odd = fake_weight();
+  GemvWeight odd = fake_gemv_weight();
   odd.N = 255;
   EXPECT_EQ(message_of(odd, kX, 4, kY, nullptr, silu),
             "gemm_small: the SiLU epilogue needs an even N ([gate | up]), got N=255");
-  EXPECT_EQ(message_of(fake_weight(), kX, 4, kY, kX, silu),
+  EXPECT_EQ(message_of(fake_gemv_weight(), kX, 4, kY, kX, silu),
             "gemm_small: the SiLU epilogue goes without residual, bias and relu");
   GemvEpilogue silu_relu = silu;
   silu_relu.relu = true;
-  EXPECT_THAT(message_of(fake_weight(), kX, 4, kY, nullptr, silu_relu),
+  EXPECT_THAT(message_of(fake_gemv_weight(), kX, 4, kY, nullptr, silu_relu),
               HasSubstr("without residual, bias and relu"));
   GemvEpilogue idx;
   idx.out_index = reinterpret_cast<const int32_t*>(uintptr_t(0x30000));
-  EXPECT_THAT(message_of(fake_weight(), kX, 4, kY, nullptr, idx),
+  EXPECT_THAT(message_of(fake_gemv_weight(), kX, 4, kY, nullptr, idx),
               HasSubstr("out_index and residual_index are not supported"));
 }
 
 std::string plan_message(const GemmSmallLaunch& l) {
   try {
-    cuda::gemm_small(fake_weight(), kX, 4, kY, nullptr, nullptr, 0, nullptr, {}, l);
+    cuda::gemm_small(test::fake_gemv_weight(), kX, 4, kY, nullptr, nullptr, 0, nullptr, {}, l);
   } catch (const Error& e) {
     return e.what();
   }

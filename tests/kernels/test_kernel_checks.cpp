@@ -9,23 +9,14 @@
 
 #include "engine/base/error.h"
 #include "kernels/gemm/gemm.h"
+#include "tests/support/fake_weight.h"
 
 namespace kestrel::cuda {
 namespace {
 
 using ::testing::HasSubstr;
 
-// A 4-bit g128 weight [256, 512] as gemv_prepare describes one; nothing is allocated.
-GemvWeight fake_weight() {
-  static char storage[16];
-  GemvWeight w;
-  w.bits = 4;
-  w.group_size = 128;
-  w.N = 256;
-  w.K = 512;
-  w.device = storage;
-  return w;
-}
+using kestrel::test::fake_gemv_weight;
 
 std::string message_of(const GemvWeight& w, __half* out, size_t elems) {
   try {
@@ -40,18 +31,18 @@ std::string message_of(const GemvWeight& w, __half* out, size_t elems) {
 // and died with an illegal address; the size is now part of the call.
 TEST(DequantizeChecks, RefusesAnOutputSmallerThanTheWeight) {
   alignas(16) static __half small[64];
-  EXPECT_EQ(message_of(fake_weight(), small, 64),
+  EXPECT_EQ(message_of(fake_gemv_weight(), small, 64),
             "dequantize_f16: the output holds 64 halves, the weight [256, 512] needs 131072");
-  EXPECT_THAT(message_of(fake_weight(), small, 256 * 512 - 1), HasSubstr("needs 131072"));
+  EXPECT_THAT(message_of(fake_gemv_weight(), small, 256 * 512 - 1), HasSubstr("needs 131072"));
 }
 
 TEST(DequantizeChecks, RefusesANullOutput) {
-  EXPECT_EQ(message_of(fake_weight(), nullptr, 256 * 512),
+  EXPECT_EQ(message_of(fake_gemv_weight(), nullptr, 256 * 512),
             "dequantize_f16: the output holds 0 halves, the weight [256, 512] needs 131072");
 }
 
 TEST(DequantizeChecks, RefusesAnEmptyWeightFirst) {
-  GemvWeight w = fake_weight();
+  GemvWeight w = fake_gemv_weight();
   w.device = nullptr;
   EXPECT_THAT(message_of(w, nullptr, 0), HasSubstr("the weight is empty"));
 }
@@ -59,7 +50,7 @@ TEST(DequantizeChecks, RefusesAnEmptyWeightFirst) {
 TEST(DequantizeChecks, RefusesAMisalignedOutput) {
   // Never written: the alignment check fails first. Sized so that only alignment is wrong.
   const auto bogus = reinterpret_cast<__half*>(uintptr_t(0x1000) + 2);
-  EXPECT_THAT(message_of(fake_weight(), bogus, 256 * 512), HasSubstr("16-byte aligned"));
+  EXPECT_THAT(message_of(fake_gemv_weight(), bogus, 256 * 512), HasSubstr("16-byte aligned"));
 }
 
 }  // namespace
