@@ -56,7 +56,7 @@ struct Row {
   // before (gemv_input_permuted: no gather, no permutation read).
   bool x_permuted = false;
   std::string fused;  // the op fused into the GEMV as the engine runs it ("" = none)
-  GemvLaunch launch;
+  GemvLaunch launch;  // launch.specialized false: the run-time kernel (--generic's rows)
   double bytes = 0, us = 0;
   double gbps() const { return bytes / us * 1e-3; }
 };
@@ -70,6 +70,7 @@ struct Options {
   // one group size.
   std::string shape;
   int bits = 0, group = 0;
+  bool generic = false;  // --generic: each GPTQ row again through the run-time kernel
   bool loads = false;  // --loads: the loads-only kernels instead (loads.cu)
 };
 
@@ -251,6 +252,12 @@ struct Bench {
     r.bytes = static_cast<double>(ws[0].bytes_moved());
     r.us = time_gptq(ws, r.launch);
     rows.push_back(r);
+    if (o.generic) {  // the same weights through the run-time kernel, in the same run
+      Row g = r;
+      g.launch.specialized = false;
+      g.us = time_gptq(ws, g.launch);
+      rows.push_back(g);
+    }
     if (act) {
       Row v = r;
       v.x_permuted = true;
@@ -354,9 +361,10 @@ struct Bench {
 
 std::string config_name(const Row& r) {
   if (r.kind != "gptq") return r.kind == "f16" ? "fp16 (gemv_f16)" : "fp16 (cuBLAS)";
-  return fmt::format("{}-bit g{}{}{}", r.bits, r.group > 0 ? std::to_string(r.group) : "row",
+  return fmt::format("{}-bit g{}{}{}{}", r.bits, r.group > 0 ? std::to_string(r.group) : "row",
                      r.act ? (r.x_permuted ? " act, x permuted" : " act") : "",
-                     r.fused.empty() ? "" : " + " + r.fused);
+                     r.fused.empty() ? "" : " + " + r.fused,
+                     r.launch.specialized ? "" : ", run-time kernel");
 }
 
 void print_md(const Bench& b) {
@@ -432,6 +440,7 @@ void print_json(const Bench& b) {
                    {"act_order", r.act},
                    {"x_permuted", r.x_permuted},
                    {"k_split", r.launch.k_split},
+                   {"specialized", r.launch.specialized},
                    {"grid", r.launch.grid},
                    {"pdl", r.launch.pdl},
                    {"bytes", r.bytes},
@@ -490,6 +499,9 @@ int run(int argc, char** argv) {
   app.add_option("--shape", o.shape, "only this shape (qkv, o, gate_up, down, lm_head)");
   app.add_option("--bits", o.bits, "only this bit width (2, 3, 4, 8; 16 = fp16)");
   app.add_option("--group", o.group, "only this group size (32, 64, 128, -1)");
+  app.add_flag("--generic", o.generic,
+               "also time each GPTQ weight through the run-time kernel (GemvLaunch::specialized "
+               "false), against the specialized kernels in the same run");
   app.add_flag("--loads", o.loads,
                "only the weight stream: loads-only kernels over steps in flight and row order");
   app.set_version_flag("--version", "kestrel-bench-gemv " KESTREL_VERSION);
