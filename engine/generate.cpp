@@ -251,6 +251,7 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     }
     return true;
   };
+  r.speculative = opt.drafter != nullptr;
   if (opt.drafter && max_new > 0) {
     if (opt.cancelled && opt.cancelled()) {
       r.finish_reason = "cancelled";

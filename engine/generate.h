@@ -59,6 +59,7 @@ struct GenerateResult {
   int n_drafted = 0;
   int n_accepted = 0;
   int n_steps = 0;
+  bool speculative = false;  // a drafter was given (its counts above may still be 0)
 };
 
 // Holds back text that might be the start of a stop string or a reverse prompt. push()

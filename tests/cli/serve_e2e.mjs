@@ -519,6 +519,10 @@ test('--spec: the text of kestrel generate --spec, concurrent slots, drafts coun
       const d = r.usage.completion_tokens_details;
       assert.ok(d.accepted_prediction_tokens + d.rejected_prediction_tokens > 0, JSON.stringify(r.usage));
       if (srv === draft) assert.equal(d.rejected_prediction_tokens, 0, JSON.stringify(r.usage));
+      // One token needs no draft; the counts are there, zero.
+      const one = await srv.client().completions.create({ model: MODEL_ID, prompt, max_tokens: 1, temperature: 0 });
+      assert.deepEqual(one.usage.completion_tokens_details,
+                       { accepted_prediction_tokens: 0, rejected_prediction_tokens: 0 });
     }
     // Sampled: speculation draws its own random numbers, so the seeded text is that of
     // kestrel generate with the same --spec.

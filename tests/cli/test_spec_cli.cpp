@@ -65,9 +65,16 @@ TEST_F(SpecCli, MistakesAreOneLine) {
   // A mistyped draft directory is named before the model loads.
   expect_one_line_error(run_command(gen("-p hi --spec draft --draft-model " + dir("missing"))),
                         "--draft-model " + dir("missing") + ": no such directory");
+  // A directory that is not a model's, also before the model loads, and named once.
+  std::filesystem::create_directories(scratch() / "not_a_model");
+  expect_one_line_error(run_command(gen("-p hi --spec draft --draft-model " + dir("not_a_model"))),
+                        "--draft-model " + dir("not_a_model") + ": no config.json (not a model directory)");
   expect_one_line_error(run_command(gen("-p hi -md " + dir("draft"))), "--draft-model DIR");
   const std::string bench = kKestrel + " bench --device cpu -m " + dir("target");
   expect_one_line_error(run_command(bench + " --spec lookup -n 8 -r 1"), "--spec needs a text prompt");
+  // --verify times the pass alone: with --spec that is the mistake named, prompt or not.
+  expect_one_line_error(run_command(bench + " --spec lookup -n 8 -r 1 --verify 4"),
+                        "--verify goes without --spec");
   expect_one_line_error(run_command(bench + " --prompt hi -n 8 -r 1"), "-f and --prompt go with --spec");
 }
 

@@ -300,6 +300,7 @@ const ResponseMeta kMeta{"id-1", 1700000000, "tiny"};
 // predicted-output fields.
 TEST_F(ServerPrepare, SpeculativeUsageCountsTheDrafts) {
   GenerateResult r = result();
+  r.speculative = true;
   r.n_steps = 1;
   r.n_drafted = 5;
   r.n_accepted = 1;

@@ -238,7 +238,7 @@ int run_bench(BenchArgs a) {
                           {"tokens_per_step", per_step},
                           {"same_tokens_as_plain", sb->same}};
     if (a.verify_rows > 0) {
-      j["verify"] = {{"rows", a.verify_rows},
+      j["verify"] = {{"tokens", a.verify_rows},
                      {"position", a.n_prompt},
                      {"ms_median", verify_median},
                      {"passes", verify_ms.size()}};
@@ -279,11 +279,13 @@ int run_bench(BenchArgs a) {
     const std::string name = model_name(a.model.dir), type = format_text(c);
     const size_t w = std::max<size_t>(name.size(), 5), wt = std::max<size_t>(type.size(), 4);
     const size_t wtest = std::max<size_t>(sb ? spec_test.size() : 0, 7);  // "tg128+lookup"
-    std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>18} |\n",
-                             "model", w, "type", wt, "size", "params", "device", "test", wtest,
-                             "t/s");
-    std::cout << fmt::format("| {:-<{}} | {:-<{}} | {:->10} | {:->9} | {:-<21} | {:->{}} | {:->18} |\n",
-                             "", w, "", wt, "", "", "", "", wtest, "");
+    if (a.n_prompt > 0 || a.n_gen > 0 || sb) {  // (--verify alone has no row)
+      std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>18} |\n",
+                               "model", w, "type", wt, "size", "params", "device", "test", wtest,
+                               "t/s");
+      std::cout << fmt::format("| {:-<{}} | {:-<{}} | {:->10} | {:->9} | {:-<21} | {:->{}} | {:->18} |\n",
+                               "", w, "", wt, "", "", "", "", wtest, "");
+    }
     auto row = [&](const std::string& test, Stat s) {
       std::cout << fmt::format(
           "| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>9.2f} ± {:>6.2f} |\n", name, w,
@@ -306,6 +308,8 @@ int run_bench(BenchArgs a) {
       if (step_ms > 0)
         std::cout << fmt::format(", {:.2f}x a decode step ({:.4f} ms = 1 / tg{} mean)",
                                  verify_median / step_ms, step_ms, a.n_gen);
+      else
+        std::cout << " (no decode step to compare with: -n 0)";
       std::cout << "\n";
     }
     if (a.profile) print_profile(b.profile_step(1, a.n_prompt + a.n_gen - 1));
@@ -386,6 +390,11 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                    ->excludes(file);
   cmd->callback([a, file, text, cmd, &action] {
     check_spec_options(a->spec);
+    // The modes that exclude --spec first: their conflict is the mistake, not a missing prompt.
+    if (a->profile && !a->spec.kind.empty())
+      throw CLI::ValidationError("--profile goes without --spec");
+    if (a->verify_rows > 0 && !a->spec.kind.empty())
+      throw CLI::ValidationError("--verify goes without --spec (it times the pass alone)");
     const bool has_text = file->count() || text->count();
     if (!a->spec.kind.empty() && !has_text)
       throw CLI::ValidationError(
@@ -396,10 +405,6 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
     if (has_text && cmd->get_option("--n-prompt")->count())
       throw CLI::ValidationError("-p sets the length of a random prompt; with -f or --prompt the "
                                  "prompt is the text");
-    if (a->profile && !a->spec.kind.empty())
-      throw CLI::ValidationError("--profile goes without --spec");
-    if (a->verify_rows > 0 && !a->spec.kind.empty())
-      throw CLI::ValidationError("--verify goes without --spec (it times the pass alone)");
     action = [a] { return run_bench(*a); };
   });
 }

@@ -446,10 +446,14 @@ class Server {
             }
             note_result(r);
             if (r.finish_reason == "cancelled") {
-              // The client is gone, or the server is stopping: an error event where it can
-              // still be read, and no [DONE], so that the client knows the answer is cut.
-              if (ok && stopping_)
+              // The client is gone, or the server is stopping. Stopping: an error event, no
+              // [DONE] (the client knows the answer is cut), and the body ended properly, so
+              // that the transfer itself is not an error as well.
+              if (ok && stopping_) {
                 send(server::sse_event(ApiError(503, "the server is shutting down", "", "shutting_down").to_json()));
+                if (ok) sink.done();
+                return ok;
+              }
               return false;
             }
             send(server::sse_event(server::finish_chunk(*request, rm, r, *m_.tok)));

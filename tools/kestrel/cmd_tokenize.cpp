@@ -84,8 +84,8 @@ void register_tokenize(CLI::App& app, std::function<int()>& action) {
   auto* p = cmd->add_option("-p,--prompt", a->prompt, "the text");
   auto* f = cmd->add_option("-f,--file", a->file, "a file holding the text");
   auto* m = cmd->add_option("--messages", a->messages,
-                            "a JSON list of {\"role\", \"content\"} messages, rendered with the "
-                            "chat template and its generation prompt");
+                            "a JSON file holding a list of {\"role\", \"content\"} messages, "
+                            "rendered with the chat template and its generation prompt");
   p->excludes(f)->excludes(m);
   f->excludes(m);
   cmd->add_option("--template", a->chat_template,

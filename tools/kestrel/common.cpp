@@ -445,6 +445,9 @@ void check_spec_options(const SpecOptions& s) {
     if (!std::filesystem::is_directory(s.draft_model, ec))
       throw CLI::ValidationError("--draft-model " + s.draft_model +
                                  ": not a directory (a model directory is expected)");
+    if (!std::filesystem::exists(std::filesystem::path(s.draft_model) / "config.json", ec))
+      throw CLI::ValidationError("--draft-model " + s.draft_model +
+                                 ": no config.json (not a model directory)");
   }
 }
 
@@ -488,7 +491,11 @@ Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
       try {
         return load();
       } catch (const Error& e) {
-        throw Error(fmt::format("--draft-model {}: {}", s.draft_model, e.what()));
+        // The loaders' messages mostly begin with the directory already.
+        const std::string what = e.what();
+        throw Error(what.rfind(s.draft_model, 0) == 0
+                        ? "--draft-model " + what
+                        : fmt::format("--draft-model {}: {}", s.draft_model, what));
       }
     };
     sp.draft = std::make_unique<LoadedModel>(as_draft([&] {

@@ -25,7 +25,7 @@ json usage_json(const GenerateResult& r) {
             {"prompt_tokens_details", {{"cached_tokens", r.n_cached}}}};
   // Speculative decoding (kestrel serve --spec): the drafted ids the model kept and those it
   // did not, in the fields OpenAI gives its predicted outputs.
-  if (r.n_steps > 0)
+  if (r.speculative)
     u["completion_tokens_details"] = {{"accepted_prediction_tokens", r.n_accepted},
                                       {"rejected_prediction_tokens", r.n_drafted - r.n_accepted}};
   return u;
