@@ -724,7 +724,7 @@ TEST(GemmSmallChecks, RefusesEpiloguesItDoesNotHave) {
 
 std::string plan_message(const GemmSmallLaunch& l) {
   try {
-    cuda::gemm_small(test::fake_gemv_weight(), kX, 4, kY, nullptr, nullptr, 0, nullptr, {}, l);
+    cuda::gemm_small(fake_gemv_weight(), kX, 4, kY, nullptr, nullptr, 0, nullptr, {}, l);
   } catch (const Error& e) {
     return e.what();
   }

@@ -611,9 +611,7 @@ TEST_P(Prefill, SmallGemmPassesMatchTheCpu) {
   // another order, so a quantized model's logits differ from it in some bits; with only fp16
   // linears nothing changes.
   {
-    DecodeTuning off;
-    off.small_gemm_max_rows = 0;
-    LlamaCuda unfused_model(spec, true, off);
+    LlamaCuda unfused_model(spec, true, without_small_gemm());
     unfused_model.set_prefill_chunk(64);
     auto d = unfused_model.new_cuda_session(ctx);
     std::vector<float> d_all((size_t)n_prompt * vocab), d_last(vocab);

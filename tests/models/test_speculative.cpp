@@ -23,7 +23,6 @@
 #include "models/llama_cuda.h"
 #include "tests/support/gpu.h"
 #include "tests/support/synth_model.h"
-#include "tools/synth/synth.h"
 #include "tokenizer/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -258,31 +257,12 @@ TEST(SpecCuda, GpuDocsLlamaGreedyLookupIsPlainDecoding) {
 // A tiny model of a family (tools/synth: llama, mistral with its window of 32, qwen2's biases,
 // qwen3's head norms, opt's learned positions and LayerNorm) in one weight format.
 struct VerifyCase {
-  std::string name, arch;
-  ModelFormat f;
+  std::string arch;
+  ModelFormat f;  // f.name names the case
 };
 
 fs::path write_verify_model(const VerifyCase& v, uint64_t seed) {
-  const fs::path dir = kestrel::test::scratch() / ("verify_" + v.name);
-  fs::remove_all(dir);
-  synth::SynthOptions o;
-  o.shape = "tiny";
-  o.arch = v.arch;
-  o.n_layers = 2;
-  o.dtype = v.f.dtype;
-  o.bits = v.f.bits;
-  o.group_size = v.f.group_size;
-  o.act_order = v.f.act_order;
-  o.asym = v.f.asym;
-  o.g_idx_per_linear = v.f.g_idx_per_linear;
-  o.format = v.f.format;
-  o.n_heads = v.f.heads;
-  o.n_kv_heads = v.f.kv_heads;
-  o.seed = seed;
-  o.out = dir.string();
-  o.quiet = true;
-  synth::write_model(o);
-  return dir;
+  return kestrel::test::write_tiny_model(v.f, seed, /*n_layers=*/2, v.arch);
 }
 
 // The pass counts of the verify path: 2 .. 5 rows run batch-1 GEMVs (or from 3 on the fused
@@ -361,28 +341,26 @@ DecodeTuning verify_tuning(bool graphs, int small_gemm) {
 TEST(SpecCuda, GpuVerifyGraphsEqualUncapturedPasses) {
   KESTREL_REQUIRE_GPU();
   const std::vector<VerifyCase> cases = {
-      {"fp16", "llama", {"fp16", "fp16", 16, 0, false, false, "gptq"}},
-      {"q4_g128_act", "llama", {"q4_g128_act", "gptq", 4, 128, true, false, "gptq"}},
-      {"q4_act_unfused", "llama",
-       {"q4_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true}},
-      {"q3_g64", "llama", {"q3_g64", "gptq", 3, 64, false, false, "gptq"}},
-      {"q2_g32_v2", "llama", {"q2_g32_v2", "gptq", 2, 32, false, false, "gptq_v2"}},
-      {"q8_perchannel_asym", "llama",
-       {"q8_perchannel_asym", "gptq", 8, -1, false, true, "gptq_v2"}},
-      {"mistral_q4", "mistral", {"mistral_q4", "gptq", 4, 128, false, false, "gptq"}},
-      {"qwen2_q4_asym", "qwen2", {"qwen2_q4_asym", "gptq", 4, 32, false, true, "gptq_v2"}},
-      {"qwen3_fp16", "qwen3", {"qwen3_fp16", "fp16", 16, 0, false, false, "gptq"}},
+      {"llama", {"fp16", "fp16", 16, 0, false, false, "gptq"}},
+      {"llama", {"q4_g128_act", "gptq", 4, 128, true, false, "gptq"}},
+      {"llama", {"q4_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true}},
+      {"llama", {"q3_g64", "gptq", 3, 64, false, false, "gptq"}},
+      {"llama", {"q2_g32_v2", "gptq", 2, 32, false, false, "gptq_v2"}},
+      {"llama", {"q8_perchannel_asym", "gptq", 8, -1, false, true, "gptq_v2"}},
+      {"mistral", {"mistral_q4", "gptq", 4, 128, false, false, "gptq"}},
+      {"qwen2", {"qwen2_q4_asym", "gptq", 4, 32, false, true, "gptq_v2"}},
+      {"qwen3", {"qwen3_fp16", "fp16", 16, 0, false, false, "gptq"}},
       // (OPT has no grouped-query attention: as many K/V heads as query heads.)
-      {"opt_q4", "opt", {"opt_q4", "gptq", 4, 128, false, false, "gptq", 4, 4}},
-      {"opt_fp16", "opt", {"opt_fp16", "fp16", 16, 0, false, false, "gptq", 4, 4}},
+      {"opt", {"opt_q4", "gptq", 4, 128, false, false, "gptq", 4, 4}},
+      {"opt", {"opt_fp16", "fp16", 16, 0, false, false, "gptq", 4, 4}},
   };
   const int ctx = 1200;
   for (const VerifyCase& v : cases) {
     const fs::path dir = write_verify_model(v, /*seed=*/31);
     const ModelSpec spec = load_model_spec(dir.string());
-    ASSERT_GE(spec.config.max_pos, ctx) << v.name;
+    ASSERT_GE(spec.config.max_pos, ctx) << v.f.name;
     for (const int small_gemm : {0, 64}) {
-      SCOPED_TRACE(v.name + " small_gemm " + std::to_string(small_gemm));
+      SCOPED_TRACE(v.f.name + " small_gemm " + std::to_string(small_gemm));
       LlamaCuda graph_model(spec, true, verify_tuning(true, small_gemm));
       LlamaCuda plain_model(spec, true, verify_tuning(false, small_gemm));
       auto gs = graph_model.new_cuda_session(ctx);
@@ -418,7 +396,7 @@ TEST(SpecCuda, GpuVerifyGraphsEqualUncapturedPasses) {
 // again, and a pass longer than a chunk runs uncaptured.
 TEST(SpecCuda, GpuVerifyGraphsOfTwoSessionsAlternate) {
   KESTREL_REQUIRE_GPU();
-  const VerifyCase v{"two_q4_act", "llama", {"two_q4_act", "gptq", 4, 128, true, false, "gptq"}};
+  const VerifyCase v{"llama", {"two_q4_act", "gptq", 4, 128, true, false, "gptq"}};
   const fs::path dir = write_verify_model(v, /*seed=*/33);
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab;

@@ -21,14 +21,15 @@ struct ModelFormat {
   bool g_idx_per_linear = false;  // act-order: q, k, v (and gate, up) each their own order
 };
 
-// Writes the `tiny` shape in format f (n_layers 0 = the shape's) under this process's scratch
-// directory and returns its path.
+// Writes the `tiny` shape in format f (n_layers 0 = the shape's; arch "" = the shape's family)
+// under this process's scratch directory and returns its path.
 inline std::filesystem::path write_tiny_model(const ModelFormat& f, uint64_t seed,
-                                              int n_layers = 0) {
+                                              int n_layers = 0, const std::string& arch = "") {
   const std::filesystem::path dir = scratch() / ("model_" + f.name);
   std::filesystem::remove_all(dir);
   synth::SynthOptions o;
   o.shape = "tiny";
+  o.arch = arch;
   o.n_layers = n_layers;
   o.dtype = f.dtype;
   o.bits = f.bits;
