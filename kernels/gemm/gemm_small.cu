@@ -250,7 +250,6 @@ __global__ void pack_x_kernel(const __half* x, const int32_t* perm, int64_t M, i
   xp[i] = j < K ? x[m * K + (perm ? perm[j] : j)] : __float2half(0.f);
 }
 
-
 }  // namespace
 }  // namespace gemm_small_detail
 

@@ -40,8 +40,9 @@
 // With the SiLU epilogue (GemvEpilogue) a step's two rows are gate row g and up row g + N/2, the
 // warps share the N/2 pairs, and lane 0 writes silu(gate) * up.
 // Rows of at most 16 units (3- and 4-bit weights with K <= 2048: every linear of a 1.1B but
-// down; 2-bit with K <= 4096: every linear of a 7B but down) would leave lanes 16-31 of each warp without a unit, the warp issuing every instruction
-// of a step for half its lanes' worth of weights. They run the half-warp kernels
+// down; 2-bit with K <= 4096: every linear of a 7B but down) would leave lanes 16-31 of each
+// warp without a unit, the warp issuing every instruction of a step for half its lanes' worth
+// of weights. They run the half-warp kernels
 // (gemv_kernel.cuh, kHalf): lanes 0-15 and 16-31 each take a row step (units 0-15 of their own R
 // rows, or their own pair), so a warp step is 2R rows, and warps take equal runs of whole steps
 // (measured: docs/gemv-notes.md). Rows of 33-64 units run the warp-pair kernels where the grid

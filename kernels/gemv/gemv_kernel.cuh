@@ -1,7 +1,8 @@
 // The batch-1 GEMV kernels' device code (gemv.cu describes the design), shared by the
 // translation units that compile its kernels: gemv.cu (the run-time quantized kernel, the fp16
 // GEMV, the dispatch) and gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the
-// kernels specialized per bit width, compiled in parallel). Device code: include from .cu files only.
+// kernels specialized per bit width, compiled in parallel). Device code: include from .cu files
+// only.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -994,8 +995,8 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // With the SiLU epilogue a step takes the pair (gate row g, up row g + silu_pair) and the
   // warps share the N / 2 pairs; otherwise R consecutive rows of the warp's run.
   // kHalf (rows of at most 16 units: K <= 2048 at 3 and 4 bits, K <= 4096 at 2, where a
-  // warp's lanes 16-31 would idle): the two half-warps take a row step each, lanes 16h .. 16h + 15 the rows of
-  // half h, so a warp step is 2 R rows or two pairs (gemv.cu says why).
+  // warp's lanes 16-31 would idle): the two half-warps take a row step each, lanes 16h ..
+  // 16h + 15 the rows of half h, so a warp step is 2 R rows or two pairs (gemv.cu says why).
   const int half = kHalf ? lane >> 4 : 0, ulane = kHalf ? lane & 15 : lane;
   const int rstep = p.silu_pair ? p.silu_pair : 1, per_half = p.silu_pair ? 1 : R;
   const int per_step = kHalf ? 2 * per_half : per_half;

@@ -47,19 +47,19 @@ void DecodeGraphs::clear() {
   range_end_.clear();
 }
 
+void VerifyGraphs::bind(uint64_t generation) {
+  if (generation == generation_) return;
+  clear();
+  generation_ = generation;
+}
+
 cudaGraphExec_t VerifyGraphs::get(int n, uint64_t generation) {
-  if (generation != generation_) {
-    clear();
-    generation_ = generation;
-  }
+  bind(generation);
   return n >= 0 && n < (int)graphs_.size() ? graphs_[n] : nullptr;
 }
 
 void VerifyGraphs::put(int n, uint64_t generation, cudaGraphExec_t g) {
-  if (generation != generation_) {
-    clear();
-    generation_ = generation;
-  }
+  bind(generation);
   if (n >= (int)graphs_.size()) graphs_.resize(n + 1, nullptr);
   if (graphs_[n]) cudaGraphExecDestroy(graphs_[n]);
   graphs_[n] = g;

@@ -66,6 +66,8 @@ class VerifyGraphs {
   void clear();      // destroys them (none may be running)
 
  private:
+  // Holds only graphs of `generation` from here on: those of another are destroyed.
+  void bind(uint64_t generation);
   uint64_t generation_ = 0;
   std::vector<cudaGraphExec_t> graphs_;  // [n], nullptr where not captured
 };

@@ -273,7 +273,8 @@ int run_bench(BenchArgs a) {
     // A verify pass as tokens/s through it: N tokens over the median pass (sd 0: a median,
     // where the other rows are means).
     if (a.verify_rows > 0 && verify_median > 0)
-      row(fmt::format("verify{}-median", a.verify_rows), Stat{a.verify_rows * 1000.0 / verify_median, 0});
+      row(fmt::format("verify{}-median", a.verify_rows),
+          Stat{a.verify_rows * 1000.0 / verify_median, 0});
   } else {
     // The model by its directory's name, as llama-bench names it by its file.
     const std::string name = model_name(a.model.dir), type = format_text(c);
