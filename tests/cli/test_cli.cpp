@@ -213,6 +213,9 @@ TEST_F(Cli, BenchReportsEveryFormat) {
   EXPECT_EQ(size, fs::file_size(*dir_ / "model.safetensors") - 8 - header);
   const auto params = j["params"].get<int64_t>();
   EXPECT_GT(params, 0);
+  // A CPU run has no device memory to report; its KV cache is host memory.
+  for (const auto& [key, value] : j.items()) EXPECT_EQ(key.rfind("gpu_", 0), std::string::npos);
+  EXPECT_GT(j["cache_bytes"].get<uint64_t>(), 0u);
   for (const char* key : {"prompt_tokens_per_s", "gen_tokens_per_s"}) {
     SCOPED_TRACE(key);
     const std::vector<double> v = j[key]["samples"].get<std::vector<double>>();

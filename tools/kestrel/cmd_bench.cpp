@@ -248,10 +248,15 @@ int run_bench(BenchArgs a) {
         j["verify"]["ratio_to_decode_step"] = verify_median / step_ms;
       }
     }
-    j["gpu_weight_bytes"] = model.weight_bytes();
-    j["gpu_cache_bytes"] = b.cache_bytes();
-    j["gpu_bytes_after_load"] = model.device_bytes_after_load();
-    j["gpu_bytes_in_use"] = model.device_bytes_in_use();
+    // Device memory only where there is a device; the CPU's KV cache is host memory.
+    if (m.device == "cuda") {
+      j["gpu_weight_bytes"] = model.weight_bytes();
+      j["gpu_cache_bytes"] = b.cache_bytes();
+      j["gpu_bytes_after_load"] = model.device_bytes_after_load();
+      j["gpu_bytes_in_use"] = model.device_bytes_in_use();
+    } else {
+      j["cache_bytes"] = b.cache_bytes();
+    }
     std::cout << j.dump(2) << "\n";
   } else if (a.output == "csv") {
     std::cout << "model,type,size_bytes,params,backend,device,test,tokens_per_s_mean,tokens_per_s_sd\n";
