@@ -6,6 +6,7 @@
 
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
+#include "kernels/matmul/matmul.h"
 
 namespace kestrel::gptq {
 
@@ -154,12 +155,7 @@ void matmul_ref(const GptqView& v, const float* x, int64_t M, float* y) {
   std::vector<float> w(v.K), scale, zero;
   for (int64_t n = 0; n < v.N; ++n) {
     dequantize_column(v, n, scale, zero, w.data());
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * v.K;
-      float acc = 0.0f;
-      for (int64_t k = 0; k < v.K; ++k) acc += xm[k] * w[k];
-      y[m * v.N + n] = acc;
-    }
+    for (int64_t m = 0; m < M; ++m) y[m * v.N + n] = dot_ref(x + m * v.K, w.data(), v.K);
   }
 }
 

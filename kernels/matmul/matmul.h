@@ -5,6 +5,24 @@
 
 namespace kestrel {
 
+// The dot product of every CPU linear: 16 running sums (sum j takes k = j mod 16, in order),
+// then the tail into sum 0, then added in a fixed tree. One running sum is a chain of
+// dependent adds, which bound the CPU engine at a few ns per weight; 16 independent ones the
+// compiler keeps in vector registers. The order is fixed and the same for every row, so a
+// linear over many rows gives each row exactly what it gives that row alone (a speculative
+// verify pass equals decode steps bit for bit).
+inline float dot_ref(const float* a, const float* b, int64_t K) {
+  constexpr int kSums = 16;
+  float s[kSums] = {};
+  int64_t k = 0;
+  for (; k + kSums <= K; k += kSums)
+    for (int j = 0; j < kSums; ++j) s[j] += a[k + j] * b[k + j];
+  for (; k < K; ++k) s[0] += a[k] * b[k];
+  for (int w = kSums / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) s[j] += s[j + w];
+  return s[0];
+}
+
 // x [M, K] fp32, W [N, K] fp32 row-major, bias [N] or nullptr, y [M, N].
 void matmul_ref(const float* x, const float* W, const float* bias, int64_t M, int64_t N,
                 int64_t K, float* y);

@@ -14,9 +14,7 @@ namespace {
 void dot_rows(const float* x, const float* w, const float* bias, int64_t M, int64_t N, int64_t K,
               int64_t n, float* y) {
   for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    float acc = 0.0f;
-    for (int64_t k = 0; k < K; ++k) acc += xm[k] * w[k];
+    const float acc = dot_ref(x + m * K, w, K);
     y[m * N + n] = bias ? acc + bias[n] : acc;
   }
 }
