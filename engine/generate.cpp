@@ -112,16 +112,25 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
     tokens.assign(1, r.ids.back());
     tokens.insert(tokens.end(), draft.ids.begin(), draft.ids.begin() + k);
     ++r.n_steps;
-    r.n_drafted += k;
     const int at = pos - 1;
-    int accepted = 0;
+    // r counts the drafts compared with the target's rows: those after an end, a stop or a
+    // cancel are neither accepted nor rejected.
+    const int accepted_before = r.n_accepted;
     bool go_on = true;
+    // Polled before each id after the step's first, as plain decoding polls before each id.
+    auto cancel = [&](int j) {
+      if (j == 0 || !opt.cancelled || !opt.cancelled()) return false;
+      r.finish_reason = "cancelled";
+      return true;
+    };
     if (argmax_rows) {
       best.resize(k + 1);
       model.forward_argmax_rows(tokens.data(), k + 1, at, best.data());
       for (int j = 0; j <= k && go_on; ++j) {
+        if (cancel(j)) return;
         const bool hit = j < k && best[j] == tokens[j + 1];
-        if (hit) ++accepted;
+        r.n_drafted += j < k;
+        r.n_accepted += hit;
         r.n_device += 1;
         go_on = take(best[j]);
         if (!hit) break;
@@ -130,6 +139,7 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
       all.resize((size_t)(k + 1) * vocab);
       model.forward(tokens.data(), k + 1, at, last.data(), all.data());
       for (int j = 0; j <= k && go_on; ++j) {
+        if (cancel(j)) return;
         const auto ts = std::chrono::steady_clock::now();
         const float* raw = all.data() + (size_t)j * vocab;
         row.assign(raw, raw + vocab);
@@ -152,14 +162,14 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
         if (opt.logprobs > 0) r.logprobs.push_back(logprobs_of(raw, vocab, id, opt.logprobs));
         r.sample_ms += ms_since(ts);
         ++r.n_sampled;
-        if (hit) ++accepted;
+        r.n_drafted += j < k;
+        r.n_accepted += hit;
         go_on = take(id);
         if (!hit) break;
       }
     }
-    r.n_accepted += accepted;
     if (!go_on) return;
-    length.update(k, accepted);
+    length.update(k, r.n_accepted - accepted_before);
   }
 }
 
@@ -173,6 +183,11 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
   const int n_run = n_prompt - first;
   KESTREL_CHECK(n_prompt > 0, "the prompt is empty (no tokens to start from)");
   KESTREL_CHECK(n_run > 0, "nothing to run: the whole prompt is cached");
+  // Longer drafts than the CLI allows would make verify passes past what the CPU engine runs
+  // row by row (the ids of a BLAS batch may differ from decode steps') and past the GPU's graphs.
+  KESTREL_CHECK(!opt.drafter || (opt.draft_max >= 1 && opt.draft_max <= kMaxDraftMax),
+                "draft_max must be between 1 and " + std::to_string(kMaxDraftMax) + ", got " +
+                    std::to_string(opt.draft_max));
   // -1: every position the context has left.
   const int max_new = opt.max_new_tokens < 0 ? ctx - (pos0 + n_run) : opt.max_new_tokens;
   const int need = opt.max_new_tokens < 0 ? 1 : opt.max_new_tokens;

@@ -500,8 +500,50 @@ TEST_F(SpecTiny, EndsInsideAnAcceptedRunAsPlainDecoding) {
     EXPECT_EQ(r.text, plain.text) << v;
     EXPECT_EQ(streamed, plain.text) << v;
     EXPECT_EQ(r.finish_reason, plain.finish_reason) << v;
+    // Every draft compared was accepted (the target drafts for itself); the drafts past the
+    // end were never compared, and count as neither.
+    EXPECT_GT(r.n_drafted, 0) << v;
+    EXPECT_EQ(r.n_accepted, r.n_drafted) << v;
   }
   EXPECT_EQ(generate(*m_->session(), *m_->tok, prompt, variants[0]).finish_reason, "eos");
+}
+
+// A cancel is seen before each id, as plain decoding sees it, not only between verify passes
+// (a pass of 8 accepted drafts would otherwise stream 9 ids after Ctrl-C or a client's leaving).
+TEST_F(SpecTiny, CancelIsPolledBeforeEachId) {
+  const std::vector<int> prompt = m_->tok->encode(kRepetitive);
+  auto self_session = m_->session();
+  ModelDrafter self(*self_session, greedy(1).sampling);
+  for (const int polls : {1, 2, 6, 11}) {
+    GenerateOptions o = greedy(40);
+    int calls = 0;
+    o.cancelled = [&] { return ++calls >= polls; };
+    const GenerateResult plain = generate(*m_->session(), *m_->tok, prompt, o);
+    ASSERT_EQ(plain.ids.size(), size_t(polls - 1));
+    calls = 0;
+    o.drafter = &self;
+    const GenerateResult r = generate(*m_->session(), *m_->tok, prompt, o);
+    EXPECT_EQ(r.ids, plain.ids) << polls;
+    EXPECT_EQ(r.finish_reason, "cancelled") << polls;
+    EXPECT_EQ(calls, polls) << polls;
+  }
+}
+
+TEST_F(SpecTiny, DraftMaxOutsideItsRangeIsRefused) {
+  const std::vector<int> prompt = m_->tok->encode(kRepetitive);
+  NgramDrafter lookup;
+  for (const int bad : {0, -1, kMaxDraftMax + 1}) {
+    GenerateOptions o = greedy(8);
+    o.drafter = &lookup;
+    o.draft_max = bad;
+    try {
+      generate(*m_->session(), *m_->tok, prompt, o);
+      ADD_FAILURE() << bad;
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()), "draft_max must be between 1 and 64, got " +
+                                           std::to_string(bad));
+    }
+  }
 }
 
 // Penalties apply per verified row to the ids before it, and logprobs come from the verify
@@ -733,9 +775,10 @@ TEST_F(SpecTiny, SampledOutputFollowsTheTargetDistribution) {
     EXPECT_TRUE(ok) << dr->name();
     std::cerr << dr->name() << ": " << ok.message() << ", " << accepted << " of " << drafted
               << " drafts accepted\n";
-    // Both outcomes of the test were exercised, often.
+    // Both outcomes of the test were exercised, often (the draft model's drafts are rejected
+    // in about one draw of six; drafts after a rejection are not counted).
     EXPECT_GT(accepted, kDraws / 4) << dr->name();
-    EXPECT_GT(drafted - accepted, kDraws / 4) << dr->name();
+    EXPECT_GT(drafted - accepted, kDraws / 8) << dr->name();
   }
 }
 
