@@ -354,12 +354,6 @@ std::vector<int> ChatTemplate::encode(const std::vector<ChatSegment>& segments, 
   return ids;
 }
 
-std::vector<int> ChatTemplate::tokenize_as_written(const std::vector<ChatMessage>& messages,
-                                                   bool add_generation_prompt) const {
-  if (jinja_) return tokenize(messages, add_generation_prompt);
-  return encode(render_chat(format_, messages, add_generation_prompt), /*add_bos=*/false);
-}
-
 std::string ChatTemplate::describe() const {
   return jinja_ ? "the model's own template" : fmt::format("{} format", chat_format_name(format_));
 }

@@ -94,11 +94,6 @@ class ChatTemplate {
   std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
   std::vector<int> tokenize(const std::vector<ChatMessage>& messages,
                             bool add_generation_prompt) const;
-  // The ids of what the template writes and nothing else, as transformers'
-  // apply_chat_template(tokenize=True) gives them: tokenize() without the BOS a built-in
-  // format without one in its text gets in front (as llama.cpp adds it when generating).
-  std::vector<int> tokenize_as_written(const std::vector<ChatMessage>& messages,
-                                       bool add_generation_prompt) const;
   // "the model's own template" or "<name> format", for messages.
   std::string describe() const;
   std::vector<int> tokenize(const std::vector<ChatSegment>& segments) const;

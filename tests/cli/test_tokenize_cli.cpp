@@ -75,8 +75,9 @@ TEST(TokenizeCli, LinesJsonCountAndNoBos) {
 }
 
 // --messages renders the chat template with the generation prompt and tokenizes the result as
-// transformers' apply_chat_template does: special-token strings as their ids, no BOS but the
-// template's own.
+// `kestrel chat` runs it: a model's own template as transformers' apply_chat_template does
+// (special-token strings as their ids, no BOS but the template's own), a built-in format with
+// the tokenizer's BOS in front, as llama.cpp generates from its built-in templates.
 TEST(TokenizeCli, MessagesRenderTheChatTemplate) {
   const fs::path messages = write_file(
       "messages.json",
@@ -95,11 +96,13 @@ TEST(TokenizeCli, MessagesRenderTheChatTemplate) {
   ASSERT_FALSE(rendered.empty());
   EXPECT_EQ(rendered.front(), 151644);  // <|im_start|>
 
-  // The raw format writes no BOS, so none is added; the Llama 2 format writes its own.
+  // The raw format writes no BOS: the tokenizer's goes in front, as chat runs it (--no-bos
+  // leaves it out); the Llama 2 format writes its own, and gets no second.
   const fs::path hello = write_file("hello.json", R"([{"role": "user", "content": "hello"}])");
   const std::string cmd = kKestrel + " tokenize -m " + kSpStyle.string() + " --json --messages " +
                           hello.string();
-  EXPECT_EQ(ids_of(run(cmd + " --template raw")), (std::vector<int>{271, 3 + '\n'}));
+  EXPECT_EQ(ids_of(run(cmd + " --template raw")), (std::vector<int>{1, 271, 3 + '\n'}));
+  EXPECT_EQ(ids_of(run(cmd + " --template raw --no-bos")), (std::vector<int>{271, 3 + '\n'}));
   const std::vector<int> llama2 = ids_of(run(cmd + " --template llama2"));
   ASSERT_FALSE(llama2.empty());
   EXPECT_EQ(llama2.front(), 1);
@@ -112,6 +115,7 @@ TEST(TokenizeCli, BadInputsAreOneLine) {
                         "/nonexistent/model");
   expect_one_line_error(run(cmd), "one of -p, -f or --messages");
   expect_one_line_error(run(cmd + " -p hi -f x.txt"), "cannot be used together");
+  expect_one_line_error(run(cmd + " -p hi --template chatml"), "--template goes with --messages");
   const fs::path bad = write_file("bad.json", R"({"role": "user"})");
   expect_one_line_error(run(cmd + " --messages " + bad.string()), bad.string());
   const fs::path bad2 = write_file("bad2.json", R"([{"role": "user", "content": 3}])");
