@@ -285,6 +285,13 @@ test('errors: OpenAI error objects, and the server keeps serving', async () => {
   expectError(await curl(main.url + '/v1/completions', { method: 'POST', body: JSON.stringify({ prompt: 'a', max_tokens: CONTEXT }) }),
               400, { code: 'context_length_exceeded', param: 'prompt' });
   expectError(await curl(main.url + '/v1/nothing-here'), 404);
+  // A path of the API asked with the other method: 405 and Allow, as vLLM answers.
+  const get = await curl(main.url + '/v1/completions');
+  expectError(get, 405, { code: 'method_not_allowed' });
+  assert.match(get.head, /\r\nAllow: POST\r\n/i);
+  expectError(await curl(main.url + '/health', { method: 'POST', body: '{}', key: null }), 405);
+  // A POST without a body or its length: the library's 400, with a code.
+  expectError(await curl(url, { method: 'POST' }), 400, { code: 'bad_request' });
   // Over --max-body: 413, in the same shape.
   expectError(await curl(url, { method: 'POST', body: JSON.stringify({ messages: [{ role: 'user', content: 'x'.repeat(100000) }] }) }), 413);
   // The client raises them as its own errors.

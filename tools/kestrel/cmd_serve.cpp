@@ -122,6 +122,16 @@ bool peer_gone(int fd) {
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
 }
 
+// The method a path of the API takes ("GET" or "POST"), or "" for a path it does not have: a
+// request with the other method gets 405 naming it, not 404.
+std::string allowed_method(const std::string& path) {
+  if (path == "/health" || path == "/v1/models" || path.rfind("/v1/models/", 0) == 0) return "GET";
+  if (path == "/v1/chat/completions" || path == "/v1/completions" || path == "/tokenize" ||
+      path == "/detokenize")
+    return "POST";
+  return "";
+}
+
 // Seconds an idle keep-alive connection is kept open, and what the Keep-Alive header tells
 // clients (Server::run says why they differ).
 constexpr int kKeepAliveIdleSeconds = 10;
@@ -233,13 +243,23 @@ class Server {
       return httplib::Server::HandlerResponse::Handled;
     });
     svr.set_error_handler(httplib::Server::HandlerWithResponse(
-        [](const httplib::Request&, httplib::Response& res) {
+        [](const httplib::Request& req, httplib::Response& res) {
       if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-      // The library's own refusals (unknown path, body too large) in OpenAI's shape.
+      // The library's own refusals (unknown path, body too large, a request it could not
+      // read) in OpenAI's shape; a known path asked with the other method is 405, with Allow.
       const int s = res.status;
-      error(res, s == 404   ? ApiError(404, "no such endpoint", "", "not_found")
-                 : s == 413 ? ApiError(413, "the request body is too large", "", "request_too_large")
-                            : ApiError(s, fmt::format("the request could not be read (HTTP {})", s)));
+      const std::string allow = s == 404 ? allowed_method(req.path) : std::string();
+      if (!allow.empty() && allow != req.method) {
+        res.set_header("Allow", allow);
+        error(res, ApiError(405, fmt::format("{} takes {}, not {}", req.path, allow, req.method), "",
+                            "method_not_allowed"));
+      } else {
+        error(res, s == 404   ? ApiError(404, "no such endpoint", "", "not_found")
+                   : s == 413 ? ApiError(413, "the request body is too large", "", "request_too_large")
+                   : s == 400 ? ApiError(400, "the HTTP request could not be read (a POST needs a "
+                                              "JSON body with its Content-Length)", "", "bad_request")
+                              : ApiError(s, fmt::format("the request could not be read (HTTP {})", s)));
+      }
       return httplib::Server::HandlerResponse::Handled;
     }));
     svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
