@@ -20,7 +20,8 @@ PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int win
   r.tokens = (int64_t)ids.size();
   r.windows_available = r.tokens / window;
   if (r.windows_available == 0)
-    throw Error(fmt::format("{} tokens do not fill one window of {} (-c)", r.tokens, window));
+    throw Error(fmt::format("{} token{}, fewer than one window of {} (-c)", r.tokens,
+                            r.tokens == 1 ? "" : "s", window));
   r.windows = max_windows > 0 ? std::min(max_windows, r.windows_available) : r.windows_available;
 
   std::vector<int> targets(window);

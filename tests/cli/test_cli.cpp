@@ -233,6 +233,14 @@ TEST_F(Cli, BenchReportsEveryFormat) {
 
   const Result md = run(kKestrel + args);
   ASSERT_EQ(md.code, 0) << md.err;
+  EXPECT_EQ(md.err.find("tune"), std::string::npos) << md.err;
+  // The CUDA engine's tuning options on the CPU: run, with a note that they do nothing.
+  const Result tuned = run(kKestrel + args + " --gemv-warps 8 --small-gemm 8");
+  ASSERT_EQ(tuned.code, 0) << tuned.err;
+  EXPECT_NE(tuned.err.find("note: --gemv-warps, --small-gemm tune the CUDA engine; this model "
+                           "runs on the CPU"),
+            std::string::npos)
+      << tuned.err;
   EXPECT_EQ(lines(md.out), 4) << md.out;  // header, rule, pp16, tg8
   // Each row names the model by its directory, then its format.
   const std::string row1 = md.out.substr(md.out.find('\n', md.out.find('\n') + 1) + 1);

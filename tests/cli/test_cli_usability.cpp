@@ -152,7 +152,10 @@ TEST(Version, GpuBenchmarksWithoutAGpuSayItAsKestrelDoes) {
   if (kestrel::test::gpu().usable) GTEST_SKIP() << "a GPU is present";
   const Result devices = run(kKestrel + " devices");
   ASSERT_EQ(devices.code, 1);
-  const std::string problem = devices.out.substr(0, devices.out.find('\n'));
+  // One error line, named as every other: "kestrel: no usable CUDA GPU (...)".
+  EXPECT_EQ(devices.out, "");
+  ASSERT_EQ(devices.err.rfind("kestrel: no usable CUDA GPU (", 0), 0u) << devices.err;
+  const std::string problem = devices.err.substr(9, devices.err.find('\n') - 9);
   for (const std::string bin : {KESTREL_BENCH_GEMM_BIN, KESTREL_BENCH_GEMV_BIN}) {
     const Result r = run(bin);
     EXPECT_EQ(r.code, 1) << bin;

@@ -102,6 +102,14 @@ TEST_F(SpecCli, GenerateGreedyTextIsPlainDecodings) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("speculative ="), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("tokens per step"), std::string::npos) << r.err;
+  // -n 1: the prompt's pass alone, no verify pass; no rates rather than rates of 0.
+  const auto one = run_command(gen("-p " + kPrompt + " -n 1 --temp 0 --spec lookup --json"));
+  ASSERT_EQ(one.code, 0) << one.err;
+  const auto t1 = nlohmann::json::parse(one.out)["timings"];
+  EXPECT_EQ(t1["steps"], 0);
+  EXPECT_TRUE(t1["tokens_per_step"].is_null());
+  EXPECT_TRUE(t1["acceptance_rate"].is_null());
+  EXPECT_NE(one.err.find("speculative = no verify pass"), std::string::npos) << one.err;
 }
 
 // A draft model over the same tokenizer with a larger embedding table (padding rows, as

@@ -156,8 +156,17 @@ TEST_F(Perplexity, TextShorterThanOneWindowIsAnError) {
   const Result r = run(kKestrel + " perplexity --device cpu -c 4000 -m " + dir_->string() +
                        " -f " + text_->string());
   EXPECT_EQ(r.code, 1);
-  EXPECT_NE(r.err.find("do not fill one window"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(text_->string() + ": "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(" tokens, fewer than one window of 4000 (-c)"), std::string::npos) << r.err;
   EXPECT_TRUE(r.out.empty()) << r.out;
+  // An empty file says so.
+  const fs::path empty = fs::path(text_->string() + ".empty");
+  std::ofstream(empty).close();
+  const Result e = run(kKestrel + " perplexity --device cpu -c 64 -m " + dir_->string() + " -f " +
+                       empty.string());
+  EXPECT_EQ(e.code, 1);
+  EXPECT_EQ(e.err, "kestrel: " + empty.string() + ": the file is empty\n");
+  fs::remove(empty);
 }
 
 TEST_F(Perplexity, MissingFileIsAnError) {

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <memory>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -30,6 +31,7 @@ struct BenchArgs {
   uint64_t seed = 1234;
   bool profile = false;
   DecodeTuning tuning;  // the CUDA decode path's choices (docs/tuning.md)
+  std::vector<std::string> tuning_given;  // those options given, named for a note on the CPU
   bool gemv_generic = false, no_graph_ranges = false, no_verify_graphs = false;
   int verify_rows = 0;  // --verify N: also time verify passes of N tokens
   SpecOptions spec;
@@ -139,6 +141,9 @@ int run_bench(BenchArgs a) {
   a.tuning.verify_graphs = !a.no_verify_graphs;
   const bool quiet = a.output != "md";
   LoadedModel m = open_model(a.model, quiet);
+  if (m.device != "cuda" && !a.tuning_given.empty())
+    note(quiet, fmt::format("note: {} tune{} the CUDA engine; this model runs on the CPU",
+                            fmt::join(a.tuning_given, ", "), a.tuning_given.size() == 1 ? "s" : ""));
   load_weights(m, a.model, quiet, a.tuning);
   Session& b = *m.session;
   const Model& model = *m.model;
@@ -408,9 +413,14 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
           "nothing to predict)");
     if (has_text && a->spec.kind.empty())
       throw CLI::ValidationError("-f and --prompt go with --spec");
+    if (text->count() && a->prompt_text.empty())
+      throw CLI::ValidationError("the prompt is empty");
     if (has_text && cmd->get_option("--n-prompt")->count())
       throw CLI::ValidationError("-p sets the length of a random prompt; with -f or --prompt the "
                                  "prompt is the text");
+    for (const char* name : {"--att-heads", "--gemv-warps", "--gemv-generic", "--no-graph-ranges",
+                             "--no-verify-graphs", "--small-gemm"})
+      if (cmd->get_option(name)->count()) a->tuning_given.push_back(name);
     action = [a] { return run_bench(*a); };
   });
 }

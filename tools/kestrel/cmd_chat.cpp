@@ -216,8 +216,9 @@ class ChatSession {
     }
     if (dropped)
       info(fmt::format("(the conversation outgrew the context of {} tokens: dropped the {} oldest "
-                       "exchange{}; the system prompt stays)",
-                       ctx_, dropped, dropped == 1 ? "" : "s"));
+                       "exchange{}{})",
+                       ctx_, dropped, dropped == 1 ? "" : "s",
+                       first ? "; the system prompt stays" : ""));
     return (int)ids.size() < ctx_;
   }
 

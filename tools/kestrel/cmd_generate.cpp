@@ -100,12 +100,13 @@ json timings_json(const GenerateResult& r, bool speculative) {
   if (speculative) {
     j["drafted_tokens"] = r.n_drafted;
     j["accepted_tokens"] = r.n_accepted;
-    // No drafts (-n 1, or nothing matched): no rate rather than a rate of 0.
+    // No drafts (-n 1, or nothing matched), no passes (-n 1): no rate rather than a rate of 0.
     j["acceptance_rate"] =
         r.n_drafted > 0 ? nlohmann::json((double)r.n_accepted / r.n_drafted) : nlohmann::json();
     j["steps"] = r.n_steps;  // passes of the model after the first generated token
-    j["tokens_per_step"] =
-        r.n_steps > 0 ? (double)((int)r.ids.size() - 1) / r.n_steps : 0.0;
+    j["tokens_per_step"] = r.n_steps > 0
+                               ? nlohmann::json((double)((int)r.ids.size() - 1) / r.n_steps)
+                               : nlohmann::json();
   }
   return j;
 }

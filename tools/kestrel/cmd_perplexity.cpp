@@ -30,16 +30,21 @@ int run_perplexity(const PerplexityArgs& a) {
   const ModelOptions& mo = a.model;
   if (mo.context == 1) throw Error("-c 1: a window needs at least 2 tokens");
   const std::string text = read_text_file(a.file);
+  if (text.empty()) throw Error(a.file + ": the file is empty");
   LoadedModel m = open_model(mo, a.json);
   // The default window: 2048 tokens, or the model's context where that is shorter (a model
   // scored past its max_position_embeddings gives a meaningless figure).
   const int window = mo.context > 0 ? mo.context : std::min(2048, context_length(m, mo));
   m.context = window;
+  // Tokenized before the weights load, so that a text too short says so at once.
+  std::vector<int> tokens = m.tok->encode(text, /*with_specials=*/false);
+  if (m.tok->add_bos()) tokens.insert(tokens.begin(), m.tok->bos_id());
+  if ((int64_t)tokens.size() < window)
+    throw Error(fmt::format("{}: {} token{}, fewer than one window of {} (-c)", a.file,
+                            tokens.size(), tokens.size() == 1 ? "" : "s", window));
   load_weights(m, mo, a.json);
   Session& b = *m.session;
 
-  std::vector<int> tokens = m.tok->encode(text, /*with_specials=*/false);
-  if (m.tok->add_bos()) tokens.insert(tokens.begin(), m.tok->bos_id());
   PerplexityResult r;
   try {
     r = perplexity(b, tokens, window, a.chunks, !a.json);

@@ -515,9 +515,14 @@ Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
       load_weights(*sp.draft, o, /*quiet=*/true);
       return 0;
     });
-    note(quiet, fmt::format("draft model {} ({}) on {}, context {}", s.draft_model,
+    const int draft_ctx = sp.draft->session->context_length();
+    note(quiet, fmt::format("draft model {} ({}) on {}, context {}{}", s.draft_model,
                             format_text(sp.draft->spec->config), sp.draft->model->device_name(),
-                            sp.draft->session->context_length()));
+                            draft_ctx,
+                            draft_ctx < target.session->context_length()
+                                ? fmt::format(" (its limit: past position {} it drafts nothing "
+                                              "and the model decodes alone)", draft_ctx)
+                                : std::string()));
     sp.drafter = std::make_unique<ModelDrafter>(*sp.draft->session, sampling,
                                                 target.spec->config.vocab);
   }
@@ -558,11 +563,13 @@ void print_perf(const Perf& p, const std::string& device) {
   if (p.device_chosen > 0)
     s += fmt::format("perf: chosen by the model = {:5} tokens (its argmax or top-k sampler, timed in eval)\n",
                      p.device_chosen);
-  if (p.speculative)
+  if (p.speculative && p.steps == 0)
+    s += "perf:      speculative = no verify pass (a single token each)\n";
+  else if (p.speculative)
     s += fmt::format("perf:      speculative = {:5} drafted, {:5} accepted ({:.1f}%), {:.2f} "
                      "tokens per step ({} steps)\n",
                      p.drafted, p.accepted, p.drafted ? 100.0 * p.accepted / p.drafted : 0.0,
-                     p.steps ? (double)p.step_ids / p.steps : 0.0, p.steps);
+                     (double)p.step_ids / p.steps, p.steps);
   s += fmt::format("perf:       total time = {:10.2f} ms / {:5} tokens\n", total,
                    p.prompt_tokens + p.generated);
   std::cerr << s << std::flush;

@@ -33,8 +33,8 @@ int main(int argc, char** argv) {
       ->callback([&action] {
         action = [] {
           const kestrel::CudaStatus s = kestrel::cuda_status();
-          if (!s.usable) {
-            std::cout << s.problem << "\n";
+          if (!s.usable) {  // an error line like every other command's
+            std::cerr << "kestrel: " << s.problem << "\n";
             return 1;
           }
           std::cout << "cuda: " << s.name << " (" << s.device_count << " device"

@@ -1,5 +1,5 @@
-// kestrel-quantize: GPTQ (or round-to-nearest) quantization of an FP16 Hugging Face Llama
-// model on calibration text (`kestrel perplexity` measures the result).
+// kestrel-quantize: GPTQ (or round-to-nearest) quantization of an FP16 Hugging Face model
+// on calibration text (`kestrel perplexity` measures the result).
 // A thin command line over kestrel::quant.
 #include <algorithm>
 #include <exception>
@@ -18,7 +18,8 @@ int main(int argc, char** argv) {
   kestrel::quant::QuantizeOptions o;
   std::string device = "auto";
   bool quiet = false;
-  CLI::App app{"kestrel-quantize: GPTQ quantization of an FP16 Hugging Face Llama model"};
+  CLI::App app{"kestrel-quantize: GPTQ quantization of an FP16 Hugging Face model of any "
+                "supported family (Llama, Mistral, Qwen2, Qwen3, OPT)"};
   app.set_version_flag("--version", "kestrel-quantize " KESTREL_VERSION);
   app.add_option("-m,--model", o.model_dir, "FP16 model directory (Hugging Face layout)");
   app.add_option("--calib", o.calib_file, "Calibration text file");

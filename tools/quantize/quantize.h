@@ -1,4 +1,4 @@
-// kestrel-quantize: an FP16 Hugging Face Llama model plus calibration text in, a GPTQ
+// kestrel-quantize: an FP16 Hugging Face model plus calibration text in, a GPTQ
 // checkpoint that Kestrel, AutoGPTQ and transformers load out.
 //
 // Layer by layer, as the reference implementation: the calibration windows' activations
