@@ -23,6 +23,14 @@ inline float dot_ref(const float* a, const float* b, int64_t K) {
   return s[0];
 }
 
+// The CPU linears (these and gptq::matmul_ref) give each thread a share of the output columns,
+// each computed as on one thread, so the result does not depend on the thread count. `threads`
+// > 0 sets how many (kestrel's -t); 0 leaves OpenMP's default (OMP_NUM_THREADS, or every core).
+void set_linear_threads(int threads);
+int linear_threads();
+// Below this many multiply-adds a call stays on one thread: a team's start costs microseconds.
+constexpr int64_t kLinearParallelWork = int64_t(1) << 16;
+
 // x [M, K] fp32, W [N, K] fp32 row-major, bias [N] or nullptr, y [M, N].
 void matmul_ref(const float* x, const float* W, const float* bias, int64_t M, int64_t N,
                 int64_t K, float* y);

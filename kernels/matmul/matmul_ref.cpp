@@ -4,6 +4,10 @@
 
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "engine/base/dtype.h"
 
 namespace kestrel {
@@ -21,18 +25,39 @@ void dot_rows(const float* x, const float* w, const float* bias, int64_t M, int6
 
 }  // namespace
 
+void set_linear_threads(int threads) {
+#ifdef _OPENMP
+  if (threads > 0) omp_set_num_threads(threads);
+#else
+  (void)threads;
+#endif
+}
+
+int linear_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
 void matmul_ref(const float* x, const float* W, const float* bias, int64_t M, int64_t N,
                 int64_t K, float* y) {
+#pragma omp parallel for schedule(static) if (M * N * K >= kLinearParallelWork)
   for (int64_t n = 0; n < N; ++n) dot_rows(x, W + n * K, bias, M, N, K, n, y);
 }
 
 void matmul_f16w_ref(const float* x, const uint16_t* W, const float* bias, int64_t M, int64_t N,
                      int64_t K, float* y) {
-  std::vector<float> w(K);
-  for (int64_t n = 0; n < N; ++n) {
-    const uint16_t* row = W + n * K;
-    for (int64_t k = 0; k < K; ++k) w[k] = half_to_float(row[k]);
-    dot_rows(x, w.data(), bias, M, N, K, n, y);
+#pragma omp parallel if (M * N * K >= kLinearParallelWork)
+  {
+    std::vector<float> w(K);  // one row of W in fp32, per thread
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      const uint16_t* row = W + n * K;
+      for (int64_t k = 0; k < K; ++k) w[k] = half_to_float(row[k]);
+      dot_rows(x, w.data(), bias, M, N, K, n, y);
+    }
   }
 }
 

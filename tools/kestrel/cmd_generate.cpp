@@ -131,7 +131,10 @@ GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemp
 void print_verbose(const LoadedModel& m, const GenerateOptions& opt, const std::vector<int>& ids) {
   std::string s = fmt::format("device: {}, context {}", m.session->device_name(),
                               m.session->context_length());
-  if (m.device == "cpu") s += fmt::format(", {} OpenBLAS threads", openblas_threads());
+  if (m.device == "cpu") {
+    const int t = cpu_threads();
+    s += fmt::format(", {} thread{}", t, t == 1 ? "" : "s");
+  }
   s += fmt::format("\nprompt: {} tokens:", ids.size());
   for (int id : ids) s += fmt::format(" {}", id);
   s += fmt::format("\nsampling: {}\nnew tokens: {}", describe_sampling(opt.sampling),

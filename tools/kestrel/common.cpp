@@ -20,6 +20,7 @@
 #include "engine/base/device.h"
 #include "engine/base/error.h"
 #include "engine/base/files.h"
+#include "kernels/matmul/matmul.h"
 #include "models/io/generation_config.h"
 
 namespace kestrel::cli {
@@ -214,7 +215,7 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
       ->check(whole(0))
       ->capture_default_str();
   cmd->add_option("-t,--threads", o.threads,
-                  "CPU engine: OpenBLAS threads (0 = OpenBLAS's default, one per core)")
+                  "CPU engine: threads (0 = one per core, or OMP_NUM_THREADS)")
       ->check(whole(0, 4096))
       ->capture_default_str();
 }
@@ -269,13 +270,16 @@ int checked_context(const LoadedModel& m, const ModelOptions& o, bool quiet) {
   return ctx_fit;
 }
 
+// -t: the CPU engine's threads, for its one-to-few-row linears (OpenMP) and its batched ones
+// (OpenBLAS) alike.
 void set_threads(int threads) {
   if (threads > 0) openblas_set_num_threads(threads);
+  set_linear_threads(threads);
 }
 
 }  // namespace
 
-int openblas_threads() { return openblas_get_num_threads(); }
+int cpu_threads() { return linear_threads(); }
 
 LoadedModel open_model(const ModelOptions& o, bool quiet) {
   if (!fs::exists(o.dir)) throw Error(o.dir + ": no such model directory");

@@ -163,7 +163,7 @@ bool interrupted();
 bool take_interrupt();
 
 // The threads OpenBLAS runs the CPU engine's products on (-t).
-int openblas_threads();
+int cpu_threads();
 
 // Prints a one-line note to stderr unless quiet.
 void note(bool quiet, const std::string& msg);
