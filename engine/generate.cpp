@@ -113,26 +113,32 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
     tokens.insert(tokens.end(), draft.ids.begin(), draft.ids.begin() + k);
     ++r.n_steps;
     const int at = pos - 1;
-    // r counts the drafts compared with the target's rows: those after an end, a stop or a
-    // cancel are neither accepted nor rejected.
+    // Every draft counts as drafted, and as rejected unless accepted (those after a rejected
+    // one too, as llama.cpp, vLLM and OpenAI's rejected_prediction_tokens count them), except
+    // the drafts past the row where generation ended (an end id, a stop, a cancel): those were
+    // never judged.
     const int accepted_before = r.n_accepted;
+    r.n_drafted += k;
     bool go_on = true;
     // Polled before each id after the step's first, as plain decoding polls before each id.
     auto cancel = [&](int j) {
       if (j == 0 || !opt.cancelled || !opt.cancelled()) return false;
       r.finish_reason = "cancelled";
+      r.n_drafted -= k - j;  // drafts j.. were not judged
       return true;
     };
+    // take() ended generation at row j, which judged draft j: the drafts after it were not.
+    auto ended_at = [&](int j) { r.n_drafted -= std::max(0, k - 1 - j); };
     if (argmax_rows) {
       best.resize(k + 1);
       model.forward_argmax_rows(tokens.data(), k + 1, at, best.data());
       for (int j = 0; j <= k && go_on; ++j) {
         if (cancel(j)) return;
         const bool hit = j < k && best[j] == tokens[j + 1];
-        r.n_drafted += j < k;
         r.n_accepted += hit;
         r.n_device += 1;
         go_on = take(best[j]);
+        if (!go_on) ended_at(j);
         if (!hit) break;
       }
     } else {
@@ -162,9 +168,9 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
         if (opt.logprobs > 0) r.logprobs.push_back(logprobs_of(raw, vocab, id, opt.logprobs));
         r.sample_ms += ms_since(ts);
         ++r.n_sampled;
-        r.n_drafted += j < k;
         r.n_accepted += hit;
         go_on = take(id);
+        if (!go_on) ended_at(j);
         if (!hit) break;
       }
     }

@@ -152,15 +152,18 @@ void matmul_ref(const GptqView& v, const float* x, int64_t M, float* y) {
   check_view(v, "gptq matmul_ref");
   // One output column at a time: its codes are unpacked and dequantized once into w [K],
   // then reused by all M rows of x, so the packed stream is read once per call.
-  // Threads take runs of columns (set_linear_threads), each with its own column buffer.
-#pragma omp parallel if (M * v.N * v.K >= kLinearParallelWork)
-  {
-    std::vector<float> w(v.K), scale, zero;
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < v.N; ++n) {
-      dequantize_column(v, n, scale, zero, w.data());
-      for (int64_t m = 0; m < M; ++m) y[m * v.N + n] = dot_ref(x + m * v.K, w.data(), v.K);
-    }
+  // Threads take runs of columns (linear_team), each with its own column, scales and zeros,
+  // allocated here: nothing inside the team may throw.
+  const int team = linear_team(M * v.N * v.K);
+  std::vector<float> cols((size_t)team * v.K);
+  std::vector<std::vector<float>> scales(team, std::vector<float>(v.groups())),
+      zeros(team, std::vector<float>(v.groups()));
+#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
+  for (int64_t n = 0; n < v.N; ++n) {
+    const int t = linear_thread_index();
+    float* w = cols.data() + (size_t)t * v.K;
+    dequantize_column(v, n, scales[t], zeros[t], w);
+    for (int64_t m = 0; m < M; ++m) y[m * v.N + n] = dot_ref(x + m * v.K, w, v.K);
   }
 }
 

@@ -23,13 +23,21 @@ inline float dot_ref(const float* a, const float* b, int64_t K) {
   return s[0];
 }
 
-// The CPU linears (these and gptq::matmul_ref) give each thread a share of the output columns,
-// each computed as on one thread, so the result does not depend on the thread count. `threads`
-// > 0 sets how many (kestrel's -t); 0 leaves OpenMP's default (OMP_NUM_THREADS, or every core).
+// The CPU linears (these and gptq::matmul_ref) give each thread of a team a share of the output
+// columns, each computed as on one thread, so the result does not depend on the thread count.
+// set_linear_threads sets the team (kestrel's -t; 0: OMP_NUM_THREADS or one per core; at most
+// one per core) for calls from the thread that calls it. Calls from other threads, and all calls
+// before it, run on one thread: OpenMP (libgomp) keeps a pool for each thread that starts a
+// team, so a server's many request threads would each keep one alive, and the count would be
+// theirs, not -t's.
 void set_linear_threads(int threads);
-int linear_threads();
+int linear_threads();  // the team set (1 where OpenMP is not built in)
 // Below this many multiply-adds a call stays on one thread: a team's start costs microseconds.
 constexpr int64_t kLinearParallelWork = int64_t(1) << 16;
+// The team for a call of `work` multiply-adds from this thread.
+int linear_team(int64_t work);
+// This thread's index in the current team (0 outside one).
+int linear_thread_index();
 
 // x [M, K] fp32, W [N, K] fp32 row-major, bias [N] or nullptr, y [M, N].
 void matmul_ref(const float* x, const float* W, const float* bias, int64_t M, int64_t N,

@@ -289,9 +289,12 @@ test('errors: OpenAI error objects, and the server keeps serving', async () => {
   const get = await curl(main.url + '/v1/completions');
   expectError(get, 405, { code: 'method_not_allowed' });
   assert.match(get.head, /\r\nAllow: POST\r\n/i);
+  assert.match((await curl(main.url + '/v1/models', { method: 'POST', body: '{}' })).head, /\r\nAllow: GET, HEAD\r\n/i);
   expectError(await curl(main.url + '/health', { method: 'POST', body: '{}', key: null }), 405);
-  // A POST without a body or its length: the library's 400, with a code.
-  expectError(await curl(url, { method: 'POST' }), 400, { code: 'bad_request' });
+  // A POST without its length: 411 at once, not after the server's read timeout.
+  const t0 = Date.now();
+  expectError(await curl(url, { method: 'POST' }), 411, { code: 'length_required' });
+  assert.ok(Date.now() - t0 < 5000, `411 after ${Date.now() - t0} ms`);
   // Over --max-body: 413, in the same shape.
   expectError(await curl(url, { method: 'POST', body: JSON.stringify({ messages: [{ role: 'user', content: 'x'.repeat(100000) }] }) }), 413);
   // The client raises them as its own errors.

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -11,6 +13,7 @@
 #include "engine/base/dtype.h"
 #include "engine/base/error.h"
 #include "kernels/gptq/gptq_format.h"
+#include "kernels/matmul/matmul.h"
 
 namespace kestrel::gptq {
 namespace {
@@ -298,6 +301,40 @@ TEST_P(GptqShapes, MatmulMatchesDequantizedMatmul) {
     naive_matmul(x, W, M, N, K, want, mag);
     expect_close(y, want, mag, K);
   }
+}
+
+// What a speculative verify pass relies on: a row of a many-row call equals the same row
+// alone, bit for bit, and neither depends on the threads the call runs on (K = 200: not a
+// multiple of dot_ref's 16 sums, so the tail counts too). Dense fp32, fp16 and GPTQ.
+TEST(CpuLinears, RowsAndThreadsDoNotChangeABit) {
+  std::mt19937 rng(7);
+  const int64_t N = 640, K = 200, M = 5;  // N * K * M past kLinearParallelWork
+  const Layer L = make_layer(rng, 4, 64, N, K, 1, false);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> x(M * K), W(N * K), b(N);
+  std::vector<uint16_t> W16(N * K);
+  for (auto& e : x) e = d(rng);
+  for (auto& e : W) e = d(rng);
+  for (auto& e : b) e = d(rng);
+  for (int64_t i = 0; i < N * K; ++i) W16[i] = float_to_half(W[i]);
+  using Linear = std::function<void(const float*, int64_t, float*)>;
+  const std::vector<std::pair<const char*, Linear>> linears = {
+      {"fp32", [&](const float* xs, int64_t m, float* y) { kestrel::matmul_ref(xs, W.data(), b.data(), m, N, K, y); }},
+      {"fp16", [&](const float* xs, int64_t m, float* y) { matmul_f16w_ref(xs, W16.data(), b.data(), m, N, K, y); }},
+      {"gptq", [&](const float* xs, int64_t m, float* y) { matmul_ref(L.view, xs, m, y); }}};
+  for (const auto& [name, linear] : linears) {
+    SCOPED_TRACE(name);
+    set_linear_threads(1);
+    std::vector<float> one(M * N);
+    for (int64_t m = 0; m < M; ++m) linear(x.data() + m * K, 1, one.data() + m * N);
+    for (int threads : {1, 2, 3}) {
+      set_linear_threads(threads);
+      std::vector<float> all(M * N, NAN);
+      linear(x.data(), M, all.data());
+      EXPECT_EQ(std::memcmp(all.data(), one.data(), all.size() * sizeof(float)), 0) << threads;
+    }
+  }
+  set_linear_threads(1);
 }
 
 // K = 96 with group 64 gives G = 2 (a partial last group); 96 with 128 gives G = 1.

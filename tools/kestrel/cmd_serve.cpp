@@ -123,9 +123,12 @@ bool peer_gone(int fd) {
 }
 
 // The method a path of the API takes ("GET" or "POST"), or "" for a path it does not have: a
-// request with the other method gets 405 naming it, not 404.
+// request with the other method gets 405 naming it, not 404. (The routes of Server::run.)
 std::string allowed_method(const std::string& path) {
-  if (path == "/health" || path == "/v1/models" || path.rfind("/v1/models/", 0) == 0) return "GET";
+  const std::string model = "/v1/models/";
+  if (path == "/health" || path == "/v1/models" ||
+      (path.size() > model.size() && path.rfind(model, 0) == 0))
+    return "GET";
   if (path == "/v1/chat/completions" || path == "/v1/completions" || path == "/tokenize" ||
       path == "/detokenize")
     return "POST";
@@ -236,6 +239,14 @@ class Server {
     svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
       t_log = RequestLog{};
       t_log.start = clock::now();
+      // A POST without its length: the library would read the body until the client closes
+      // or --timeout passes, then answer 400. Refused before any of it is read.
+      if (req.method == "POST" && !req.has_header("Content-Length") &&
+          req.get_header_value("Transfer-Encoding").find("chunked") == std::string::npos) {
+        error(res, ApiError(411, "a POST needs a Content-Length header (or chunked transfer encoding)",
+                            "", "length_required"));
+        return httplib::Server::HandlerResponse::Handled;
+      }
       if (a_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
       if (server::bearer_matches(req.get_header_value("Authorization"), a_.api_key))
         return httplib::Server::HandlerResponse::Unhandled;
@@ -250,14 +261,13 @@ class Server {
       const int s = res.status;
       const std::string allow = s == 404 ? allowed_method(req.path) : std::string();
       if (!allow.empty() && allow != req.method) {
-        res.set_header("Allow", allow);
+        res.set_header("Allow", allow == "GET" ? "GET, HEAD" : allow);  // the library answers HEAD
         error(res, ApiError(405, fmt::format("{} takes {}, not {}", req.path, allow, req.method), "",
                             "method_not_allowed"));
       } else {
         error(res, s == 404   ? ApiError(404, "no such endpoint", "", "not_found")
                    : s == 413 ? ApiError(413, "the request body is too large", "", "request_too_large")
-                   : s == 400 ? ApiError(400, "the HTTP request could not be read (a POST needs a "
-                                              "JSON body with its Content-Length)", "", "bad_request")
+                   : s == 400 ? ApiError(400, "the HTTP request could not be read", "", "bad_request")
                               : ApiError(s, fmt::format("the request could not be read (HTTP {})", s)));
       }
       return httplib::Server::HandlerResponse::Handled;

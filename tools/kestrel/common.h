@@ -46,7 +46,7 @@ struct ModelOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda
   int context = 0;              // 0 = the model's max_position_embeddings
-  int threads = 0;              // CPU engine: OpenBLAS threads (0 = OpenBLAS's default)
+  int threads = 0;              // CPU engine: threads (0 = one per core; set_threads)
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& o);
@@ -162,7 +162,7 @@ bool interrupted();
 // Reads and clears the flag.
 bool take_interrupt();
 
-// The threads OpenBLAS runs the CPU engine's products on (-t).
+// The threads the CPU engine's linears run on (-t).
 int cpu_threads();
 
 // Prints a one-line note to stderr unless quiet.
