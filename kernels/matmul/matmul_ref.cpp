@@ -26,11 +26,9 @@ void dot_rows(const float* x, const float* w, const float* bias, int64_t M, int6
   }
 }
 
-}  // namespace
-
-namespace {
 std::atomic<int> g_team{1};
 std::atomic<std::thread::id> g_owner{};  // the thread whose calls fan out
+
 }  // namespace
 
 void set_linear_threads(int threads) {
