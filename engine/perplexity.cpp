@@ -9,6 +9,12 @@
 
 namespace kestrel {
 
+void check_fills_a_window(int64_t tokens, int window) {
+  if (tokens < window)
+    throw Error(fmt::format("{} token{}, fewer than one window of {} (-c)", tokens,
+                            tokens == 1 ? "" : "s", window));
+}
+
 PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int window,
                             int64_t max_windows, bool progress) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -19,9 +25,7 @@ PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int win
   PerplexityResult r;
   r.tokens = (int64_t)ids.size();
   r.windows_available = r.tokens / window;
-  if (r.windows_available == 0)
-    throw Error(fmt::format("{} token{}, fewer than one window of {} (-c)", r.tokens,
-                            r.tokens == 1 ? "" : "s", window));
+  check_fills_a_window(r.tokens, window);
   r.windows = max_windows > 0 ? std::min(max_windows, r.windows_available) : r.windows_available;
 
   std::vector<int> targets(window);

@@ -23,6 +23,10 @@ struct PerplexityResult {
   double seconds = 0;
 };
 
+// Throws kestrel::Error unless `tokens` fill at least one window of `window` (perplexity's own
+// check, for a caller that would rather refuse before loading the weights).
+void check_fills_a_window(int64_t tokens, int window);
+
 // Scores the first `max_windows` windows of `ids` (0 = all). Throws kestrel::Error when the
 // text does not fill one window or the window does not fit the model's context.
 PerplexityResult perplexity(Session& model, const std::vector<int>& ids, int window,

@@ -229,16 +229,14 @@ TEST_F(ChatCli, TerminalPromptRecallsHistory) {
 }
 
 TEST_F(ChatCli, OldestTurnsGoWhenTheContextFills) {
-  const Result r = chat("the river is long\nthe mountain is high\nthe house is little\n"
-                        "the water is deep\n",
-                        "--template llama2 --system 'be brief' -c 64 -n 12");
+  const std::string turns =
+      "the river is long\nthe mountain is high\nthe house is little\nthe water is deep\n";
+  const Result r = chat(turns, "--template llama2 --system 'be brief' -c 64 -n 12");
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.err.find("dropped"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("system prompt stays"), std::string::npos) << r.err;
   // Without a system prompt the note does not speak of one.
-  const Result bare = chat("the river is long\nthe mountain is high\nthe house is little\n"
-                           "the water is deep\n",
-                           "--template llama2 -c 64 -n 12");
+  const Result bare = chat(turns, "--template llama2 -c 64 -n 12");
   ASSERT_EQ(bare.code, 0) << bare.err;
   EXPECT_NE(bare.err.find("dropped"), std::string::npos) << bare.err;
   EXPECT_EQ(bare.err.find("system prompt"), std::string::npos) << bare.err;

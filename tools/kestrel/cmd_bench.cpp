@@ -363,21 +363,23 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("-s,--seed", a->seed, "seed of the random prompt tokens")->capture_default_str();
   cmd->add_flag("--profile", a->profile,
                 "also time each op of one decode step (at the last position) against its bytes");
-  // The CUDA decode path's tuning (models/tuning.h, docs/tuning.md), for comparing choices.
-  cmd->add_option("--att-heads", a->tuning.attention_heads_per_block,
+  // The CUDA decode path's tuning (models/tuning.h, docs/tuning.md), for comparing choices;
+  // kept in `tuning` to be named in a note when given on the CPU.
+  std::vector<CLI::Option*> tuning;
+  tuning.push_back(cmd->add_option("--att-heads", a->tuning.attention_heads_per_block,
                   "query heads per decode-attention block under GQA (0 = chosen, 1, 2, 4)")
-      ->check(CLI::IsMember({0, 1, 2, 4}));
-  cmd->add_option("--gemv-warps", a->tuning.gemv_block_warps,
+      ->check(CLI::IsMember({0, 1, 2, 4})));
+  tuning.push_back(cmd->add_option("--gemv-warps", a->tuning.gemv_block_warps,
                   "warps per block of the quantized GEMVs (0 = by shape, 8, 16)")
-      ->check(CLI::IsMember({0, 8, 16}));
-  cmd->add_flag("--gemv-generic", a->gemv_generic,
-                "run the generic quantized GEMV kernel instead of the specialized ones");
-  cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
-                "capture one decode graph for the whole context instead of one per range");
-  cmd->add_flag("--no-verify-graphs", a->no_verify_graphs,
+      ->check(CLI::IsMember({0, 8, 16})));
+  tuning.push_back(cmd->add_flag("--gemv-generic", a->gemv_generic,
+                "run the generic quantized GEMV kernel instead of the specialized ones"));
+  tuning.push_back(cmd->add_flag("--no-graph-ranges", a->no_graph_ranges,
+                "capture one decode graph for the whole context instead of one per range"));
+  tuning.push_back(cmd->add_flag("--no-verify-graphs", a->no_verify_graphs,
                 "launch each speculative verify pass's kernels from the host instead of replaying "
-                "a CUDA graph");
-  cmd->add_option("--small-gemm", a->tuning.small_gemm_max_rows,
+                "a CUDA graph"));
+  tuning.push_back(cmd->add_option("--small-gemm", a->tuning.small_gemm_max_rows,
                   "prompt chunks and verify passes of 3 .. N tokens run their quantized linears "
                   "through the fused small-M GEMM (0 = off, up to 64)")
       ->check(CLI::Validator(
@@ -389,7 +391,7 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                        : "must be 0 (off) or 3 to 64, got " + in;
           },
           "0|3..64"))
-      ->capture_default_str();
+      ->capture_default_str());
   cmd->add_option("--verify", a->verify_rows,
                   "also time speculative verify passes of N tokens (2..65) after the prompt, "
                   "against a decode step")
@@ -399,7 +401,7 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                                "with --spec: the prompt, from a file (instead of random tokens)");
   auto* text = cmd->add_option("--prompt", a->prompt_text, "with --spec: the prompt text")
                    ->excludes(file);
-  cmd->callback([a, file, text, cmd, &action] {
+  cmd->callback([a, file, text, cmd, tuning, &action] {
     check_spec_options(a->spec);
     // The modes that exclude --spec first: their conflict is the mistake, not a missing prompt.
     if (a->profile && !a->spec.kind.empty())
@@ -418,9 +420,8 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
     if (has_text && cmd->get_option("--n-prompt")->count())
       throw CLI::ValidationError("-p sets the length of a random prompt; with -f or --prompt the "
                                  "prompt is the text");
-    for (const char* name : {"--att-heads", "--gemv-warps", "--gemv-generic", "--no-graph-ranges",
-                             "--no-verify-graphs", "--small-gemm"})
-      if (cmd->get_option(name)->count()) a->tuning_given.push_back(name);
+    for (const CLI::Option* o : tuning)
+      if (o->count()) a->tuning_given.push_back(o->get_name());
     action = [a] { return run_bench(*a); };
   });
 }

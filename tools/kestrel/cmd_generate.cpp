@@ -15,6 +15,7 @@
 #include "engine/generate.h"
 #include "engine/base/progress.h"
 #include "engine/base/staged_output.h"
+#include "kernels/matmul/matmul.h"
 #include "tokenizer/chat_template.h"
 
 namespace kestrel::cli {
@@ -132,7 +133,7 @@ void print_verbose(const LoadedModel& m, const GenerateOptions& opt, const std::
   std::string s = fmt::format("device: {}, context {}", m.session->device_name(),
                               m.session->context_length());
   if (m.device == "cpu") {
-    const int t = cpu_threads();
+    const int t = linear_threads();  // -t
     s += fmt::format(", {} thread{}", t, t == 1 ? "" : "s");
   }
   s += fmt::format("\nprompt: {} tokens:", ids.size());

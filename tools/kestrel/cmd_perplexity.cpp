@@ -39,18 +39,23 @@ int run_perplexity(const PerplexityArgs& a) {
   // Tokenized before the weights load, so that a text too short says so at once.
   std::vector<int> tokens = m.tok->encode(text, /*with_specials=*/false);
   if (m.tok->add_bos()) tokens.insert(tokens.begin(), m.tok->bos_id());
-  if ((int64_t)tokens.size() < window)
-    throw Error(fmt::format("{}: {} token{}, fewer than one window of {} (-c)", a.file,
-                            tokens.size(), tokens.size() == 1 ? "" : "s", window));
+  // The engine's errors about the text name the file.
+  auto about_file = [&](auto&& f) {
+    try {
+      return f();
+    } catch (const Error& e) {
+      throw Error(a.file + ": " + e.what());
+    }
+  };
+  about_file([&] {
+    check_fills_a_window((int64_t)tokens.size(), window);
+    return 0;
+  });
   load_weights(m, mo, a.json);
   Session& b = *m.session;
 
-  PerplexityResult r;
-  try {
-    r = perplexity(b, tokens, window, a.chunks, !a.json);
-  } catch (const Error& e) {
-    throw Error(a.file + ": " + e.what());
-  }
+  const PerplexityResult r =
+      about_file([&] { return perplexity(b, tokens, window, a.chunks, !a.json); });
   const double tokens_per_s = r.seconds > 0 ? (double)(r.windows * window) / r.seconds : 0.0;
 
   if (a.json) {

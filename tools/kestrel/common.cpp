@@ -279,8 +279,6 @@ void set_threads(int threads) {
 
 }  // namespace
 
-int cpu_threads() { return linear_threads(); }
-
 LoadedModel open_model(const ModelOptions& o, bool quiet) {
   if (!fs::exists(o.dir)) throw Error(o.dir + ": no such model directory");
   if (!fs::is_directory(o.dir)) throw Error(o.dir + ": not a directory (-m takes a model directory)");

@@ -162,8 +162,6 @@ bool interrupted();
 // Reads and clears the flag.
 bool take_interrupt();
 
-// The threads the CPU engine's linears run on (-t).
-int cpu_threads();
 
 // Prints a one-line note to stderr unless quiet.
 void note(bool quiet, const std::string& msg);
