@@ -6,7 +6,7 @@
 #include <string>
 #include <utility>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/generate.h"
 #include "engine/perplexity.h"
 #include "models/io/model_spec.h"

@@ -5,7 +5,7 @@
 #include <memory>
 #include <random>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/speculative.h"
 
 namespace kestrel {

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
-#include "engine/base/progress.h"
+#include "base/error.h"
+#include "base/progress.h"
 
 namespace kestrel {
 

@@ -1,9 +1,9 @@
 #include "models/registry.h"
 
-#include "engine/base/device.h"
-#include "engine/base/error.h"
-#include "models/llama.h"
-#include "models/llama_cuda.h"
+#include "base/device.h"
+#include "base/error.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 
 namespace kestrel {
 
@@ -22,8 +22,8 @@ const char* device_key(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 
 std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o) {
   // Every architecture load_model_spec accepts is the Llama family's layer.
-  if (o.device == Device::Cuda) return std::make_unique<LlamaCuda>(spec, o.quiet, o.tuning);
-  return std::make_unique<LlamaCpu>(spec);
+  if (o.device == Device::Cuda) return std::make_unique<DecoderCuda>(spec, o.quiet, o.tuning);
+  return std::make_unique<DecoderCpu>(spec);
 }
 
 }  // namespace kestrel

@@ -9,9 +9,9 @@
 # Logs: BUILD_DIR/gpu-sanitize/<tool>-<run>.log; one summary line per run on stdout.
 #
 # The runs, each a test binary with a gtest filter (or the CLI):
-#   sessions   test_llama_cuda: GPU sessions taking turns, decode runs, the decode graphs over
+#   sessions   test_decoder_cuda: GPU sessions taking turns, decode runs, the decode graphs over
 #              ranges of positions, GPU-vs-CPU logits for every format
-#   memory     test_llama_cuda: GpuMemory, the test that fills the GPU on purpose and loads
+#   memory     test_decoder_cuda: GpuMemory, the test that fills the GPU on purpose and loads
 #              with what is left (the constructors that throw after allocating): memcheck only
 #   ops        test_ops_cuda: norms, RoPE, decode attention, argmax and top-k sampling, the
 #              captured RoPE + attention graphs
@@ -62,7 +62,7 @@ for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer
 done
 [ -n "$cs" ] || { echo "gpu-sanitize: compute-sanitizer not found" >&2; exit 1; }
 "$build/kestrel" devices > /dev/null 2>&1 || { echo "gpu-sanitize: no usable GPU: $("$build/kestrel" devices 2>&1)" >&2; exit 1; }
-for b in tests/test_llama_cuda tests/test_ops_cuda tests/test_gemv_cuda tests/test_prefill_cuda \
+for b in tests/test_decoder_cuda tests/test_ops_cuda tests/test_gemv_cuda tests/test_prefill_cuda \
          tests/test_families tests/test_gemm_small tests/test_speculative tests/test_quantize_cuda \
          tests/test_quantize kestrel kestrel-synth; do
   [ -x "$build/$b" ] || { echo "gpu-sanitize: $build/$b is not built (scripts/build.sh)" >&2; exit 1; }
@@ -172,8 +172,8 @@ one_run() {  # one_run TOOL RUN
     return $((r1 != 0 ? r1 : r2))
   }
   case "$run" in
-    sessions) tests_run test_llama_cuda "$sessions" ;;
-    memory)   tests_run test_llama_cuda "$f_memory" ;;
+    sessions) tests_run test_decoder_cuda "$sessions" ;;
+    memory)   tests_run test_decoder_cuda "$f_memory" ;;
     ops)      tests_run test_ops_cuda "$f_ops" ;;
     gemv)     tests_run test_gemv_cuda "$gemv" ;;
     gemm_small) tests_run test_gemm_small "$gemm_small" ;;

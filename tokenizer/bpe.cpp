@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/special_tokens.h"
 #include "tokenizer/tokenizer_file.h"
 #include "tokenizer/tokenizer_json.h"

@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/error.h"
+#include "base/files.h"
 #include "tokenizer/special_tokens.h"
 
 namespace kestrel {

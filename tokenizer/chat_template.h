@@ -33,7 +33,7 @@
 #include <string_view>
 #include <vector>
 
-#include "tokenizer/jinja.h"
+#include "tokenizer/jinja/jinja.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel {

@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/tokenizer_json.h"
 
 namespace kestrel {

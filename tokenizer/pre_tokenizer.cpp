@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/normalizer.h"
 #include "tokenizer/tokenizer_json.h"
 

@@ -5,7 +5,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/utf8.h"
 
 namespace kestrel {

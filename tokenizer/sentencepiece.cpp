@@ -8,8 +8,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/error.h"
+#include "base/files.h"
 #include "tokenizer/special_tokens.h"
 #include "tokenizer/utf8.h"
 

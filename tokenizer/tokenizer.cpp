@@ -5,8 +5,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/error.h"
+#include "base/files.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/sentencepiece.h"
 #include "tokenizer/special_tokens.h"

@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/error.h"
+#include "base/files.h"
 
 namespace kestrel {
 

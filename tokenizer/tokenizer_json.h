@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::tokenizer_json {
 

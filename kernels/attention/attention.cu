@@ -49,7 +49,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/half8.cuh"

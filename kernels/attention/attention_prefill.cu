@@ -28,7 +28,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"

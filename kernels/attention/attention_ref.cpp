@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/activation/activation.h"
 
 namespace kestrel {

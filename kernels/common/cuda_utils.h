@@ -12,7 +12,7 @@
 #include <string>
 #include <utility>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::cuda {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 
 namespace kestrel::cuda {

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 
 namespace kestrel {
 

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel {
 

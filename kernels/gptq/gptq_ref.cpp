@@ -4,8 +4,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/matmul/matmul.h"
 
 namespace kestrel::gptq {

@@ -11,7 +11,7 @@
 #include <omp.h>
 #endif
 
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 
 namespace kestrel {
 

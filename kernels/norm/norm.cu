@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/half8.cuh"
 

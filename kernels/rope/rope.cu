@@ -10,7 +10,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/rope/rope_kv.cuh"

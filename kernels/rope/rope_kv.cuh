@@ -13,7 +13,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/rope/rope.h"
 
 namespace kestrel::cuda::rope_detail {

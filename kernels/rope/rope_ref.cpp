@@ -10,7 +10,7 @@
 
 #include <cmath>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel {
 

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/rope/rope_kv.cuh"
 

@@ -25,7 +25,7 @@
 #include <cstring>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/sampling/hand_out.cuh"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 
 namespace kestrel {
 

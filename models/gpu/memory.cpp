@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel {
 

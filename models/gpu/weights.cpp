@@ -4,8 +4,8 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
-#include "engine/base/progress.h"
+#include "base/error.h"
+#include "base/progress.h"
 #include "kernels/common/cuda_utils.h"
 #include "models/host_gptq.h"
 

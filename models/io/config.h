@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 #include "kernels/rope/rope.h"
 
 namespace kestrel {

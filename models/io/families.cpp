@@ -2,7 +2,7 @@
 // ModelConfig, with the variants it does not run refused in one line) and its tensor names.
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "models/io/family.h"
 #include "models/io/json_fields.h"
 

@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel {
 

@@ -6,8 +6,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/error.h"
+#include "base/files.h"
 #include "models/io/json_fields.h"
 
 namespace kestrel {

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <limits>
 
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/error.h"
+#include "base/files.h"
 
 namespace kestrel::json_fields {
 

@@ -12,7 +12,7 @@ using json = nlohmann::json;
 
 // Parses JSON text; `where` names it in the one-line error.
 json parse_json(const std::string& text, const std::string& where);
-// Reads a JSON file that must hold an object (a regular file: engine/base/files.h).
+// Reads a JSON file that must hold an object (a regular file: base/files.h).
 json read_json_object(const std::filesystem::path& path);
 // A field that is absent or null counts as absent: transformers writes null for unset options.
 const json* field(const json& j, const char* key);

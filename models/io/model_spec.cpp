@@ -5,7 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/io/family.h"
 #include "models/io/finite.h"

@@ -13,7 +13,7 @@
 #include <string>
 
 #include "tests/support/gpu.h"
-#include "engine/base/device.h"
+#include "base/device.h"
 
 #include "tests/support/test_util.h"
 

@@ -6,7 +6,7 @@
 #include <string_view>
 
 #include "tests/fuzz/fuzz_util.h"
-#include "tokenizer/jinja.h"
+#include "tokenizer/jinja/jinja.h"
 
 using namespace kestrel;
 

@@ -14,7 +14,7 @@
 #include <fstream>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::fuzz {
 

@@ -39,8 +39,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemv/gemv.h"

@@ -10,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/gptq/gptq_format.h"
 #include "kernels/matmul/matmul.h"
 

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/gemm/gemm.h"
 #include "tests/support/fake_weight.h"
 

@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "tests/support/gpu.h"
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 #include "kernels/activation/activation.h"
 #include "kernels/activation/activation_cuda.h"
 #include "kernels/attention/attention.h"

@@ -6,8 +6,8 @@
 #include <random>
 #include <vector>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/activation/activation.h"
 #include "kernels/attention/attention.h"
 #include "kernels/embedding/embedding.h"

@@ -13,7 +13,7 @@
 
 #include "models/io/model_spec.h"
 #include "models/io/safetensors.h"
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 #include "tests/support/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -215,7 +215,7 @@ TEST_P(EngineVsPlain, GreedyContinuationMatches) {
   const fs::path dir = kestrel::test::write_tiny_model(c, /*seed=*/7, /*n_layers=*/2);  // 2: quick plain loops
 
   const ModelSpec spec = load_model_spec(dir.string());
-  LlamaCpu engine_model(spec);
+  DecoderCpu engine_model(spec);
   auto engine = engine_model.new_cpu_session(64);
   Plain plain(dir.string());
   const int vocab = spec.config.vocab;

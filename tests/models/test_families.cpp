@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "models/io/model_spec.h"
-#include "models/llama.h"
-#include "models/llama_cuda.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 #include "tests/support/gpu.h"
 
 using namespace kestrel;
@@ -62,7 +62,7 @@ TEST_P(Families, CpuEqualsTransformers) {
   if (family == "llama3") family = "llama";
   EXPECT_EQ(spec.config.family, family);
   EXPECT_EQ(spec.config.quant.has_value(), GetParam().ends_with("-gptq"));
-  LlamaCpu model(spec);
+  DecoderCpu model(spec);
   const int n = (int)g.prompt.size(), vocab = spec.config.vocab;
 
   // The whole prompt at once (the batched forward), every position's logits.
@@ -102,14 +102,14 @@ TEST_P(Families, GpuEqualsTransformersOrRefuses) {
   const std::string why = cuda_unsupported(spec.config);
   if (!why.empty()) {
     try {
-      LlamaCuda m(spec, true);
+      DecoderCuda m(spec, true);
       FAIL() << "the CUDA engine accepted " << GetParam();
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
     }
     return;
   }
-  LlamaCuda m(spec, true);
+  DecoderCuda m(spec, true);
   const int n = (int)g.prompt.size(), vocab = spec.config.vocab;
   auto near = [&](const float* got, const std::vector<float>& want, const std::string& what) {
     float scale = 1, worst = 0;

@@ -7,7 +7,7 @@
 #include <filesystem>
 #include <memory>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/generate.h"
 #include "tests/support/tiny_tokenizer_suite.h"
 

@@ -5,7 +5,7 @@
 // log-softmax are this file's own.
 //
 // Tolerances: on the CPU both sides sum the same double NLLs in the same order, so they agree to
-// 1e-9 relative. The GPU keeps activations in FP16 (test_llama_cuda: a few 1e-3 relative on
+// 1e-9 relative. The GPU keeps activations in FP16 (test_decoder_cuda: a few 1e-3 relative on
 // the logits); per-token NLL errors of that size average out over thousands of predictions, and
 // 1e-2 relative on the perplexity still fails for a wrong window, offset or target.
 #include <gtest/gtest.h>
@@ -22,9 +22,9 @@
 #include <vector>
 
 #include "tests/support/gpu.h"
-#include "engine/base/device.h"
+#include "base/device.h"
 #include "models/io/model_spec.h"
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/synth/synth.h"
 
@@ -81,7 +81,7 @@ class Perplexity : public ::testing::Test {
     ids.insert(ids.begin(), tok.bos_id());
     int windows = (int)(ids.size() / window);
     if (max_windows > 0) windows = std::min(windows, max_windows);
-    LlamaCpu cpu_model(spec);
+    DecoderCpu cpu_model(spec);
     auto cpu = cpu_model.new_cpu_session(window);
     const int vocab = spec.config.vocab;
     std::vector<float> all((size_t)window * vocab), last(vocab);

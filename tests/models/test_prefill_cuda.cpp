@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "tests/support/gpu.h"
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
+#include "base/device.h"
+#include "base/dtype.h"
 #include "models/io/model_spec.h"
 #include "kernels/attention/attention.h"
 #include "kernels/attention/attention_prefill_cuda.h"
@@ -44,8 +44,8 @@
 #include "kernels/rope/rope.h"
 #include "kernels/rope/rope_cuda.h"
 #include "kernels/rope/rope_rows_cuda.h"
-#include "models/llama.h"
-#include "models/llama_cuda.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 #include "tests/support/compare.h"
 #include "tests/support/device_data.h"
 #include "tests/support/synth_model.h"
@@ -461,7 +461,7 @@ TEST(Nll, MatchesHostLogSoftmax) {
 // Chunked prefill then decode against the decode graph run token by token over the same tokens.
 // Both keep activations and the KV cache in FP16 with FP32 accumulation but round at different
 // places (GEMM vs GEMV partial sums, FP32 vs FP16 logits), so logits agree to the few 1e-3
-// relative that test_llama_cuda allows against the CPU engine; 2e-2 leaves the same margin and a
+// relative that test_decoder_cuda allows against the CPU engine; 2e-2 leaves the same margin and a
 // wrong cache row, mask or chunk offset gives errors of order 1. Greedy tokens must match exactly.
 
 using ModelCase = kestrel::test::ModelFormat;
@@ -485,11 +485,11 @@ TEST_P(Prefill, ChunkedPrefillThenDecodeEqualsTokenByToken) {
 
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab, ctx = 256, n_prompt = 150, steps = 24;
-  LlamaCuda chunked_model(spec, true, without_small_gemm()), stepwise_model(spec, true);
+  DecoderCuda chunked_model(spec, true, without_small_gemm()), stepwise_model(spec, true);
   auto chunked = chunked_model.new_cuda_session(ctx);
   auto stepwise = stepwise_model.new_cuda_session(ctx);
   chunked_model.set_prefill_chunk(64);  // chunks of 64, 64, 22: crosses two boundaries
-  LlamaCpu cpu_model(spec);
+  DecoderCpu cpu_model(spec);
   auto cpu = cpu_model.new_cpu_session(ctx);
 
   std::mt19937 rng(17);
@@ -584,10 +584,10 @@ TEST_P(Prefill, SmallGemmPassesMatchTheCpu) {
   const int vocab = spec.config.vocab, ctx = 256, n_prompt = 150;
   DecodeTuning tuning;
   tuning.small_gemm_max_rows = 64;
-  LlamaCuda gpu_model(spec, true, tuning);
+  DecoderCuda gpu_model(spec, true, tuning);
   gpu_model.set_prefill_chunk(64);
   auto gpu = gpu_model.new_cuda_session(ctx);
-  LlamaCpu cpu_model(spec);
+  DecoderCpu cpu_model(spec);
   auto cpu = cpu_model.new_cpu_session(ctx);
 
   std::mt19937 rng(29);
@@ -611,7 +611,7 @@ TEST_P(Prefill, SmallGemmPassesMatchTheCpu) {
   // another order, so a quantized model's logits differ from it in some bits; with only fp16
   // linears nothing changes.
   {
-    LlamaCuda unfused_model(spec, true, without_small_gemm());
+    DecoderCuda unfused_model(spec, true, without_small_gemm());
     unfused_model.set_prefill_chunk(64);
     auto d = unfused_model.new_cuda_session(ctx);
     std::vector<float> d_all((size_t)n_prompt * vocab), d_last(vocab);

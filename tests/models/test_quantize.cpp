@@ -30,14 +30,14 @@
 
 #include "tests/support/child.h"
 #include "tests/support/gpu.h"
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "models/io/model_spec.h"
 #include "engine/perplexity.h"
 #include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 #include "tests/support/compare.h"
 #include "tests/support/quant_inputs.h"
 #include "tests/support/test_util.h"
@@ -443,7 +443,7 @@ TEST(Pack, ZeroPointZeroNeedsGptqV2) {
 void expect_batched_equals_per_token(const fs::path& dir) {
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab;
-  LlamaCpu batched_model(spec);
+  DecoderCpu batched_model(spec);
   auto batched = batched_model.new_cpu_session(256);
   auto single = batched_model.new_cpu_session(256);
   std::mt19937 rng(3);
@@ -505,7 +505,7 @@ TEST(BatchedForward, TapsSeeEachGroupsInput) {
   const fs::path dir = synth_model("taps");
   const ModelSpec spec = load_model_spec(dir.string());
   const ModelConfig& c = spec.config;
-  LlamaCpu engine_model(spec);
+  DecoderCpu engine_model(spec);
   auto engine = engine_model.new_cpu_session(32);
   const int T = 16;
   std::vector<int> tokens(T);
@@ -555,7 +555,7 @@ TEST(BatchedForward, TapsSeeEachGroupsInput) {
 // random model's perplexity moves either way under noise).
 std::vector<int> sample_windows(const fs::path& dir, int windows, uint32_t seed) {
   const ModelSpec spec = load_model_spec(dir.string());
-  LlamaCpu m_model(spec);
+  DecoderCpu m_model(spec);
   auto m = m_model.new_cpu_session(128);
   const int vocab = spec.config.vocab;
   std::mt19937 rng(seed);
@@ -606,7 +606,7 @@ class EndToEnd : public ::testing::Test {
   // (Public: CudaFamilies scores its own models with it.)
  public:
   static double ppl(const fs::path& dir, const std::vector<int>& ids) {
-    LlamaCpu m_model(load_model_spec(dir.string()));
+    DecoderCpu m_model(load_model_spec(dir.string()));
     auto m = m_model.new_cpu_session(128);
     return kestrel::perplexity(*m, ids, 128, 0, false).ppl;
   }

@@ -1,5 +1,5 @@
 // The GPU quantizer against its CPU oracle (tools/quantize/gptq.h), kernel by kernel and as a
-// whole, and the GPU layer forward the calibration runs on against LlamaCpu::layer_forward.
+// whole, and the GPU layer forward the calibration runs on against DecoderCpu::layer_forward.
 //
 // - Hessian: GpuHessian (cuBLAS, fp16 inputs, fp32 accumulation) equals quant::Hessian on the
 //   same fp16-representable inputs to fp32 rounding.
@@ -24,13 +24,13 @@
 #include <vector>
 
 #include "tests/support/gpu.h"
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "models/io/model_spec.h"
 #include "kernels/common/cuda_utils.h"
-#include "models/llama.h"
-#include "models/llama_cuda_layer.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/layer.h"
 #include "tests/support/compare.h"
 #include "tests/support/quant_inputs.h"
 #include "tests/support/synth_model.h"
@@ -362,7 +362,7 @@ TEST(LayerForwardRows, TapsAndOutputMatchTheCpuLayer) {
   const ModelSpec spec = load_model_spec(dir.string());
   const ModelConfig& c = spec.config;
   const int T = 100;  // not a multiple of the attention or GEMM tiles
-  LlamaCpu cpu_model(spec);
+  DecoderCpu cpu_model(spec);
   auto cpu = cpu_model.new_cpu_session(T);
   std::vector<int> tokens(T);
   for (int i = 0; i < T; ++i) tokens[i] = (i * 37 + 5) % c.vocab;

@@ -19,8 +19,8 @@
 #include "engine/generate.h"
 #include "engine/speculative.h"
 #include "models/io/model_spec.h"
-#include "models/llama.h"
-#include "models/llama_cuda.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 #include "tests/support/gpu.h"
 #include "tests/support/synth_model.h"
 #include "tokenizer/tokenizer.h"
@@ -35,9 +35,9 @@ namespace {
 struct Loaded {
   explicit Loaded(const fs::path& dir)
       : spec(load_model_spec(dir.string())), model(spec), tok(Tokenizer::load(dir.string())) {}
-  std::unique_ptr<LlamaCpuSession> session(int ctx = 256) { return model.new_cpu_session(ctx); }
+  std::unique_ptr<DecoderCpuSession> session(int ctx = 256) { return model.new_cpu_session(ctx); }
   ModelSpec spec;
-  LlamaCpu model;
+  DecoderCpu model;
   std::unique_ptr<Tokenizer> tok;
 };
 
@@ -193,7 +193,7 @@ TEST(SpecCuda, GpuArgmaxRowsAreTheArgmaxOfTheRowsLogits) {
     for (const int small_gemm : {0, 64}) {
       DecodeTuning tuning;
       tuning.small_gemm_max_rows = small_gemm;
-      LlamaCuda model(spec, true, tuning);
+      DecoderCuda model(spec, true, tuning);
       auto s = model.new_cuda_session(256);
       const int vocab = spec.config.vocab;
       std::vector<int> tokens(40);
@@ -231,7 +231,7 @@ TEST(SpecCuda, GpuDocsLlamaGreedyLookupIsPlainDecoding) {
   for (const int small_gemm : {0, 64}) {
     DecodeTuning tuning;
     tuning.small_gemm_max_rows = small_gemm;
-    LlamaCuda model(spec, true, tuning);
+    DecoderCuda model(spec, true, tuning);
     GenerateOptions o = greedy(96);
     o.ignore_eos = false;
     const GenerateResult plain = generate(*model.new_cuda_session(1024), *tok, prompt, o);
@@ -274,7 +274,7 @@ const std::vector<int> kVerifyRows = {2, 3, 5, 9, 17, 33, 65};
 // pass from the host, kept in step: each call runs on both and checks that they agree.
 class VerifyPair {
  public:
-  VerifyPair(LlamaCudaSession& graphs, LlamaCudaSession& plain, int vocab, uint32_t seed)
+  VerifyPair(DecoderCudaSession& graphs, DecoderCudaSession& plain, int vocab, uint32_t seed)
       : g_(graphs), p_(plain), vocab_(vocab), rng_(seed) {}
 
   // Random tokens for positions [filled, end) through forward() on both: every cache row a
@@ -320,8 +320,8 @@ class VerifyPair {
     for (int& x : t) x = d(rng_);
     return t;
   }
-  LlamaCudaSession& g_;
-  LlamaCudaSession& p_;
+  DecoderCudaSession& g_;
+  DecoderCudaSession& p_;
   int vocab_;
   std::mt19937 rng_;
   int filled_ = 0, passes_ = 0;
@@ -361,8 +361,8 @@ TEST(SpecCuda, GpuVerifyGraphsEqualUncapturedPasses) {
     ASSERT_GE(spec.config.max_pos, ctx) << v.f.name;
     for (const int small_gemm : {0, 64}) {
       SCOPED_TRACE(v.f.name + " small_gemm " + std::to_string(small_gemm));
-      LlamaCuda graph_model(spec, true, verify_tuning(true, small_gemm));
-      LlamaCuda plain_model(spec, true, verify_tuning(false, small_gemm));
+      DecoderCuda graph_model(spec, true, verify_tuning(true, small_gemm));
+      DecoderCuda plain_model(spec, true, verify_tuning(false, small_gemm));
       auto gs = graph_model.new_cuda_session(ctx);
       auto ps = plain_model.new_cuda_session(ctx);
       ASSERT_EQ(gs->context_length(), ctx);
@@ -402,8 +402,8 @@ TEST(SpecCuda, GpuVerifyGraphsOfTwoSessionsAlternate) {
   const int vocab = spec.config.vocab;
   for (const int small_gemm : {0, 64}) {
     SCOPED_TRACE("small_gemm " + std::to_string(small_gemm));
-    LlamaCuda graph_model(spec, true, verify_tuning(true, small_gemm));
-    LlamaCuda plain_model(spec, true, verify_tuning(false, small_gemm));
+    DecoderCuda graph_model(spec, true, verify_tuning(true, small_gemm));
+    DecoderCuda plain_model(spec, true, verify_tuning(false, small_gemm));
     auto g1 = graph_model.new_cuda_session(700), g2 = graph_model.new_cuda_session(1100);
     auto p1 = plain_model.new_cuda_session(700), p2 = plain_model.new_cuda_session(1100);
     auto one = std::make_unique<VerifyPair>(*g1, *p1, vocab, 51);

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 #include "kernels/common/cuda_utils.h"
 
 namespace kestrel::test {

@@ -16,7 +16,7 @@
 #include <string>
 #include <thread>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::test {
 

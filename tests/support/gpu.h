@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "engine/base/device.h"
+#include "base/device.h"
 
 namespace kestrel::test {
 

@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "models/io/safetensors.h"
 
 namespace kestrel::test {

@@ -26,7 +26,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/regex.h"
 #include "tokenizer/tokenizer.h"
 

@@ -9,7 +9,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/chat_template.h"
 #include "tests/support/tiny_tokenizer_suite.h"
 

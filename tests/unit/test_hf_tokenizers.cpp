@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
 

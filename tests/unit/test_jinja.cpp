@@ -1,4 +1,4 @@
-// The Jinja interpreter (tokenizer/jinja.h) against two references:
+// The Jinja interpreter (tokenizer/jinja/jinja.h) against two references:
 //  - each construct, with what Python Jinja2 renders for it set up as transformers'
 //  apply_chat_template
 //    sets it up (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, loopcontrols, its
@@ -22,8 +22,8 @@
 #include <set>
 #include <sstream>
 
-#include "engine/base/error.h"
-#include "tokenizer/jinja.h"
+#include "base/error.h"
+#include "tokenizer/jinja/jinja.h"
 
 namespace fs = std::filesystem;
 using kestrel::Error;

@@ -12,7 +12,7 @@
 #include <set>
 #include <vector>
 
-#include "engine/base/dtype.h"
+#include "base/dtype.h"
 #include "engine/sampler.h"
 #include "kernels/sampling/sample.h"
 

@@ -18,7 +18,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "models/io/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/host_gptq.h"

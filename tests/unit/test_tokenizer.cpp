@@ -12,7 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tests/support/fifo.h"
 #include "tokenizer/sentencepiece.h"
 #include "tokenizer/tokenizer.h"

@@ -35,9 +35,9 @@
 #include <tuple>
 #include <vector>
 
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"
@@ -468,7 +468,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.set_version_flag("--version", "kestrel-bench-gemm " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
-  // Without a GPU, say so as kestrel does (engine/base/device.h), not as the first CUDA call fails.
+  // Without a GPU, say so as kestrel does (base/device.h), not as the first CUDA call fails.
   const kestrel::CudaStatus gpu = kestrel::cuda_status();
   if (!gpu.usable) {
     fmt::print(stderr, "kestrel-bench-gemm: {}; this benchmark measures GPU kernels\n", gpu.problem);

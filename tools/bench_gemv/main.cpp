@@ -22,9 +22,9 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
 #include "tools/bench_gemv/loads.h"
@@ -506,7 +506,7 @@ int run(int argc, char** argv) {
                "only the weight stream: loads-only kernels over steps in flight and row order");
   app.set_version_flag("--version", "kestrel-bench-gemv " KESTREL_VERSION);
   CLI11_PARSE(app, argc, argv);
-  // Without a GPU, say so as kestrel does (engine/base/device.h), not as the first CUDA call fails.
+  // Without a GPU, say so as kestrel does (base/device.h), not as the first CUDA call fails.
   const CudaStatus gpu = cuda_status();
   if (!gpu.usable) {
     std::fprintf(stderr, "kestrel-bench-gemv: %s; this benchmark measures GPU kernels\n",

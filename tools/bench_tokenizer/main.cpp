@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/median.h"
 

@@ -14,7 +14,7 @@
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/generate.h"
 #include "tools/median.h"
 

@@ -11,10 +11,10 @@
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/inputs.h"
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/generate.h"
-#include "engine/base/progress.h"
-#include "engine/base/staged_output.h"
+#include "base/progress.h"
+#include "base/staged_output.h"
 #include "kernels/matmul/matmul.h"
 #include "tokenizer/chat_template.h"
 

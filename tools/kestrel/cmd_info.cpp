@@ -9,7 +9,7 @@
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "models/io/config.h"
 #include "models/io/safetensors.h"
 #include "tokenizer/chat_template.h"

@@ -12,7 +12,7 @@
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/perplexity.h"
 
 namespace kestrel::cli {

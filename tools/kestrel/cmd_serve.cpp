@@ -24,7 +24,7 @@
 #include <random>
 #include <thread>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "engine/generate.h"
 #include "tokenizer/chat_template.h"
 #include "tools/kestrel/commands.h"

@@ -12,7 +12,7 @@
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/inputs.h"
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tokenizer/chat_template.h"
 
 namespace kestrel::cli {

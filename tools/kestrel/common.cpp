@@ -17,9 +17,9 @@
 #include <random>
 #include <sstream>
 
-#include "engine/base/device.h"
-#include "engine/base/error.h"
-#include "engine/base/files.h"
+#include "base/device.h"
+#include "base/error.h"
+#include "base/files.h"
 #include "kernels/matmul/matmul.h"
 #include "models/io/generation_config.h"
 
@@ -229,7 +229,7 @@ namespace {
 // The context the session gets, checked against the memory of its device: an explicit -c
 // whose KV cache cannot fit is refused with the bytes it needs; the CPU engine's default (the
 // model's max_position_embeddings) is shortened to what fits, with a note, as the GPU
-// engine's is (models/llama_cuda.cpp, which also makes the final check on the GPU).
+// engine's is (models/gpu/decoder.cpp, which also makes the final check on the GPU).
 int checked_context(const LoadedModel& m, const ModelOptions& o, bool quiet) {
   const ModelConfig& c = m.spec->config;
   const int ctx = o.context > 0 ? o.context : c.max_pos;

@@ -147,7 +147,7 @@ void print_perf(const Perf& p, const std::string& device);
 SamplingParams default_sampling(const std::string& dir);
 
 // Reads a whole text file; throws kestrel::Error naming it when missing, not a regular file
-// ("data is a directory") or unreadable (engine/base/files.h).
+// ("data is a directory") or unreadable (base/files.h).
 std::string read_text_file(const std::string& path);
 
 // llama.cpp's -e: \n, \r, \t, \', \", \\ and \xHH become the characters they name; any other

@@ -3,7 +3,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::cli {
 

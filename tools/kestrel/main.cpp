@@ -6,8 +6,8 @@
 
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
-#include "engine/base/device.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/error.h"
 
 namespace {
 
@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   kestrel::cli::register_tokenize(app, action);
   kestrel::cli::register_info(app, action);
   // The GPU Kestrel would use, or why there is none (exit 1): the one check every part of the
-  // project asks (engine/base/device.h), for scripts such as scripts/test.sh.
+  // project asks (base/device.h), for scripts such as scripts/test.sh.
   app.add_subcommand("devices", "show the CUDA GPU Kestrel would use, or why there is none")
       ->callback([&action] {
         action = [] {

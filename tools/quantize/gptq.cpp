@@ -10,8 +10,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 
 namespace kestrel::quant {
 

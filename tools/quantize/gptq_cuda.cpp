@@ -11,7 +11,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tools/quantize/gptq_kernels.h"
 
 namespace kestrel::quant {

@@ -8,9 +8,9 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "engine/base/device.h"
-#include "engine/base/error.h"
-#include "engine/base/staged_output.h"
+#include "base/device.h"
+#include "base/error.h"
+#include "base/staged_output.h"
 #include "models/io/config.h"
 #include "tools/quantize/quantize.h"
 

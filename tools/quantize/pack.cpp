@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/gptq/gptq_format.h"
 
 namespace kestrel::quant {

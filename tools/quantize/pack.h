@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 #include "tools/quantize/gptq.h"
 
 namespace kestrel::quant {

@@ -19,13 +19,13 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/base/device.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/error.h"
 #include "models/io/model_spec.h"
-#include "engine/base/progress.h"
-#include "engine/base/staged_output.h"
+#include "base/progress.h"
+#include "base/staged_output.h"
 #include "models/io/safetensors.h"
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/pack.h"
 #include "tools/quantize/quantize_loops.h"
@@ -273,7 +273,7 @@ std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lin
                          t.forward, t.hessian, t.quantize);
 }
 
-// The layer loop on the CPU: a one-layer LlamaCpu engine takes each decoder layer in turn.
+// The layer loop on the CPU: a one-layer DecoderCpu engine takes each decoder layer in turn.
 void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
                          const std::vector<std::vector<int>>& windows, PackedParts& parts,
                          const LayerDone& done) {
@@ -281,8 +281,8 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
   ModelSpec one = spec;
   one.config.n_layers = 1;
   one.layers = {spec.layers[0]};
-  LlamaCpu engine(one);
-  const std::unique_ptr<LlamaCpuSession> seq = engine.new_cpu_session(o.seqlen);
+  DecoderCpu engine(one);
+  const std::unique_ptr<DecoderCpuSession> seq = engine.new_cpu_session(o.seqlen);
 
   const size_t win = (size_t)o.seqlen * cfg.hidden;
   std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
@@ -293,7 +293,7 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
     const auto t_layer = Clock::now();
     LayerTimes times;
     const LayerSpec& ls = spec.layers[l];
-    engine.layer(0) = LlamaCpu::load_layer(ls);
+    engine.layer(0) = DecoderCpu::load_layer(ls);
     std::vector<LinearReport> lines;
     for (const Group& g : groups()) {
       const auto t_fwd = Clock::now();

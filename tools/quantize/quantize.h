@@ -3,15 +3,15 @@
 //
 // Layer by layer, as the reference implementation: the calibration windows' activations
 // enter decoder layer l as the outputs of the already quantized layers 0 .. l-1, computed by
-// the engine's own batched layer forward (LlamaCpu::layer_forward on the CPU,
-// layer_forward_rows of models/llama_cuda_layer.h on the GPU), never by a second model. Within a layer the linears go in true-sequential groups (q/k/v, o, gate/up, down):
+// the engine's own batched layer forward (DecoderCpu::layer_forward on the CPU,
+// layer_forward_rows of models/gpu/layer.h on the GPU), never by a second model. Within a layer the linears go in true-sequential groups (q/k/v, o, gate/up, down):
 // each group's Hessian comes from inputs that the layer's already quantized groups produced.
 // Only one decoder layer's weights are held at a time (a one-layer engine takes each layer in
 // turn), packed results go to a scratch folder until the checkpoint is written, so memory
 // stays at one layer's weights, its Hessians and the activations.
 //
 // Everything, the scratch folder too, is written into a temporary directory beside the output
-// (engine/base/staged_output.h) that takes the output's name only once it is complete: a
+// (base/staged_output.h) that takes the output's name only once it is complete: a
 // failure leaves an existing output as it was and nothing behind.
 #pragma once
 

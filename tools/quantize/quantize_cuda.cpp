@@ -20,11 +20,11 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "kernels/common/cuda_utils.h"
-#include "models/llama_cuda_layer.h"
+#include "models/gpu/layer.h"
 #include "tools/quantize/gptq_cuda.h"
 #include "tools/quantize/gptq_kernels.h"
 #include "tools/quantize/quantize_loops.h"

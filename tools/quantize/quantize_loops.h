@@ -29,7 +29,7 @@ using LayerDone =
     std::function<void(int layer, const std::vector<LinearReport>& lines, const LayerTimes& t)>;
 
 // The layer loop on the GPU: the calibration activations of every window stay on the GPU in
-// fp16; one decoder layer's fp16 weights at a time run models/llama_cuda_layer.h's forward,
+// fp16; one decoder layer's fp16 weights at a time run models/gpu/layer.h's forward,
 // whose taps feed GPU Hessians; each true-sequential group is quantized (gptq_cuda.h) and its
 // dequantized weights replace it before the next group's forward; the layer's outputs become
 // the next layer's inputs. Throws kestrel::Error / DeviceError with one line.

@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "tools/synth/rng.h"
 
 namespace kestrel::synth {

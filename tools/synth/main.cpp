@@ -5,7 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "engine/base/staged_output.h"
+#include "base/staged_output.h"
 #include "tools/synth/synth.h"
 
 int main(int argc, char** argv) {

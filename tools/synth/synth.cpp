@@ -39,9 +39,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
-#include "engine/base/staged_output.h"
+#include "base/dtype.h"
+#include "base/error.h"
+#include "base/staged_output.h"
 #include "models/io/family.h"
 #include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
@@ -606,7 +606,7 @@ void write_model(const SynthOptions& opt) {
   if (pre.llama3_factor > 0 && arch.llama3_factor > 0) arch.llama3_factor = pre.llama3_factor;
 
   // Everything is written into a temporary directory beside --out that takes its name once
-  // complete (engine/base/staged_output.h): a failure leaves an existing --out as it was.
+  // complete (base/staged_output.h): a failure leaves an existing --out as it was.
   StagedDir out(opt.out, opt.force);
   const fs::path dir = out.path();
 

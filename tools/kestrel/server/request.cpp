@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::server {
 

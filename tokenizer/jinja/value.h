@@ -17,7 +17,7 @@
 #include <variant>
 #include <vector>
 
-#include "tokenizer/jinja.h"
+#include "tokenizer/jinja/jinja.h"
 
 namespace kestrel::jinja {
 

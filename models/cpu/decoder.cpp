@@ -1,11 +1,11 @@
 // The decoder forward pass on the CPU reference ops, one token at a time, in fp32.
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/activation/activation.h"
 #include "kernels/attention/attention.h"
 #include "kernels/matmul/matmul.h"
@@ -64,7 +64,7 @@ void CpuLinear::forward(const float* x, int64_t M, float* y) const {
       for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
 }
 
-LlamaCpu::LlamaCpu(const ModelSpec& spec) : cfg_(spec.config) {
+DecoderCpu::DecoderCpu(const ModelSpec& spec) : cfg_(spec.config) {
   const ModelConfig& c = cfg_;
   w_.embed = to_float(*spec.embed);
   if (spec.positions) w_.positions = to_float(*spec.positions);
@@ -81,7 +81,7 @@ LlamaCpu::LlamaCpu(const ModelSpec& spec) : cfg_(spec.config) {
   for (const LayerSpec& ls : spec.layers) w_.layers.push_back(load_layer(ls));
 }
 
-CpuRunState LlamaCpu::run_state(int context) const {
+CpuRunState DecoderCpu::run_state(int context) const {
   CpuRunState s;
   s.ctx = context > 0 ? context : cfg_.max_pos;
   cfg_.check_context(s.ctx);
@@ -91,13 +91,13 @@ CpuRunState LlamaCpu::run_state(int context) const {
   return s;
 }
 
-std::unique_ptr<LlamaCpuSession> LlamaCpu::new_cpu_session(int context) {
-  return std::make_unique<LlamaCpuSession>(*this, context);
+std::unique_ptr<DecoderCpuSession> DecoderCpu::new_cpu_session(int context) {
+  return std::make_unique<DecoderCpuSession>(*this, context);
 }
 
-std::unique_ptr<Session> LlamaCpu::new_session(int context, bool) { return new_cpu_session(context); }
+std::unique_ptr<Session> DecoderCpu::new_session(int context, bool) { return new_cpu_session(context); }
 
-void LlamaCpu::norm(const float* x, const std::vector<float>& w, const std::vector<float>& b,
+void DecoderCpu::norm(const float* x, const std::vector<float>& w, const std::vector<float>& b,
                     int rows, float* y) const {
   if (cfg_.norm == NormKind::Layer)
     layer_norm_ref(x, w.data(), b.data(), cfg_.rms_eps, rows, cfg_.hidden, y);
@@ -105,7 +105,7 @@ void LlamaCpu::norm(const float* x, const std::vector<float>& w, const std::vect
     rms_norm_ref(x, w.data(), cfg_.rms_eps, rows, cfg_.hidden, y);
 }
 
-void LlamaCpu::position_qk(const CpuLayer& L, float* q, float* k, int pos) const {
+void DecoderCpu::position_qk(const CpuLayer& L, float* q, float* k, int pos) const {
   const ModelConfig& c = cfg_;
   if (c.qk_norm) {  // RMSNorm over each head, one weight of head_dim shared by the heads
     rms_norm_ref(q, L.q_norm.data(), c.rms_eps, c.n_heads, c.head_dim, q);
@@ -117,14 +117,14 @@ void LlamaCpu::position_qk(const CpuLayer& L, float* q, float* k, int pos) const
   }
 }
 
-void LlamaCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {
+void DecoderCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {
   forward_rows(st, &token, 1, pos, logits);
 }
 
 // The readable forward pass, over n consecutive tokens (one, for a decode step; a speculative
 // draft's few, for its verification): each linear takes the n rows in one call, and every row
 // gets the arithmetic it would get alone.
-void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
+void DecoderCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
                             float* logits) const {
   const ModelConfig& c = cfg_;
   const int hidden = c.hidden, kv_dim = c.kv_dim(), q_dim = c.q_dim(), inter = c.intermediate;
@@ -190,7 +190,7 @@ void LlamaCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
   w_.lm_head.forward(xb.data(), n, logits);
 }
 
-void LlamaCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
+void DecoderCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
                        float* all_logits) const {
   KESTREL_CHECK(n > 0, "forward: no tokens");
   KESTREL_CHECK(pos + n <= st.ctx, std::to_string(pos + n) + " tokens do not fit the context of " +
@@ -204,7 +204,7 @@ void LlamaCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float
     std::copy_n(all_logits + (size_t)(n - 1) * cfg_.vocab, cfg_.vocab, logits);
     return;
   }
-  if (n > 1) return forward_batch(st, tokens, n, pos, logits, all_logits);  // llama_cpu_batch.cpp
+  if (n > 1) return forward_batch(st, tokens, n, pos, logits, all_logits);  // cpu/decoder_batch.cpp
   const size_t vocab = cfg_.vocab;
   for (int i = 0; i < n; ++i) {
     float* out = all_logits ? all_logits + i * vocab : logits;

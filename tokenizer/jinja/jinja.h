@@ -24,7 +24,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel::jinja {
 
@@ -49,7 +49,7 @@ class TemplateException : public Error {
   std::string message_;
 };
 
-struct Program;  // the parsed template (jinja_ast.h)
+struct Program;  // the parsed template (jinja/ast.h)
 
 class Template {
  public:

@@ -2,7 +2,7 @@
 // commit() and the thread that cleans up after a signal. Its mutex orders them: a signal that
 // arrives during a commit waits for the rename, and once the cleanup thread holds the mutex no
 // commit can start (it keeps it until the process exits).
-#include "engine/base/staged_output.h"
+#include "base/staged_output.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel {
 

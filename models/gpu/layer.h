@@ -1,7 +1,7 @@
 // One decoder layer over T consecutive tokens on the GPU: the prefill's layer step
-// (llama_cuda_prefill.cpp), exposed so that the quantizer's calibration runs the engine's own
+// (gpu/prefill.cpp), exposed so that the quantizer's calibration runs the engine's own
 // forward one layer at a time, with taps on the inputs of the linears (the GPU counterpart of
-// LlamaCpu::layer_forward and its LayerTaps).
+// DecoderCpu::layer_forward and its LayerTaps).
 //
 //   norm -> [tap QKV] qkv GEMM -> RoPE + KV write -> causal attention over the cache
 //   -> [tap O] o GEMM (+ residual) -> norm -> [tap GateUp] gate|up GEMM -> SiLU*up (or fc1,
@@ -16,8 +16,8 @@
 
 #include "models/io/config.h"
 #include "kernels/gemm/gemm.h"
-#include "models/llama.h"
-#include "models/llama_cuda.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 
 namespace kestrel {
 

@@ -2,13 +2,13 @@
 // the tests (x is defined), attribute and item access with Python's methods of str, dict and
 // list, and the global functions (range, namespace, dict, raise_exception, strftime_now).
 //
-// Internal to the interpreter; the evaluator (jinja_eval.cpp) calls these.
+// Internal to the interpreter; the evaluator (jinja/eval.cpp) calls these.
 #pragma once
 
 #include <string>
 #include <string_view>
 
-#include "tokenizer/jinja_value.h"
+#include "tokenizer/jinja/value.h"
 
 namespace kestrel::jinja {
 

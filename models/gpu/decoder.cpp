@@ -10,7 +10,7 @@
 // models/gpu/graphs.h) and replayed per token; the host writes two ints and reads one back. Greedy
 // runs (ChainedRun) chain the steps on the device: the argmax writes the next step's token and
 // position itself, so the next step is queued before the host has read the token.
-#include "models/llama_cuda.h"
+#include "models/gpu/decoder.h"
 
 #include <algorithm>
 #include <cmath>
@@ -18,8 +18,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "engine/base/device.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/error.h"
 #include "kernels/activation/activation_cuda.h"
 #include "kernels/attention/attention_cuda.h"
 #include "kernels/common/cuda_utils.h"
@@ -45,7 +45,7 @@ std::string cuda_unsupported(const ModelConfig& c) {
   return fmt::format("the CUDA engine does not run {} ({}); use --device cpu", c.architecture, why);
 }
 
-LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
+DecoderCuda::DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
     : cfg_(spec.config), tuning_(tuning) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
@@ -109,8 +109,8 @@ LlamaCuda::LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuni
   after_load_bytes_ = in_use;
 }
 
-std::unique_ptr<LlamaCudaSession> LlamaCuda::new_cuda_session(int context, bool quiet) {
-  auto q = std::make_unique<LlamaCudaSession>(*this, context, quiet);
+std::unique_ptr<DecoderCudaSession> DecoderCuda::new_cuda_session(int context, bool quiet) {
+  auto q = std::make_unique<DecoderCudaSession>(*this, context, quiet);
   if (!warmed_up_) {
     // The decode path's footprint: weights, scratch and the first session (before the warm-up
     // takes the prefill's scratch).
@@ -121,12 +121,12 @@ std::unique_ptr<LlamaCudaSession> LlamaCuda::new_cuda_session(int context, bool 
   return q;
 }
 
-std::unique_ptr<Session> LlamaCuda::new_session(int context, bool quiet) {
+std::unique_ptr<Session> DecoderCuda::new_session(int context, bool quiet) {
   return new_cuda_session(context, quiet);
 }
 
 // Device memory of one session, freed when the session ends (or its constructor throws).
-LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Session(m), m_(m) {
+DecoderCudaSession::DecoderCudaSession(DecoderCuda& m, int context, bool quiet) : Session(m), m_(m) {
   const ModelConfig& c = m.cfg_;
   try {
     // KV cache: as long as asked (or the model's maximum), shortened to what fits.
@@ -156,8 +156,8 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
     q_.att_workspace =
         static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim)));
     cuda::attention_workspace_reset(q_.att_workspace, ctx, c.n_heads, c.head_dim, m.stream_);
-    graphs_.capture(ctx, m.tuning_.graph_ranges, LlamaCuda::kHeads, m.stream_, [&](int head, int bound) {
-      m.record_step(q_, m.stream_, (LlamaCuda::Head)head, bound);
+    graphs_.capture(ctx, m.tuning_.graph_ranges, DecoderCuda::kHeads, m.stream_, [&](int head, int bound) {
+      m.record_step(q_, m.stream_, (DecoderCuda::Head)head, bound);
     });
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
   } catch (...) {
@@ -166,9 +166,9 @@ LlamaCudaSession::LlamaCudaSession(LlamaCuda& m, int context, bool quiet) : Sess
   }
 }
 
-LlamaCudaSession::~LlamaCudaSession() { release(); }
+DecoderCudaSession::~DecoderCudaSession() { release(); }
 
-void LlamaCudaSession::release() {
+void DecoderCudaSession::release() {
   if (!mem_.empty()) cudaStreamSynchronize(m_.stream_);
   graphs_.clear();
   verify_graphs_.clear();
@@ -182,7 +182,7 @@ void LlamaCudaSession::release() {
 // scratch, which that prompt takes anyway (after_load_bytes_, the decode path's share, is
 // measured before). Where the scratch does not fit, opening the session still succeeds: the
 // first prompt reports it.
-void LlamaCuda::warm_up(LlamaCudaSession& q) {
+void DecoderCuda::warm_up(DecoderCudaSession& q) {
   const int n = std::min(cuda::kGemmMinRows, q.q_.ctx);
   if (n < 2) return;
   const std::vector<int> tokens(n, 0);
@@ -196,13 +196,13 @@ void LlamaCuda::warm_up(LlamaCudaSession& q) {
   }
 }
 
-size_t LlamaCuda::device_bytes_in_use() const {
+size_t DecoderCuda::device_bytes_in_use() const {
   size_t free_b = 0, total = 0;
   if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 0;
   return free_at_start_ > free_b ? free_at_start_ - free_b : 0;
 }
 
-LlamaCuda::~LlamaCuda() {
+DecoderCuda::~DecoderCuda() {
   prefill_.reset();
   for (cudaEvent_t e : chain_done_)
     if (e) cudaEventDestroy(e);
@@ -214,7 +214,7 @@ LlamaCuda::~LlamaCuda() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound) {
+void DecoderCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound) {
   const ModelConfig& c = cfg_;
   const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   const double h2 = sizeof(__half);
@@ -328,19 +328,19 @@ void LlamaCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int
   }
 }
 
-std::vector<OpTime> LlamaCuda::profile_step(LlamaCudaSession& q, int token, int pos) {
+std::vector<OpTime> DecoderCuda::profile_step(DecoderCudaSession& q, int token, int pos) {
   set_step_input(q, token, pos);
   return profiler_.profile(stream_, pos, [&] {
     record_step(q.q_, stream_, Head::Argmax, q.graphs_.bound(pos));
   });
 }
 
-void LlamaCudaSession::check_position(int pos) const {
+void DecoderCudaSession::check_position(int pos) const {
   KESTREL_CHECK(pos >= 0 && pos < q_.ctx,
                 fmt::format("position {} is past the context of {}", pos, q_.ctx));
 }
 
-void LlamaCuda::set_step_input(const LlamaCudaSession& q, int token, int pos) {
+void DecoderCuda::set_step_input(const DecoderCudaSession& q, int token, int pos) {
   KESTREL_CHECK(token >= 0 && token < cfg_.vocab,
                 fmt::format("token id {} is outside the vocabulary ({})", token, cfg_.vocab));
   q.check_position(pos);
@@ -348,18 +348,18 @@ void LlamaCuda::set_step_input(const LlamaCudaSession& q, int token, int pos) {
   host_io_[1] = pos;
 }
 
-void LlamaCuda::step(LlamaCudaSession& q, int token, int pos, Head head) {
+void DecoderCuda::step(DecoderCudaSession& q, int token, int pos, Head head) {
   set_step_input(q, token, pos);
   KESTREL_CUDA_CHECK(cudaGraphLaunch(q.graph(pos, head), stream_));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void LlamaCuda::forward(LlamaCudaSession& q, const int* tokens, int n, int pos, float* logits,
+void DecoderCuda::forward(DecoderCudaSession& q, const int* tokens, int n, int pos, float* logits,
                         float* all_logits) {
   KESTREL_CHECK(n > 0, "forward: no tokens");
   KESTREL_CHECK(pos + n <= q.q_.ctx,
                 fmt::format("{} tokens do not fit the context of {}", pos + n, q.q_.ctx));
-  if (n > 1) {  // many tokens: the chunked prefill (llama_cuda_prefill.cpp)
+  if (n > 1) {  // many tokens: the chunked prefill (gpu/prefill.cpp)
     prefill(q.q_, tokens, n, pos, logits, all_logits, nullptr, nullptr);
     return;
   }
@@ -372,7 +372,7 @@ void LlamaCuda::forward(LlamaCudaSession& q, const int* tokens, int n, int pos, 
   std::memcpy(logits, host_logits_, vocab * sizeof(float));
 }
 
-int LlamaCuda::forward_argmax(LlamaCudaSession& q, int token, int pos) {
+int DecoderCuda::forward_argmax(DecoderCudaSession& q, int token, int pos) {
   step(q, token, pos, Head::Argmax);
   return host_io_[2];
 }
@@ -381,11 +381,11 @@ int LlamaCuda::forward_argmax(LlamaCudaSession& q, int token, int pos) {
 // steps are queued (the one being handed out and the one after it), so a slot's graph is
 // relaunched, and its host slot rewritten, only after the host has read it. A sampled run's
 // parameters go to the device first; its draws then count up there, step by step.
-class LlamaCuda::ChainedRun final : public DecodeRun {
+class DecoderCuda::ChainedRun final : public DecodeRun {
  public:
-  ChainedRun(LlamaCudaSession& q, int token, int pos, const TopKSampling* sampling)
+  ChainedRun(DecoderCudaSession& q, int token, int pos, const TopKSampling* sampling)
       : q_(q), m_(q.m_), pos0_(pos), sampled_(sampling != nullptr) {
-    LlamaCuda& m = m_;
+    DecoderCuda& m = m_;
     m.set_step_input(q, token, pos);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(m.s_.token, m.host_io_, 2 * sizeof(int),
                                        cudaMemcpyHostToDevice, m.stream_));
@@ -420,26 +420,26 @@ class LlamaCuda::ChainedRun final : public DecodeRun {
     ++queued_;
   }
 
-  LlamaCudaSession& q_;
-  LlamaCuda& m_;
+  DecoderCudaSession& q_;
+  DecoderCuda& m_;
   const int pos0_;
   const bool sampled_;
   TopKSampling sampling_;  // the source of the copy to the device, alive until it is done
   int queued_ = 0, handed_ = 0;  // steps launched, tokens returned
 };
 
-std::unique_ptr<DecodeRun> LlamaCudaSession::greedy_run(int token, int pos) {
-  return std::make_unique<LlamaCuda::ChainedRun>(*this, token, pos, nullptr);
+std::unique_ptr<DecodeRun> DecoderCudaSession::greedy_run(int token, int pos) {
+  return std::make_unique<DecoderCuda::ChainedRun>(*this, token, pos, nullptr);
 }
 
-std::unique_ptr<DecodeRun> LlamaCudaSession::sampled_run(int token, int pos, const TopKSampling& s) {
+std::unique_ptr<DecodeRun> DecoderCudaSession::sampled_run(int token, int pos, const TopKSampling& s) {
   const int vocab = config().vocab;
   const bool ok = vocab <= kDeviceSampleMax && s.top_k >= 1 &&
                   s.top_k <= kDeviceTopKMax && s.top_k <= vocab &&
                   s.temperature > 0.0f && std::isfinite(s.temperature) && s.top_p > 0.0f &&
                   s.min_p >= 0.0f && s.min_p <= 1.0f;
   if (!ok) return nullptr;  // the host samples what the device's sampler does not cover
-  return std::make_unique<LlamaCuda::ChainedRun>(*this, token, pos, &s);
+  return std::make_unique<DecoderCuda::ChainedRun>(*this, token, pos, &s);
 }
 
 }  // namespace kestrel

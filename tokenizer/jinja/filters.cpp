@@ -1,7 +1,7 @@
 // Jinja2's built-in filters and tests (jinja2/filters.py, jinja2/tests.py) with their
 // parameters and defaults, and transformers' tojson, which replaces Jinja's: json.dumps with
 // ensure_ascii=False and the keys in their order. Filters Jinja returns generators from (map,
-// select, unique...) return iterators (jinja_value.h).
+// select, unique...) return iterators (jinja/value.h).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,8 +12,8 @@
 #include <map>
 #include <optional>
 
-#include "tokenizer/jinja_ast.h"
-#include "tokenizer/jinja_builtins.h"
+#include "tokenizer/jinja/ast.h"
+#include "tokenizer/jinja/builtins.h"
 
 namespace kestrel::jinja {
 namespace {

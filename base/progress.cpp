@@ -1,4 +1,4 @@
-#include "engine/base/progress.h"
+#include "base/progress.h"
 
 #include <unistd.h>
 

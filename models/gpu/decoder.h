@@ -40,7 +40,7 @@ struct GpuRunState {
   void* sample_workspace = nullptr;  // the sampler's candidates, per block
 };
 
-// One sequence's memory on the device (LlamaCudaSession): its KV cache and attention's
+// One sequence's memory on the device (DecoderCudaSession): its KV cache and attention's
 // workspace, which is sized by the context.
 struct GpuSequence {
   int ctx = 0;                   // positions the cache holds
@@ -62,21 +62,21 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most);
 // families it does not run yet, named for the user.
 std::string cuda_unsupported(const ModelConfig& c);
 
-class LlamaCudaSession;
+class DecoderCudaSession;
 
-class LlamaCuda final : public Model {
+class DecoderCuda final : public Model {
  public:
   // Uploads the weights (streamed tensor by tensor, with a progress bar unless quiet) and
   // allocates the decode step's scratch. Throws kestrel::Error / DeviceError.
-  LlamaCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning = {});
-  ~LlamaCuda() override;
+  DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning = {});
+  ~DecoderCuda() override;
 
   const ModelConfig& config() const override { return cfg_; }
   std::string device_name() const override { return device_name_; }
   // Allocates the session's KV cache for `context` positions (0 = max_position_embeddings;
   // reduced with a note when GPU memory is short) and captures its decode graphs.
   std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
-  std::unique_ptr<LlamaCudaSession> new_cuda_session(int context = 0, bool quiet = true);
+  std::unique_ptr<DecoderCudaSession> new_cuda_session(int context = 0, bool quiet = true);
   size_t weight_bytes() const override { return weight_bytes_; }
   // After loading and opening the first session (its KV cache and graphs), before any prompt.
   size_t device_bytes_after_load() const override { return after_load_bytes_; }
@@ -87,7 +87,7 @@ class LlamaCuda final : public Model {
   void set_prefill_chunk(int tokens);
 
  private:
-  friend class LlamaCudaSession;
+  friend class DecoderCudaSession;
   friend struct GpuLoader;
 
   // What a step ends with: nothing (a prompt token whose logits are not wanted), the argmax
@@ -97,16 +97,16 @@ class LlamaCuda final : public Model {
   enum class Head { None, Argmax, Logits, Chain0, Chain1, Sample0, Sample1 };
   static constexpr int kHeads = 7;
 
-  // Session-facing steps (LlamaCudaSession forwards to these with its sequence).
-  void forward(LlamaCudaSession& q, const int* tokens, int n, int pos, float* logits,
+  // Session-facing steps (DecoderCudaSession forwards to these with its sequence).
+  void forward(DecoderCudaSession& q, const int* tokens, int n, int pos, float* logits,
                float* all_logits);
-  int forward_argmax(LlamaCudaSession& q, int token, int pos);
-  void forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int n, int pos, int* out);
-  void forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos, const int* targets,
+  int forward_argmax(DecoderCudaSession& q, int token, int pos);
+  void forward_argmax_rows(DecoderCudaSession& q, const int* tokens, int n, int pos, int* out);
+  void forward_nll(DecoderCudaSession& q, const int* tokens, int n, int pos, const int* targets,
                    double* nll);
-  std::vector<OpTime> profile_step(LlamaCudaSession& q, int token, int pos);
+  std::vector<OpTime> profile_step(DecoderCudaSession& q, int token, int pos);
 
-  // Chunked prefill (llama_cuda_prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
+  // Chunked prefill (gpu/prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
   struct PrefillState;
   struct PrefillPlan {
     int rows = 0;                // tokens per chunk, up to max_rows
@@ -150,11 +150,11 @@ class LlamaCuda final : public Model {
   // memory; all heads but the chained ones first copy them from host_io_) for positions
   // below ctx_bound.
   void record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound);
-  void warm_up(LlamaCudaSession& q);  // one short prefill (cuBLASLt's first use)
+  void warm_up(DecoderCudaSession& q);  // one short prefill (cuBLASLt's first use)
   // Runs one step through the graph for `head`; returns when the result is on the host.
-  void step(LlamaCudaSession& q, int token, int pos, Head head);
+  void step(DecoderCudaSession& q, int token, int pos, Head head);
   // A step's token and position, checked, into host_io_ (which the graphs copy from).
-  void set_step_input(const LlamaCudaSession& q, int token, int pos);
+  void set_step_input(const DecoderCudaSession& q, int token, int pos);
 
   ModelConfig cfg_;
   DecodeTuning tuning_;
@@ -179,10 +179,10 @@ class LlamaCuda final : public Model {
 // A sequence on the GPU: its KV cache and attention workspace (allocated here, freed with the
 // session) and the decode graphs that bind them. The steps run on the model's stream and
 // scratch.
-class LlamaCudaSession final : public Session {
+class DecoderCudaSession final : public Session {
  public:
-  LlamaCudaSession(LlamaCuda& m, int context, bool quiet);
-  ~LlamaCudaSession() override;
+  DecoderCudaSession(DecoderCuda& m, int context, bool quiet);
+  ~DecoderCudaSession() override;
 
   int context_length() const override { return q_.ctx; }
   size_t cache_bytes() const override { return q_.cache_bytes; }
@@ -211,12 +211,12 @@ class LlamaCudaSession final : public Session {
   }
 
  private:
-  friend class LlamaCuda;
+  friend class DecoderCuda;
   void release();                      // the graphs and the device memory, once
   void check_position(int pos) const;  // throws Error past the context
-  cudaGraphExec_t graph(int pos, LlamaCuda::Head head) const { return graphs_.get(pos, (int)head); }
+  cudaGraphExec_t graph(int pos, DecoderCuda::Head head) const { return graphs_.get(pos, (int)head); }
 
-  LlamaCuda& m_;
+  DecoderCuda& m_;
   GpuSequence q_;
   DeviceMemory mem_;
   DecodeGraphs graphs_;  // per range of positions and head, bound to q_

@@ -58,7 +58,7 @@ struct CpuLayer {
 // residual after attention, down the SiLU-gated product.
 enum class LinearGroup { QKV = 0, O = 1, GateUp = 2, Down = 3 };
 
-// Observers of LlamaCpu::layer_forward (the quantizer's calibration hooks).
+// Observers of DecoderCpu::layer_forward (the quantizer's calibration hooks).
 struct LayerTaps {
   // Receives the input x [T, K] of each group's linears, as the layer computes it.
   std::function<void(LinearGroup group, const float* x, int T, int K)> input;
@@ -76,25 +76,25 @@ struct CpuWeights {
   std::vector<CpuLayer> layers;
 };
 
-// Activations of one token, and the KV cache: one sequence's state (LlamaCpuSession).
+// Activations of one token, and the KV cache: one sequence's state (DecoderCpuSession).
 struct CpuRunState {
   int ctx = 0;                 // positions the cache holds
   std::vector<float> key_cache;    // [n_layers, ctx, n_kv_heads * head_dim]
   std::vector<float> value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
 };
 
-class LlamaCpuSession;
+class DecoderCpuSession;
 
-class LlamaCpu final : public Model {
+class DecoderCpu final : public Model {
  public:
   // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed).
-  explicit LlamaCpu(const ModelSpec& spec);
+  explicit DecoderCpu(const ModelSpec& spec);
 
   const ModelConfig& config() const override { return cfg_; }
   std::string device_name() const override { return "CPU (reference, fp32)"; }
   std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
   // The same, as the CPU session type (for the quantizer and the tests, which run layers).
-  std::unique_ptr<LlamaCpuSession> new_cpu_session(int context = 0);
+  std::unique_ptr<DecoderCpuSession> new_cpu_session(int context = 0);
   // Activations and a zeroed KV cache of `context` positions (0 = max_position_embeddings).
   CpuRunState run_state(int context) const;
 
@@ -113,7 +113,7 @@ class LlamaCpu final : public Model {
   void forward(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
                float* all_logits) const;
 
-  // Batched building blocks (models/llama_cpu_batch.cpp): dense products through BLAS, the
+  // Batched building blocks (models/cpu/decoder_batch.cpp): dense products through BLAS, the
   // same ops as forward_token otherwise, equal to it to fp32 rounding.
   //
   // One decoder layer over T consecutive tokens at positions pos0 .. pos0+T-1: x [T, hidden]
@@ -149,9 +149,9 @@ class LlamaCpu final : public Model {
 };
 
 // A sequence on the CPU reference: its activations and KV cache.
-class LlamaCpuSession final : public Session {
+class DecoderCpuSession final : public Session {
  public:
-  LlamaCpuSession(LlamaCpu& m, int context) : Session(m), m_(m), s_(m.run_state(context)) {}
+  DecoderCpuSession(DecoderCpu& m, int context) : Session(m), m_(m), s_(m.run_state(context)) {}
 
   int context_length() const override { return s_.ctx; }
   size_t cache_bytes() const override {
@@ -166,7 +166,7 @@ class LlamaCpuSession final : public Session {
   }
 
  private:
-  LlamaCpu& m_;
+  DecoderCpu& m_;
   CpuRunState s_;
 };
 

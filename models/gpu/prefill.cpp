@@ -18,7 +18,7 @@
 #include <cstring>
 #include <fmt/format.h>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/activation/activation_cuda.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cuda_utils.h"
@@ -29,15 +29,15 @@
 #include "kernels/sampling/argmax_cuda.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/rope/rope_rows_cuda.h"
-#include "models/llama_cuda.h"
-#include "models/llama_cuda_layer.h"
+#include "models/gpu/decoder.h"
+#include "models/gpu/layer.h"
 
 namespace kestrel {
 
 // Activations of one chunk, the dequantization scratch and the cuBLASLt state. The layer's
 // buffers share memory where their lives do not overlap (LayerRowsScratch): xb, att and act are
 // one buffer, qkv and gate_up another.
-struct LlamaCuda::PrefillState {
+struct DecoderCuda::PrefillState {
   explicit PrefillState(cuda::GemmMemory mem) : gemm(mem) {}
   int rows = 0;                    // chunk capacity in tokens
   cuda::GemmRunner gemm;
@@ -64,9 +64,9 @@ struct LlamaCuda::PrefillState {
   void* take(size_t bytes) { return mem.alloc(bytes, " for the prefill scratch"); }
 };
 
-void LlamaCuda::PrefillDeleter::operator()(PrefillState* p) const { delete p; }
+void DecoderCuda::PrefillDeleter::operator()(PrefillState* p) const { delete p; }
 
-void LlamaCuda::set_prefill_chunk(int tokens) {
+void DecoderCuda::set_prefill_chunk(int tokens) {
   KESTREL_CHECK(tokens >= 1, fmt::format("prefill chunk must be at least 1 token, got {}", tokens));
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
   prefill_.reset();
@@ -126,7 +126,7 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
 // and the slice never below 32 MiB: each chunk dequantizes every weight again, and smaller
 // slices leave SMs idle in their GEMMs. A model too small for that to fit in 5% goes over it
 // rather than lose most of its prompt speed (the figures: docs/performance.md).
-LlamaCuda::PrefillPlan LlamaCuda::prefill_plan(const GpuSequence& q, int max_rows) const {
+DecoderCuda::PrefillPlan DecoderCuda::prefill_plan(const GpuSequence& q, int max_rows) const {
   const size_t base = weight_bytes_ + q.cache_bytes;
   const size_t decode = scratch_bytes_;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
@@ -231,14 +231,14 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
   run_linear(gemm, L.down, b.act, T, x, x, b, s);
 }
 
-void LlamaCuda::check_tokens(const int* tokens, int n) const {
+void DecoderCuda::check_tokens(const int* tokens, int n) const {
   for (int i = 0; i < n; ++i)
     KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab,
                   fmt::format("token id {} at prompt index {} is outside the vocabulary ({})",
                               tokens[i], i, cfg_.vocab));
 }
 
-LlamaCuda::PrefillState& LlamaCuda::prefill_state(const GpuSequence& q, bool want_rows) {
+DecoderCuda::PrefillState& DecoderCuda::prefill_state(const GpuSequence& q, bool want_rows) {
   const ModelConfig& c = cfg_;
   const size_t vocab = c.vocab;
   // Scratch for the largest chunk that fits: halve on out-of-memory (the KV cache may have
@@ -301,7 +301,7 @@ LlamaCuda::PrefillState& LlamaCuda::prefill_state(const GpuSequence& q, bool wan
   return S;
 }
 
-void LlamaCuda::record_rows(PrefillState& S, const GpuSequence& q, const int* d_tokens, int T,
+void DecoderCuda::record_rows(PrefillState& S, const GpuSequence& q, const int* d_tokens, int T,
                             int p0, const int* d_pos, cudaStream_t s) {
   const ModelConfig& c = cfg_;
   if (w_.positions)  // x [T, hidden] = embedding + learned positions (OPT), from row p0 or *d_pos
@@ -323,13 +323,13 @@ void LlamaCuda::record_rows(PrefillState& S, const GpuSequence& q, const int* d_
 }
 
 // Output head: FP32 logits straight from the GEMM's FP32 accumulators.
-void LlamaCuda::record_rows_logits(PrefillState& S, int T, cudaStream_t s) {
+void DecoderCuda::record_rows_logits(PrefillState& S, int T, cudaStream_t s) {
   const ModelConfig& c = cfg_;
   norm_rows(c, S.x, nullptr, w_.final_norm, w_.final_norm_bias, T, S.xb, s);
   S.gemm.gemm_f32(S.xb, w_.lm_head, T, c.vocab, c.hidden, S.logits, s);  // [T, vocab]
 }
 
-void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
+void DecoderCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
                         float* all_logits, const int* targets, float* nll, int* argmax) {
   const ModelConfig& c = cfg_;
   check_tokens(tokens, n);
@@ -379,7 +379,7 @@ void LlamaCuda::prefill(const GpuSequence& q, const int* tokens, int n, int pos,
 // targets' buffer), with the position and the tokens read on the device from rows_in, which
 // the graph fills from host_rows_ first, and the ids copied to host_rows_ last. Only pinned
 // memory on the host side, and no synchronisation: the whole of it is captured.
-void LlamaCuda::record_verify(const GpuSequence& q, int n, cudaStream_t s) {
+void DecoderCuda::record_verify(const GpuSequence& q, int n, cudaStream_t s) {
   PrefillState& S = *prefill_;
   KESTREL_CHECK(n >= 2 && n <= kVerifyMaxRows && n <= S.rows && S.logits_rows >= n,
                 fmt::format("internal: a verify graph of {} rows over a scratch of {} rows and "
@@ -393,7 +393,7 @@ void LlamaCuda::record_verify(const GpuSequence& q, int n, cudaStream_t s) {
                                      cudaMemcpyDeviceToHost, s));
 }
 
-void LlamaCuda::forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int n, int pos,
+void DecoderCuda::forward_argmax_rows(DecoderCudaSession& q, const int* tokens, int n, int pos,
                                     int* out) {
   KESTREL_CHECK(n > 0, "forward_argmax_rows: no tokens");
   KESTREL_CHECK(pos + n <= q.q_.ctx,
@@ -426,7 +426,7 @@ void LlamaCuda::forward_argmax_rows(LlamaCudaSession& q, const int* tokens, int 
                          capture_graph(stream_, [&] { record_verify(q.q_, n, stream_); }));
 }
 
-void LlamaCuda::forward_nll(LlamaCudaSession& q, const int* tokens, int n, int pos,
+void DecoderCuda::forward_nll(DecoderCudaSession& q, const int* tokens, int n, int pos,
                             const int* targets, double* nll) {
   KESTREL_CHECK(n > 0, "forward_nll: no tokens");
   KESTREL_CHECK(pos + n <= q.q_.ctx,

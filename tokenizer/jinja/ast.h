@@ -1,5 +1,5 @@
-// The template's tokens and syntax tree, made by the lexer (jinja_lexer.cpp) and the parser
-// (jinja_parser.cpp) and walked by the evaluator (jinja_eval.cpp). The grammar and its
+// The template's tokens and syntax tree, made by the lexer (jinja/lexer.cpp) and the parser
+// (jinja/parser.cpp) and walked by the evaluator (jinja/eval.cpp). The grammar and its
 // precedence are Python Jinja2's (jinja2/parser.py), tightest first:
 //
 //   primary   literal, name, ( tuple ), [ list ], { dict }
@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "tokenizer/jinja_value.h"
+#include "tokenizer/jinja/value.h"
 
 namespace kestrel::jinja {
 
@@ -167,7 +167,7 @@ struct Program {
 
 Program parse_program(std::string_view source);
 
-// The names the parser accepts after | and after is (jinja_filters.cpp): Jinja checks them
+// The names the parser accepts after | and after is (jinja/filters.cpp): Jinja checks them
 // when compiling, so an unknown one is refused before rendering.
 bool is_filter(std::string_view name);
 bool is_test(std::string_view name);

@@ -1,4 +1,4 @@
-#include "engine/base/files.h"
+#include "base/files.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -7,7 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 
 namespace kestrel {
 

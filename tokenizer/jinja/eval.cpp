@@ -12,9 +12,9 @@
 #include <optional>
 #include <unordered_map>
 
-#include "tokenizer/jinja.h"
-#include "tokenizer/jinja_ast.h"
-#include "tokenizer/jinja_builtins.h"
+#include "tokenizer/jinja/jinja.h"
+#include "tokenizer/jinja/ast.h"
+#include "tokenizer/jinja/builtins.h"
 
 namespace kestrel::jinja {
 namespace {

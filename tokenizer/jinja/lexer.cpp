@@ -8,7 +8,7 @@
 #include <cctype>
 #include <charconv>
 
-#include "tokenizer/jinja_ast.h"
+#include "tokenizer/jinja/ast.h"
 
 namespace kestrel::jinja {
 

@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "tests/support/gpu.h"
-#include "engine/base/device.h"
-#include "engine/base/dtype.h"
-#include "engine/base/error.h"
+#include "base/device.h"
+#include "base/dtype.h"
+#include "base/error.h"
 #include "models/io/model_spec.h"
-#include "models/llama.h"
-#include "models/llama_cuda.h"
+#include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 #include "kernels/sampling/sample.h"
 #include "tests/support/compare.h"
 #include "tests/support/sample_check.h"
@@ -53,9 +53,9 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
 
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 128, steps = 64;
-  LlamaCpu cpu_model(spec);
+  DecoderCpu cpu_model(spec);
   auto cpu = cpu_model.new_cpu_session(ctx);
-  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  DecoderCuda gpu_model(spec, /*quiet=*/true);
   auto gpu = gpu_model.new_cuda_session(ctx);
   const int vocab = spec.config.vocab;
   // GPTQ weights stay quantized on the GPU, fused or not: about their files' size (FP16 rows
@@ -117,9 +117,9 @@ TEST_P(GpuDecodeGraphs, EachRangeOfPositionsMatchesTheCpu) {
   const fs::path dir = kestrel::test::write_tiny_model(kv1, /*seed=*/17, /*n_layers=*/2);
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 1100, vocab = spec.config.vocab;
-  LlamaCpu cpu_model(spec);
+  DecoderCpu cpu_model(spec);
   auto cpu = cpu_model.new_cpu_session(ctx);
-  LlamaCuda gpu_model(spec, /*quiet=*/true, GetParam().tuning);
+  DecoderCuda gpu_model(spec, /*quiet=*/true, GetParam().tuning);
   auto gpu = gpu_model.new_cuda_session(ctx);
   std::vector<float> lc(vocab), lg(vocab);
   std::vector<int> tokens;
@@ -185,8 +185,8 @@ TEST(GpuSessions, SessionsOfOneModelTakeTurns) {
   const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, /*seed=*/23);
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 96, vocab = spec.config.vocab, steps = 24;
-  LlamaCpu cpu_model(spec);
-  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  DecoderCpu cpu_model(spec);
+  DecoderCuda gpu_model(spec, /*quiet=*/true);
   const std::vector<std::vector<int>> prompts = {{1, 5, 9, 200, 31}, {1, 77, 3, 41}};
   // The CPU's greedy continuation of each prompt, each in a session of its own.
   std::vector<std::vector<int>> want;
@@ -240,7 +240,7 @@ TEST(GpuDecodeRun, StopsAtTheContext) {
   const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 5);
   const ModelSpec spec = load_model_spec(dir.string());
   const int ctx = 16;
-  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  DecoderCuda gpu_model(spec, /*quiet=*/true);
   auto gpu = gpu_model.new_cuda_session(ctx);
   std::vector<int> ref = {3};
   for (int pos = 0; pos < ctx; ++pos) ref.push_back(gpu->forward_argmax(ref.back(), pos));
@@ -270,7 +270,7 @@ TEST(GpuDecodeRun, SampledRunDrawsFromEachStepsLogits) {
   KESTREL_REQUIRE_GPU();
   const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 6);
   const ModelSpec spec = load_model_spec(dir.string());
-  LlamaCuda gpu_model(spec, /*quiet=*/true);
+  DecoderCuda gpu_model(spec, /*quiet=*/true);
   auto gpu = gpu_model.new_cuda_session(48);
   const int vocab = gpu->config().vocab;
   TopKSampling s;
@@ -312,7 +312,7 @@ TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
   const fs::path dir = kestrel::test::write_tiny_model(kQ4G128, 7);
   const ModelSpec spec = load_model_spec(dir.string());
   {
-    LlamaCuda probe_model(spec, /*quiet=*/true);
+    DecoderCuda probe_model(spec, /*quiet=*/true);
     auto probe = probe_model.new_cuda_session(16);  // the CUDA context and modules exist from here
   }
   const size_t per_pos = 2ull * spec.config.n_layers * spec.config.kv_dim() * 2;
@@ -337,7 +337,7 @@ TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
   {
     Hold hold(64ull << 20);  // less than the scratch kept free
     try {
-      LlamaCuda gpu_model(spec, /*quiet=*/true);
+      DecoderCuda gpu_model(spec, /*quiet=*/true);
       auto gpu = gpu_model.new_cuda_session(2048);
       ADD_FAILURE() << "loaded with 64 MiB free";
     } catch (const DeviceError& e) {
@@ -349,7 +349,7 @@ TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
   {
     // The weights (about their files' size), the scratch kept free and a few thousand positions.
     Hold hold(spec.files.total_bytes() * 5 / 4 + (256ull << 20) + 1024 * per_pos + (16ull << 20));
-    LlamaCuda gpu_model(spec, /*quiet=*/true);
+    DecoderCuda gpu_model(spec, /*quiet=*/true);
     auto gpu = gpu_model.new_cuda_session(1 << 20);  // asks for far more than fits
     EXPECT_GT(gpu->context_length(), 16);
     EXPECT_LT(gpu->context_length(), 1 << 20);

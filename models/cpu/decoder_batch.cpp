@@ -1,5 +1,5 @@
 // The decoder forward pass over many tokens at once, in fp32 on the CPU: the same ops as the
-// per-token forward_token() in llama_cpu.cpp, with the dense products (linears, attention
+// per-token forward_token() in cpu/decoder.cpp, with the dense products (linears, attention
 // scores and the weighted sum of values) done by BLAS sgemm. It serves prompt prefill,
 // perplexity over long texts and the quantizer's calibration, where the per-token path's
 // matrix-vector loops would take hours.
@@ -11,11 +11,11 @@
 #include <string>
 #include <vector>
 
-#include "engine/base/error.h"
+#include "base/error.h"
 #include "kernels/activation/activation.h"
 #include "kernels/norm/norm.h"
 #include "kernels/rope/rope.h"
-#include "models/llama.h"
+#include "models/cpu/decoder.h"
 
 namespace kestrel {
 
@@ -83,7 +83,7 @@ void CpuLinear::forward_batch(const float* x, int64_t M, float* y, int64_t ldy) 
       for (int64_t n = 0; n < N; ++n) y[m * ldy + n] += bias[n];
 }
 
-CpuLayer LlamaCpu::load_layer(const LayerSpec& ls) {
+CpuLayer DecoderCpu::load_layer(const LayerSpec& ls) {
   CpuLayer l;
   auto opt = [](const TensorInfo* t) { return t ? to_float(*t) : std::vector<float>(); };
   l.input_norm = to_float(*ls.input_norm);
@@ -102,16 +102,16 @@ CpuLayer LlamaCpu::load_layer(const LayerSpec& ls) {
   return l;
 }
 
-CpuLayer& LlamaCpu::layer(int l) { return const_cast<CpuLayer&>(std::as_const(*this).layer(l)); }
+CpuLayer& DecoderCpu::layer(int l) { return const_cast<CpuLayer&>(std::as_const(*this).layer(l)); }
 
-const CpuLayer& LlamaCpu::layer(int l) const {
+const CpuLayer& DecoderCpu::layer(int l) const {
   KESTREL_CHECK(l >= 0 && l < (int)w_.layers.size(),
                 "layer " + std::to_string(l) + " is outside the model's " +
                     std::to_string(w_.layers.size()) + " layers");
   return w_.layers[l];
 }
 
-void LlamaCpu::embed(const int* tokens, int T, int pos0, float* x) const {
+void DecoderCpu::embed(const int* tokens, int T, int pos0, float* x) const {
   const int hidden = cfg_.hidden;
   for (int i = 0; i < T; ++i) {
     KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab,
@@ -126,14 +126,14 @@ void LlamaCpu::embed(const int* tokens, int T, int pos0, float* x) const {
   }
 }
 
-void LlamaCpu::head_forward(const float* x, int T, float* logits) const {
+void DecoderCpu::head_forward(const float* x, int T, float* logits) const {
   const int hidden = cfg_.hidden;
   std::vector<float> xb((size_t)T * hidden);  // [T, hidden]
   norm(x, w_.final_norm, w_.final_norm_bias, T, xb.data());
   w_.lm_head.forward_batch(xb.data(), T, logits, cfg_.vocab);
 }
 
-void LlamaCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
+void DecoderCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
                              const LayerTaps* taps) const {
   const ModelConfig& c = cfg_;
   const CpuLayer& L = layer(l);
@@ -194,7 +194,7 @@ void LlamaCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
   for (size_t i = 0; i < proj.size(); ++i) x[i] += proj[i];
 }
 
-void LlamaCpu::forward_batch(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
+void DecoderCpu::forward_batch(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
                              float* all_logits) const {
   const size_t hidden = cfg_.hidden, vocab = cfg_.vocab;
   std::vector<float> x(n * hidden);  // [n, hidden] residual stream

@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "tokenizer/jinja_ast.h"
+#include "tokenizer/jinja/ast.h"
 
 namespace kestrel::jinja {
 namespace {

@@ -10,7 +10,7 @@
 #include <ctime>
 #include <optional>
 
-#include "tokenizer/jinja_builtins.h"
+#include "tokenizer/jinja/builtins.h"
 
 namespace kestrel::jinja {
 

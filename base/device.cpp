@@ -1,4 +1,4 @@
-#include "engine/base/device.h"
+#include "base/device.h"
 
 #include <cuda_runtime_api.h>
 
