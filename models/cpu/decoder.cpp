@@ -1,68 +1,101 @@
-// The decoder forward pass on the CPU reference ops, one token at a time, in fp32.
+// The decoder forward pass on the CPU reference ops, in fp32: embed, then per layer
+//   attention_block: norm -> q, k, v (+ biases) [-> per-head q/k norms] -> RoPE -> KV write
+//                    -> causal attention over the cache -> o (+ residual, + bias)
+//   mlp_block:       norm -> gate, up -> SiLU(gate) * up -> down (+ residual)
+//                    [ReLU MLP: fc1 + bias -> ReLU -> fc2 + bias (+ residual)]
+// then the final norm and lm_head. One layer body serves every mode: a decode step (one row), a
+// speculative verify pass (a few rows, each with a decode step's arithmetic: RowsMath::Exact),
+// a prompt, a perplexity window and the quantizer's calibration (many rows through BLAS:
+// RowsMath::Blas).
 #include "models/cpu/decoder.h"
+
+#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "base/error.h"
 #include "kernels/activation/activation.h"
 #include "kernels/attention/attention.h"
-#include "kernels/matmul/matmul.h"
 #include "kernels/norm/norm.h"
 #include "kernels/rope/rope.h"
 
 namespace kestrel {
 
-CpuLinear CpuLinear::load(const LinearSpec& spec) {
-  CpuLinear l;
-  l.N = spec.N;
-  l.K = spec.K;
-  l.quantized = spec.quantized;
-  if (spec.quantized) {
-    l.bits = spec.bits;
-    l.group_size = spec.group_size;
-    l.zero_offset = spec.zero_offset;
-    l.qweight = spec.qweight->copy_as<uint32_t>();
-    l.qzeros = spec.qzeros->copy_as<uint32_t>();
-    l.scales = spec.scales->copy_as<uint16_t>();
-    if (spec.g_idx) {
-      l.g_idx = spec.g_idx->copy_as<int32_t>();
-    } else {
-      l.g_idx.resize(l.K);
-      for (int64_t k = 0; k < l.K; ++k) l.g_idx[k] = spec.group_size > 0 ? k / spec.group_size : 0;
+namespace {
+
+// Query rows per attention chunk: bounds the score buffer to [kQueryChunk, keys] and skips
+// most of the masked upper triangle.
+constexpr int kQueryChunk = 128;
+
+// Causal attention of T queries at positions pos0 .. pos0+T-1 over the cache through BLAS, every
+// query head reading KV head h / (n_heads / n_kv_heads), scale 1/sqrt(head_dim):
+//   q       [T, ldq]  query heads at columns 0 .. n_heads*head_dim
+//   k_cache [ctx, kv_dim], v_cache likewise (positions 0 .. pos0+T-1 written)
+//   out     [T, n_heads*head_dim]
+// Each query's softmax runs over its visible keys only (softmax_ref), the rest get weight 0.
+void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const float* k_cache,
+                    const float* v_cache, int T, int pos0, float* out) {
+  const int hd = c.head_dim, kv_dim = c.kv_dim(), q_dim = c.q_dim();
+  const int group = c.n_heads / c.n_kv_heads;
+  const float scale = 1.0f / std::sqrt((float)hd);
+  auto first_key = [&](int p) {
+    return c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
+  };
+  std::vector<float> s;  // [rows, keys] scores, then probabilities
+  for (int i0 = 0; i0 < T; i0 += kQueryChunk) {
+    const int i1 = std::min(T, i0 + kQueryChunk), rows = i1 - i0;
+    const int k0 = first_key(pos0 + i0), k1 = pos0 + i1;  // keys [k0, k1) cover every row
+    const int keys = k1 - k0;
+    s.resize((size_t)rows * keys);
+    for (int h = 0; h < c.n_heads; ++h) {
+      const int64_t kv_off = (int64_t)(h / group) * hd;
+      // s [rows, keys] = scale * q_h [rows, hd] k_h^T
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, scale,
+                  q + (int64_t)i0 * ldq + (int64_t)h * hd, ldq, k_cache + (int64_t)k0 * kv_dim + kv_off,
+                  kv_dim, 0.0f, s.data(), keys);
+      for (int r = 0; r < rows; ++r) {
+        const int p = pos0 + i0 + r;
+        const int lo = first_key(p) - k0, hi = p - k0 + 1;  // visible keys [lo, hi)
+        float* sr = s.data() + (size_t)r * keys;
+        softmax_ref(sr + lo, hi - lo);
+        std::fill(sr, sr + lo, 0.0f);
+        std::fill(sr + hi, sr + keys, 0.0f);
+      }
+      // out_h [rows, hd] = s [rows, keys] v_h [keys, hd]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, s.data(), keys,
+                  v_cache + (int64_t)k0 * kv_dim + kv_off, kv_dim, 0.0f,
+                  out + (int64_t)i0 * q_dim + (int64_t)h * hd, q_dim);
     }
-  } else {
-    l.w = to_float(*spec.weight);
   }
-  if (spec.bias) l.bias = to_float(*spec.bias);
-  return l;
 }
 
-gptq::GptqView CpuLinear::view() const {
-  gptq::GptqView v;
-  v.bits = bits;
-  v.group_size = group_size;
-  v.K = K;
-  v.N = N;
-  v.zero_offset = zero_offset;
-  v.qweight = qweight.data();
-  v.qzeros = qzeros.data();
-  v.scales = scales.data();
-  v.g_idx = g_idx.data();
-  return v;
+// The same attention row by row with attention_ref, each row as a decode step computes it.
+void attention_exact(const ModelConfig& c, const float* q, int64_t ldq, const float* k_cache,
+                     const float* v_cache, int T, int pos0, float* out) {
+  const int kv_dim = c.kv_dim(), q_dim = c.q_dim();
+  for (int i = 0; i < T; ++i) {
+    const int p = pos0 + i;
+    const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
+    attention_ref(q + (int64_t)i * ldq, k_cache + (size_t)first * kv_dim,
+                  v_cache + (size_t)first * kv_dim, c.n_heads, c.n_kv_heads, c.head_dim,
+                  p - first + 1, out + (int64_t)i * q_dim);
+  }
 }
 
-void CpuLinear::forward(const float* x, int64_t M, float* y) const {
-  if (!quantized) {
-    matmul_ref(x, w.data(), bias.empty() ? nullptr : bias.data(), M, N, K, y);
-    return;
-  }
-  gptq::matmul_ref(view(), x, M, y);
-  if (!bias.empty())
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] += bias[n];
+// y [T, N], rows ldy floats apart, = x [T, K] W^T + b, by `math`.
+void linear(const CpuLinear& L, const float* x, int T, float* y, int64_t ldy, RowsMath math) {
+  if (math == RowsMath::Blas) return L.forward_batch(x, T, y, ldy);
+  if (ldy == L.N) return L.forward(x, T, y);
+  std::vector<float> yt((size_t)T * L.N);  // [T, N]
+  L.forward(x, T, yt.data());
+  for (int i = 0; i < T; ++i) std::copy_n(&yt[(size_t)i * L.N], L.N, y + (size_t)i * ldy);
 }
+
+}  // namespace
 
 DecoderCpu::DecoderCpu(const ModelSpec& spec) : cfg_(spec.config) {
   const ModelConfig& c = cfg_;
@@ -81,6 +114,34 @@ DecoderCpu::DecoderCpu(const ModelSpec& spec) : cfg_(spec.config) {
   for (const LayerSpec& ls : spec.layers) w_.layers.push_back(load_layer(ls));
 }
 
+CpuLayer DecoderCpu::load_layer(const LayerSpec& ls) {
+  CpuLayer l;
+  auto opt = [](const TensorInfo* t) { return t ? to_float(*t) : std::vector<float>(); };
+  l.input_norm = to_float(*ls.input_norm);
+  l.post_norm = to_float(*ls.post_norm);
+  l.input_norm_bias = opt(ls.input_norm_bias);
+  l.post_norm_bias = opt(ls.post_norm_bias);
+  l.q = CpuLinear::load(ls.q);
+  l.k = CpuLinear::load(ls.k);
+  l.v = CpuLinear::load(ls.v);
+  l.o = CpuLinear::load(ls.o);
+  l.q_norm = opt(ls.q_norm);
+  l.k_norm = opt(ls.k_norm);
+  if (!ls.gate.name.empty()) l.gate = CpuLinear::load(ls.gate);
+  l.up = CpuLinear::load(ls.up);
+  l.down = CpuLinear::load(ls.down);
+  return l;
+}
+
+CpuLayer& DecoderCpu::layer(int l) { return const_cast<CpuLayer&>(std::as_const(*this).layer(l)); }
+
+const CpuLayer& DecoderCpu::layer(int l) const {
+  KESTREL_CHECK(l >= 0 && l < (int)w_.layers.size(),
+                "layer " + std::to_string(l) + " is outside the model's " +
+                    std::to_string(w_.layers.size()) + " layers");
+  return w_.layers[l];
+}
+
 CpuRunState DecoderCpu::run_state(int context) const {
   CpuRunState s;
   s.ctx = context > 0 ? context : cfg_.max_pos;
@@ -97,8 +158,10 @@ std::unique_ptr<DecoderCpuSession> DecoderCpu::new_cpu_session(int context) {
 
 std::unique_ptr<Session> DecoderCpu::new_session(int context, bool) { return new_cpu_session(context); }
 
+// ---- Blocks -------------------------------------------------------------------------------
+
 void DecoderCpu::norm(const float* x, const std::vector<float>& w, const std::vector<float>& b,
-                    int rows, float* y) const {
+                      int rows, float* y) const {
   if (cfg_.norm == NormKind::Layer)
     layer_norm_ref(x, w.data(), b.data(), cfg_.rms_eps, rows, cfg_.hidden, y);
   else
@@ -117,100 +180,132 @@ void DecoderCpu::position_qk(const CpuLayer& L, float* q, float* k, int pos) con
   }
 }
 
-void DecoderCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {
-  forward_rows(st, &token, 1, pos, logits);
+// Hands a group's input to the taps; true when the caller asked to stop there.
+static bool tap(const LayerTaps* taps, LinearGroup g, const float* in, int T, int K) {
+  if (!taps) return false;
+  if (taps->input) taps->input(g, in, T, K);
+  return taps->stop_after == g;
 }
 
-// The readable forward pass, over n consecutive tokens (one, for a decode step; a speculative
-// draft's few, for its verification): each linear takes the n rows in one call, and every row
-// gets the arithmetic it would get alone.
-void DecoderCpu::forward_rows(CpuRunState& st, const int* tokens, int n, int pos,
-                            float* logits) const {
+bool DecoderCpu::attention_block(CpuRunState& st, int l, float* x, int T, int pos0,
+                                 const LayerTaps* taps, RowsMath math) const {
   const ModelConfig& c = cfg_;
-  const int hidden = c.hidden, kv_dim = c.kv_dim(), q_dim = c.q_dim(), inter = c.intermediate;
-  KESTREL_CHECK(n > 0 && pos >= 0 && pos + n <= st.ctx,
-                std::to_string(n) + " tokens at position " + std::to_string(pos) +
-                    " do not fit the context of " + std::to_string(st.ctx));
-  const size_t N = n;
-  std::vector<float> x(N * hidden), xb(N * hidden), proj(N * hidden);  // [n, hidden]
-  std::vector<float> q(N * q_dim), att(N * q_dim);                     // [n, q_dim]
-  std::vector<float> k(N * kv_dim), v(N * kv_dim);                     // [n, kv_dim]
-  std::vector<float> gate(N * inter), up(N * inter);                   // [n, intermediate]
+  const CpuLayer& L = w_.layers[l];
+  const int hidden = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
+  const int qkv_dim = q_dim + 2 * kv_dim;
+  float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
+  float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
+  std::vector<float> xb((size_t)T * hidden);    // [T, hidden] normalised input
+  std::vector<float> qkv((size_t)T * qkv_dim);  // [T, q_dim | kv_dim | kv_dim]
+  std::vector<float> att((size_t)T * q_dim);    // [T, q_dim] attention output
+  std::vector<float> proj((size_t)T * hidden);  // [T, hidden] o's output
 
-  // x = embed[token] (+ the learned row of its position)
-  embed(tokens, n, pos, x.data());
-
-  for (int l = 0; l < c.n_layers; ++l) {
-    const CpuLayer& L = w_.layers[l];
-    float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
-    float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
-
-    // Attention block: xb = norm(x); q, k, v = xb Wq, xb Wk, xb Wv (+ biases); per-head norms
-    // and RoPE on q and k. Every row's K/V goes into the cache before any row attends.
-    norm(x.data(), L.input_norm, L.input_norm_bias, n, xb.data());
-    L.q.forward(xb.data(), n, q.data());
-    L.k.forward(xb.data(), n, k.data());
-    L.v.forward(xb.data(), n, v.data());
-    for (int i = 0; i < n; ++i) {
-      position_qk(L, &q[i * q_dim], &k[i * kv_dim], pos + i);
-      std::copy_n(&k[i * kv_dim], kv_dim, k_cache + (size_t)(pos + i) * kv_dim);
-      std::copy_n(&v[i * kv_dim], kv_dim, v_cache + (size_t)(pos + i) * kv_dim);
-    }
-
-    // Causal attention of the row at position p over [first, p]; Mistral's sliding window
-    // limits first.
-    for (int i = 0; i < n; ++i) {
-      const int p = pos + i;
-      const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
-      attention_ref(&q[i * q_dim], k_cache + (size_t)first * kv_dim,
-                    v_cache + (size_t)first * kv_dim, c.n_heads, c.n_kv_heads, c.head_dim,
-                    p - first + 1, &att[i * q_dim]);
-    }
-
-    // x += att Wo
-    L.o.forward(att.data(), n, proj.data());
-    for (size_t i = 0; i < N * hidden; ++i) x[i] += proj[i];
-
-    // MLP block, xb = norm(x): x += (silu(xb Wgate) * (xb Wup)) Wdown, or (ReLU MLP)
-    // x += relu(xb Wfc1) Wfc2.
-    norm(x.data(), L.post_norm, L.post_norm_bias, n, xb.data());
-    L.up.forward(xb.data(), n, up.data());
-    if (c.mlp == MlpKind::GatedSiLU) {
-      L.gate.forward(xb.data(), n, gate.data());
-      silu_mul_ref(gate.data(), up.data(), N * inter, up.data());
-    } else {
-      relu_ref(up.data(), N * inter);
-    }
-    L.down.forward(up.data(), n, proj.data());
-    for (size_t i = 0; i < N * hidden; ++i) x[i] += proj[i];
+  // xb = norm(x); q, k, v side by side in each row of qkv; per-head norms and RoPE on q and k.
+  // Every row's K/V goes into the cache before any row attends.
+  norm(x, L.input_norm, L.input_norm_bias, T, xb.data());
+  if (tap(taps, LinearGroup::QKV, xb.data(), T, hidden)) return false;
+  linear(L.q, xb.data(), T, qkv.data(), qkv_dim, math);
+  linear(L.k, xb.data(), T, qkv.data() + q_dim, qkv_dim, math);
+  linear(L.v, xb.data(), T, qkv.data() + q_dim + kv_dim, qkv_dim, math);
+  for (int i = 0; i < T; ++i) {
+    float* row = qkv.data() + (size_t)i * qkv_dim;
+    position_qk(L, row, row + q_dim, pos0 + i);
+    std::copy_n(row + q_dim, kv_dim, k_cache + (size_t)(pos0 + i) * kv_dim);
+    std::copy_n(row + q_dim + kv_dim, kv_dim, v_cache + (size_t)(pos0 + i) * kv_dim);
   }
+  // Causal attention of the row at position p over [first, p]; Mistral's window limits first.
+  (math == RowsMath::Blas ? attention_blas : attention_exact)(c, qkv.data(), qkv_dim, k_cache,
+                                                              v_cache, T, pos0, att.data());
 
-  // logits [n, vocab] = norm(x) Wlm_head
-  norm(x.data(), w_.final_norm, w_.final_norm_bias, n, xb.data());
-  w_.lm_head.forward(xb.data(), n, logits);
+  // x += att Wo (+ bo)
+  if (tap(taps, LinearGroup::O, att.data(), T, q_dim)) return false;
+  linear(L.o, att.data(), T, proj.data(), hidden, math);
+  for (size_t i = 0; i < proj.size(); ++i) x[i] += proj[i];
+  return true;
+}
+
+bool DecoderCpu::mlp_block(const CpuLayer& L, float* x, int T, const LayerTaps* taps,
+                           RowsMath math) const {
+  const ModelConfig& c = cfg_;
+  const int hidden = c.hidden, inter = c.intermediate;
+  std::vector<float> xb((size_t)T * hidden);    // [T, hidden] normalised input
+  std::vector<float> up((size_t)T * inter);     // [T, intermediate]
+  std::vector<float> proj((size_t)T * hidden);  // [T, hidden] down's output
+
+  norm(x, L.post_norm, L.post_norm_bias, T, xb.data());
+  if (tap(taps, LinearGroup::GateUp, xb.data(), T, hidden)) return false;
+  linear(L.up, xb.data(), T, up.data(), inter, math);
+  if (c.mlp == MlpKind::GatedSiLU) {
+    std::vector<float> gate((size_t)T * inter);  // [T, intermediate]
+    linear(L.gate, xb.data(), T, gate.data(), inter, math);
+    silu_mul_ref(gate.data(), up.data(), (int64_t)T * inter, up.data());
+  } else {
+    relu_ref(up.data(), (int64_t)T * inter);
+  }
+  if (tap(taps, LinearGroup::Down, up.data(), T, inter)) return false;
+  linear(L.down, up.data(), T, proj.data(), hidden, math);
+  for (size_t i = 0; i < proj.size(); ++i) x[i] += proj[i];
+  return true;
+}
+
+void DecoderCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
+                               const LayerTaps* taps, RowsMath math) const {
+  const CpuLayer& L = layer(l);
+  KESTREL_CHECK(T > 0 && pos0 >= 0 && pos0 + T <= st.ctx,
+                "layer_forward: positions " + std::to_string(pos0) + " .. " +
+                    std::to_string(pos0 + T - 1) + " do not fit the context of " +
+                    std::to_string(st.ctx));
+  if (!attention_block(st, l, x, T, pos0, taps, math)) return;
+  mlp_block(L, x, T, taps, math);
+}
+
+// ---- The model ----------------------------------------------------------------------------
+
+void DecoderCpu::embed(const int* tokens, int T, int pos0, float* x) const {
+  const int hidden = cfg_.hidden;
+  for (int i = 0; i < T; ++i) {
+    KESTREL_CHECK(tokens[i] >= 0 && tokens[i] < cfg_.vocab,
+                  "token id " + std::to_string(tokens[i]) + " is outside the vocabulary (" +
+                      std::to_string(cfg_.vocab) + ")");
+    float* row = x + (size_t)i * hidden;
+    std::copy_n(&w_.embed[(size_t)tokens[i] * hidden], hidden, row);
+    if (!w_.positions.empty()) {
+      const float* p = &w_.positions[(size_t)(pos0 + i + cfg_.position_offset) * hidden];
+      for (int j = 0; j < hidden; ++j) row[j] += p[j];
+    }
+  }
+}
+
+void DecoderCpu::head_forward(const float* x, int T, float* logits, RowsMath math) const {
+  std::vector<float> xb((size_t)T * cfg_.hidden);  // [T, hidden]
+  norm(x, w_.final_norm, w_.final_norm_bias, T, xb.data());
+  linear(w_.lm_head, xb.data(), T, logits, cfg_.vocab, math);
+}
+
+void DecoderCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {
+  forward(st, &token, 1, pos, logits, nullptr);
 }
 
 void DecoderCpu::forward(CpuRunState& st, const int* tokens, int n, int pos, float* logits,
-                       float* all_logits) const {
+                         float* all_logits) const {
   KESTREL_CHECK(n > 0, "forward: no tokens");
   KESTREL_CHECK(pos + n <= st.ctx, std::to_string(pos + n) + " tokens do not fit the context of " +
                                      std::to_string(st.ctx));
-  // Every row's logits of a short run are a speculative verification (or as cheap either
-  // way): forward_rows gives each row the arithmetic of a decode step, so that the ids
-  // verified equal those decoded one at a time. Long runs (prompts, perplexity windows) take
-  // the BLAS batch.
-  if (all_logits && n > 1 && n <= kRowsMax) {
-    forward_rows(st, tokens, n, pos, all_logits);
-    std::copy_n(all_logits + (size_t)(n - 1) * cfg_.vocab, cfg_.vocab, logits);
-    return;
+  KESTREL_CHECK(pos >= 0, "position " + std::to_string(pos) + " is negative");
+  // A decode step, and a short run whose every row's logits are wanted (a speculative
+  // verification, or as cheap either way), give each row a decode step's arithmetic, so that
+  // the ids verified equal those decoded one at a time. Long runs take the BLAS batch.
+  const RowsMath math = n == 1 || (all_logits && n <= kRowsMax) ? RowsMath::Exact : RowsMath::Blas;
+  const size_t hidden = cfg_.hidden, vocab = cfg_.vocab;
+  std::vector<float> x(n * hidden);  // [n, hidden] residual stream
+  embed(tokens, n, pos, x.data());
+  for (int l = 0; l < cfg_.n_layers; ++l) layer_forward(st, l, x.data(), n, pos, nullptr, math);
+  if (all_logits) {
+    head_forward(x.data(), n, all_logits, math);
+    std::copy_n(all_logits + (n - 1) * vocab, vocab, logits);
+  } else {
+    head_forward(x.data() + (n - 1) * hidden, 1, logits, math);  // only the last token's logits
   }
-  if (n > 1) return forward_batch(st, tokens, n, pos, logits, all_logits);  // cpu/decoder_batch.cpp
-  const size_t vocab = cfg_.vocab;
-  for (int i = 0; i < n; ++i) {
-    float* out = all_logits ? all_logits + i * vocab : logits;
-    forward_token(st, tokens[i], pos + i, out);
-  }
-  if (all_logits) std::copy_n(all_logits + (size_t)(n - 1) * vocab, vocab, logits);
 }
 
 }  // namespace kestrel

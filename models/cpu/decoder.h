@@ -1,7 +1,7 @@
 // The decoder families (models/io/family.h: Llama, Mistral, Qwen2, Qwen3, OPT) on the CPU
-// reference ops, in fp32: one forward whose blocks (norm, positions, q/k norm, MLP, biases) the
-// config chooses. This is Kestrel's reference engine (`--device cpu`) and the oracle of the
-// CUDA forward.
+// reference ops, in fp32: one layer body (attention_block, mlp_block) whose blocks (norm,
+// positions, q/k norm, MLP, biases) the config chooses, run over any number of rows. This is
+// Kestrel's reference engine (`--device cpu`) and the oracle of the CUDA forward.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +40,13 @@ struct CpuLinear {
   // per call with gptq::dequantize_ref, so this agrees with forward() to fp32 rounding.
   void forward_batch(const float* x, int64_t M, float* y, int64_t ldy) const;
 };
+
+// How a pass over several rows does its products. Exact: every row gets the arithmetic of a
+// one-token decode step (the linears' fixed-order dot products, attention row by row), so a
+// speculative verify pass gives token for token what decoding one at a time gives. Blas: the
+// linears and attention through BLAS sgemm, each GPTQ weight dequantized once for all rows
+// (prompts, perplexity windows, the quantizer's calibration), equal to Exact to fp32 rounding.
+enum class RowsMath { Exact, Blas };
 
 struct CpuLayer {
   std::vector<float> input_norm;  // [hidden]
@@ -98,34 +105,26 @@ class DecoderCpu final : public Model {
   // Activations and a zeroed KV cache of `context` positions (0 = max_position_embeddings).
   CpuRunState run_state(int context) const;
 
-  // One token at one position (forward_rows of one row). Writes logits [vocab].
+  // One token at one position (a decode step). Writes logits [vocab].
   void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
-  // The readable forward pass over n consecutive tokens at positions pos .. pos+n-1, each
-  // linear taking the n rows in one call (its weights unpacked once), every row computed with
-  // the arithmetic it gets alone: logits [n, vocab] equal n one-token calls bit for bit.
-  // Speculative decoding's greedy verification on the CPU, whose output must be token for
-  // token that of decoding one token at a time.
-  void forward_rows(CpuRunState& s, const int* tokens, int n, int pos, float* logits) const;
-  // forward() with all_logits runs up to this many tokens through forward_rows.
-  static constexpr int kRowsMax = 65;
-  // forward() of a session: one token at a time through forward_token, or (n > 1) embed,
-  // layer_forward over every layer, the head.
+  // forward() of a session: embed, layer_forward over every layer, the head. One token, and
+  // short runs whose every row's logits are wanted (speculative verification, up to kRowsMax
+  // rows), take RowsMath::Exact; longer runs (prompts, perplexity windows) RowsMath::Blas.
   void forward(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
                float* all_logits) const;
+  static constexpr int kRowsMax = 65;
 
-  // Batched building blocks (models/cpu/decoder_batch.cpp): dense products through BLAS, the
-  // same ops as forward_token otherwise, equal to it to fp32 rounding.
-  //
-  // One decoder layer over T consecutive tokens at positions pos0 .. pos0+T-1: x [T, hidden]
-  // is the residual stream, in and out. Their K/V go into the layer's cache in `s`, and token
-  // i attends causally over cache positions up to pos0+i (Mistral's window applied).
+  // The decoder layer, written once for every mode: layer l over T consecutive tokens at
+  // positions pos0 .. pos0+T-1, x [T, hidden] the residual stream, in and out. Their K/V go
+  // into the layer's cache in `s`, and token i attends causally over cache positions up to
+  // pos0+i (Mistral's window applied). Taps see each linear group's input (the quantizer).
   void layer_forward(CpuRunState& s, int layer, float* x, int T, int pos0,
-                     const LayerTaps* taps = nullptr) const;
+                     const LayerTaps* taps = nullptr, RowsMath math = RowsMath::Blas) const;
   // x [T, hidden] = the embedding rows of tokens[0..T) (plus the learned rows of positions
   // pos0 .. pos0 + T - 1 where the family has them).
   void embed(const int* tokens, int T, int pos0, float* x) const;
   // logits [T, vocab] = lm_head(norm(x)), x [T, hidden].
-  void head_forward(const float* x, int T, float* logits) const;
+  void head_forward(const float* x, int T, float* logits, RowsMath math = RowsMath::Blas) const;
   // The weights of decoder layer l, to read or to replace (the quantizer swaps in quantized
   // linears, or a whole layer loaded with load_layer()).
   CpuLayer& layer(int l);
@@ -134,14 +133,19 @@ class DecoderCpu final : public Model {
   static CpuLayer load_layer(const LayerSpec& spec);
 
  private:
-  void forward_batch(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
-                     float* all_logits) const;
   // y [rows, hidden] = the family's norm (RMSNorm, or LayerNorm with bias b) of x.
   void norm(const float* x, const std::vector<float>& w, const std::vector<float>& b, int rows,
             float* y) const;
   // q [n_heads, head_dim] and k [n_kv_heads, head_dim] of one position: the per-head norms
   // (Qwen3) and RoPE where the family has them.
   void position_qk(const CpuLayer& L, float* q, float* k, int pos) const;
+  // The layer's two blocks over T rows (layer_forward); false where a tap asked to stop.
+  //   attention_block: x += Wo attention(rope(Wqkv norm(x) + b)) (+ bo)
+  //   mlp_block:       x += Wdown (silu(Wgate norm(x)) * Wup norm(x)), or (a ReLU MLP)
+  //                    x += Wfc2 relu(Wfc1 norm(x) + b1) + b2
+  bool attention_block(CpuRunState& s, int layer, float* x, int T, int pos0,
+                       const LayerTaps* taps, RowsMath math) const;
+  bool mlp_block(const CpuLayer& L, float* x, int T, const LayerTaps* taps, RowsMath math) const;
 
   ModelConfig cfg_;
   CpuWeights w_;

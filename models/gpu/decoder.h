@@ -1,7 +1,16 @@
-// The decoder families (models/io/family.h) on an NVIDIA GPU: batch-1 decoding with fused
-// dequant-GEMVs, FP16 activations and KV cache, and the whole decode step captured as CUDA graphs
-// (one per range of positions) and replayed, as are speculative verify passes (one graph per
-// token count). (Named after the first family it ran.)
+// The decoder families (models/io/family.h) on an NVIDIA GPU, split as llama.cpp splits
+// llama-model from llama-context:
+//   - DecoderCuda (this file): the model. The weights, the stream, and what its sequences share
+//     as they take turns: the decode step's scratch (GpuRunState), the prefill's scratch
+//     (PrefillState, planned in models/gpu/prefill_plan.cpp), pinned host buffers. It records
+//     the forward over a sequence's memory (GpuSequence): the decode step
+//     (models/gpu/decode_step.cpp), a run of rows (models/gpu/prefill.cpp), a verify pass
+//     (models/gpu/verify.cpp), each built from the layer of models/gpu/blocks.h.
+//   - DecoderCudaSession (models/gpu/session.h): a context. One sequence's KV cache, its decode
+//     and verify graphs, and the runs over it: steps, chained and sampled runs
+//     (models/gpu/runs.cpp), prompts, verify passes, NLL.
+// A step over several sequences at once records the same blocks over a list of GpuSequences;
+// nothing in the model is bound to one sequence but the graphs each session captures.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -41,7 +50,8 @@ struct GpuRunState {
 };
 
 // One sequence's memory on the device (DecoderCudaSession): its KV cache and attention's
-// workspace, which is sized by the context.
+// workspace, which is sized by the context. What the model's recorded forward reads and writes
+// of a sequence.
 struct GpuSequence {
   int ctx = 0;                   // positions the cache holds
   size_t cache_bytes = 0;        // of key_cache and value_cache together
@@ -88,7 +98,6 @@ class DecoderCuda final : public Model {
 
  private:
   friend class DecoderCudaSession;
-  friend struct GpuLoader;
 
   // What a step ends with: nothing (a prompt token whose logits are not wanted), the argmax
   // read back by the host, the logits read back, or (Chain0/1) the argmax, (Sample0/1) a token
@@ -96,17 +105,16 @@ class DecoderCuda final : public Model {
   // 1) and to host slot 0 or 1.
   enum class Head { None, Argmax, Logits, Chain0, Chain1, Sample0, Sample1 };
   static constexpr int kHeads = 7;
+  class ChainedRun;  // models/gpu/runs.cpp
 
-  // Session-facing steps (DecoderCudaSession forwards to these with its sequence).
-  void forward(DecoderCudaSession& q, const int* tokens, int n, int pos, float* logits,
-               float* all_logits);
-  int forward_argmax(DecoderCudaSession& q, int token, int pos);
-  void forward_argmax_rows(DecoderCudaSession& q, const int* tokens, int n, int pos, int* out);
-  void forward_nll(DecoderCudaSession& q, const int* tokens, int n, int pos, const int* targets,
-                   double* nll);
-  std::vector<OpTime> profile_step(DecoderCudaSession& q, int token, int pos);
+  // ---- The decode step (models/gpu/decode_step.cpp)
+  // Enqueues one decode step over sequence q (the token and position are read from device
+  // memory; all heads but the chained ones first copy them from host_io_) for positions
+  // below ctx_bound.
+  void record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound);
 
-  // Chunked prefill (gpu/prefill.cpp): many tokens per kernel, GEMMs on the tensor cores.
+  // ---- Runs of rows (models/gpu/prefill.cpp): many tokens per kernel, GEMMs on the tensor
+  // cores, over the prefill's scratch (models/gpu/prefill_plan.cpp).
   struct PrefillState;
   struct PrefillPlan {
     int rows = 0;                // tokens per chunk, up to max_rows
@@ -116,14 +124,14 @@ class DecoderCuda final : public Model {
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;
   };
+  // The prefill's scratch, made on first use (for chunks of up to min(prefill_chunk_, q.ctx)
+  // tokens, fewer where memory is short), with the logits of every row where want_rows.
+  PrefillState& prefill_state(const GpuSequence& q, bool want_rows);
   // Runs tokens[0..n) at positions pos.. in chunks. Per row, on request: all_logits (to the
   // host), nll of targets (the log-softmax on the device), argmax (each row's greedy successor,
   // taken on the device); logits: the last row's.
   void prefill(const GpuSequence& q, const int* tokens, int n, int pos, float* logits,
                float* all_logits, const int* targets, float* nll, int* argmax = nullptr);
-  // The prefill's scratch, made on first use (for chunks of up to min(prefill_chunk_, q.ctx)
-  // tokens, fewer where memory is short), with the logits of every row where want_rows.
-  PrefillState& prefill_state(const GpuSequence& q, bool want_rows);
   // Enqueues a chunk of T rows through the embedding and the layers into the scratch's x: the
   // tokens in d_tokens (device), at positions p0 .. p0 + T - 1, or from *d_pos (device) on
   // where d_pos is set.
@@ -132,29 +140,15 @@ class DecoderCuda final : public Model {
   // Enqueues the output head over the chunk's T rows: their fp32 logits into the scratch.
   void record_rows_logits(PrefillState& S, int T, cudaStream_t s);
   void check_tokens(const int* tokens, int n) const;  // throws Error on an id past the vocab
-  std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
-  int prefill_chunk_ = 2048;
-  uint64_t prefill_generations_ = 0;  // PrefillStates made so far (each one's generation)
 
-  // Speculative verify passes of 2 .. kVerifyMaxRows rows as CUDA graphs
-  // (DecodeTuning::verify_graphs): one per session and row count (VerifyGraphs), captured after
-  // the first pass of that count, which runs uncaptured. Each graph copies the position and
-  // the tokens from host_rows_, runs the rows, the output head and the rows' argmax over the
-  // prefill's scratch of one generation, and copies the ids back to host_rows_.
+  // ---- Verify passes (models/gpu/verify.cpp): 2 .. kVerifyMaxRows rows, captured per session
+  // and row count (DecodeTuning::verify_graphs). Each graph copies the position and the tokens
+  // from host_rows_, runs the rows, the output head and the rows' argmax over the prefill's
+  // scratch of one generation, and copies the ids back to host_rows_.
   static constexpr int kVerifyMaxRows = 65;  // a draft of up to 64 and the token before it
   void record_verify(const GpuSequence& q, int n, cudaStream_t s);
-  // pinned: [0] pos, [1 .. 1 + kVerifyMaxRows) tokens, [1 + kVerifyMaxRows ..) the ids
-  int* host_rows_ = nullptr;
 
-  // Enqueues one decode step over sequence q (the token and position are read from device
-  // memory; all heads but the chained ones first copy them from host_io_) for positions
-  // below ctx_bound.
-  void record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound);
   void warm_up(DecoderCudaSession& q);  // one short prefill (cuBLASLt's first use)
-  // Runs one step through the graph for `head`; returns when the result is on the host.
-  void step(DecoderCudaSession& q, int token, int pos, Head head);
-  // A step's token and position, checked, into host_io_ (which the graphs copy from).
-  void set_step_input(const DecoderCudaSession& q, int token, int pos);
 
   ModelConfig cfg_;
   DecodeTuning tuning_;
@@ -172,55 +166,16 @@ class DecoderCuda final : public Model {
   int* host_io_ = nullptr;        // pinned: [0] token, [1] pos, [2] next, [3..4] chain slots
   int* host_io_dev_ = nullptr;    // host_io_ as the device addresses it
   cudaEvent_t chain_done_[2] = {nullptr, nullptr};  // the chained step of each slot is done
-  class ChainedRun;
   float* host_logits_ = nullptr;  // pinned [vocab]
-};
-
-// A sequence on the GPU: its KV cache and attention workspace (allocated here, freed with the
-// session) and the decode graphs that bind them. The steps run on the model's stream and
-// scratch.
-class DecoderCudaSession final : public Session {
- public:
-  DecoderCudaSession(DecoderCuda& m, int context, bool quiet);
-  ~DecoderCudaSession() override;
-
-  int context_length() const override { return q_.ctx; }
-  size_t cache_bytes() const override { return q_.cache_bytes; }
-  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
-    m_.forward(*this, tokens, n, pos, logits, all_logits);
-  }
-  int forward_argmax(int token, int pos) override { return m_.forward_argmax(*this, token, pos); }
-  // Speculative verification: the rows' argmax on the device, only n ids reach the host;
-  // replayed from a CUDA graph per n once that n has run (DecodeTuning::verify_graphs).
-  void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override {
-    m_.forward_argmax_rows(*this, tokens, n, pos, out);
-  }
-  // Verify-pass graphs this session holds now (for tests and diagnostics).
-  int verify_graphs_held() const { return verify_graphs_.size(); }
-  // Steps chained on the device: each step's argmax feeds the next step's token and position,
-  // so step i + 1 is queued before token i reaches the host (DecodeRun).
-  std::unique_ptr<DecodeRun> greedy_run(int token, int pos) override;
-  // The same with each token drawn on the device (kernels/sampling/sample_cuda.h).
-  std::unique_ptr<DecodeRun> sampled_run(int token, int pos, const TopKSampling& s) override;
-  // Log-softmax on the device: only one float per token reaches the host.
-  void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) override {
-    m_.forward_nll(*this, tokens, n, pos, targets, nll);
-  }
-  std::vector<OpTime> profile_step(int token, int pos) override {
-    return m_.profile_step(*this, token, pos);
-  }
-
- private:
-  friend class DecoderCuda;
-  void release();                      // the graphs and the device memory, once
-  void check_position(int pos) const;  // throws Error past the context
-  cudaGraphExec_t graph(int pos, DecoderCuda::Head head) const { return graphs_.get(pos, (int)head); }
-
-  DecoderCuda& m_;
-  GpuSequence q_;
-  DeviceMemory mem_;
-  DecodeGraphs graphs_;  // per range of positions and head, bound to q_
-  VerifyGraphs verify_graphs_;  // per row count, bound to q_ and the model's prefill scratch
+  // pinned: [0] pos, [1 .. 1 + kVerifyMaxRows) tokens, [1 + kVerifyMaxRows ..) the ids
+  int* host_rows_ = nullptr;
+  std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
+  int prefill_chunk_ = 2048;
+  uint64_t prefill_generations_ = 0;  // PrefillStates made so far (each one's generation)
 };
 
 }  // namespace kestrel
+
+// The context: the session class, which names DecoderCuda::Head (after the model, so that either
+// header may be included first).
+#include "models/gpu/session.h"

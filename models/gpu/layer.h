@@ -1,5 +1,5 @@
-// One decoder layer over T consecutive tokens on the GPU: the prefill's layer step
-// (gpu/prefill.cpp), exposed so that the quantizer's calibration runs the engine's own
+// One decoder layer over T consecutive tokens on the GPU: the layer of models/gpu/blocks.h run by
+// RowsOps (models/gpu/layer_rows.cpp), the step of prompts and verify passes, exposed so that the quantizer's calibration runs the engine's own
 // forward one layer at a time, with taps on the inputs of the linears (the GPU counterpart of
 // DecoderCpu::layer_forward and its LayerTaps).
 //
@@ -17,7 +17,7 @@
 #include "models/io/config.h"
 #include "kernels/gemm/gemm.h"
 #include "models/cpu/decoder.h"
-#include "models/gpu/decoder.h"
+#include "models/gpu/weights.h"
 
 namespace kestrel {
 
@@ -64,5 +64,14 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
                         int T, int pos0, __half* k_cache, __half* v_cache,
                         const LayerRowsScratch& b, cudaStream_t s,
                         const GpuLayerTaps* taps = nullptr);
+
+// y [rows, hidden] = the family's norm of x (RMSNorm, or LayerNorm with bias b after x += add,
+// add being the bias a residual GEMM left out: add_layer_norm_f16).
+void norm_rows(const ModelConfig& c, __half* x, const __half* add, const __half* w,
+               const __half* b, int rows, __half* y, cudaStream_t s);
+
+// Fewer tokens than this run as batch-1 GEMVs even with the fused small-M GEMM on: two GEMVs
+// cost less than one fused pass at its current efficiency (docs/performance.md).
+constexpr int kSmallGemmMinRows = 3;
 
 }  // namespace kestrel

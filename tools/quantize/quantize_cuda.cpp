@@ -24,6 +24,7 @@
 #include "base/dtype.h"
 #include "base/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "models/gpu/decoder.h"
 #include "models/gpu/layer.h"
 #include "tools/quantize/gptq_cuda.h"
 #include "tools/quantize/gptq_kernels.h"

@@ -1,0 +1,150 @@
+// The decoder layer over T rows on the GPU (layer_forward_rows): the blocks of
+// models/gpu/blocks.h run by RowsOps. Per layer
+//   norm -> [tap QKV] qkv GEMM (+ biases) [-> q/k head norms] -> RoPE + KV write (T rows)
+//   -> causal tensor-core attention over the cache -> [tap O] o GEMM (+ residual) -> norm
+//   -> [tap GateUp] gate|up GEMM -> SiLU*up -> [tap Down] down GEMM (+ residual)
+//   [OPT: fc1 GEMM + bias -> ReLU -> fc2 GEMM + residual + bias]
+// GPTQ linears over 3 .. 64 rows run the fused small-M GEMM (kernels/gemm/gemm_small.h,
+// DecodeTuning::small_gemm_max_rows); over more they dequantize into an FP16 scratch and run
+// cuBLASLt; over 1 or 2 rows they run batch-1 GEMVs.
+#include "models/gpu/layer.h"
+
+#include "kernels/activation/activation_cuda.h"
+#include "kernels/attention/attention_prefill_cuda.h"
+#include "kernels/gemm/gemm_small.h"
+#include "kernels/norm/norm_cuda.h"
+#include "kernels/rope/rope_rows_cuda.h"
+#include "models/gpu/blocks.h"
+
+namespace kestrel {
+
+namespace {
+
+void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T, __half* y,
+                const __half* residual, const LayerRowsScratch& b, cudaStream_t s) {
+  // A whole quantized linear over a few tokens: one fused pass over its codes. (Its parts,
+  // when it could not be fused, write column slices of y, which gemm_small does not.)
+  if (T >= kSmallGemmMinRows && T <= b.small_max_rows && L.quantized) {
+    cuda::gemm_small(L.q, x, T, y, residual, b.small_ws, b.small_ws_bytes, s);
+    return;
+  }
+  __half* scratch = b.weights;
+  int64_t n0 = 0;  // unfused parts: each into its columns of y [T, L.N]
+  for (const GpuLinear* p : L.leaves()) {
+    __half* yp = y + n0;
+    const __half* rp = residual ? residual + n0 : nullptr;
+    if (p->quantized)
+      cuda::quant_linear_rows(g, p->q, x, T, yp, rp, scratch, s, L.N);
+    else
+      cuda::dense_linear_rows(g, p->dense, p->N, p->K, x, T, yp, rp, s, L.N);
+    n0 += p->N;
+  }
+}
+
+// The blocks' ops over T rows (models/gpu/blocks.h), each a kernel of its own over the rows,
+// in the scratch's buffers (LayerRowsScratch: xb, att and act share one, qkv and gate_up
+// another). The o bias of a LayerNorm family is added by the norm after it
+// (add_layer_norm_f16), so that o's GEMM needs no bias epilogue.
+struct RowsOps {
+  const ModelConfig& c;
+  cuda::GemmRunner& gemm;
+  __half* x;                  // [T, hidden] the residual stream
+  int T, pos0;
+  __half* k_cache;            // [ctx, kv_dim] this layer's
+  __half* v_cache;
+  const LayerRowsScratch& b;
+  cudaStream_t s;
+  const GpuLayerTaps* taps;
+
+  int qkv_n() const { return c.q_dim() + 2 * c.kv_dim(); }
+  // Hands a group's input to the taps; false when the caller asked to stop there.
+  bool go_on(LinearGroup g, const __half* in, int K) const {
+    if (!taps) return true;
+    if (taps->input) taps->input(g, in, T, K);
+    return taps->stop_after != g;
+  }
+
+  // [T, q | k | v] = Wqkv norm(x) (+ the q|k|v biases, laid down first and accumulated onto
+  // as a residual)
+  bool norm_qkv(const GpuLayer& L) {
+    norm_rows(c, x, nullptr, L.input_norm, L.input_norm_bias, T, b.xb, s);
+    if (!go_on(LinearGroup::QKV, b.xb, c.hidden)) return false;
+    if (L.qkv.bias) cuda::broadcast_rows_f16(L.qkv.bias, T, qkv_n(), b.qkv, qkv_n(), s);
+    run_linear(gemm, L.qkv, b.xb, T, b.qkv, L.qkv.bias ? b.qkv : nullptr, b, s);
+    return true;
+  }
+
+  void head_norms(const GpuLayer& L) {
+    cuda::head_rms_norm_f16(b.qkv, qkv_n(), T, c.n_heads, c.n_kv_heads, c.head_dim, L.q_norm,
+                            L.k_norm, c.rms_eps, s);
+  }
+
+  void attention(const GpuLayer&) {
+    cuda::rope_kv_write_rows_f16(b.qkv, qkv_n(), T, pos0, k_cache, v_cache, c.n_heads,
+                                 c.n_kv_heads, c.head_dim, c.rope_scaling(), s, b.pos0);
+    cuda::attention_prefill_f16(b.qkv, qkv_n(), k_cache, v_cache, pos0, T, c.sliding_window,
+                                c.n_heads, c.n_kv_heads, c.head_dim, b.att, s,  // [T, q_dim]
+                                cuda::PrefillAttnKernel::Mma, b.pos0);
+  }
+
+  // x += Wo att (bo: in the next norm)
+  bool o(const GpuLayer& L) {
+    if (!go_on(LinearGroup::O, b.att, c.q_dim())) return false;
+    run_linear(gemm, L.o, b.att, T, x, x, b, s);
+    return true;
+  }
+
+  // h = relu(Wfc1 norm(x + bo) + b1), into the gate|up buffer (xb, which it reads, shares act's)
+  bool norm_fc1_relu(const GpuLayer& L) {
+    norm_rows(c, x, L.o.bias, L.post_norm, L.post_norm_bias, T, b.xb, s);
+    if (!go_on(LinearGroup::GateUp, b.xb, c.hidden)) return false;
+    const int64_t inter = c.intermediate;
+    cuda::broadcast_rows_f16(L.gate_up.bias, T, inter, b.gate_up, inter, s);
+    run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, b.gate_up, b, s);  // [T, inter] + b1
+    cuda::relu_f16(b.gate_up, (int64_t)T * inter, s);
+    return true;
+  }
+
+  // x += Wfc2 h + b2
+  bool fc2(const GpuLayer& L) {
+    if (!go_on(LinearGroup::Down, b.gate_up, c.intermediate)) return false;
+    run_linear(gemm, L.down, b.gate_up, T, x, x, b, s);
+    cuda::add_rows_f16(x, c.hidden, L.down.bias, T, c.hidden, s);  // + b2
+    return true;
+  }
+
+  // act = silu(gate) * up, [gate | up] = Wgate|up norm(x)
+  bool norm_gate_up(const GpuLayer& L) {
+    norm_rows(c, x, L.o.bias, L.post_norm, L.post_norm_bias, T, b.xb, s);
+    if (!go_on(LinearGroup::GateUp, b.xb, c.hidden)) return false;
+    run_linear(gemm, L.gate_up, b.xb, T, b.gate_up, nullptr, b, s);  // [T, gate | up]
+    cuda::silu_mul_rows_f16(b.gate_up, T, c.intermediate, b.act, s);
+    return true;
+  }
+
+  // x += Wdown act
+  bool down(const GpuLayer& L) {
+    if (!go_on(LinearGroup::Down, b.act, c.intermediate)) return false;
+    run_linear(gemm, L.down, b.act, T, x, x, b, s);
+    return true;
+  }
+};
+
+}  // namespace
+
+void norm_rows(const ModelConfig& c, __half* x, const __half* add, const __half* w,
+               const __half* b, int rows, __half* y, cudaStream_t s) {
+  if (c.norm == NormKind::Layer)
+    cuda::add_layer_norm_f16(x, add, w, b, c.rms_eps, rows, c.hidden, y, s);
+  else
+    cuda::rms_norm_f16(x, w, c.rms_eps, rows, c.hidden, y, s);
+}
+
+void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
+                        int T, int pos0, __half* k_cache, __half* v_cache,
+                        const LayerRowsScratch& b, cudaStream_t s, const GpuLayerTaps* taps) {
+  RowsOps op{c, gemm, x, T, pos0, k_cache, v_cache, b, s, taps};
+  decoder_layer(c, L, op);
+}
+
+}  // namespace kestrel
