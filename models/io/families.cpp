@@ -1,5 +1,6 @@
 // The model families Kestrel runs: for each, how config.json describes it (read into
-// ModelConfig, with the variants it does not run refused in one line) and its tensor names.
+// ModelConfig, with the variants it does not run refused in one line), its blocks and its
+// tensor names.
 #include <fmt/format.h>
 
 #include "base/error.h"
@@ -113,34 +114,8 @@ void refuse_qwen_window(const json& j, const std::string& where) {
                 fmt::format("{}: use_sliding_window true (Qwen's per-layer window) is not supported", where));
 }
 
-// transformers' Llama has optional biases and no window (a sliding_window in its config is
-// ignored there, so here too); Mistral has the window and no biases.
-void read_llama(const json& j, const std::string& where, ModelConfig& c) {
-  read_llama_shape(j, where, c);
-  c.qkv_bias = c.o_bias = opt_bool(j, "attention_bias", where, false);
-  c.mlp_bias = opt_bool(j, "mlp_bias", where, false);
-}
-
-void read_mistral(const json& j, const std::string& where, ModelConfig& c) {
-  read_llama_shape(j, where, c);
-  read_window(j, where, c);
-}
-
-void read_qwen2(const json& j, const std::string& where, ModelConfig& c) {
-  read_llama_shape(j, where, c);
-  refuse_qwen_window(j, where);
-  c.qkv_bias = true;  // Qwen2's q, k, v always carry biases, o none
-}
-
-void read_qwen3(const json& j, const std::string& where, ModelConfig& c) {
-  read_llama_shape(j, where, c);
-  refuse_qwen_window(j, where);
-  c.qkv_bias = c.o_bias = opt_bool(j, "attention_bias", where, false);
-  c.qk_norm = true;
-}
-
-// OPT (pre-LayerNorm variants): LayerNorm with bias, biases on every linear, learned positions
-// offset by 2, a ReLU MLP, lm_head tied to the embedding.
+// OPT's keys (pre-LayerNorm variants, biases on every linear, lm_head tied to the embedding by
+// default), refusing those that would change its blocks.
 void read_opt(const json& j, const std::string& where, ModelConfig& c) {
   read_sizes(j, where, "ffn_dim", c);
   KESTREL_CHECK(c.hidden % c.n_heads == 0,
@@ -160,12 +135,7 @@ void read_opt(const json& j, const std::string& where, ModelConfig& c) {
                 fmt::format("{}: layer_norm_elementwise_affine false is not supported", where));
   KESTREL_CHECK(opt_bool(j, "enable_bias", where, true),
                 fmt::format("{}: enable_bias false (OPT without biases) is not supported", where));
-  c.qkv_bias = c.o_bias = c.mlp_bias = true;
-  c.norm = NormKind::Layer;
   c.rms_eps = 1e-5f;  // OPT's LayerNorm epsilon (torch's default)
-  c.mlp = MlpKind::ReLU;
-  c.positions = PositionKind::Learned;
-  c.position_offset = 2;
   c.tie_embeddings = opt_bool(j, "tie_word_embeddings", where, true);
 }
 
@@ -191,33 +161,57 @@ TensorNames qwen3_names() {
   return n;
 }
 
-struct Entry {
-  Family family;
-  void (*read)(const json& j, const std::string& where, ModelConfig& c);
-};
+}  // namespace
 
-const std::vector<Entry>& families() {
-  static const std::vector<Entry> all = {
-      {{"llama", "LlamaForCausalLM", {}}, read_llama},
-      {{"mistral", "MistralForCausalLM", {}}, read_mistral},
-      {{"qwen2", "Qwen2ForCausalLM", {}}, read_qwen2},
-      {{"qwen3", "Qwen3ForCausalLM", qwen3_names()}, read_qwen3},
-      {{"opt", "OPTForCausalLM", opt_names()}, read_opt},
+const std::vector<Family>& all_families() {
+  // Each entry gives its blocks, switches and names, {} for the defaults: GCC 12 warns
+  // (-Wmissing-field-initializers) about any left out.
+  static const std::vector<Family> all = {
+      // transformers' Llama: optional biases and no window (a sliding_window in its config is
+      // ignored there, so here too).
+      {.name = "llama",
+       .architecture = "LlamaForCausalLM",
+       .blocks = {},
+       .switches = {.attention_bias = true, .mlp_bias = true},
+       .names = {}},
+      {.name = "mistral",
+       .architecture = "MistralForCausalLM",
+       .blocks = {},
+       .switches = {.sliding_window = true},
+       .names = {}},
+      // Qwen2's q, k, v always carry biases, o none.
+      {.name = "qwen2",
+       .architecture = "Qwen2ForCausalLM",
+       .blocks = {.qkv_bias = true},
+       .switches = {.use_sliding_window = true},
+       .names = {}},
+      {.name = "qwen3",
+       .architecture = "Qwen3ForCausalLM",
+       .blocks = {.qk_norm = true},
+       .switches = {.attention_bias = true, .use_sliding_window = true},
+       .names = qwen3_names()},
+      // OPT: LayerNorm with bias, biases on every linear, learned positions offset by 2, a ReLU
+      // MLP.
+      {.name = "opt",
+       .architecture = "OPTForCausalLM",
+       .keys = ConfigKeys::Opt,
+       .blocks = {.norm = NormKind::Layer,
+                  .mlp = MlpKind::ReLU,
+                  .positions = PositionKind::Learned,
+                  .position_offset = 2,
+                  .qkv_bias = true,
+                  .o_bias = true,
+                  .mlp_bias = true},
+       .switches = {},
+       .names = opt_names()},
   };
   return all;
 }
 
-const Entry* find_entry(const std::string& architecture) {
-  for (const Entry& e : families())
-    if (e.family.architecture == architecture) return &e;
-  return nullptr;
-}
-
-}  // namespace
-
 const Family* find_family(const std::string& architecture) {
-  const Entry* e = find_entry(architecture);
-  return e ? &e->family : nullptr;
+  for (const Family& f : all_families())
+    if (f.architecture == architecture) return &f;
+  return nullptr;
 }
 
 const Family& family_of(const ModelConfig& c) {
@@ -228,7 +222,7 @@ const Family& family_of(const ModelConfig& c) {
 
 std::string supported_architectures() {
   std::string out;
-  for (const Entry& e : families()) out += (out.empty() ? "" : ", ") + e.family.architecture;
+  for (const Family& f : all_families()) out += (out.empty() ? "" : ", ") + f.architecture;
   return out;
 }
 
@@ -243,12 +237,31 @@ void read_family_config(const json& j, const std::string& where, ModelConfig& c)
                 fmt::format("{}: architectures lists {} classes ({}); a checkpoint must name one",
                             where, archs->size(), archs->dump()));
   const json& arch = archs->front();
-  const Entry* entry = arch.is_string() ? find_entry(arch.get<std::string>()) : nullptr;
-  KESTREL_CHECK(entry, fmt::format("{}: unsupported architectures {} (supported: {})", where,
-                                   archs->dump(), supported_architectures()));
-  c.architecture = entry->family.architecture;
-  c.family = entry->family.name;
-  entry->read(j, where, c);
+  const Family* f = arch.is_string() ? find_family(arch.get<std::string>()) : nullptr;
+  KESTREL_CHECK(f, fmt::format("{}: unsupported architectures {} (supported: {})", where,
+                               archs->dump(), supported_architectures()));
+  c.architecture = f->architecture;
+  c.family = f->name;
+  if (f->keys == ConfigKeys::Opt)
+    read_opt(j, where, c);
+  else
+    read_llama_shape(j, where, c);
+
+  const Blocks& b = f->blocks;
+  c.norm = b.norm;
+  c.mlp = b.mlp;
+  c.positions = b.positions;
+  c.position_offset = b.position_offset;
+  c.qk_norm = b.qk_norm;
+  c.qkv_bias = b.qkv_bias;
+  c.o_bias = b.o_bias;
+  c.mlp_bias = b.mlp_bias;
+
+  const Switches& s = f->switches;
+  if (s.sliding_window) read_window(j, where, c);
+  if (s.use_sliding_window) refuse_qwen_window(j, where);
+  if (s.attention_bias && opt_bool(j, "attention_bias", where, false)) c.qkv_bias = c.o_bias = true;
+  if (s.mlp_bias && opt_bool(j, "mlp_bias", where, false)) c.mlp_bias = true;
 }
 
 }  // namespace kestrel

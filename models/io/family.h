@@ -1,8 +1,9 @@
-// The model families: what config.json's `architectures` chooses. A family states its config
-// fields (models/io/families.cpp reads them into ModelConfig, refusing the variants it does
-// not run), its tensor names, and the blocks its decoder layer composes (ModelConfig's norm,
-// mlp, positions, biases, qk_norm), which the forwards of every device read. Adding a family
-// like these is one entry in families.cpp.
+// The model families: what config.json's `architectures` chooses. A family states how its
+// config is spelt (models/io/families.cpp reads it into ModelConfig, refusing the variants it
+// does not run), the blocks its decoder layer composes (ModelConfig's norm, mlp, positions,
+// biases, qk_norm, which the forwards of every device read) and its tensor names. The table is
+// the one description of a family: kestrel-synth writes checkpoints from it too. Adding a
+// family with the layer of one of these is one entry in families.cpp.
 #pragma once
 
 #include <string>
@@ -27,12 +28,42 @@ struct TensorNames {
   std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
 };
 
+// How config.json states a family's shape: transformers' Llama keys (intermediate_size,
+// num_key_value_heads, head_dim, hidden_act, rms_norm_eps, RoPE) or OPT's (ffn_dim, one KV head
+// per head, activation_function, LayerNorm).
+enum class ConfigKeys { Llama, Opt };
+
+// The blocks of a family's decoder layer that are the same in all its checkpoints
+// (ModelConfig's fields of these names); a Switch may add biases.
+struct Blocks {
+  NormKind norm = NormKind::RMS;
+  MlpKind mlp = MlpKind::GatedSiLU;
+  PositionKind positions = PositionKind::Rope;
+  int position_offset = 0;  // Learned: row of position p is p + offset (OPT: 2)
+  bool qk_norm = false;     // per-head norms of q and k (names.q_norm, names.k_norm)
+  bool qkv_bias = false, o_bias = false, mlp_bias = false;
+};
+
+// The optional config.json switches a family reads beyond its shape; the others it never sees
+// (transformers' class of that family ignores them too).
+struct Switches {
+  bool attention_bias = false;      // attention_bias: biases on q, k, v and o
+  bool mlp_bias = false;            // mlp_bias: biases on the MLP's linears
+  bool sliding_window = false;      // sliding_window: one attention window for every layer
+  bool use_sliding_window = false;  // Qwen's use_sliding_window: per-layer windows, refused
+};
+
 struct Family {
-  std::string name;          // "llama", "qwen3", ...
+  std::string name;          // "llama", "qwen3", ...: also config.json's model_type
   std::string architecture;  // "LlamaForCausalLM", ...
+  ConfigKeys keys = ConfigKeys::Llama;
+  Blocks blocks;
+  Switches switches;
   TensorNames names;
 };
 
+// Every family, in the table's order.
+const std::vector<Family>& all_families();
 // The family of an architecture name; nullptr when none.
 const Family* find_family(const std::string& architecture);
 // The family a loaded config chose.

@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "models/io/family.h"
 #include "models/io/model_spec.h"
 #include "kernels/gptq/gptq_format.h"
 #include "models/host_gptq.h"
@@ -412,6 +414,34 @@ TEST_F(SynthTest, EveryFamilyLoadsAsItself) {
       EXPECT_EQ(c.sliding_window, arch == "mistral" ? 32 : 0);
       EXPECT_EQ(c.tie_embeddings, arch == "opt");
     }
+}
+
+// Synth writes every family of the table (models/io/family.h) from the table alone: each
+// --arch loads as its family, with the table's blocks, and every family has an --arch.
+TEST_F(SynthTest, EveryTableFamilyIsWritten) {
+  const std::vector<std::string> archs = synth::arch_names();
+  for (const Family& f : all_families())
+    EXPECT_NE(std::find(archs.begin(), archs.end(), f.name), archs.end()) << f.name;
+  for (const std::string& arch : archs) {
+    SCOPED_TRACE(arch);
+    SynthOptions o = tiny("table_" + arch);
+    o.arch = arch;
+    o.n_layers = 1;
+    synth::write_model(o);
+    const ModelConfig c = load_model_spec(o.out).config;
+    const Family& f = family_of(c);
+    EXPECT_TRUE(arch == f.name || arch == "llama3") << c.family;
+    EXPECT_EQ(c.norm, f.blocks.norm);
+    EXPECT_EQ(c.mlp, f.blocks.mlp);
+    EXPECT_EQ(c.positions, f.blocks.positions);
+    EXPECT_EQ(c.position_offset, f.blocks.position_offset);
+    EXPECT_EQ(c.qk_norm, f.blocks.qk_norm);
+    // Synth writes no optional bias: the family's own are the only ones.
+    EXPECT_EQ(c.qkv_bias, f.blocks.qkv_bias);
+    EXPECT_EQ(c.o_bias, f.blocks.o_bias);
+    EXPECT_EQ(c.mlp_bias, f.blocks.mlp_bias);
+    EXPECT_EQ(c.sliding_window > 0, f.switches.sliding_window);
+  }
 }
 
 // The real shapes of today's families, as their config.json writes them (written FP16 at a

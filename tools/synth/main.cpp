@@ -18,8 +18,9 @@ int main(int argc, char** argv) {
   app.add_option("--shape", o.shape,
                  "tiny | 1b | 7b | 13b | llama3-8b | llama3.2-1b | qwen2.5-7b | qwen3-8b | "
                  "opt-6.7b | custom")->capture_default_str();
-  app.add_option("--arch", o.arch,
-                 "llama | llama3 | mistral | qwen2 | qwen3 | opt (default: the shape's family)");
+  std::string archs;
+  for (const std::string& a : kestrel::synth::arch_names()) archs += (archs.empty() ? "" : " | ") + a;
+  app.add_option("--arch", o.arch, archs + " (default: the shape's family)");
   app.add_option("--sliding-window", o.sliding_window,
                  "Mistral's attention window (default 32 at the tiny shape, else 4096)");
   app.add_option("--hidden", o.hidden, "hidden_size (overrides the shape)");

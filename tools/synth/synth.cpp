@@ -37,6 +37,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "base/dtype.h"
@@ -71,37 +72,64 @@ struct Dims {
   int kv_dim() const { return n_kv_heads * head_dim; }
 };
 
-// What a family's checkpoint holds beyond the shape: its config names and blocks.
-struct Arch {
-  std::string name, architecture, model_type;
-  bool layer_norm = false, relu = false, learned_positions = false;
-  bool qkv_bias = false, o_bias = false, mlp_bias = false, qk_norm = false;
+// What the family table leaves to each checkpoint and synth sets as the family's real models
+// do: RoPE's base, Llama 3's scaling, a tied head. Everything else a checkpoint holds (config
+// keys, blocks, biases, tensor names) follows the table (models/io/family.h). An entry named
+// after its family sets that family's values; one named otherwise is an --arch of its own
+// (llama3: Llama with Llama 3's RoPE). A family without an entry gets the defaults.
+struct Variant {
+  const char* name;
+  const char* family;
   float rope_theta = 10000.0f;
   float llama3_factor = 0;  // Llama 3's rope scaling (original 8192 positions)
-  bool window = false;      // Mistral's sliding window
+  bool tied = false;        // the output head is the embedding
 };
+
+const Variant kVariants[] = {
+    {"llama3", "llama", 500000.0f, 8.0f},
+    {"qwen2", "qwen2", 1e6f},
+    {"qwen3", "qwen3", 1e6f},
+    {"opt", "opt", 10000.0f, 0, true},
+};
+
+// A family and synth's choices for it.
+struct Arch {
+  std::string name;  // as --arch gives it
+  const Family* family = nullptr;
+  float rope_theta = 10000.0f;
+  float llama3_factor = 0;
+  bool tied = false;
+};
+
+}  // namespace
+
+std::vector<std::string> arch_names() {
+  std::vector<std::string> out;
+  for (const Family& f : all_families()) {
+    out.push_back(f.name);
+    for (const Variant& v : kVariants)
+      if (v.family == f.name && v.name != f.name) out.push_back(v.name);
+  }
+  return out;
+}
+
+namespace {
 
 Arch arch_named(const std::string& name) {
   Arch a;
   a.name = name;
-  if (name == "llama" || name == "llama3") {
-    a.architecture = "LlamaForCausalLM", a.model_type = "llama";
-    if (name == "llama3") a.rope_theta = 500000.0f, a.llama3_factor = 8.0f;
-  } else if (name == "mistral") {
-    a.architecture = "MistralForCausalLM", a.model_type = "mistral", a.window = true;
-  } else if (name == "qwen2") {
-    a.architecture = "Qwen2ForCausalLM", a.model_type = "qwen2", a.rope_theta = 1e6f;
-    a.qkv_bias = true;
-  } else if (name == "qwen3") {
-    a.architecture = "Qwen3ForCausalLM", a.model_type = "qwen3", a.rope_theta = 1e6f;
-    a.qk_norm = true;
-  } else if (name == "opt") {
-    a.architecture = "OPTForCausalLM", a.model_type = "opt";
-    a.layer_norm = a.relu = a.learned_positions = true;
-    a.qkv_bias = a.o_bias = a.mlp_bias = true;
-  } else {
-    throw Error(fmt::format("unknown --arch {} (known: llama, llama3, mistral, qwen2, qwen3, opt)", name));
-  }
+  std::string family = name;
+  for (const Variant& v : kVariants)
+    if (v.name == name) {
+      family = v.family;
+      a.rope_theta = v.rope_theta;
+      a.llama3_factor = v.llama3_factor;
+      a.tied = v.tied;
+    }
+  for (const Family& f : all_families())
+    if (f.name == family) a.family = &f;
+  if (!a.family)
+    throw Error(fmt::format("unknown --arch {} (known: {})", name, fmt::join(arch_names(), ", ")));
   return a;
 }
 
@@ -418,8 +446,8 @@ void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, cons
 
 void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
   const Dims& d = plan->d;
-  const Arch& a = plan->arch;
-  const TensorNames& n = find_family(a.architecture)->names;
+  const Blocks& b = plan->arch.family->blocks;
+  const TensorNames& n = plan->arch.family->names;
   const int64_t H = d.hidden, I = d.intermediate, Q = d.q_dim(), KV = d.kv_dim(), V = d.vocab;
   const float in_std = 1.0f / std::sqrt((float)H);
   int64_t params = 0;
@@ -432,7 +460,7 @@ void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
   // A norm's weight near 1 (and LayerNorm's bias near 0).
   auto norm = [&](const std::string& name, int64_t width) {
     dense(name + ".weight", {width}, {1.0f, 0.02f});
-    if (a.layer_norm) dense(name + ".bias", {width}, {0.0f, 0.02f});
+    if (b.norm == NormKind::Layer) dense(name + ".bias", {width}, {0.0f, 0.02f});
   };
   // A linear (dense or GPTQ) and its bias, small enough not to shift the activations' scale.
   auto linear = [&](const std::string& name, const std::string& input, int64_t N, int64_t K,
@@ -444,24 +472,24 @@ void add_tensors(SafetensorsWriter& w, const std::shared_ptr<Plan>& plan) {
   // With tied embeddings the embedding is also the output head: scale it for the logits.
   const DenseInit head{0.0f, kLogitStd / std::sqrt((float)H), kHeadRowSpread, H};
   dense(n.embed + ".weight", {V, H}, plan->tied ? head : DenseInit{0.0f, 1.0f});
-  if (a.learned_positions)  // OPT's table, rows offset by 2
-    dense(n.positions + ".weight", {d.max_pos + 2, H}, {0.0f, 0.1f});
+  if (b.positions == PositionKind::Learned)  // rows offset by the family's offset
+    dense(n.positions + ".weight", {d.max_pos + b.position_offset, H}, {0.0f, 0.1f});
   for (int l = 0; l < d.n_layers; ++l) {
     const std::string pre = fmt::format("{}{}.", n.layer, l);
     norm(pre + n.input_norm, H);
     const std::string attn_in = pre + "self_attn.input", mlp_in = pre + "mlp.input";
-    linear(pre + n.q, attn_in, Q, H, in_std, a.qkv_bias);
-    linear(pre + n.k, attn_in, KV, H, in_std, a.qkv_bias);
-    linear(pre + n.v, attn_in, KV, H, in_std, a.qkv_bias);
-    if (a.qk_norm) {
+    linear(pre + n.q, attn_in, Q, H, in_std, b.qkv_bias);
+    linear(pre + n.k, attn_in, KV, H, in_std, b.qkv_bias);
+    linear(pre + n.v, attn_in, KV, H, in_std, b.qkv_bias);
+    if (b.qk_norm) {
       dense(pre + n.q_norm + ".weight", {d.head_dim}, {1.0f, 0.02f});
       dense(pre + n.k_norm + ".weight", {d.head_dim}, {1.0f, 0.02f});
     }
-    linear(pre + n.o, pre + n.o, H, Q, 0.5f / std::sqrt((float)Q), a.o_bias);
+    linear(pre + n.o, pre + n.o, H, Q, 0.5f / std::sqrt((float)Q), b.o_bias);
     norm(pre + n.post_norm, H);
-    if (!a.relu) linear(pre + n.gate, mlp_in, I, H, in_std, a.mlp_bias);
-    linear(pre + n.up, mlp_in, I, H, in_std, a.mlp_bias);
-    linear(pre + n.down, pre + n.down, H, I, 0.5f / std::sqrt((float)I), a.mlp_bias);
+    if (b.mlp == MlpKind::GatedSiLU) linear(pre + n.gate, mlp_in, I, H, in_std, b.mlp_bias);
+    linear(pre + n.up, mlp_in, I, H, in_std, b.mlp_bias);
+    linear(pre + n.down, pre + n.down, H, I, 0.5f / std::sqrt((float)I), b.mlp_bias);
   }
   norm(n.final_norm, H);
   if (!plan->tied) dense(n.lm_head + ".weight", {V, H}, head);
@@ -502,10 +530,11 @@ ojson config_json(const Plan& p, int bos, int eos) {
   const SynthOptions& o = p.opt;
   const Dims& d = p.d;
   const Arch& a = p.arch;
+  const Family& f = *a.family;
   ojson c;
-  if (a.name == "opt") {
-    c = {{"architectures", {a.architecture}},
-         {"model_type", a.model_type},
+  if (f.keys == ConfigKeys::Opt) {
+    c = {{"architectures", {f.architecture}},
+         {"model_type", f.name},
          {"hidden_size", d.hidden},
          {"ffn_dim", d.intermediate},
          {"num_hidden_layers", d.n_layers},
@@ -517,10 +546,10 @@ ojson config_json(const Plan& p, int bos, int eos) {
          {"activation_function", "relu"},
          {"enable_bias", true},
          {"layer_norm_elementwise_affine", true},
-         {"tie_word_embeddings", true}};
+         {"tie_word_embeddings", p.tied}};
   } else {
-    c = {{"architectures", {a.architecture}},
-         {"model_type", a.model_type},
+    c = {{"architectures", {f.architecture}},
+         {"model_type", f.name},
          {"hidden_size", d.hidden},
          {"intermediate_size", d.intermediate},
          {"num_hidden_layers", d.n_layers},
@@ -537,12 +566,13 @@ ojson config_json(const Plan& p, int bos, int eos) {
       c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", a.llama3_factor},
                            {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
                            {"original_max_position_embeddings", 8192}};
-    if (a.window) c["sliding_window"] = p.window;
-    if (a.name == "qwen2" || a.name == "qwen3") c["use_sliding_window"] = false;
-    if (a.name != "qwen2") {
-      c["attention_bias"] = false;
-      if (a.name == "llama" || a.name == "llama3") c["mlp_bias"] = false;
-    }
+    const Switches& s = f.switches;
+    if (s.sliding_window) c["sliding_window"] = p.window;
+    if (s.use_sliding_window) c["use_sliding_window"] = false;
+    // No biases beyond the family's own: attention_bias false wherever q, k, v have none (a
+    // family that does not read it ignores it, as transformers does), mlp_bias where it is read.
+    if (!f.blocks.qkv_bias) c["attention_bias"] = false;
+    if (s.mlp_bias) c["mlp_bias"] = false;
   }
   c["bos_token_id"] = bos;
   c["eos_token_id"] = eos;
@@ -642,14 +672,17 @@ void write_model(const SynthOptions& opt) {
   plan->opt = opt;
   plan->d = resolve_dims(opt, pieces);
   plan->arch = arch;
-  if (arch.name == "opt" && opt.n_kv_heads == 0) plan->d.n_kv_heads = plan->d.n_heads;  // MHA
-  plan->tied = opt.tie_embeddings || pre.tied || arch.name == "opt";
-  if (arch.window)
+  // OPT's keys have no num_key_value_heads nor head_dim: one KV head per head, hidden split.
+  const bool opt_keys = arch.family->keys == ConfigKeys::Opt;
+  if (opt_keys && opt.n_kv_heads == 0) plan->d.n_kv_heads = plan->d.n_heads;
+  plan->tied = opt.tie_embeddings || pre.tied || arch.tied;
+  if (arch.family->switches.sliding_window)
     plan->window = opt.sliding_window >= 0 ? opt.sliding_window : opt.shape == "tiny" ? 32 : 4096;
-  KESTREL_CHECK(arch.name != "opt" || plan->d.n_kv_heads == plan->d.n_heads,
-                "--arch opt has no grouped-query attention: --kv-heads must equal --heads");
-  KESTREL_CHECK(arch.name != "opt" || plan->d.head_dim * plan->d.n_heads == plan->d.hidden,
-                "--arch opt needs heads * head_dim = hidden");
+  KESTREL_CHECK(!opt_keys || plan->d.n_kv_heads == plan->d.n_heads,
+                fmt::format("--arch {} has no grouped-query attention: --kv-heads must equal --heads",
+                            arch.name));
+  KESTREL_CHECK(!opt_keys || plan->d.head_dim * plan->d.n_heads == plan->d.hidden,
+                fmt::format("--arch {} needs heads * head_dim = hidden", arch.name));
   if (opt.dtype == "gptq") validate_packing(plan->d, opt.bits);
   plan->threads = opt.threads > 0 ? opt.threads : (int)std::max(1u, std::thread::hardware_concurrency());
   const Dims& d = plan->d;

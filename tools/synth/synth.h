@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace kestrel::synth {
 
@@ -10,8 +11,9 @@ struct SynthOptions {
   // tiny | 1b | 7b | 13b (Llama 2 era) | llama3-8b | llama3.2-1b | qwen2.5-7b | qwen3-8b |
   // opt-6.7b | custom (explicit dims below)
   std::string shape = "tiny";
-  // The family's blocks and names: llama | llama3 | mistral | qwen2 | qwen3 | opt; empty = the
-  // shape's own (llama for tiny, 1b, 7b, 13b, custom).
+  // The family (arch_names()): a family of the table in models/io/families.cpp, or a variant
+  // of one (llama3: Llama with Llama 3's RoPE); empty = the shape's own (llama for tiny, 1b, 7b,
+  // 13b, custom).
   std::string arch;
   int sliding_window = -1;     // Mistral's window; -1 = 32 at the tiny shape, else 4096
   // Explicit dimensions override the shape's when > 0.
@@ -37,6 +39,9 @@ struct SynthOptions {
   bool quiet = false;          // no summary line, no warnings
   int threads = 0;             // worker threads; 0 = all hardware threads. Output does not depend on it.
 };
+
+// The --arch names: every family's (models/io/family.h), each followed by synth's variants of it.
+std::vector<std::string> arch_names();
 
 // Writes the model into a temporary directory beside `out`, renamed to `out` once complete;
 // throws kestrel::Error on bad options or I/O failure, leaving `out` as it was.
