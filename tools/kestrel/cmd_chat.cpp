@@ -13,6 +13,7 @@
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/line_editor.h"
 #include "base/error.h"
+#include "base/interrupt.h"
 #include "engine/generate.h"
 #include "tokenizer/chat_template.h"
 
@@ -108,7 +109,7 @@ class ChatSession {
       info(fmt::format("chatting with {} ({}, context {}). /help lists the commands, "
                        "Ctrl-C stops a reply, /exit or Ctrl-D ends.",
                        a_.model.dir, tmpl_->describe(), ctx_));
-    catch_sigint();
+    catch_interrupts();
 
     std::string msg;
     while (read_message(msg)) {

@@ -12,6 +12,7 @@
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/inputs.h"
 #include "base/error.h"
+#include "base/interrupt.h"
 #include "engine/generate.h"
 #include "base/progress.h"
 #include "base/staged_output.h"
@@ -185,7 +186,7 @@ int run_single(const GenerateArgs& a) {
     std::cout << std::flush;
     stream = [](std::string_view s) { std::cout << s << std::flush; };
   }
-  catch_sigint();  // Ctrl-C ends the text, not the program: the block below still prints
+  catch_interrupts();  // Ctrl-C ends the text, not the program: the block below still prints
   const GenerateResult r = generate(*m.session, *m.tok, ids, opt, stream);
   add_result(perf, r);
   const bool stopped = take_interrupt();
@@ -286,7 +287,7 @@ int run_batch(const GenerateArgs& a) {
   int done = 0;
   const size_t reported = failures.size();
   // Ctrl-C stops the prompt being generated (its line says "cancelled") and the rest.
-  catch_sigint();
+  catch_interrupts();
   bool stopped = false;
   for (BatchItem& it : items) {
     if (stopped) break;

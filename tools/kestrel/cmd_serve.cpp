@@ -10,7 +10,6 @@
 #include <httplib.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -25,6 +24,7 @@
 #include <thread>
 
 #include "base/error.h"
+#include "base/interrupt.h"
 #include "engine/generate.h"
 #include "tokenizer/chat_template.h"
 #include "tools/kestrel/commands.h"
@@ -347,12 +347,7 @@ class Server {
     std::cerr << fmt::format("listening on http://{}:{}", v6 ? "[" + a_.host + "]" : a_.host, port)
               << std::endl;
 
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    int sig = 0;
-    sigwait(&set, &sig);
+    const int sig = wait_for_stop_signal();
     if (!listener_failed_)
       std::cerr << fmt::format("kestrel: {}: stopping (in-flight requests are cancelled)",
                                sig == SIGINT ? "SIGINT" : "SIGTERM")
@@ -560,14 +555,10 @@ int run_serve(const ServeArgs& a) {
   std::unique_ptr<LoadedModel> draft =
       open_speculation(a.spec, m, a.model, SamplingParams{}, a.quiet).draft;
 
-  // From here SIGINT and SIGTERM are taken by sigwait in Server::run, never delivered to a
-  // thread (the server's threads inherit this mask); a write to a closed connection is an
-  // error return, not a signal.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  // From here SIGINT and SIGTERM are taken by wait_for_stop_signal in Server::run, never
+  // delivered to a thread (the server's threads inherit the mask); a write to a closed
+  // connection is an error return, not a signal.
+  block_stop_signals();
   signal(SIGPIPE, SIG_IGN);
 
   Server s(a, m, std::move(tmpl), std::move(draft));

@@ -2,9 +2,7 @@
 
 #include <cblas.h>
 #include <cuda_runtime.h>
-#include <signal.h>
 
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -622,22 +620,5 @@ std::string process_escapes(std::string_view s) {
   }
   return out;
 }
-
-namespace {
-std::atomic<bool> g_interrupted{false};
-extern "C" void on_sigint(int) { g_interrupted.store(true); }
-}  // namespace
-
-void catch_sigint() {
-  struct sigaction sa {};
-  sa.sa_handler = on_sigint;
-  sigemptyset(&sa.sa_mask);
-  sa.sa_flags = 0;
-  sigaction(SIGINT, &sa, nullptr);
-}
-
-bool interrupted() { return g_interrupted.load(); }
-
-bool take_interrupt() { return g_interrupted.exchange(false); }
 
 }  // namespace kestrel::cli

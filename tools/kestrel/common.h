@@ -154,15 +154,6 @@ std::string read_text_file(const std::string& path);
 // backslash stays as written.
 std::string process_escapes(std::string_view s);
 
-// Ctrl-C while a command generates: catch_sigint() makes SIGINT set a flag (interrupted())
-// that generation polls between tokens, instead of ending the process. Without SA_RESTART,
-// a read waiting for input returns.
-void catch_sigint();
-bool interrupted();
-// Reads and clears the flag.
-bool take_interrupt();
-
-
 // Prints a one-line note to stderr unless quiet.
 void note(bool quiet, const std::string& msg);
 
