@@ -16,7 +16,6 @@
 #include "engine/generate.h"
 #include "base/progress.h"
 #include "base/staged_output.h"
-#include "kernels/matmul/matmul.h"
 #include "tokenizer/chat_template.h"
 
 namespace kestrel::cli {
@@ -134,7 +133,7 @@ void print_verbose(const LoadedModel& m, const GenerateOptions& opt, const std::
   std::string s = fmt::format("device: {}, context {}", m.session->device_name(),
                               m.session->context_length());
   if (m.device == "cpu") {
-    const int t = linear_threads();  // -t
+    const int t = cpu_threads();  // -t
     s += fmt::format(", {} thread{}", t, t == 1 ? "" : "s");
   }
   s += fmt::format("\nprompt: {} tokens:", ids.size());
@@ -164,11 +163,12 @@ int run_single(const GenerateArgs& a) {
   if (prompt.empty()) throw Error("no prompt: give -p TEXT, -f FILE or --batch-file FILE");
 
   Perf perf;
-  LoadedModel m = open_model(a.model, a.quiet);
+  const ModelLoadOptions lo = load_options(a.model, a.quiet);
+  LoadedModel m = open_model(lo);
   const std::optional<ChatTemplate> tmpl = chat_template(a, m);
   const std::vector<int> ids = prompt_ids(a, m, tmpl, prompt);
-  check_fits((int)ids.size(), a.n_predict, context_length(m, a.model));
-  load_weights(m, a.model, a.quiet);
+  check_fits((int)ids.size(), a.n_predict, context_length(m, lo));
+  load_weights(m, lo);
   perf.load_ms = m.load_ms;
 
   GenerateOptions opt = base_options(a, tmpl);
@@ -255,9 +255,10 @@ int run_batch(const GenerateArgs& a) {
     }
 
   Perf perf;
-  LoadedModel m = open_model(a.model, a.quiet);
+  const ModelLoadOptions lo = load_options(a.model, a.quiet);
+  LoadedModel m = open_model(lo);
   const std::optional<ChatTemplate> tmpl = chat_template(a, m);
-  const int ctx = context_length(m, a.model);
+  const int ctx = context_length(m, lo);
   int runnable = 0;
   for (BatchItem& it : items) {
     if (!it.error.empty()) continue;
@@ -271,7 +272,7 @@ int run_batch(const GenerateArgs& a) {
     }
   }
   if (runnable > 0) {
-    load_weights(m, a.model, a.quiet);
+    load_weights(m, lo);
     perf.load_ms = m.load_ms;
   }
   GenerateOptions base = base_options(a, tmpl);

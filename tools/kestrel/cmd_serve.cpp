@@ -26,14 +26,14 @@
 #include "base/error.h"
 #include "base/interrupt.h"
 #include "engine/generate.h"
+#include "engine/server/api_error.h"
+#include "engine/server/request.h"
+#include "engine/server/response.h"
+#include "engine/server/scheduler.h"
 #include "tokenizer/chat_template.h"
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/server/access.h"
-#include "tools/kestrel/server/api_error.h"
-#include "tools/kestrel/server/request.h"
-#include "tools/kestrel/server/response.h"
-#include "tools/kestrel/server/scheduler.h"
 
 namespace kestrel::cli {
 
@@ -545,11 +545,12 @@ class Server {
 };
 
 int run_serve(const ServeArgs& a) {
-  LoadedModel m = open_model(a.model, a.quiet);
+  const ModelLoadOptions lo = load_options(a.model, a.quiet);
+  LoadedModel m = open_model(lo);
   std::string why;
   std::optional<ChatTemplate> tmpl(ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why));
   if (!why.empty()) note(a.quiet, "note: " + why);
-  load_weights(m, a.model, a.quiet);
+  load_weights(m, lo);
   // --spec draft loads the draft model now (its errors before the server listens); the
   // drafters themselves are made per request, with the request's sampling.
   std::unique_ptr<LoadedModel> draft =
@@ -564,7 +565,7 @@ int run_serve(const ServeArgs& a) {
   Server s(a, m, std::move(tmpl), std::move(draft));
   note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens, queue {}{}", model_id(a),
                             m.device, a.parallel, a.parallel == 1 ? "" : "s",
-                            context_length(m, a.model), a.queue,
+                            context_length(m, lo), a.queue,
                             a.spec.kind.empty()
                                 ? ""
                                 : fmt::format(", speculative {} (draft-max {})", a.spec.kind,
