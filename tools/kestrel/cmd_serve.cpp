@@ -1,9 +1,9 @@
 // kestrel serve: the model behind an OpenAI-compatible HTTP API (cpp-httplib), for the chat
 // clients, editors and libraries that speak it. Requests are read into engine options by
-// server/request.h, answered in OpenAI's shapes by server/response.h, and run on --parallel
-// sessions of the one loaded model behind a bounded queue (server/scheduler.h). Each
-// connection is served on a thread of its own, which runs its generation itself, taking the
-// model's turn for each step.
+// engine/server/request.h, answered in OpenAI's shapes by engine/server/response.h, and run on
+// --parallel sessions of the one loaded model behind a bounded queue
+// (engine/server/scheduler.h). Each connection is served on a thread of its own, which runs its
+// generation itself, taking the model's turn for each step.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fmt/format.h>
