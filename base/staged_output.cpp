@@ -6,12 +6,9 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <semaphore.h>
-#include <signal.h>
 #include <stdio.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -20,6 +17,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "base/interrupt.h"
 
 namespace kestrel {
 
@@ -221,15 +219,6 @@ void StagedFile::commit() {
 
 namespace {
 
-sem_t g_signalled;
-std::atomic<int> g_signal{0};
-
-extern "C" void on_signal(int sig) {
-  int none = 0;
-  g_signal.compare_exchange_strong(none, sig);
-  sem_post(&g_signalled);  // async-signal-safe; the cleanup thread does the rest
-}
-
 // Removes a temporary that another thread may still be writing into: again until it stays gone.
 void remove_fully(const fs::path& p) {
   std::error_code ec;
@@ -240,9 +229,8 @@ void remove_fully(const fs::path& p) {
   }
 }
 
+// Runs on base/interrupt's exit thread after a stop signal; the process exits after it.
 void cleanup_after_signal() {
-  while (sem_wait(&g_signalled) != 0) {
-  }
   Registry& r = registry();
   r.mutex.lock();  // kept until _exit
   std::string dests;
@@ -255,7 +243,6 @@ void cleanup_after_signal() {
   const std::string what = dests.empty() ? "" : "; nothing written to " + dests;
   const std::string line = clear + r.program + ": interrupted" + what + "\n";
   [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, line.data(), line.size());
-  ::_exit(128 + g_signal.load());
 }
 
 }  // namespace
@@ -267,13 +254,7 @@ void remove_staged_outputs_on_signals(const std::string& program) {
       std::lock_guard<std::mutex> lock(registry().mutex);
       registry().program = program;
     }
-    sem_init(&g_signalled, 0, 0);
-    std::thread(cleanup_after_signal).detach();
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaction(sig, &sa, nullptr);
+    on_stop_signal_exit([](int) { cleanup_after_signal(); });
   });
 }
 

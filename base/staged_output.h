@@ -65,7 +65,8 @@ class StagedFile {
 
 // From now on SIGINT, SIGTERM and SIGHUP remove the staged outputs not yet committed, print
 // "<program>: interrupted; nothing written to DEST" on stderr and exit with 128 + the signal
-// number. A handler of the program's own installed later takes precedence for its signal.
+// number (base/interrupt.h runs it). A SIGINT the program catches (catch_interrupts) sets its
+// flag instead.
 void remove_staged_outputs_on_signals(const std::string& program);
 
 }  // namespace kestrel

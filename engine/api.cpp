@@ -8,18 +8,13 @@
 
 #include "base/error.h"
 #include "engine/generate.h"
+#include "engine/loader.h"
 #include "engine/perplexity.h"
-#include "models/io/model_spec.h"
-#include "models/model.h"
-#include "models/registry.h"
-#include "tokenizer/tokenizer.h"
 
 namespace kestrel::api {
 
 struct Model::Impl {
-  ModelSpec spec;
-  std::unique_ptr<Tokenizer> tok;
-  std::unique_ptr<kestrel::Model> model;
+  kestrel::LoadedModel m;  // the spec, tokenizer and weights; sessions are the caller's
 };
 
 struct Session::Impl {
@@ -45,42 +40,42 @@ auto guarded(F&& f) -> decltype(f()) {
 
 Model Model::load(const std::string& dir, const LoadOptions& o) {
   return guarded([&] {
-    kestrel::LoadOptions lo;
-    lo.device = resolve_device(o.device);
+    kestrel::ModelLoadOptions lo;
+    lo.dir = dir;
+    lo.device = o.device;
+    lo.threads = o.threads;
     lo.quiet = o.quiet;
-    auto impl = std::make_shared<Impl>(Impl{load_model_spec(dir), Tokenizer::load(dir), nullptr});
-    impl->tok->check_fits(impl->spec.config.vocab, dir);
-    impl->model = kestrel::load_model(impl->spec, lo);
-    return Model(std::move(impl));
+    lo.open_session = false;  // new_session opens them, of the caller's context
+    return Model(std::make_shared<Impl>(Impl{kestrel::load_model(lo)}));
   });
 }
 
-std::string Model::device() const { return impl_->model->device_name(); }
-std::string Model::architecture() const { return impl_->spec.config.architecture; }
-int Model::max_context() const { return impl_->spec.config.max_pos; }
-int Model::vocab_size() const { return impl_->spec.config.vocab; }
+std::string Model::device() const { return impl_->m.model->device_name(); }
+std::string Model::architecture() const { return impl_->m.config().architecture; }
+int Model::max_context() const { return impl_->m.config().max_pos; }
+int Model::vocab_size() const { return impl_->m.config().vocab; }
 
 std::vector<int> Model::tokenize(std::string_view text, bool add_special) const {
-  return guarded([&] { return impl_->tok->encode(std::string(text), add_special); });
+  return guarded([&] { return impl_->m.tok->encode(std::string(text), add_special); });
 }
 
 std::string Model::detokenize(const std::vector<int>& ids) const {
-  return guarded([&] { return impl_->tok->decode(ids); });
+  return guarded([&] { return impl_->m.tok->decode(ids); });
 }
 
 std::unique_ptr<Session> Model::new_session(int context) const {
   return guarded([&] {
     auto s = std::make_unique<Session::Impl>();
     s->model = impl_;
-    s->session = impl_->model->new_session(context, /*quiet=*/true);
+    s->session = impl_->m.model->new_session(context, /*quiet=*/true);
     return std::unique_ptr<Session>(new Session(std::move(s)));
   });
 }
 
 PerplexityResult Model::perplexity(std::string_view text, int window, int64_t max_windows) const {
   return guarded([&] {
-    const std::vector<int> ids = impl_->tok->encode(std::string(text), /*with_specials=*/true);
-    std::unique_ptr<kestrel::Session> s = impl_->model->new_session(window, /*quiet=*/true);
+    const std::vector<int> ids = impl_->m.tok->encode(std::string(text), /*with_specials=*/true);
+    std::unique_ptr<kestrel::Session> s = impl_->m.model->new_session(window, /*quiet=*/true);
     const kestrel::PerplexityResult r = kestrel::perplexity(*s, ids, window, max_windows, false);
     return PerplexityResult{r.ppl, r.tokens, r.windows, r.seconds};
   });
@@ -94,7 +89,7 @@ int Session::context_length() const { return impl_->session->context_length(); }
 GenerateResult Session::generate(std::string_view prompt, const GenerateOptions& o,
                                  const std::function<void(std::string_view)>& on_text) {
   return guarded([&] {
-    return generate(impl_->model->tok->encode(std::string(prompt), /*with_specials=*/true), o,
+    return generate(impl_->model->m.tok->encode(std::string(prompt), /*with_specials=*/true), o,
                     on_text);
   });
 }
@@ -113,7 +108,7 @@ GenerateResult Session::generate(const std::vector<int>& prompt_ids, const Gener
     g.stop = o.stop;
     g.ignore_eos = o.ignore_eos;
     const kestrel::GenerateResult r =
-        generate_cached(*impl_->session, *impl_->model->tok, prompt_ids, g, on_text);
+        generate_cached(*impl_->session, *impl_->model->m.tok, prompt_ids, g, on_text);
     GenerateResult out;
     out.text = r.text;
     out.ids = r.ids;

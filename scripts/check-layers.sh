@@ -2,8 +2,10 @@
 # Checks that #include arrows point one way between the layers:
 #   base  <-  kernels, tokenizer  <-  models  <-  engine  <-  tools  <-  tests
 # A file may include its own layer or a lower one, never a higher one or a sibling
-# (kernels and tokenizer know nothing of each other). Prints each offending include and
-# exits 1 when there is one.
+# (kernels and tokenizer know nothing of each other). One rule more: the `kestrel` program
+# (tools/kestrel/) is a client of engine/, as llama.cpp's tools/main is of llama.h, and never
+# includes models/ or kernels/ (the kernel and model tools beside it may). Prints each
+# offending include and exits 1 when there is one.
 set -euo pipefail
 cd "${1:-$(dirname "$0")/..}"
 layer() {  # the layer of a path, and its rank
@@ -28,6 +30,9 @@ while IFS= read -r file; do
     [ "$to_name" = other ] && continue  # a path relative to the file's own folder
     if [ "$to_name" != "$from_name" ] && [ "$to_rank" -ge "$from_rank" ]; then
       echo "$file: includes $inc ($from_name may not depend on $to_name)"
+      bad=1
+    elif [[ "$file" == tools/kestrel/* ]] && { [ "$to_name" = models ] || [ "$to_name" = kernels ]; }; then
+      echo "$file: includes $inc (tools/kestrel uses $to_name only through engine/)"
       bad=1
     fi
   done < <(sed -n -E 's/^[[:space:]]*#[[:space:]]*include[[:space:]]+"([^"]+)".*/\1/p' "$file")

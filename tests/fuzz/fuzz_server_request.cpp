@@ -7,8 +7,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "tools/kestrel/server/api_error.h"
-#include "tools/kestrel/server/request.h"
+#include "engine/server/api_error.h"
+#include "engine/server/request.h"
 
 using namespace kestrel;
 

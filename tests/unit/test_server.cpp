@@ -9,10 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "engine/server/request.h"
+#include "engine/server/response.h"
+#include "engine/server/scheduler.h"
 #include "tools/kestrel/server/access.h"
-#include "tools/kestrel/server/request.h"
-#include "tools/kestrel/server/response.h"
-#include "tools/kestrel/server/scheduler.h"
 
 using nlohmann::json;
 using namespace kestrel;

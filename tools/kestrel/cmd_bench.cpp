@@ -140,11 +140,12 @@ int run_bench(BenchArgs a) {
   a.tuning.graph_ranges = !a.no_graph_ranges;
   a.tuning.verify_graphs = !a.no_verify_graphs;
   const bool quiet = a.output != "md";
-  LoadedModel m = open_model(a.model, quiet);
+  const ModelLoadOptions lo = load_options(a.model, quiet, a.tuning);
+  LoadedModel m = open_model(lo);
   if (m.device != "cuda" && !a.tuning_given.empty())
     note(quiet, fmt::format("note: {} tune{} the CUDA engine; this model runs on the CPU",
                             fmt::join(a.tuning_given, ", "), a.tuning_given.size() == 1 ? "s" : ""));
-  load_weights(m, a.model, quiet, a.tuning);
+  load_weights(m, lo);
   Session& b = *m.session;
   const Model& model = *m.model;
   const int vocab = b.config().vocab;

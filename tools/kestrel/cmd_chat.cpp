@@ -13,6 +13,7 @@
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/line_editor.h"
 #include "base/error.h"
+#include "base/interrupt.h"
 #include "engine/generate.h"
 #include "tokenizer/chat_template.h"
 
@@ -65,11 +66,11 @@ class ChatSession {
   }
 
   int run() {
-    m_ = open_model(a_.model, a_.quiet);
+    m_ = open_model(load_options(a_.model, a_.quiet));
     std::string why;
     tmpl_.emplace(ChatTemplate::load(a_.model.dir, a_.chat_template, *m_.tok, &why));
     if (!why.empty()) info("note: " + why);
-    load_weights(m_, a_.model, a_.quiet);
+    load_weights(m_, load_options(a_.model, a_.quiet));
     perf_.load_ms = m_.load_ms;
     ctx_ = m_.session->context_length();
     base_ = resolve_sampling(a_.model.dir, a_.sampling);
@@ -108,7 +109,7 @@ class ChatSession {
       info(fmt::format("chatting with {} ({}, context {}). /help lists the commands, "
                        "Ctrl-C stops a reply, /exit or Ctrl-D ends.",
                        a_.model.dir, tmpl_->describe(), ctx_));
-    catch_sigint();
+    catch_interrupts();
 
     std::string msg;
     while (read_message(msg)) {

@@ -12,10 +12,10 @@
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/inputs.h"
 #include "base/error.h"
+#include "base/interrupt.h"
 #include "engine/generate.h"
 #include "base/progress.h"
 #include "base/staged_output.h"
-#include "kernels/matmul/matmul.h"
 #include "tokenizer/chat_template.h"
 
 namespace kestrel::cli {
@@ -133,7 +133,7 @@ void print_verbose(const LoadedModel& m, const GenerateOptions& opt, const std::
   std::string s = fmt::format("device: {}, context {}", m.session->device_name(),
                               m.session->context_length());
   if (m.device == "cpu") {
-    const int t = linear_threads();  // -t
+    const int t = cpu_threads();  // -t
     s += fmt::format(", {} thread{}", t, t == 1 ? "" : "s");
   }
   s += fmt::format("\nprompt: {} tokens:", ids.size());
@@ -163,11 +163,12 @@ int run_single(const GenerateArgs& a) {
   if (prompt.empty()) throw Error("no prompt: give -p TEXT, -f FILE or --batch-file FILE");
 
   Perf perf;
-  LoadedModel m = open_model(a.model, a.quiet);
+  const ModelLoadOptions lo = load_options(a.model, a.quiet);
+  LoadedModel m = open_model(lo);
   const std::optional<ChatTemplate> tmpl = chat_template(a, m);
   const std::vector<int> ids = prompt_ids(a, m, tmpl, prompt);
-  check_fits((int)ids.size(), a.n_predict, context_length(m, a.model));
-  load_weights(m, a.model, a.quiet);
+  check_fits((int)ids.size(), a.n_predict, context_length(m, lo));
+  load_weights(m, lo);
   perf.load_ms = m.load_ms;
 
   GenerateOptions opt = base_options(a, tmpl);
@@ -185,7 +186,7 @@ int run_single(const GenerateArgs& a) {
     std::cout << std::flush;
     stream = [](std::string_view s) { std::cout << s << std::flush; };
   }
-  catch_sigint();  // Ctrl-C ends the text, not the program: the block below still prints
+  catch_interrupts();  // Ctrl-C ends the text, not the program: the block below still prints
   const GenerateResult r = generate(*m.session, *m.tok, ids, opt, stream);
   add_result(perf, r);
   const bool stopped = take_interrupt();
@@ -254,9 +255,10 @@ int run_batch(const GenerateArgs& a) {
     }
 
   Perf perf;
-  LoadedModel m = open_model(a.model, a.quiet);
+  const ModelLoadOptions lo = load_options(a.model, a.quiet);
+  LoadedModel m = open_model(lo);
   const std::optional<ChatTemplate> tmpl = chat_template(a, m);
-  const int ctx = context_length(m, a.model);
+  const int ctx = context_length(m, lo);
   int runnable = 0;
   for (BatchItem& it : items) {
     if (!it.error.empty()) continue;
@@ -270,7 +272,7 @@ int run_batch(const GenerateArgs& a) {
     }
   }
   if (runnable > 0) {
-    load_weights(m, a.model, a.quiet);
+    load_weights(m, lo);
     perf.load_ms = m.load_ms;
   }
   GenerateOptions base = base_options(a, tmpl);
@@ -286,7 +288,7 @@ int run_batch(const GenerateArgs& a) {
   int done = 0;
   const size_t reported = failures.size();
   // Ctrl-C stops the prompt being generated (its line says "cancelled") and the rest.
-  catch_sigint();
+  catch_interrupts();
   bool stopped = false;
   for (BatchItem& it : items) {
     if (stopped) break;

@@ -10,8 +10,7 @@
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "base/error.h"
-#include "models/io/config.h"
-#include "models/io/safetensors.h"
+#include "engine/loader.h"
 #include "tokenizer/chat_template.h"
 
 namespace kestrel::cli {
@@ -35,13 +34,13 @@ std::string tokenizer_file(const std::string& dir) {
 int run_info(const InfoArgs& a) {
   if (!fs::exists(a.dir)) throw Error(a.dir + ": no such model directory");
   if (!fs::is_directory(a.dir)) throw Error(a.dir + ": not a directory (-m takes a model directory)");
-  const ModelConfig c = load_model_config(a.dir);
-  const ModelFiles files = ModelFiles::open(a.dir, c.quant ? c.quant->model_file_base_name : "");
+  const ModelInfo info = read_model_info(a.dir);
+  const ModelConfig& c = info.config;
   const std::unique_ptr<Tokenizer> tok = Tokenizer::load(a.dir);
   std::string why;
   const ChatTemplate tmpl = ChatTemplate::load(a.dir, "auto", *tok, &why);
 
-  const uint64_t bytes = files.total_bytes();
+  const uint64_t bytes = info.weight_bytes;
   const int64_t params = count_params(c);
   std::string context = fmt::format("{} positions (max_position_embeddings)", c.max_pos);
   if (c.positions == PositionKind::Rope) {

@@ -27,11 +27,11 @@ struct PerplexityArgs {
 };
 
 int run_perplexity(const PerplexityArgs& a) {
-  const ModelOptions& mo = a.model;
+  const ModelLoadOptions mo = load_options(a.model, a.json);
   if (mo.context == 1) throw Error("-c 1: a window needs at least 2 tokens");
   const std::string text = read_text_file(a.file);
   if (text.empty()) throw Error(a.file + ": the file is empty");
-  LoadedModel m = open_model(mo, a.json);
+  LoadedModel m = open_model(mo);
   // The default window: 2048 tokens, or the model's context where that is shorter (a model
   // scored past its max_position_embeddings gives a meaningless figure).
   const int window = mo.context > 0 ? mo.context : std::min(2048, context_length(m, mo));
@@ -51,7 +51,7 @@ int run_perplexity(const PerplexityArgs& a) {
     check_fills_a_window((int64_t)tokens.size(), window);
     return 0;
   });
-  load_weights(m, mo, a.json);
+  load_weights(m, mo);
   Session& b = *m.session;
 
   const PerplexityResult r =

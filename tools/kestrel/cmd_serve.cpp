@@ -1,16 +1,15 @@
 // kestrel serve: the model behind an OpenAI-compatible HTTP API (cpp-httplib), for the chat
 // clients, editors and libraries that speak it. Requests are read into engine options by
-// server/request.h, answered in OpenAI's shapes by server/response.h, and run on --parallel
-// sessions of the one loaded model behind a bounded queue (server/scheduler.h). Each
-// connection is served on a thread of its own, which runs its generation itself, taking the
-// model's turn for each step.
+// engine/server/request.h, answered in OpenAI's shapes by engine/server/response.h, and run on
+// --parallel sessions of the one loaded model behind a bounded queue
+// (engine/server/scheduler.h). Each connection is served on a thread of its own, which runs its
+// generation itself, taking the model's turn for each step.
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fmt/format.h>
 #include <httplib.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <pthread.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -25,15 +24,16 @@
 #include <thread>
 
 #include "base/error.h"
+#include "base/interrupt.h"
 #include "engine/generate.h"
+#include "engine/server/api_error.h"
+#include "engine/server/request.h"
+#include "engine/server/response.h"
+#include "engine/server/scheduler.h"
 #include "tokenizer/chat_template.h"
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/server/access.h"
-#include "tools/kestrel/server/api_error.h"
-#include "tools/kestrel/server/request.h"
-#include "tools/kestrel/server/response.h"
-#include "tools/kestrel/server/scheduler.h"
 
 namespace kestrel::cli {
 
@@ -347,12 +347,7 @@ class Server {
     std::cerr << fmt::format("listening on http://{}:{}", v6 ? "[" + a_.host + "]" : a_.host, port)
               << std::endl;
 
-    sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    sigaddset(&set, SIGTERM);
-    int sig = 0;
-    sigwait(&set, &sig);
+    const int sig = wait_for_stop_signal();
     if (!listener_failed_)
       std::cerr << fmt::format("kestrel: {}: stopping (in-flight requests are cancelled)",
                                sig == SIGINT ? "SIGINT" : "SIGTERM")
@@ -550,30 +545,27 @@ class Server {
 };
 
 int run_serve(const ServeArgs& a) {
-  LoadedModel m = open_model(a.model, a.quiet);
+  const ModelLoadOptions lo = load_options(a.model, a.quiet);
+  LoadedModel m = open_model(lo);
   std::string why;
   std::optional<ChatTemplate> tmpl(ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why));
   if (!why.empty()) note(a.quiet, "note: " + why);
-  load_weights(m, a.model, a.quiet);
+  load_weights(m, lo);
   // --spec draft loads the draft model now (its errors before the server listens); the
   // drafters themselves are made per request, with the request's sampling.
   std::unique_ptr<LoadedModel> draft =
       open_speculation(a.spec, m, a.model, SamplingParams{}, a.quiet).draft;
 
-  // From here SIGINT and SIGTERM are taken by sigwait in Server::run, never delivered to a
-  // thread (the server's threads inherit this mask); a write to a closed connection is an
-  // error return, not a signal.
-  sigset_t set;
-  sigemptyset(&set);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  // From here SIGINT and SIGTERM are taken by wait_for_stop_signal in Server::run, never
+  // delivered to a thread (the server's threads inherit the mask); a write to a closed
+  // connection is an error return, not a signal.
+  block_stop_signals();
   signal(SIGPIPE, SIG_IGN);
 
   Server s(a, m, std::move(tmpl), std::move(draft));
   note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens, queue {}{}", model_id(a),
                             m.device, a.parallel, a.parallel == 1 ? "" : "s",
-                            context_length(m, a.model), a.queue,
+                            context_length(m, lo), a.queue,
                             a.spec.kind.empty()
                                 ? ""
                                 : fmt::format(", speculative {} (draft-max {})", a.spec.kind,

@@ -9,10 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "models/model.h"
-#include "models/registry.h"
 #include "engine/generate.h"
-#include "models/io/model_spec.h"
+#include "engine/loader.h"
 #include "engine/sampler.h"
 #include "engine/speculative.h"
 #include "tokenizer/tokenizer.h"
@@ -42,41 +40,19 @@ std::string unknown_option_message(const std::string& opt);
 // "-ngl". Empty when there is none.
 std::string unknown_short_option(const CLI::App& cmd, int argc, char** argv, int first);
 
+// The model options every command takes (-m, --device, -c, -t).
 struct ModelOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda
   int context = 0;              // 0 = the model's max_position_embeddings
-  int threads = 0;              // CPU engine: threads (0 = one per core; set_threads)
+  int threads = 0;              // CPU engine: threads (0 = one per core; set_cpu_threads)
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& o);
 
-struct LoadedModel {
-  std::unique_ptr<ModelSpec> spec;
-  std::unique_ptr<Tokenizer> tok;
-  std::unique_ptr<Model> model;
-  std::unique_ptr<Session> session;  // the command's sequence over the model
-  std::string device;  // "cpu" or "cuda"
-  double load_ms = 0;
-  int context = 0;     // the context the session will be opened with (0 = the model's)
-};
-
-// Resolves the device ("auto": cuda when a usable GPU is present), checks the model
-// directory and loads the tokenizer and the weights. Throws kestrel::Error.
-LoadedModel load_model(const ModelOptions& o, bool quiet);
-// The same in two steps, so that a command can check its prompts against the tokenizer and
-// the context before the weights load: open_model reads the tokenizer and the model spec and
-// checks that the KV cache of the context fits the device's memory (-c too long for it is an
-// error naming the bytes; the CPU engine's default context is shortened with a note, as the
-// GPU engine does), load_weights loads the model and opens its session (CUDA draws its
-// progress bar; the CPU, which cannot report progress, prints one line when done). Both unless
-// quiet. `tuning` is the CUDA decode path's (kestrel bench sets it).
-LoadedModel open_model(const ModelOptions& o, bool quiet);
-void load_weights(LoadedModel& m, const ModelOptions& o, bool quiet,
-                  const DecodeTuning& tuning = {});
-// The context the session will have: -c, or the model's max_position_embeddings (shortened
-// where the host's memory is short, see open_model).
-int context_length(const LoadedModel& m, const ModelOptions& o);
+// The loader's options (engine/loader.h) for the command's: its notes and progress bar unless
+// quiet; `tuning` is the CUDA decode path's (kestrel bench sets it).
+ModelLoadOptions load_options(const ModelOptions& o, bool quiet, const DecodeTuning& tuning = {});
 
 // Sampling options as llama.cpp spells them; unset ones come from generation_config.json.
 struct SamplingOptions {
@@ -142,10 +118,6 @@ void add_result(Perf& p, const GenerateResult& r);
 // Prints the block to stderr.
 void print_perf(const Perf& p, const std::string& device);
 
-// Sampling defaults from <dir>/generation_config.json (temperature, top_k, top_p; do_sample
-// false means greedy), over Kestrel's own defaults.
-SamplingParams default_sampling(const std::string& dir);
-
 // Reads a whole text file; throws kestrel::Error naming it when missing, not a regular file
 // ("data is a directory") or unreadable (base/files.h).
 std::string read_text_file(const std::string& path);
@@ -154,25 +126,9 @@ std::string read_text_file(const std::string& path);
 // backslash stays as written.
 std::string process_escapes(std::string_view s);
 
-// Ctrl-C while a command generates: catch_sigint() makes SIGINT set a flag (interrupted())
-// that generation polls between tokens, instead of ending the process. Without SA_RESTART,
-// a read waiting for input returns.
-void catch_sigint();
-bool interrupted();
-// Reads and clears the flag.
-bool take_interrupt();
-
-
 // Prints a one-line note to stderr unless quiet.
 void note(bool quiet, const std::string& msg);
 
-// "28.6 TiB", "512.0 MiB", "640 B".
-std::string bytes_text(double bytes);
-
-// A model's weight format: "GPTQ 4-bit g128 act-order", "F16".
-std::string format_text(const ModelConfig& c);
-// Its parameters, from the shapes of config.json (norms and biases left out).
-int64_t count_params(const ModelConfig& c);
 // Size and parameter count as llama-bench prints them: MiB and M below a GiB and a billion.
 std::string size_text(uint64_t bytes);
 std::string params_text(int64_t n);

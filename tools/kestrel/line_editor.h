@@ -2,7 +2,7 @@
 // libedit-dev): the arrows move and recall earlier lines, Ctrl-R searches them, and ~/.editrc
 // applies, as in other programs built on it. Otherwise (a pipe, a file, or a build without
 // libedit) plain std::getline. Either way SIGINT ends a read in progress (read() returns
-// false), as catch_sigint() installs it without SA_RESTART.
+// false), as catch_interrupts() (base/interrupt.h) installs it without SA_RESTART.
 #pragma once
 
 #include <memory>

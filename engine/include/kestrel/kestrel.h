@@ -33,9 +33,14 @@ class KESTREL_API Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// New fields go at the end, so that the ones before keep their offsets; the struct's size
+// still changes, so a program built against an older header is rebuilt with the new one.
 struct LoadOptions {
   std::string device = "auto";  // "cpu", "cuda", or "auto" (cuda when a GPU is usable)
   bool quiet = true;            // false: a progress bar and notes on stderr
+  // The CPU engine's threads (0 = OMP_NUM_THREADS or one per core), for the calls made from
+  // the thread that loads the model; calls from other threads run on one thread each.
+  int threads = 0;
 };
 
 struct GenerateOptions {

@@ -11,7 +11,7 @@
 #include "engine/generate.h"
 #include "engine/sampler.h"
 #include "tokenizer/tokenizer.h"
-#include "tools/kestrel/server/request.h"
+#include "engine/server/request.h"
 
 namespace kestrel::server {
 

@@ -1,4 +1,4 @@
-#include "tools/kestrel/server/request.h"
+#include "engine/server/request.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "tools/kestrel/server/scheduler.h"
+#include "engine/server/scheduler.h"
 
 #include <algorithm>
 #include <chrono>

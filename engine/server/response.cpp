@@ -1,4 +1,4 @@
-#include "tools/kestrel/server/response.h"
+#include "engine/server/response.h"
 
 #include <cstdio>
 

@@ -1,4 +1,4 @@
-#include "tools/kestrel/server/api_error.h"
+#include "engine/server/api_error.h"
 
 namespace kestrel::server {
 

@@ -15,7 +15,7 @@
 #include "engine/sampler.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
-#include "tools/kestrel/server/api_error.h"
+#include "engine/server/api_error.h"
 
 namespace kestrel::server {
 

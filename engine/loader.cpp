@@ -1,0 +1,198 @@
+#include "engine/loader.h"
+
+#include <cblas.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+
+#include "base/error.h"
+#include "kernels/matmul/matmul.h"
+#include "models/io/config.h"
+#include "models/io/generation_config.h"
+#include "models/io/safetensors.h"
+
+namespace kestrel {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// Prints a one-line note to stderr unless quiet.
+void note(bool quiet, const std::string& msg) {
+  if (!quiet) std::cerr << msg << "\n";
+}
+
+// "28.6 TiB", "512.0 MiB", "640 B".
+std::string bytes_text(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 5) {
+    bytes /= 1024;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
+}
+
+// Free host memory the kernel would give without swapping (MemAvailable), 0 when unknown.
+double host_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+// The context the session gets, checked against the memory of its device: an explicit -c
+// whose KV cache cannot fit is refused with the bytes it needs; the CPU engine's default (the
+// model's max_position_embeddings) is shortened to what fits, with a note, as the GPU
+// engine's is (models/gpu/decoder.cpp, which also makes the final check on the GPU).
+int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
+  const ModelConfig& c = m.spec->config;
+  const int ctx = o.context > 0 ? o.context : c.max_pos;
+  const bool cpu = m.device == "cpu";
+  // The CPU engine's cache is fp32, the GPU engine's fp16: K and V per layer and position.
+  const double per_pos = 2.0 * c.n_layers * c.kv_dim() * (cpu ? 4 : 2);
+  const double weights = (double)m.spec->files.total_bytes();
+  double room = 0;  // bytes the cache may take
+  std::string memory;
+  if (cpu) {
+    const double avail = host_available_bytes();
+    if (avail == 0) return ctx;  // unknown: the allocation will tell
+    room = avail - weights - 256.0 * 1048576;  // the weights, activations and the program
+    memory = fmt::format("host memory and {} is available", bytes_text(avail));
+  } else {
+    size_t free_b = 0, total_b = 0;
+    if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) return ctx;
+    // Only what cannot fit even beside no weights: the engine sizes the rest exactly.
+    room = (double)free_b;
+    memory = fmt::format("GPU memory and {} is free", bytes_text((double)free_b));
+  }
+  const double need = per_pos * ctx;
+  if (need <= room || (!cpu && o.context == 0)) return ctx;  // the GPU engine shortens its own
+  const int64_t fits = room > 0 ? (int64_t)(room / per_pos) : 0;
+  if (o.context > 0 || fits < 16)
+    throw Error(fmt::format("{}: the KV cache would need {} of {}; use -c N with N up to {}{}",
+                            o.context > 0 ? fmt::format("-c {}", ctx)
+                                          : fmt::format("the model's context of {}", ctx),
+                            bytes_text(need), memory, fits,
+                            fits > c.max_pos
+                                ? fmt::format(" (the model was trained for {})", c.max_pos)
+                                : ""));
+  // A round number under what fits.
+  const int ctx_fit = (int)(fits >= 512 ? fits / 256 * 256 : fits);
+  note(o.quiet, fmt::format("note: host memory is short: context reduced from {} to {} tokens "
+                            "(the KV cache of {} would need {})",
+                            ctx, ctx_fit, ctx, bytes_text(need)));
+  return ctx_fit;
+}
+
+}  // namespace
+
+void set_cpu_threads(int threads) {
+  if (threads > 0) openblas_set_num_threads(threads);
+  set_linear_threads(threads);
+}
+
+int cpu_threads() { return linear_threads(); }
+
+LoadedModel open_model(const ModelLoadOptions& o) {
+  if (!fs::exists(o.dir)) throw Error(o.dir + ": no such model directory");
+  if (!fs::is_directory(o.dir)) throw Error(o.dir + ": not a directory (-m takes a model directory)");
+  const auto t0 = std::chrono::steady_clock::now();
+  LoadedModel m;
+  m.device = device_key(resolve_device(o.device));
+  set_cpu_threads(o.threads);
+  if (o.threads > 0 && m.device == "cuda")
+    note(o.quiet, "note: -t sets the CPU engine's threads; this model runs on the GPU");
+
+  m.tok = Tokenizer::load(o.dir);
+  m.spec = std::make_unique<ModelSpec>(load_model_spec(o.dir));
+  for (const std::string& w : m.spec->warnings) note(o.quiet, "warning: " + w);
+  const ModelConfig& c = m.spec->config;
+  m.tok->check_fits(c.vocab, o.dir);
+  if (o.context > c.max_pos)
+    note(o.quiet, "warning: context " + std::to_string(o.context) +
+                      " is longer than the model was trained for (" + std::to_string(c.max_pos) +
+                      ")");
+  m.context = checked_context(m, o);
+  m.load_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return m;
+}
+
+int context_length(const LoadedModel& m, const ModelLoadOptions& o) {
+  if (m.context > 0) return m.context;
+  return o.context > 0 ? o.context : m.spec->config.max_pos;
+}
+
+void load_weights(LoadedModel& m, const ModelLoadOptions& o) {
+  const auto t0 = std::chrono::steady_clock::now();
+  LoadOptions lo;
+  lo.device = m.device == "cuda" ? Device::Cuda : Device::Cpu;
+  lo.quiet = o.quiet;
+  lo.tuning = o.tuning;
+  m.model = kestrel::load_model(*m.spec, lo);
+  if (o.open_session) m.session = m.model->new_session(context_length(m, o), o.quiet);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  m.load_ms += ms;
+  if (m.device != "cuda")
+    note(o.quiet, fmt::format("loaded {:.1f} MiB of weights from {} on {} in {:.0f} ms, context {}",
+                              m.spec->files.total_bytes() / 1048576.0, o.dir,
+                              m.model->device_name(), ms,
+                              m.session ? m.session->context_length() : context_length(m, o)));
+}
+
+LoadedModel load_model(const ModelLoadOptions& o) {
+  LoadedModel m = open_model(o);
+  load_weights(m, o);
+  return m;
+}
+
+SamplingParams default_sampling(const std::string& dir) {
+  SamplingParams p;
+  const GenerationDefaults g = load_generation_defaults(dir);
+  if (g.temperature) p.temperature = *g.temperature;
+  if (g.top_k) p.top_k = *g.top_k;
+  if (g.top_p) p.top_p = *g.top_p;
+  if (g.min_p) p.min_p = *g.min_p;
+  if (g.repetition_penalty) p.repeat_penalty = *g.repetition_penalty;
+  if (g.do_sample && !*g.do_sample) p.temperature = 0.0f;
+  return p;
+}
+
+std::string format_text(const ModelConfig& c) {
+  if (!c.quant) return dtype_name(c.dtype);
+  const QuantConfig& q = *c.quant;
+  return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
+                     q.group_size > 0 ? "g" + std::to_string(q.group_size) : "per-channel",
+                     q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
+}
+
+int64_t count_params(const ModelConfig& c) {
+  const int64_t mlp = (c.mlp == MlpKind::GatedSiLU ? 3LL : 2LL) * c.hidden * c.intermediate;
+  const int64_t per_layer = (int64_t)c.hidden * (c.q_dim() + 2 * c.kv_dim()) +
+                            (int64_t)c.q_dim() * c.hidden + mlp + 2LL * c.hidden;
+  int64_t p = per_layer * c.n_layers + (int64_t)c.vocab * c.hidden + c.hidden;
+  if (!c.tie_embeddings) p += (int64_t)c.vocab * c.hidden;
+  if (c.positions == PositionKind::Learned)
+    p += (int64_t)(c.max_pos + c.position_offset) * c.hidden;
+  return p;
+}
+
+ModelInfo read_model_info(const std::string& dir) {
+  ModelInfo info;
+  info.config = load_model_config(dir);
+  const ModelFiles files =
+      ModelFiles::open(dir, info.config.quant ? info.config.quant->model_file_base_name : "");
+  info.weight_bytes = files.total_bytes();
+  return info;
+}
+
+}  // namespace kestrel

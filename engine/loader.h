@@ -1,0 +1,80 @@
+// From a model directory to what a program runs: the one loader of the library
+// (engine/include/kestrel/kestrel.h) and of the `kestrel` command. It checks the directory,
+// reads the tokenizer and the checkpoint's spec, fits the context to the device's memory, sets
+// the CPU engine's threads, loads the weights and opens the program's session.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "engine/sampler.h"
+#include "models/io/model_spec.h"
+#include "models/model.h"
+#include "models/registry.h"
+#include "tokenizer/tokenizer.h"
+
+namespace kestrel {
+
+struct ModelLoadOptions {
+  std::string dir;
+  std::string device = "auto";  // auto | cpu | cuda
+  int context = 0;              // 0 = the model's max_position_embeddings
+  int threads = 0;              // CPU engine: threads (0 = one per core; set_cpu_threads)
+  bool quiet = true;            // false: notes and the progress bar on stderr
+  DecodeTuning tuning;          // the CUDA decode path's (kestrel bench sets it)
+  bool open_session = true;     // load_weights opens a session of the context
+};
+
+struct LoadedModel {
+  std::unique_ptr<ModelSpec> spec;
+  std::unique_ptr<Tokenizer> tok;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Session> session;  // the program's sequence over the model
+  std::string device;  // "cpu" or "cuda"
+  double load_ms = 0;
+  int context = 0;     // the context the session will be opened with (0 = the model's)
+
+  const ModelConfig& config() const { return spec->config; }
+};
+
+// Resolves the device ("auto": cuda when a usable GPU is present), checks the model directory
+// and loads the tokenizer and the weights. Throws kestrel::Error.
+LoadedModel load_model(const ModelLoadOptions& o);
+// The same in two steps, so that a program can check its prompts against the tokenizer and
+// the context before the weights load: open_model reads the tokenizer and the model spec and
+// checks that the KV cache of the context fits the device's memory (-c too long for it is an
+// error naming the bytes; the CPU engine's default context is shortened with a note, as the
+// GPU engine does), load_weights loads the model and opens its session (CUDA draws its
+// progress bar; the CPU, which cannot report progress, prints one line when done). Both unless
+// quiet.
+LoadedModel open_model(const ModelLoadOptions& o);
+void load_weights(LoadedModel& m, const ModelLoadOptions& o);
+// The context the session will have: -c, or the model's max_position_embeddings (shortened
+// where the host's memory is short, see open_model).
+int context_length(const LoadedModel& m, const ModelLoadOptions& o);
+
+// The CPU engine's threads, for its one-to-few-row linears (OpenMP) and its batched ones
+// (OpenBLAS) alike, for calls from the calling thread (0 = OMP_NUM_THREADS or one per core;
+// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so.
+void set_cpu_threads(int threads);
+int cpu_threads();  // the team set for the calling thread
+
+// Sampling defaults from <dir>/generation_config.json (temperature, top_k, top_p, min_p,
+// repetition_penalty; do_sample false means greedy), over Kestrel's own defaults.
+SamplingParams default_sampling(const std::string& dir);
+
+// A model's weight format: "GPTQ 4-bit g128 act-order", "F16".
+std::string format_text(const ModelConfig& c);
+// Its parameters, from the shapes of config.json (norms and biases left out).
+int64_t count_params(const ModelConfig& c);
+
+// What a model directory holds, read without its weights (kestrel info): config.json with its
+// quantization config and the safetensors headers.
+struct ModelInfo {
+  ModelConfig config;
+  uint64_t weight_bytes = 0;  // of every safetensors shard
+};
+ModelInfo read_model_info(const std::string& dir);
+
+}  // namespace kestrel
