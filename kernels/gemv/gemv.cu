@@ -73,6 +73,7 @@
 
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/dynamic_smem.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gemv/gemv_kernel.cuh"
@@ -164,35 +165,10 @@ Kernel quant_kernel(int bits, int gs) {
   return k;
 }
 
-// Raises a kernel's dynamic shared-memory limit when a block needs more than it may use by
-// default (48 KB less the kernel's static shared memory), once per (device, kernel): to the
-// device's opt-in limit less the kernel's static shared memory (asking for the whole opt-in
-// limit is an invalid value when the kernel has any).
+// Lets a block of k use `bytes` of dynamic shared memory (x and its staging buffers, which grow
+// with K), or refuses the K by name.
 void ensure_smem(Kernel k, size_t bytes) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, size_t> allowed;  // what a block may use now
-  const DeviceInfo& d = current_device_info();
-  std::lock_guard<std::mutex> lock(mu);
-  size_t& cur = allowed[{d.id, reinterpret_cast<const void*>(k)}];
-  if (bytes <= cur) return;
-  cudaFuncAttributes attr{};
-  KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
-  const size_t by_default =
-      attr.sharedSizeBytes < 48 * 1024 ? 48 * 1024 - attr.sharedSizeBytes : 0;
-  if (bytes <= by_default) {
-    cur = by_default;
-    return;
-  }
-  const size_t limit = d.smem_per_block_optin > attr.sharedSizeBytes
-                           ? d.smem_per_block_optin - attr.sharedSizeBytes
-                           : 0;
-  if (bytes > limit)
-    throw Error("gemv: a block needs " + std::to_string(bytes) + " bytes of shared memory for x, " +
-                "device " + std::to_string(d.id) + " allows " + std::to_string(limit) +
-                " (K too large)");
-  KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(limit)));
-  cur = limit;
+  ensure_dynamic_smem(k, bytes, "gemv (x in shared memory: K too large)");
 }
 
 // Resident blocks per SM of a kernel at a shared-memory size (cached: queried per call it would
