@@ -32,6 +32,7 @@
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/dynamic_smem.h"
 
 namespace kestrel::cuda {
 namespace {
@@ -424,22 +425,15 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const P
 
 template <int D>
 void launch(const Params& p, int n_heads, PrefillAttnKernel kernel, cudaStream_t stream) {
-  // The attribute is per function; setting it again is harmless, so no lock is needed.
-  static bool configured = false;
-  if (!configured) {
-    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)Layout<D>::bytes));
-    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(attention_prefill_mma_kernel<D>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)MmaLayout<D>::bytes));
-    configured = true;
-  }
   const dim3 grid((p.T + kBQ - 1) / kBQ, n_heads);
-  if (kernel == PrefillAttnKernel::Mma)
+  if (kernel == PrefillAttnKernel::Mma) {
+    ensure_dynamic_smem(attention_prefill_mma_kernel<D>, MmaLayout<D>::bytes,
+                        "attention_prefill_f16");
     attention_prefill_mma_kernel<D><<<grid, kThreads, MmaLayout<D>::bytes, stream>>>(p);
-  else
+  } else {
+    ensure_dynamic_smem(attention_prefill_kernel<D>, Layout<D>::bytes, "attention_prefill_f16");
     attention_prefill_kernel<D><<<grid, kThreads, Layout<D>::bytes, stream>>>(p);
+  }
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

@@ -1,4 +1,4 @@
-// Dequantization of a repacked GPTQ weight (kernels/gemv/gemv.cu draws the layout) into a plain
+// Dequantization of a repacked GPTQ weight (layout: kernels/gemv/weight_decode.cuh) into a plain
 // FP16 matrix [N, K] for the tensor-core GEMM, and the column gather of act-order inputs.
 //
 // One thread per 8 consecutive codes of a row: it reads the 16-byte chunk plane(s) holding them

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/dynamic_smem.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemm/gemm_small_kernel.cuh"
@@ -97,35 +98,16 @@ Kernel kernel_of(int bits, int gs, int nt) {
   }
 }
 
-// The dynamic shared memory a block of kernel k may use on the current device: the opt-in
-// limit less the kernel's static shared memory. Raises the kernel's limit to it once per
-// (device, kernel), so that any plan's ring up to it launches.
-size_t prepare_kernel(Kernel k) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*>, size_t> limits;
-  const DeviceInfo& d = current_device_info();
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(d.id, reinterpret_cast<const void*>(k));
-  auto it = limits.find(key);
-  if (it != limits.end()) return it->second;
-  cudaFuncAttributes attr{};
-  KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
-  const size_t limit = d.smem_per_block_optin > attr.sharedSizeBytes
-                           ? d.smem_per_block_optin - attr.sharedSizeBytes
-                           : 0;
-  KESTREL_CUDA_CHECK(
-      cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
-  limits.emplace(key, limit);
-  return limit;
-}
-
 // Resident blocks per SM of kernel k in blocks of `threads` with `smem` bytes (cached: a
-// query per call would cost microseconds of host time); 0 when a block does not fit.
+// query per call would cost microseconds of host time); 0 when a block does not fit. k's
+// shared-memory limit is raised for such a block first, so that the query sees the kernel as
+// it will launch.
 int blocks_per_sm(Kernel k, int threads, size_t smem) {
   static std::mutex mu;
   static std::map<std::tuple<int, const void*, int, size_t>, int> cache;
   const DeviceInfo& d = current_device_info();
-  if (smem > prepare_kernel(k)) return 0;
+  if (smem > max_dynamic_smem(k)) return 0;
+  ensure_dynamic_smem(k, smem, "gemm_small");
   std::lock_guard<std::mutex> lock(mu);
   const auto key = std::make_tuple(d.id, reinterpret_cast<const void*>(k), threads, smem);
   auto it = cache.find(key);
@@ -222,7 +204,7 @@ Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
                 std::to_string(smem_of(p.splits > 0 ? p.splits : std::min(p.n_stages, kMaxSplits))) +
                 " bytes of shared memory a block for M=" + std::to_string(M) + ", K=" +
                 std::to_string(w.K) + "; device " + std::to_string(current_device_info().id) +
-                " allows " + std::to_string(prepare_kernel(p.kernel)));
+                " allows " + std::to_string(max_dynamic_smem(p.kernel)));
   if (p.splits > 1 && p.blocks() > kMaxCounters)
     throw Error("gemm_small: splits=" + std::to_string(p.splits) + " over " +
                 std::to_string(p.blocks()) + " blocks; split-K takes at most " +
@@ -332,6 +314,7 @@ void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
                      launch.pdl, xin, perm, M, w.K, plan.ldx, xp);
     p.x = xp;
   }
+  ensure_dynamic_smem(plan.kernel, plan.smem, "gemm_small");
   launch_maybe_pdl(plan.kernel,
                    dim3(static_cast<unsigned>(plan.blocks()), static_cast<unsigned>(plan.splits)),
                    dim3(plan.threads), plan.smem, s, launch.pdl, p);

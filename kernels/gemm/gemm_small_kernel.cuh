@@ -21,7 +21,7 @@
 // unit (below) for all 16 rows, and B (x, from shared memory) is laid out so that lane (g, t)
 // reads x of token g at exactly those real k.
 //
-// Piece t of a unit (the GEMV layout, kernels/gemv/gemv.cu): the unit's codes u*UC .. u*UC+UC-1
+// Piece t of a unit (the GEMV layout, weight_decode.cuh): the unit's codes u*UC .. u*UC+UC-1
 // split in four runs of PC = UC / 4 codes; piece t is codes u*UC + t*PC .. + PC - 1:
 //    4-bit: chunk t of the unit (load slot t), 4 words of 8 codes       PC = 32
 //    2-bit: chunk t (load slot t), 4 words of 16 codes                   PC = 64
@@ -180,7 +180,7 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
 
 // One bit width: what a lane holds of a piece for one row, and how 8-code group e of it becomes
 // four fp16 pairs (pair i = codes 2i, 2i+1 of the group) as `magic + q` with the pair's magic,
-// so that minus (magic + z) is q - z exactly (gemv.cu's dequantization).
+// so that minus (magic + z) is q - z exactly (weight_decode.cuh's dequantization).
 template <int BITS>
 struct Piece {
   static constexpr int kUnitCodes = unit_codes(BITS);
@@ -204,7 +204,7 @@ struct Piece {
       const uint32_t a = base[(0 * 16 + r) * 4 + t], b = base[(1 * 16 + r) * 4 + t],
                      cc = base[(2 * 16 + r) * 4 + t];
       c.w[0] = a, c.w[1] = b, c.w[2] = cc;
-      // Codes 24..31: bit 3 of each nibble of a, b, c (gemv.cu's 3-bit drawing).
+      // Codes 24..31: bit 3 of each nibble of a, b, c (weight_decode.cuh's 3-bit drawing).
       c.w[3] = select_bits(a >> 3, select_bits(b >> 2, cc >> 1, 0x22222222u), 0x11111111u);
     } else {
       const uint4 v = ws_unit[r * 4 + t];

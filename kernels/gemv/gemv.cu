@@ -1,7 +1,9 @@
 // Batch-1 GEMV kernels: fused GPTQ dequantize + dot product, and plain fp16, streaming the
 // weights once at the memory-bandwidth limit. This file: the design, the run-time quantized
-// kernel, the fp16 kernel and the dispatch; the device code is in gemv_kernel.cuh, and the
-// kernels specialized per bit width compile in gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu,
+// kernel, the fp16 kernel and the dispatch. The device code: the kernels in gemv_kernel.cuh,
+// around weight_decode.cuh (the packed layout and its decoding), input_staging.cuh (x and the
+// fused input op) and epilogue.cuh (the row sums and the fused output op); the kernels
+// specialized per bit width compile in gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu,
 // gemv_spec8.cu.
 //
 // ---------------------------------------------------------------------------------------------
@@ -53,59 +55,9 @@
 // lane l reads 16-byte chunk c = l + 32i of each row; k_split warps may share a row.
 //
 // ---------------------------------------------------------------------------------------------
-// Packed layout (built by gemv_prepare.cpp). Row n is planes * chunks 16-byte chunks. Chunk c
-// holds the C consecutive codes k = c*C .. c*C+C-1 of the (act-order permuted) K axis,
-// zero-padded past K; unit u is chunks 4u .. 4u+3 (3-bit: chunk u, planes 0-2). Inside a row,
-// the units u = 32i .. 32i+31 (fewer in the last group, cnt of them) store their load slot t
-// together: slot t of unit u at uint4 32i*loads + t*cnt + u%32 (gemv_layout.h chunk_index), so
-// the 32 lanes of a warp read 512 contiguous bytes per load. Inside a 32-bit word, the two codes
-// that meet the same half2 of x sit in the low and the high 16-bit half at the same bit
-// position, so one lop3 with a mask drops both into the mantissas of an fp16 pair:
-//
-//  4-bit, C = 32, word j of the chunk holds k = 8j .. 8j+7 (i = k - 8j):
-//     bit 31           16 15             0
-//        | 7 | 5 | 3 | 1 | 6 | 4 | 2 | 0 |      code i at bit 16*(i&1) + 4*(i>>1)
-//     mask 0x000F000F -> pair (0,1) at mantissa bit 0 : with 0x6400 (1024.0) = 1024 + q
-//     mask 0x00F000F0 -> pair (2,3) at mantissa bit 4 : with 0x5400 (  64.0) =   64 + q
-//     the same on word >> 8 -> pairs (4,5), (6,7).
-//  2-bit, C = 64, word j holds k = 16j .. 16j+15: code i at bit 16*(i&1) + 2*(i>>1); masks
-//     0x00030003 << 2s with magics 1024, 256, 64, 16 (mantissa bit 2s), on word and word >> 8.
-//  8-bit, C = 16, word j holds k = 4j .. 4j+3 at byte i; prmt puts bytes (0,1) and (2,3)
-//     under a 0x64 high byte: 1024 + q.
-//  3-bit, C = 128, 3 planes (48 bytes per chunk, three fully coalesced 16-byte loads):
-//     32-code piece u of the chunk = word u of plane 0, 1, 2 (a, b, c):
-//        a: codes 0..7 , b: codes 8..15, c: codes 16..23 as 3-bit values in the 4-bit layout
-//           above (bits 0-2 of each nibble);
-//        bit 3 of nibble slot i of a, b, c = bit 0, 1, 2 of code 24+i.
-//           plane 0 word u:  | x7 c7 | x5 c5 | ... | x6 c6 | x4 c4 | x2 c2 | x0 c0 |
-//           (xi = one bit of code 24+i, ci = 3-bit code i)
-//     d = (a>>3 & 0x11111111) | (b>>2 & 0x22222222) | (c>>1 & 0x44444444) rebuilds codes
-//     24..31 as a fourth nibble word (3 shifts + 2 lop3 per 32 codes); all four words then
-//     decode as 4-bit words with mask 7.
-//  fp16 weights: the row as stored, C = 8.
-//
-// x in shared memory mirrors this: the 8 x values of word j of the unit (4-bit; two uint4 per
-// 2-bit word, half a uint4 per 8-bit word) form uint4 number j of the unit, stored at
-// x_s[j*units + u], so that the 32 lanes of a warp read 512 contiguous bytes (no bank
-// conflicts). With act-order the block first copies x in its natural order to shared memory,
-// then gathers it through perm.
-//
-// Scales [N][groups] fp16 and, unless every zero point is equal, zeros [N][groups] uint8,
-// at the effective group size (a divisor of the checkpoint's, repeated; 0 = one per row); rows
-// padded to 8 groups, so the 1-8 scales of a unit are one aligned vector load.
-//
-// ---------------------------------------------------------------------------------------------
-// Dequantization and accuracy. lop3 yields t = M + q exactly (M = 2^(10-p) for a code at
-// mantissa bit p); t - (M + z) = q - z is exact (M + z is built with integer ops, no convert).
-// The single-hfma2 form t*s + (-(M+z)*s) is avoided: rounding -(1024+z)*s to fp16 costs up to
-// half a quantization step.
-//   8-bit: w = (q - z) * s in fp16 (one rounding, as the fp16 model's weight), then hfma2 with
-//     x into a half2 partial sum over the unit (64 codes), added in fp32.
-//   2-, 3-, 4-bit: the partial sum over 32 codes is sum (q - z) x in half2 (exact factors,
-//     |q - z| <= 15), then scaled by s in fp32: lop3, hsub2, hfma2 per pair of weights, one op
-//     less than scaling each weight. Each half of the half2 sums 16 products, so it overflows
-//     only if sum |q - z| |x| over those 16 inputs exceeds 65504 (|x| > 273 on all 16 at the
-//     extreme 4-bit code), far beyond the activations of a normalised decoder.
+// The packed layout of the weights and the accuracy of their dequantization are drawn in
+// weight_decode.cuh, beside the code that decodes them; x's layout in shared memory, which
+// mirrors it, in input_staging.cuh.
 // ---------------------------------------------------------------------------------------------
 
 #include <cuda_fp16.h>
@@ -121,6 +73,7 @@
 
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/dynamic_smem.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/gemv/gemv.h"
 #include "kernels/gemv/gemv_kernel.cuh"
@@ -132,13 +85,13 @@ namespace {
 
 // The flags of a call, or kDynamic where no specialized kernel covers it.
 int spec_of(const KParams& p) {
-  if (p.zeros || p.silu_mul || ((p.bias || p.relu_out) && !p.residual)) return kDynamic;
-  const int ops = (p.norm_w ? kNorm : 0) | (p.residual ? kResidual : 0) |
-                  (p.silu_pair ? kSiluPair : 0) | (p.res_index ? kIndexed : 0);
+  if (p.zeros || p.pro.silu_mul || ((p.epi.bias || p.epi.relu) && !p.epi.residual)) return kDynamic;
+  const int ops = (p.pro.norm_w ? kNorm : 0) | (p.epi.residual ? kResidual : 0) |
+                  (p.epi.silu_pair ? kSiluPair : 0) | (p.epi.res_index ? kIndexed : 0);
   switch (ops) {
     case 0: case kNorm: case kResidual: case kNorm | kResidual: case kNorm | kSiluPair:
     case kResidual | kIndexed:
-      return (p.perm ? kPerm : 0) | ops;
+      return (p.pro.perm ? kPerm : 0) | ops;
     default: return kDynamic;
   }
 }
@@ -212,35 +165,10 @@ Kernel quant_kernel(int bits, int gs) {
   return k;
 }
 
-// Raises a kernel's dynamic shared-memory limit when a block needs more than it may use by
-// default (48 KB less the kernel's static shared memory), once per (device, kernel): to the
-// device's opt-in limit less the kernel's static shared memory (asking for the whole opt-in
-// limit is an invalid value when the kernel has any).
+// Lets a block of k use `bytes` of dynamic shared memory (x and its staging buffers, which grow
+// with K), or refuses the K by name.
 void ensure_smem(Kernel k, size_t bytes) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, size_t> allowed;  // what a block may use now
-  const DeviceInfo& d = current_device_info();
-  std::lock_guard<std::mutex> lock(mu);
-  size_t& cur = allowed[{d.id, reinterpret_cast<const void*>(k)}];
-  if (bytes <= cur) return;
-  cudaFuncAttributes attr{};
-  KESTREL_CUDA_CHECK(cudaFuncGetAttributes(&attr, k));
-  const size_t by_default =
-      attr.sharedSizeBytes < 48 * 1024 ? 48 * 1024 - attr.sharedSizeBytes : 0;
-  if (bytes <= by_default) {
-    cur = by_default;
-    return;
-  }
-  const size_t limit = d.smem_per_block_optin > attr.sharedSizeBytes
-                           ? d.smem_per_block_optin - attr.sharedSizeBytes
-                           : 0;
-  if (bytes > limit)
-    throw Error("gemv: a block needs " + std::to_string(bytes) + " bytes of shared memory for x, " +
-                "device " + std::to_string(d.id) + " allows " + std::to_string(limit) +
-                " (K too large)");
-  KESTREL_CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(limit)));
-  cur = limit;
+  ensure_dynamic_smem(k, bytes, "gemv (x in shared memory: K too large)");
 }
 
 // Resident blocks per SM of a kernel at a shared-memory size (cached: queried per call it would
@@ -357,11 +285,11 @@ void set_input(KParams& p, const GemvInput& in) {
   if (in.norm_w && in.silu_mul) throw Error("gemv: one fused input op at a time (norm or silu_mul)");
   if ((in.layer_norm || in.norm_b) && !in.norm_w)
     throw Error("gemv: GemvInput::layer_norm and norm_b go with the norm's weights (norm_w)");
-  p.norm_w = in.norm_w;
-  p.eps = in.eps;
-  p.silu_mul = in.silu_mul;
-  p.layer_norm = in.layer_norm;
-  p.norm_b = in.layer_norm ? in.norm_b : nullptr;
+  p.pro.norm_w = in.norm_w;
+  p.pro.eps = in.eps;
+  p.pro.silu_mul = in.silu_mul;
+  p.pro.layer_norm = in.layer_norm;
+  p.pro.norm_b = in.layer_norm ? in.norm_b : nullptr;
 }
 
 // The bias and ReLU epilogues; a bias without a residual is the residual.
@@ -374,15 +302,15 @@ void set_bias_relu(KParams& p, const __half*& residual, const GemvEpilogue& out)
   if (out.bias && !residual)
     residual = out.bias;
   else
-    p.bias = out.bias;
-  p.relu_out = out.relu;
+    p.epi.bias = out.bias;
+  p.epi.relu = out.relu;
 }
 
 // Shared memory a quantized call needs beyond the weight's smem_bytes: LayerNorm's bias on the
 // bulk path (gemv_kernel.cuh: b_raw, past the mbarrier).
 size_t layer_norm_smem(const GemvWeight& w, const KParams& p) {
   const size_t codes = static_cast<size_t>(w.chunks) * chunk_codes(w.bits);
-  return p.layer_norm && p.norm_b && bulk_staged(codes) ? codes * 2 : 0;
+  return p.pro.layer_norm && p.pro.norm_b && bulk_staged(codes) ? codes * 2 : 0;
 }
 
 void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residual,
@@ -396,23 +324,23 @@ void gemv(const GemvWeight& w, const __half* x, __half* y, const __half* residua
       throw Error("gemv: the SiLU epilogue needs an even N ([gate | up]) and no residual, got N=" +
                   std::to_string(w.N) + (residual ? " with a residual" : ""));
     if (out.residual_index) throw Error("gemv: GemvEpilogue::residual_index needs a residual");
-    p.silu_pair = static_cast<int>(w.N / 2);
-    p.y_index = out.out_index;
+    p.epi.silu_pair = static_cast<int>(w.N / 2);
+    p.epi.y_index = out.out_index;
   } else if (out.out_index || out.residual_index) {
     if (!out.out_index || !out.residual_index || !residual || residual == y)
       throw Error("gemv: GemvEpilogue's out_index without the SiLU epilogue goes with a "
                   "residual_index and a residual in another buffer than y");
-    p.y_index = out.out_index;
-    p.res_index = out.residual_index;
+    p.epi.y_index = out.out_index;
+    p.epi.res_index = out.residual_index;
   }
   p.codes = w.codes;
   p.row_stride = int64_t(w.planes) * w.chunks;
   p.scales = w.scales;
   p.zeros = w.zeros;
-  p.perm = w.perm;
+  p.pro.perm = w.perm;
   p.x = x;
   p.y = y;
-  p.residual = residual;
+  p.epi.residual = residual;
   p.N = static_cast<int>(w.N);
   p.K = static_cast<int>(w.K);
   p.nch = static_cast<int>(w.chunks / unit_chunks(w.bits));  // units per row
@@ -472,7 +400,7 @@ void gemv_f16(const __half* W, const __half* x, __half* y, int64_t N, int64_t K,
   p.row_stride = nch;
   p.x = x;
   p.y = y;
-  p.residual = residual;
+  p.epi.residual = residual;
   p.N = static_cast<int>(N);
   p.K = static_cast<int>(K);
   p.nch = static_cast<int>(nch);

@@ -3,7 +3,7 @@
 // Two families:
 //   gemv      GPTQ weights (2, 3, 4, 8 bits; group 32/64/128/per-row or any multiple of 32;
 //             sym/asym; act-order), repacked once at load by gemv_prepare into the layout the
-//             kernels stream (kernels/gemv/gemv.cu draws it).
+//             kernels stream (kernels/gemv/weight_decode.cuh draws it).
 //   gemv_f16  plain fp16 weights [N, K] row-major (lm_head, unquantized linears).
 // FP16 activations, FP32 accumulation across K, FP16 output.
 //
@@ -50,7 +50,7 @@ struct GemvWeight {
   int64_t N = 0, K = 0;
   bool has_perm = false;  // act-order: the K axis was permuted so that groups are contiguous
 
-  // Layout (see gemv.cu): each row is `planes` planes of `chunks` 16-byte chunks (a whole
+  // Layout (weight_decode.cuh): each row is `planes` planes of `chunks` 16-byte chunks (a whole
   // number of units: 4 chunks, or one 3-bit chunk).
   int64_t chunks = 0;
   int planes = 0;
@@ -126,7 +126,7 @@ GemvWeight gemv_clone(const GemvWeight& w, cudaStream_t s);
 //             (norm_b [K], or nullptr for none; OPT's norms)
 //   silu_mul: x holds [gate | up], 2K values: x <- silu(gate) * up
 // Each computes what the stand-alone kernel does (fp32 math, the staged value rounded to fp16;
-// LayerNorm's variance in one pass over x shifted by x[0], not two: gemv_kernel.cuh says why).
+// LayerNorm's variance in one pass over x shifted by x[0], not two: input_staging.cuh says why).
 // One at a time.
 struct GemvInput {
   const __half* norm_w = nullptr;

@@ -1,65 +1,27 @@
-// The batch-1 GEMV kernels' device code (gemv.cu describes the design), shared by the
-// translation units that compile its kernels: gemv.cu (the run-time quantized kernel, the fp16
-// GEMV, the dispatch) and gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the
-// kernels specialized per bit width, compiled in parallel). Device code: include from .cu files
-// only.
+// The batch-1 GEMV kernels (gemv.cu describes the design): the fp16 kernel gemv_kernel<F16Op>,
+// the quantized kernel gemv_quant_kernel (run-time tests of its fused ops, kDynamic, or
+// compiled per combination of them), and the tables of the specialized ones. Each is a loop
+// around the parts in the headers below: weight_decode.cuh (load and dequantize a unit of
+// weights), input_staging.cuh (x into shared memory with the fused input op) and epilogue.cuh
+// (reduce a row step and store it with the fused output op). Shared by the translation units
+// that compile the kernels: gemv.cu (the run-time quantized kernel, the fp16 GEMV, the
+// dispatch) and gemv_spec2.cu, gemv_spec3.cu, gemv_spec4.cu, gemv_spec8.cu (the kernels
+// specialized per bit width, compiled in parallel). Device code: include from .cu files only.
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <map>
-#include <mutex>
-#include <string>
-#include <tuple>
-#include <type_traits>
-#include <utility>
 
-#include "kernels/common/bits.cuh"
 #include "kernels/common/cp_async.cuh"
-#include "kernels/common/cuda_utils.h"
-#include "kernels/gemv/gemv.h"
+#include "kernels/gemv/epilogue.cuh"
 #include "kernels/gemv/gemv_layout.h"
+#include "kernels/gemv/gemv_params.cuh"
+#include "kernels/gemv/input_staging.cuh"
+#include "kernels/gemv/weight_decode.cuh"
 
 namespace kestrel::cuda::gemv_detail {
-
-struct KParams {
-  const uint4* codes;      // row n starts at codes + n * row_stride
-  int64_t row_stride;      // uint4 per row: planes * nch
-  const __half* scales;    // [N][G]
-  const uint8_t* zeros;    // [N][G] or nullptr
-  const int32_t* perm;     // [nch * C] or nullptr
-  const __half* x;
-  __half* y;
-  const __half* residual;  // may alias y
-  int N, K, nch, G;
-  int zero_const, zero_offset;
-  int k_split, tiles;
-  // The op before the GEMV, fused into the staging of x (GemvInput): RMSNorm or LayerNorm
-  // with these weights, or SiLU(gate) * up over an x that holds [gate | up].
-  const __half* norm_w;  // nullptr = no norm
-  float eps;
-  bool silu_mul;
-  bool layer_norm;       // with norm_w: LayerNorm, x <- (x - mean) * rstd * norm_w + norm_b
-  const __half* norm_b;  // LayerNorm's bias, or nullptr
-  // The op after it (quantized kernel, GemvEpilogue): y[i] = SiLU(row i) * row i + pair, for
-  // i < N / 2, over a weight whose rows are [gate | up] (pair = N / 2); 0 = none.
-  int silu_pair;
-  // With it, or with res_index, where output i is stored: y[y_index[i]] (the next GEMV's
-  // act-order permutation, inverted, so that it stages its x without a gather); nullptr = y[i].
-  const int32_t* y_index;
-  // Where row i's residual is read: residual[res_index[i]] (the residual stream held in another
-  // permutation, GemvEpilogue::residual_index); nullptr = residual[i]. Set with y_index.
-  const int32_t* res_index;
-  // Added after the residual (GemvEpilogue::bias, ::relu): y[i] = (W x)_i + residual + bias[i],
-  // then max(., 0) with relu_out. Only with a residual (a bias alone is passed as the residual).
-  const __half* bias;
-  bool relu_out;
-};
 
 using Kernel = void (*)(KParams);
 
@@ -106,15 +68,6 @@ namespace {
 
 // ---- PTX --------------------------------------------------------------------------------------
 
-// Streaming weight load: not kept in L1, evict-first in L2.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "l"(pol));
-  return r;
-}
-
 // Pull [p, p + bytes) into L2 without waiting (the copy engine does it; no registers held).
 __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -135,699 +88,9 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
-__device__ __forceinline__ float hsum(__half2 v) { return __low2float(v) + __high2float(v); }
-
-// q - z for a pair of codes that lop3 put at mantissa bit p under magic M = 2^(10-p):
-// t - (M + z), with M + z as bits: magic | z << p (z << p stays inside the mantissa).
-__device__ __forceinline__ __half2 minus_zero(uint32_t t, uint32_t mz) {
-  return __hsub2(as_h2(t), as_h2(mz));
-}
-
-// ---- One 4-bit (or 3-bit nibble) word: 8 codes against 8 x values -------------------------
-
-// Integer dot: returns acc + sum (q - z) * x.
-template <uint32_t kMask>
-__device__ __forceinline__ __half2 nibble_word_int(uint32_t w, uint4 xv, uint32_t mz0,
-                                                   uint32_t mz4, __half2 acc) {
-  constexpr uint32_t lo = kMask * 0x00010001u, hi = kMask * 0x00100010u;
-  const uint32_t w8 = w >> 8;
-  acc = __hfma2(minus_zero(and_or(w, lo, 0x64006400u), mz0), as_h2(xv.x), acc);
-  acc = __hfma2(minus_zero(and_or(w, hi, 0x54005400u), mz4), as_h2(xv.y), acc);
-  acc = __hfma2(minus_zero(and_or(w8, lo, 0x64006400u), mz0), as_h2(xv.z), acc);
-  acc = __hfma2(minus_zero(and_or(w8, hi, 0x54005400u), mz4), as_h2(xv.w), acc);
-  return acc;
-}
-
-// ---- Formats ------------------------------------------------------------------------------------
-
-// The quantized formats: what one unit of a row holds, how its scales are fetched, and its dot
-// product with x. BITS: 2, 3, 4, 8. GS: effective group size, 32/64/128, or 0 for one per row.
-template <int BITS, int GS>
-struct QuantOp {
-  static constexpr int kCodes = chunk_codes(BITS);        // codes per chunk
-  static constexpr int kChunks = unit_chunks(BITS);       // chunks per unit
-  static constexpr int kLoads = unit_loads(BITS);         // 16-byte loads per unit and row
-  static constexpr int kUnitCodes = kCodes * kChunks;     // 256, 128, 128, 64 for 2, 3, 4, 8
-  static constexpr int kVecs = kUnitCodes / 8;            // x uint4 per unit
-  // Scales a unit meets: several when groups are smaller than the unit, else one (a group of
-  // 128 spans two 8-bit units).
-  static constexpr int kScales = (GS == 0 || GS >= kUnitCodes) ? 1 : kUnitCodes / GS;
-  static_assert(GS == 0 || GS % 32 == 0, "groups are whole 32-code pieces");
-  static_assert(kScales == 1 || kScales == 2 || kScales == 4 || kScales == 8, "scale vector");
-  static constexpr int R = kQuantRows;
-
-  struct Frag {
-    uint4 q[R][kLoads];
-    uint32_t s[R][(kScales + 1) / 2];  // fp16 scale bits, two per word
-    uint32_t z[R][(kScales + 3) / 4];  // stored zero points, four per word (asymmetric only)
-  };
-
-  // Scale slot of the group holding code `off` of the unit (compile-time in every caller).
-  static constexpr int group_in_unit(int off) { return kScales == 1 ? 0 : off / GS; }
-  __device__ static __forceinline__ int64_t scale_index(int u) {
-    return GS == 0 ? 0 : GS >= kUnitCodes ? int64_t(u) * kUnitCodes / GS : int64_t(u) * kScales;
-  }
-
-  // Loads unit u (iteration i = u / 32, lane = u % 32) of rows row0 .. row0 + nrows - 1; rows
-  // past nrows get zero codes and scales (computed, never stored).
-  // Row r of the step is row0 + r * rstep (rstep = 1, or the gate/up pair distance).
-  __device__ static __forceinline__ void load(Frag& f, const KParams& p, int row0, int rstep,
-                                              int nrows, int i, int lane, uint64_t pol) {
-    const int cnt = min(32, p.nch - 32 * i);
-    const int64_t si = scale_index(32 * i + lane);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (r < nrows) {
-        const int row = row0 + r * rstep;
-        const uint4* base = p.codes + int64_t(row) * p.row_stride + 32 * i * kLoads + lane;
-#pragma unroll
-        for (int t = 0; t < kLoads; ++t) f.q[r][t] = ld_stream(base + t * cnt, pol);
-        const int64_t idx = int64_t(row) * p.G + si;
-        if constexpr (kScales == 1) {
-          f.s[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.scales) + idx);
-        } else if constexpr (kScales == 2) {
-          f.s[r][0] = __ldg(reinterpret_cast<const uint32_t*>(p.scales + idx));
-        } else if constexpr (kScales == 4) {
-          const uint2 v = __ldg(reinterpret_cast<const uint2*>(p.scales + idx));
-          f.s[r][0] = v.x, f.s[r][1] = v.y;
-        } else {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(p.scales + idx));
-          f.s[r][0] = v.x, f.s[r][1] = v.y, f.s[r][2] = v.z, f.s[r][3] = v.w;
-        }
-        if (p.zeros) {
-          if constexpr (kScales == 1) {
-            f.z[r][0] = __ldg(p.zeros + idx);
-          } else if constexpr (kScales == 2) {
-            f.z[r][0] = __ldg(reinterpret_cast<const unsigned short*>(p.zeros + idx));
-          } else if constexpr (kScales == 4) {
-            f.z[r][0] = __ldg(reinterpret_cast<const uint32_t*>(p.zeros + idx));
-          } else {
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(p.zeros + idx));
-            f.z[r][0] = v.x, f.z[r][1] = v.y;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int t = 0; t < kLoads; ++t) f.q[r][t] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int g = 0; g < (kScales + 1) / 2; ++g) f.s[r][g] = 0;
-#pragma unroll
-        for (int g = 0; g < (kScales + 3) / 4; ++g) f.z[r][g] = 0;
-      }
-    }
-  }
-
-  __device__ static __forceinline__ uint32_t scale_bits(const Frag& f, int r, int g) {
-    return (f.s[r][g / 2] >> (16 * (g % 2))) & 0xFFFFu;
-  }
-  __device__ static __forceinline__ float scale(const Frag& f, int r, int g) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(scale_bits(f, r, g))));
-  }
-  __device__ static __forceinline__ uint32_t zero(const Frag& f, const KParams& p, int r, int g) {
-    return p.zeros ? ((f.z[r][g / 4] >> (8 * (g % 4))) & 0xFFu) + uint32_t(p.zero_offset)
-                   : uint32_t(p.zero_const);
-  }
-
-  // acc[r] += dot(unit of row r, x). xs = &x_s[u]: the unit's x uint4 v at xs[v * stride].
-  __device__ static __forceinline__ void compute(const Frag& f, const KParams& p, const uint4* xs,
-                                                 int stride, float (&acc)[R]) {
-    if constexpr (BITS == 4) {
-      // Chunk j = codes 32j .. 32j+31 of the unit; word w of it meets x uint4 4j + w.
-      uint32_t mz0[R][kScales], mz4[R][kScales];
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int g = 0; g < kScales; ++g) {
-          const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
-          mz0[r][g] = 0x64006400u | z2;
-          mz4[r][g] = 0x54005400u | (z2 << 4);
-        }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int g = group_in_unit(32 * j);
-        __half2 h[R];
-#pragma unroll
-        for (int r = 0; r < R; ++r) h[r] = __float2half2_rn(0.f);
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          const uint4 xv = xs[(4 * j + w) * stride];
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-            h[r] = nibble_word_int<15>(word_of(f.q[r][j], w), xv, mz0[r][g], mz4[r][g], h[r]);
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = fmaf(scale(f, r, g), hsum(h[r]), acc[r]);
-      }
-    } else if constexpr (BITS == 8) {
-      // Chunk j = codes 16j .. 16j+15; words (2v, 2v+1) meet x uint4 2j + v. w = (q - z) * s
-      // in fp16, summed over the unit in half2.
-      __half2 h[R];
-#pragma unroll
-      for (int r = 0; r < R; ++r) h[r] = __float2half2_rn(0.f);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int g = group_in_unit(16 * j);
-#pragma unroll
-        for (int v = 0; v < 2; ++v) {
-          const uint4 xv = xs[(2 * j + v) * stride];
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint32_t mz = 0x64006400u | (zero(f, p, r, g) * 0x00010001u);
-            const __half2 s = as_h2(scale_bits(f, r, g) * 0x00010001u);
-            const uint32_t w0 = word_of(f.q[r][j], 2 * v), w1 = word_of(f.q[r][j], 2 * v + 1);
-            // prmt: bytes (0,1) / (2,3) of the word each under a 0x64 byte = 1024 + q.
-            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4140u), mz), s),
-                           as_h2(xv.x), h[r]);
-            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w0, 0x64u, 0x4342u), mz), s),
-                           as_h2(xv.y), h[r]);
-            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4140u), mz), s),
-                           as_h2(xv.z), h[r]);
-            h[r] = __hfma2(__hmul2(minus_zero(__byte_perm(w1, 0x64u, 0x4342u), mz), s),
-                           as_h2(xv.w), h[r]);
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += hsum(h[r]);
-    } else if constexpr (BITS == 2) {
-      // Chunk j = codes 64j .. 64j+63 = pieces 2j, 2j+1; piece pc of the chunk is words 2pc,
-      // 2pc+1 against x uint4 8j + 4pc .. +3.
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int pc = 0; pc < 2; ++pc) {
-          const int g = group_in_unit(64 * j + 32 * pc);
-          uint4 xv[4];
-#pragma unroll
-          for (int i = 0; i < 4; ++i) xv[i] = xs[(8 * j + 4 * pc + i) * stride];
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
-            const uint32_t mz[4] = {0x64006400u | z2, 0x5C005C00u | (z2 << 2),
-                                    0x54005400u | (z2 << 4), 0x4C004C00u | (z2 << 6)};
-            constexpr uint32_t magic[4] = {0x64006400u, 0x5C005C00u, 0x54005400u, 0x4C004C00u};
-            __half2 h = __float2half2_rn(0.f);
-#pragma unroll
-            for (int wi = 0; wi < 2; ++wi) {
-              const uint32_t w = word_of(f.q[r][j], 2 * pc + wi), w8 = w >> 8;
-              const uint4 xa = xv[2 * wi], xb = xv[2 * wi + 1];
-#pragma unroll
-              for (int sl = 0; sl < 4; ++sl) {
-                const uint32_t m = 0x00030003u << (2 * sl);
-                h = __hfma2(minus_zero(and_or(w, m, magic[sl]), mz[sl]), as_h2(word_of(xa, sl)), h);
-                h = __hfma2(minus_zero(and_or(w8, m, magic[sl]), mz[sl]), as_h2(word_of(xb, sl)), h);
-              }
-            }
-            acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
-          }
-        }
-    } else {  // BITS == 3: one chunk of 3 planes; piece pc = word pc of planes a, b, c
-#pragma unroll
-      for (int pc = 0; pc < 4; ++pc) {
-        const int g = group_in_unit(32 * pc);
-        uint4 xv[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) xv[i] = xs[(4 * pc + i) * stride];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t z2 = zero(f, p, r, g) * 0x00010001u;
-          const uint32_t mz0 = 0x64006400u | z2, mz4 = 0x54005400u | (z2 << 4);
-          const uint32_t a = word_of(f.q[r][0], pc), b = word_of(f.q[r][1], pc), c = word_of(f.q[r][2], pc);
-          const uint32_t d = select_bits(a >> 3, select_bits(b >> 2, c >> 1, 0x22222222u),
-                                         0x11111111u);
-          __half2 h = __float2half2_rn(0.f);
-          h = nibble_word_int<7>(a, xv[0], mz0, mz4, h);
-          h = nibble_word_int<7>(b, xv[1], mz0, mz4, h);
-          h = nibble_word_int<7>(c, xv[2], mz0, mz4, h);
-          h = nibble_word_int<7>(d, xv[3], mz0, mz4, h);
-          acc[r] = fmaf(scale(f, r, g), hsum(h), acc[r]);
-        }
-      }
-    }
-  }
-};
-
-// fp16 weights: the row as stored, 8 values per chunk, fp32 products and sums.
-struct F16Op {
-  static constexpr int kCodes = 8;
-  static constexpr int kRows = kF16Rows;
-  static constexpr int kUnroll = 4;  // 16 loads in flight: a chunk is only 8 weights
-  static constexpr int kVecs = 1;
-
-  struct Frag {
-    uint4 q[kRows];
-  };
-
-  __device__ static __forceinline__ void load(Frag& f, const KParams&,
-                                              const uint4* const (&rowp)[kRows],
-                                              const int64_t (&)[kRows], int c, uint64_t pol) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) f.q[r] = ld_stream(rowp[r] + c, pol);
-  }
-
-  __device__ static __forceinline__ void compute(const Frag& f, const uint4* xs, int,
-                                                 float (&acc)[kRows]) {
-    const uint4 xv = xs[0];
-    float2 x[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] = __half22float2(as_h2(word_of(xv, j)));
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float a = acc[r];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 w = __half22float2(as_h2(word_of(f.q[r], j)));
-        a = fmaf(w.x, x[j].x, a);
-        a = fmaf(w.y, x[j].y, a);
-      }
-      acc[r] = a;
-    }
-  }
-};
-
-// ---- Staging x --------------------------------------------------------------------------------
-
-// The fused input ops compute what the stand-alone kernels do (kernels/norm, kernels/activation):
-// fp32 math on fp16 inputs, one rounding to fp16 of the staged value (LayerNorm's variance in
-// one pass: layer_norm_stats).
-__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
-
-// The sum of v over a block of T threads (every thread gets it).
-template <int T>
-__device__ float block_sum(float v) {
-  __shared__ float part[T / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-  if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < T / 32; ++w) total += part[w];
-  return total;
-}
-// The same for two sums at once (one barrier).
-template <int T>
-__device__ float2 block_sum2(float2 v) {
-  __shared__ float2 part2[T / 32];
-  for (int o = 16; o > 0; o >>= 1) {
-    v.x += __shfl_xor_sync(0xFFFFFFFFu, v.x, o);
-    v.y += __shfl_xor_sync(0xFFFFFFFFu, v.y, o);
-  }
-  if ((threadIdx.x & 31) == 0) part2[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float2 total = make_float2(0.f, 0.f);
-#pragma unroll
-  for (int w = 0; w < T / 32; ++w) total.x += part2[w].x, total.y += part2[w].y;
-  return total;
-}
-
-__device__ __forceinline__ float sum_squares8(uint4 raw) {
-  float ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(as_h2(word_of(raw, j)));
-    ss += f.x * f.x + f.y * f.y;
-  }
-  return ss;
-}
-
-// sum(x - c) and sum((x - c)^2) over 8 values.
-__device__ __forceinline__ float2 shifted_sums8(uint4 raw, float c) {
-  float s = 0.f, ss = 0.f;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 f = __half22float2(as_h2(word_of(raw, j)));
-    const float a = f.x - c, b = f.y - c;
-    s += a + b;
-    ss += a * a + b * b;
-  }
-  return make_float2(s, ss);
-}
-
-// What the fused norm applies: RMSNorm x * inv * w (inv = 1 / rms(x)), LayerNorm
-// (x - mean) * inv * w + b (inv = 1 / std(x)).
-struct NormStats {
-  float mean = 0.f, inv = 1.f;
-};
-
-// LayerNorm's statistics from the block's sums of x - c and (x - c)^2. One pass and one
-// barrier, as RMSNorm's: the stand-alone kernel's two passes (the mean, then the centred
-// squares) cost the GEMV a second barrier in its staging, 1.3 us a call at OPT-6.7B's shapes
-// (docs/performance.md). Shifted by c, one of x's own values, E[(x-c)^2] - E[x-c]^2 cancels only
-// as far as |mean - c| exceeds the spread, a few standard deviations for a hidden state.
-__device__ __forceinline__ NormStats layer_norm_stats(float2 sums, float c, const KParams& p) {
-  const float m = sums.x / (float)p.K;
-  const float var = fmaxf(sums.y / (float)p.K - m * m, 0.f);
-  return NormStats{c + m, rsqrtf(var + p.eps)};
-}
-
-// The fused norm's statistics over x, from the 8-value vectors get(v), v < nvec, that this
-// thread holds (v = threadIdx.x + i * T for i < kN; kN 0: every v of this thread, read as the
-// loop goes). `shift`: x[0] (LayerNorm's c).
-template <int T, int kN = 0, class Get>
-__device__ __forceinline__ NormStats norm_stats8(const KParams& p, int nvec, float shift, Get get) {
-  auto sum_of = [&](auto f, auto zero) {
-    auto s = zero;
-    auto add = [](auto& acc, auto v) {
-      if constexpr (std::is_same_v<decltype(v), float2>) acc.x += v.x, acc.y += v.y;
-      else acc += v;
-    };
-    if constexpr (kN > 0) {
-#pragma unroll
-      for (int i = 0; i < kN; ++i)
-        if (threadIdx.x + i * T < nvec) add(s, f(get(i)));
-    } else {
-      for (int v = threadIdx.x; v < nvec; v += T) add(s, f(get(v)));
-    }
-    return s;
-  };
-  NormStats st;
-  if (!p.layer_norm) {
-    st.inv = rsqrtf(block_sum<T>(sum_of([](uint4 r) { return sum_squares8(r); }, 0.f)) /
-                        (float)p.K +
-                    p.eps);
-    return st;
-  }
-  const float2 sums = block_sum2<T>(
-      sum_of([shift](uint4 r) { return shifted_sums8(r, shift); }, make_float2(0.f, 0.f)));
-  return layer_norm_stats(sums, shift, p);
-}
-
-// The same read from global memory one value at a time (x not in 16-byte vectors).
-template <int T>
-__device__ NormStats norm_stats1(const KParams& p) {
-  NormStats st;
-  if (!p.layer_norm) {
-    float ss = 0.f;
-    for (int k = threadIdx.x; k < p.K; k += T) {
-      const float f = __half2float(__ldcg(p.x + k));
-      ss += f * f;
-    }
-    st.inv = rsqrtf(block_sum<T>(ss) / (float)p.K + p.eps);
-    return st;
-  }
-  const float c = __half2float(__ldcg(p.x));
-  float2 sums = make_float2(0.f, 0.f);
-  for (int k = threadIdx.x; k < p.K; k += T) {
-    const float d = __half2float(__ldcg(p.x + k)) - c;
-    sums.x += d;
-    sums.y += d * d;
-  }
-  return layer_norm_stats(block_sum2<T>(sums), c, p);
-}
-
-__device__ __forceinline__ float norm1(const KParams& p, float a, float w, float b, NormStats st) {
-  return p.layer_norm ? (a - st.mean) * st.inv * w + b : a * st.inv * w;
-}
-
-// The fused input op on 8 values: raw = x, other = the norm weights or up (SiLU), bias =
-// LayerNorm's bias (zeros without one).
-__device__ __forceinline__ uint4 apply_input8(const KParams& p, uint4 raw, uint4 other,
-                                              NormStats st, uint4 bias) {
-  if (!p.norm_w && !p.silu_mul) return raw;
-  uint32_t out[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 a = __half22float2(as_h2(word_of(raw, j))), b = __half22float2(as_h2(word_of(other, j)));
-    const float2 c = __half22float2(as_h2(word_of(bias, j)));
-    const __half2 r = p.norm_w ? __floats2half2_rn(norm1(p, a.x, b.x, c.x, st),
-                                                   norm1(p, a.y, b.y, c.y, st))
-                               : __floats2half2_rn(silu_times(a.x, b.x), silu_times(a.y, b.y));
-    memcpy(&out[j], &r, 4);
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
-}
-
-// The second operand of the fused input op for x values k .. k+7.
-__device__ __forceinline__ uint4 input_other8(const KParams& p, int k) {
-  if (p.norm_w) return __ldg(reinterpret_cast<const uint4*>(p.norm_w + k));
-  if (p.silu_mul) return __ldcg(reinterpret_cast<const uint4*>(p.x + p.K + k));
-  return make_uint4(0, 0, 0, 0);
-}
-// LayerNorm's bias for x values k .. k+7 (zeros otherwise).
-__device__ __forceinline__ uint4 input_bias8(const KParams& p, int k) {
-  if (p.layer_norm && p.norm_b) return __ldg(reinterpret_cast<const uint4*>(p.norm_b + k));
-  return make_uint4(0, 0, 0, 0);
-}
-
-// x values k .. k+7 (natural order, k + 8 <= K, 16-byte aligned) after the fused input op.
-__device__ __forceinline__ uint4 input8(const KParams& p, int k, NormStats st) {
-  const uint4 raw = __ldcg(reinterpret_cast<const uint4*>(p.x + k));
-  if (!p.norm_w && !p.silu_mul) return raw;
-  return apply_input8(p, raw, input_other8(p, k), st, input_bias8(p, k));
-}
-
-__device__ __forceinline__ __half input1(const KParams& p, int k, NormStats st) {
-  const float a = __half2float(__ldcg(p.x + k));
-  if (p.norm_w)
-    return __float2half_rn(norm1(p, a, __half2float(__ldg(p.norm_w + k)),
-                                 p.layer_norm && p.norm_b ? __half2float(__ldg(p.norm_b + k)) : 0.f,
-                                 st));
-  if (p.silu_mul) return __float2half_rn(silu_times(a, __half2float(__ldcg(p.x + p.K + k))));
-  return __float2half_rn(a);
-}
-
-// x vectors per thread held in registers by the one-pass staging: 4 in a block of 512 threads,
-// 8 in one of 256, so that either stages K <= 16384 in one pass.
-constexpr int max_v(int T) { return T >= 512 ? 4 : 8; }
-
-// The most 8-value vectors of x a block of T threads stages in one pass: max_v per thread.
-constexpr int one_pass_max_vecs(int T) { return T * max_v(T); }
-
-// Whether x can be staged in one pass: 16-byte vectors, at most max_v(T) of them per thread.
-template <int T>
-__device__ __forceinline__ bool one_pass_shape(const KParams& p) {
-  return (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
-         ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) &&
-         ((reinterpret_cast<uintptr_t>(p.norm_b) & 15u) == 0) && p.K / 8 <= one_pass_max_vecs(T);
-}
-// Whether stage_x takes its one-pass path from global memory: natural order (no act-order), a
-// one-pass shape. (With act-order it takes it only from the bulk copies: x_raw.)
-template <int T>
-__device__ __forceinline__ bool one_pass_staging(const KParams& p) {
-  return p.perm == nullptr && one_pass_shape<T>(p);
-}
-
-// The part of the staging that does not depend on the previous kernel, started before the
-// wait on it: on the one-pass path, the RMSNorm weights of each x vector a thread will stage,
-// copied (cp.async) into the very x_s slot that vector goes to. The same thread reads them
-// back after the wait and overwrites the slot, so no barrier is needed. This takes an HBM round
-// trip off the staging's path (norm weights are read once per token and leave L2 between
-// steps), but the copies still queue behind the first step's weight loads in the SM's load
-// path; the quantized kernel on sm_90 brings the norm weights and x by bulk copy instead
-// (measured: docs/gemv-notes.md), and uses this only below sm_90.
-template <int C, int T>
-__device__ __forceinline__ void stage_x_early(const KParams& p, uint4* x_s) {
-  if (!p.norm_w || !one_pass_staging<T>(p)) return;
-  constexpr int V = C / 8;
-  constexpr int kMaxV = max_v(T);
-#pragma unroll
-  for (int i = 0; i < kMaxV; ++i) {
-    const int v = threadIdx.x + i * T;
-    if (v < p.K / 8) cp_async16(smem_u32(&x_s[(v % V) * p.nch + v / V]), p.norm_w + 8 * v);
-  }
-}
-
-// x_s[j * n + c] = x values k = c*C + 8j .. +7 of the permuted K axis (zero past K), for
-// n = p.nch pieces of C codes (chunks of the fp16 kernel, units of the quantized one), staged by
-// a block of T threads after stage_x_early<C, T>. x and residual are read with ld.global.cg:
-// written by the previous kernel, which with programmatic dependent launch may still have been
-// running when this one started.
-//
-// x_raw (one-pass shapes only): when not null, x in its natural order in shared memory, landing
-// from a bulk copy that completes on `bar` (and the norm weights in n_raw, LayerNorm's bias in
-// b_raw); the values are
-// read from there instead of L2. With act-order, x_raw must be x_nat: the staged (normalised) x
-// is written back over it in natural order, and the gather reads the permutation from perm_s
-// (bulk-copied with the norm weights).
-// kRegs = false compiles out the one-pass path that holds x in registers (callers that always
-// take the bulk path where the shape allows it: the quantized kernel on sm_90).
-template <int C, int T, bool kRegs = true>
-__device__ __forceinline__ void stage_x(const KParams& p, uint4* x_s, __half* x_nat,
-                                        const uint4* x_raw = nullptr, const uint4* n_raw = nullptr,
-                                        uint64_t* bar = nullptr, const int32_t* perm_s = nullptr,
-                                        const uint4* b_raw = nullptr) {
-  constexpr int V = C / 8;
-  constexpr int kMaxV = max_v(T);
-  const int nvec = p.nch * V;
-  const bool vec = (p.K % 8 == 0) && ((reinterpret_cast<uintptr_t>(p.x) & 15u) == 0) &&
-                   ((reinterpret_cast<uintptr_t>(p.norm_w) & 15u) == 0) &&
-                   ((reinterpret_cast<uintptr_t>(p.norm_b) & 15u) == 0);
-  auto slot = [&](int v) -> uint4& { return x_s[(v % V) * p.nch + v / V]; };
-  // The gather of act-order x_s[k] = x_nat[perm[k]], perm from shared memory when given.
-  auto gather = [&]() {
-    for (int v = threadIdx.x; v < nvec; v += T) {
-      const int k = v * 8;
-      const int4 i0 = perm_s ? *reinterpret_cast<const int4*>(perm_s + k)
-                             : __ldg(reinterpret_cast<const int4*>(p.perm + k));
-      const int4 i1 = perm_s ? *reinterpret_cast<const int4*>(perm_s + k + 4)
-                             : __ldg(reinterpret_cast<const int4*>(p.perm + k + 4));
-      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
-      __half e[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? x_nat[idx[i]] : __half(0.f);
-      uint4 val;
-      memcpy(&val, e, sizeof(val));
-      slot(v) = val;
-    }
-  };
-  if (x_raw != nullptr) {
-    // From the bulk copies: x (and the norm weights) already in shared memory, so two passes
-    // over it (the sum of squares, then the staging) cost no round trip and hold no vectors
-    // in registers, which the warps' first weight steps, loaded before the wait, occupy. (A
-    // SiLU input's up half is read from L2 as it is staged.)
-    const int nnat = p.K / 8;
-    mbar_wait(bar, 0);
-    NormStats st;
-    if (p.norm_w)
-      st = norm_stats8<T>(p, nnat, __low2float(as_h2(x_raw[0].x)), [&](int v) { return x_raw[v]; });
-    auto other = [&](int v) { return p.norm_w ? n_raw[v] : input_other8(p, 8 * v); };
-    auto bias = [&](int v) {
-      return p.layer_norm && p.norm_b ? b_raw[v] : make_uint4(0, 0, 0, 0);
-    };
-    if (p.perm) {
-      // Act-order (x_raw is x_nat): the staged x back over it in natural order (each thread
-      // rewrites only the vectors it read), then the gather through the permutation.
-      for (int v = threadIdx.x; v < nnat; v += T)
-        reinterpret_cast<uint4*>(x_nat)[v] = apply_input8(p, x_raw[v], other(v), st, bias(v));
-      __syncthreads();
-      gather();
-      return;
-    }
-    for (int v = threadIdx.x; v < nnat; v += T)
-      slot(v) = apply_input8(p, x_raw[v], other(v), st, bias(v));
-    for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
-    return;
-  }
-  if (kRegs && one_pass_staging<T>(p)) {
-    // One pass from L2: every load of x (and of up) in flight at once, then the RMSNorm
-    // reduction over the registers. (The loop below reads x twice for RMSNorm, each pass a
-    // round trip to L2, and waits on every vector of a SiLU input in turn.) The norm weights
-    // are already in the slots (stage_x_early).
-    const int nnat = p.K / 8;
-    uint4 a[kMaxV], b[kMaxV];
-#pragma unroll
-    for (int i = 0; i < kMaxV; ++i) {
-      const int v = threadIdx.x + i * T;
-      if (v < nnat) {
-        a[i] = __ldcg(reinterpret_cast<const uint4*>(p.x) + v);
-        if (!p.norm_w) b[i] = input_other8(p, 8 * v);
-      }
-    }
-    if (p.norm_w) {
-      cp_async_wait_all();
-#pragma unroll
-      for (int i = 0; i < kMaxV; ++i) {
-        const int v = threadIdx.x + i * T;
-        if (v < nnat) b[i] = slot(v);
-      }
-    }
-    NormStats st;
-    if (p.norm_w)
-      st = norm_stats8<T, kMaxV>(p, nnat, p.layer_norm ? __half2float(__ldcg(p.x)) : 0.f,
-                                 [&](int i) { return a[i]; });
-#pragma unroll
-    for (int i = 0; i < kMaxV; ++i) {
-      const int v = threadIdx.x + i * T;
-      if (v < nnat) slot(v) = apply_input8(p, a[i], b[i], st, input_bias8(p, 8 * v));
-    }
-    for (int v = nnat + threadIdx.x; v < nvec; v += T) slot(v) = make_uint4(0, 0, 0, 0);
-    return;
-  }
-  NormStats st;
-  if (p.norm_w)
-    st = vec ? norm_stats8<T>(p, p.K / 8, p.layer_norm ? __half2float(__ldcg(p.x)) : 0.f,
-                              [&](int v) { return __ldcg(reinterpret_cast<const uint4*>(p.x) + v); })
-             : norm_stats1<T>(p);
-  if (p.perm == nullptr) {
-    for (int v = threadIdx.x; v < nvec; v += T) {
-      const int k = v * 8;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (vec) {
-        if (k < p.K) val = input8(p, k, st);
-      } else {
-        __half e[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) e[i] = k + i < p.K ? input1(p, k + i, st) : __half(0.f);
-        memcpy(&val, e, sizeof(val));
-      }
-      slot(v) = val;
-    }
-  } else {
-    if (vec) {
-      for (int v = threadIdx.x; v < p.K / 8; v += T)
-        reinterpret_cast<uint4*>(x_nat)[v] = input8(p, v * 8, st);
-    } else {
-      for (int k = threadIdx.x; k < p.K; k += T) x_nat[k] = input1(p, k, st);
-    }
-    __syncthreads();
-    gather();
-  }
-}
-
-// Sums a row pair's partials over each group of kWidth lanes (32: the warp; 16: each half-warp
-// of the half-warp kernels, holding a pair of its own). The first exchange leaves row 0 on the
-// group's low half and row 1 on its high half, which then sum as one: at kWidth 32, 7 shuffles
-// and 5 adds instead of 10 and 10, a shorter epilogue at the end of every row pair (measured:
-// docs/gemv-notes.md). acc becomes the group's two sums; lane l < 64 / kWidth gets row l of
-// the warp's step (group l / 2, row l % 2).
-template <int kWidth>
-__device__ __forceinline__ float sum_row_pairs(float (&acc)[2], int lane) {
-  constexpr int kHalfWidth = kWidth / 2;
-  const bool hi = lane & kHalfWidth;
-  float v = hi ? acc[1] : acc[0];
-  v += __shfl_xor_sync(0xFFFFFFFFu, hi ? acc[0] : acc[1], kHalfWidth);
-#pragma unroll
-  for (int off = kHalfWidth / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  const int first = lane & ~(kWidth - 1) & 31;  // the group's first lane
-  acc[0] = __shfl_sync(0xFFFFFFFFu, v, first);
-  acc[1] = __shfl_sync(0xFFFFFFFFu, v, first | kHalfWidth);
-  if constexpr (kWidth == 32) return lane == 1 ? acc[1] : acc[0];
-  return __shfl_sync(0xFFFFFFFFu, v, (kHalfWidth * lane) & 31);
-}
-
-// Sums each of a warp's R row partials over its 32 lanes (every lane gets every sum, in acc)
-// and returns row `lane`'s sum to lanes 0 .. R-1, which store the rows. R = 2 is the quantized
-// kernel's (at K = 4096 every step ends a row pair): sum_row_pairs.
-template <int R>
-__device__ __forceinline__ float warp_sum_rows(float (&acc)[R], int lane) {
-  if constexpr (R == 2) {
-    return sum_row_pairs<32>(acc, lane);
-  } else {
-#pragma unroll
-    for (int r = 0; r < R; ++r)
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], off);
-    float mine = acc[0];
-#pragma unroll
-    for (int r = 1; r < R; ++r)
-      if (lane == r) mine = acc[r];
-    return mine;
-  }
-}
-
 // bar.sync on barrier `id` (1-15; 0 is __syncthreads') for `threads` threads (whole warps).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// The residual and bias of row i as the epilogue adds them (the bias from a weight: read with
-// ld.global.nc; the residual, written by the kernel before, with ld.global.cg).
-__device__ __forceinline__ float residual_of(const KParams& p, int row) {
-  float r = __half2float(__ldcg(p.residual + (p.res_index ? __ldg(p.res_index + row) : row)));
-  if (p.bias) r += __half2float(__ldg(p.bias + row));
-  return r;
-}
-__device__ __forceinline__ __half finish(const KParams& p, float v) {
-  return __float2half_rn(p.relu_out ? fmaxf(v, 0.f) : v);
-}
-__device__ __forceinline__ void store_row(const KParams& p, int row, float v) {
-  if (row >= p.N) return;
-  if (p.residual) v += residual_of(p, row);
-  p.y[p.y_index ? __ldg(p.y_index + row) : row] = finish(p, v);
-}
-// The same with the residual (and bias) already loaded (r).
-__device__ __forceinline__ void store_row_plus(const KParams& p, int row, float v, float r) {
-  if (row < p.N) p.y[row] = finish(p, v + r);
 }
 
 // ---- The kernel --------------------------------------------------------------------------------
@@ -914,33 +177,33 @@ __device__ __forceinline__ KParams specialize(const KParams& in) {
   KParams p = in;
   if constexpr (kSpec != kDynamic) {
     p.zeros = nullptr;
-    p.silu_mul = false;
-    if constexpr (kSpec & kPerm) __builtin_assume(p.perm != nullptr); else p.perm = nullptr;
+    p.pro.silu_mul = false;
+    if constexpr (kSpec & kPerm) __builtin_assume(p.pro.perm != nullptr); else p.pro.perm = nullptr;
     if constexpr (kSpec & kNorm) {
-      __builtin_assume(p.norm_w != nullptr);
+      __builtin_assume(p.pro.norm_w != nullptr);
     } else {
-      p.norm_w = nullptr;
-      p.layer_norm = false;
-      p.norm_b = nullptr;
+      p.pro.norm_w = nullptr;
+      p.pro.layer_norm = false;
+      p.pro.norm_b = nullptr;
     }
     if constexpr (kSpec & kResidual) {
-      __builtin_assume(p.residual != nullptr);
+      __builtin_assume(p.epi.residual != nullptr);
     } else {
-      p.residual = nullptr;
-      p.bias = nullptr;
-      p.relu_out = false;
+      p.epi.residual = nullptr;
+      p.epi.bias = nullptr;
+      p.epi.relu = false;
     }
     if constexpr (kSpec & kSiluPair) {
-      __builtin_assume(p.silu_pair != 0);
+      __builtin_assume(p.epi.silu_pair != 0);
     } else {
-      p.silu_pair = 0;
-      if constexpr (!(kSpec & kIndexed)) p.y_index = nullptr;
+      p.epi.silu_pair = 0;
+      if constexpr (!(kSpec & kIndexed)) p.epi.y_index = nullptr;
     }
     if constexpr (kSpec & kIndexed) {
-      __builtin_assume(p.res_index != nullptr);
-      __builtin_assume(p.y_index != nullptr);
+      __builtin_assume(p.epi.res_index != nullptr);
+      __builtin_assume(p.epi.y_index != nullptr);
     } else {
-      p.res_index = nullptr;
+      p.epi.res_index = nullptr;
     }
   }
   return p;
@@ -962,7 +225,7 @@ constexpr int quant_reg_cap(int spec, int warps) {
 
 // The quantized kernel: blocks of kW warps, kQuantWarps per SM (one block of 16, or two of 8);
 // warp w of the grid owns a run of rows (dealt below) and streams them kQuantRows at a time,
-// unit by unit (module comment).
+// unit by unit (gemv.cu draws it).
 template <int BITS, int GS, int kSpec, int kW = kQuantWarps, bool kHalf = false,
           bool kPair = false>
 __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
@@ -980,7 +243,7 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   __half* n_raw = x_nat + codes;  // the RMSNorm weights (bulk path)
   // The act-order permutation (bulk path), then the mbarrier of the bulk copies.
   int32_t* perm_s = reinterpret_cast<int32_t*>(n_raw + codes);
-  uint64_t* bar = reinterpret_cast<uint64_t*>(perm_s + (p.perm ? codes : 0));
+  uint64_t* bar = reinterpret_cast<uint64_t*>(perm_s + (p.pro.perm ? codes : 0));
   // LayerNorm's bias (bulk path), past the mbarrier's 16 bytes: launched with the bytes for it
   // only where there is one (gemv, layer_norm_smem).
   __half* b_raw = reinterpret_cast<__half*>(bar + 2);
@@ -998,9 +261,9 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // warp's lanes 16-31 would idle): the two half-warps take a row step each, lanes 16h ..
   // 16h + 15 the rows of half h, so a warp step is 2 R rows or two pairs (gemv.cu says why).
   const int half = kHalf ? lane >> 4 : 0, ulane = kHalf ? lane & 15 : lane;
-  const int rstep = p.silu_pair ? p.silu_pair : 1, per_half = p.silu_pair ? 1 : R;
+  const int rstep = p.epi.silu_pair ? p.epi.silu_pair : 1, per_half = p.epi.silu_pair ? 1 : R;
   const int per_step = kHalf ? 2 * per_half : per_half;
-  const int64_t n_rows = p.silu_pair ? p.silu_pair : p.N;
+  const int64_t n_rows = p.epi.silu_pair ? p.epi.silu_pair : p.N;
   // kPair (rows of 33-64 units, blocks of 16 warps, at most one row step per pair of warps: the
   // 1.1B's down, 44 units): warps 2v and 2v + 1 take the same rows, unit groups 0 and 1 of
   // each, and meet in shared memory, so that a warp's step is one round trip, not two. The pairs
@@ -1030,13 +293,13 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // loaded (past the run: none, computed as zeros, never stored).
   auto rows_at = [&](int row0) {
     if constexpr (kHalf) return min(per_step, re - row0);
-    return p.silu_pair ? R : min(R, re - row0);
+    return p.epi.silu_pair ? R : min(R, re - row0);
   };
   auto hrow = [&](int row0) { return row0 + half * per_half; };
   auto load_rows = [&](int row0) {
     if constexpr (!kHalf) return rows_at(row0);
     const int h0 = hrow(row0);
-    return p.silu_pair ? (h0 < re ? R : 0) : max(0, min(R, re - h0));
+    return p.epi.silu_pair ? (h0 < re ? R : 0) : max(0, min(R, re - h0));
   };
 
   // The weights do not depend on the previous kernel: load the first step into registers
@@ -1053,11 +316,11 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   // Where the epilogue stores the warp's rows and reads their residual (GemvEpilogue's
   // out_index and residual_index, static like the weights): lane l holds row rb + l's, so that
   // no store waits on a load.
-  const bool y_index_early = p.y_index != nullptr && re - rb <= 32;
+  const bool y_index_early = p.epi.y_index != nullptr && re - rb <= 32;
   int y_index = 0, res_index = 0;
   if (y_index_early && lane < re - rb) {
-    y_index = __ldg(p.y_index + rb + lane);
-    if (p.res_index) res_index = __ldg(p.res_index + rb + lane);
+    y_index = __ldg(p.epi.y_index + rb + lane);
+    if (p.epi.res_index) res_index = __ldg(p.epi.res_index + rb + lane);
   }
   // x comes from the previous kernel: one bulk copy into x_nat after the wait (and the RMSNorm
   // weights one into n_raw before it). Read with ld.global, x and the norm weights queued
@@ -1073,11 +336,12 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
     if (threadIdx.x == 0) {
       mbar_init(bar, 1);
       fence_mbar_init();
-      if (p.norm_w) bulk_copy_g2s_no_arrive(n_raw, p.norm_w, static_cast<uint32_t>(p.K) * 2, bar);
-      if (p.layer_norm && p.norm_b)
-        bulk_copy_g2s_no_arrive(b_raw, p.norm_b, static_cast<uint32_t>(p.K) * 2, bar);
-      if (p.perm)
-        bulk_copy_g2s_no_arrive(perm_s, p.perm, static_cast<uint32_t>(codes) * 4, bar);
+      if (p.pro.norm_w)
+        bulk_copy_g2s_no_arrive(n_raw, p.pro.norm_w, static_cast<uint32_t>(p.K) * 2, bar);
+      if (p.pro.layer_norm && p.pro.norm_b)
+        bulk_copy_g2s_no_arrive(b_raw, p.pro.norm_b, static_cast<uint32_t>(p.K) * 2, bar);
+      if (p.pro.perm)
+        bulk_copy_g2s_no_arrive(perm_s, p.pro.perm, static_cast<uint32_t>(codes) * 4, bar);
     }
     __syncthreads();
   } else {
@@ -1088,16 +352,16 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
   allow_dependents();
   // The residual of the warp's rows (written by the kernels before), loaded now so that the
   // store at the end of the run is not one more round trip: lane l holds row rb + l.
-  const bool res_early = p.residual != nullptr && re - rb <= 32;
+  const bool res_early = p.epi.residual != nullptr && re - rb <= 32;
   float res = 0.f;
   if (res_early && lane < re - rb) {
-    res = __half2float(__ldcg(p.residual + (p.res_index ? res_index : rb + lane)));
-    if (p.bias) res += __half2float(__ldg(p.bias + rb + lane));
+    res = __half2float(__ldcg(p.epi.residual + (p.epi.res_index ? res_index : rb + lane)));
+    if (p.epi.bias) res += __half2float(__ldg(p.epi.bias + rb + lane));
   }
   // (On sm_90 every shape the one-pass path fits takes the bulk path.)
   stage_x<Op::kUnitCodes, kT, !has_bulk_copy()>(
       p, x_s, x_nat, bulk ? reinterpret_cast<const uint4*>(x_nat) : nullptr,
-      reinterpret_cast<const uint4*>(n_raw), bar, bulk && p.perm ? perm_s : nullptr,
+      reinterpret_cast<const uint4*>(n_raw), bar, bulk && p.pro.perm ? perm_s : nullptr,
       reinterpret_cast<const uint4*>(b_raw));
   __syncthreads();
 
@@ -1129,28 +393,24 @@ __global__ void __launch_bounds__(32 * kW) __maxnreg__(quant_reg_cap(kSpec, kW))
     if (++i == iters) {  // the step's rows are summed: reduce and store them
       if (own) {
         const float mine = kHalf ? sum_row_pairs<16>(acc, lane) : warp_sum_rows(acc, lane);
-        if (p.silu_pair) {
-          // As the gate|up GEMV writing fp16 and silu_mul staging it: both rounded to fp16,
-          // then fp32 math, one rounding.
+        if (p.epi.silu_pair) {
           // (The two forms of the indexed store compile to the registers each was measured
           // with: one form for both took the whole-warp kernel in 8-warp blocks from 128 to 94.)
           const int pr = row0 + half;  // this half's pair
           int dst = pr;
           if constexpr (kHalf) {
-            if (p.y_index) {
+            if (p.epi.y_index) {
               const int e = __shfl_sync(0xFFFFFFFFu, y_index, (pr - rb) & 31);
-              dst = y_index_early ? e : pr < re ? __ldg(p.y_index + pr) : 0;
+              dst = y_index_early ? e : pr < re ? __ldg(p.epi.y_index + pr) : 0;
             }
-          } else if (p.y_index) {
+          } else if (p.epi.y_index) {
             dst = y_index_early ? __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb) & 31)
-                                : __ldg(p.y_index + row0);
+                                : __ldg(p.epi.y_index + row0);
           }
-          if (kHalf ? ulane == 0 && pr < re : lane == 0)
-            p.y[dst] = __float2half_rn(silu_times(__half2float(__float2half_rn(acc[0])),
-                                                  __half2float(__float2half_rn(acc[1]))));
+          if (kHalf ? ulane == 0 && pr < re : lane == 0) p.y[dst] = silu_pair_out(acc[0], acc[1]);
         } else if (res_early) {
           const float r = __shfl_sync(0xFFFFFFFFu, res, (row0 - rb + lane) & 31);
-          if (p.res_index) {  // y_index too, and loaded early with it
+          if (p.epi.res_index) {  // y_index too, and loaded early with it
             const int dst = __shfl_sync(0xFFFFFFFFu, y_index, (row0 - rb + lane) & 31);
             // (No ReLU here: gemv refuses it with an out_index, and this store's form is the
             // one its registers were measured with.)

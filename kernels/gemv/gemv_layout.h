@@ -1,6 +1,6 @@
 // Internal to kernels/gemv: the constants of the repacked layout that the host repack
 // (gemv_prepare.cpp) and the kernels (gemv.cu) must agree on, and the launcher hooks the
-// repack needs. The layout itself is drawn in gemv.cu.
+// repack needs. The layout itself is drawn in weight_decode.cuh.
 #pragma once
 
 #include <algorithm>
@@ -24,7 +24,8 @@ constexpr int chunk_planes(int bits) { return bits == 3 ? 3 : 1; }
 constexpr int unit_chunks(int bits) { return bits == 3 ? 1 : 4; }
 constexpr int unit_loads(int bits) { return unit_chunks(bits) * chunk_planes(bits); }
 
-// Where plane p of chunk c sits in its row, in uint4 from the row's start (gemv.cu draws it):
+// Where plane p of chunk c sits in its row, in uint4 from the row's start (weight_decode.cuh
+// draws it):
 // the 32 units u = 32i .. 32i+31 of a row (fewer in the last group) store load slot
 // t = (c % unit_chunks) * planes + p of every unit together, so that the lanes of a warp, one
 // unit each, read 512 contiguous bytes per load.

@@ -1,4 +1,5 @@
-// Load-time repack of GPTQ linears into the GEMV kernels' layout (drawn in gemv.cu), on the host.
+// Load-time repack of GPTQ linears into the GEMV kernels' layout (drawn in weight_decode.cuh), on
+// the host.
 #include <algorithm>
 #include <cstring>
 #include <exception>

@@ -27,6 +27,7 @@
 
 #include "base/error.h"
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/dynamic_smem.h"
 #include "kernels/common/pdl.cuh"
 #include "kernels/sampling/hand_out.cuh"
 
@@ -362,13 +363,7 @@ void sample_top_k_f16(const __half* logits, int n, TopKSampling* params, void* w
   const int chunk = std::max(kChunkMin, (per_block + 7) / 8 * 8);
   const int G = (n + chunk - 1) / chunk;
   const size_t smem = std::max<size_t>(size_t(chunk), size_t(G) * kDeviceTopKMax) * 2;
-  static const bool attr_set = [] {
-    KESTREL_CUDA_CHECK(cudaFuncSetAttribute(sample_top_k_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            kMaxBlocks * kDeviceTopKMax * 2));
-    return true;
-  }();
-  (void)attr_set;
+  ensure_dynamic_smem(sample_top_k_kernel, smem, "sample_top_k_f16");
   launch_pdl(sample_top_k_kernel, dim3(G), dim3(kThreads), smem, stream,
              reinterpret_cast<const uint16_t*>(logits), n, chunk, params,
              static_cast<Workspace*>(workspace), d_out_token, feed, host_out);
