@@ -1032,7 +1032,7 @@ TEST(GemvFused, ThreePartsMatchConcatenatedReferences) {
 
 // ---- The packed layout (no GPU needed) ---------------------------------------------------------
 
-// Decodes W[n, k] from the host repack by the layout drawn in gemv.cu, un-permuting K.
+// Decodes W[n, k] from the host repack by the layout drawn in kernels/gemv/weight_decode.cuh, un-permuting K.
 std::vector<float> decode_repack(const cuda::gemv_detail::HostRepack& h) {
   using namespace cuda::gemv_detail;
   const GemvWeight& m = h.meta;

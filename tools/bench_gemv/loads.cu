@@ -19,7 +19,7 @@
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
-#include "kernels/gemv/gemv_kernel.cuh"  // ld_stream: the GEMV's own weight load
+#include "kernels/gemv/weight_decode.cuh"  // ld_stream: the GEMV's own weight load
 
 namespace kestrel::bench {
 namespace {

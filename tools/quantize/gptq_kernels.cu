@@ -5,6 +5,7 @@
 #include "tools/quantize/gptq_kernels.h"
 
 #include "kernels/common/cuda_utils.h"
+#include "kernels/common/dynamic_smem.h"
 
 namespace kestrel::quant::kern {
 
@@ -247,11 +248,8 @@ void gptq_block(const float* W, int64_t ld, int64_t N, int64_t i1, int cnt, cons
     throw Error("gptq_block: " + std::to_string(cnt) + " columns per block; 1 to " +
                 std::to_string(kMaxBlock) + " are supported");
   const size_t smem = (size_t)cnt * cnt * sizeof(float);
-  // The 64 KiB square of U needs the opt-in above 48 KiB (a cheap call; made every time so
-  // that it holds on whichever device is current).
-  KESTREL_CUDA_CHECK(cudaFuncSetAttribute(gptq_block_kernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          (int)(kMaxBlock * kMaxBlock * sizeof(float))));
+  // The 64 KiB square of U needs the opt-in above 48 KiB, on whichever device is current.
+  cuda::ensure_dynamic_smem(gptq_block_kernel, smem, "gptq_block");
   const int64_t blocks = (N + kWarps - 1) / kWarps;
   gptq_block_kernel<<<(unsigned)blocks, kWarps * 32, smem, s>>>(
       W, ld, N, i1, cnt, U, K, gcol, scale, zero, (float)((1 << bits) - 1), codes, E);
