@@ -21,11 +21,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// Prints a one-line note to stderr unless quiet.
-void note(bool quiet, const std::string& msg) {
-  if (!quiet) std::cerr << msg << "\n";
-}
-
 // "28.6 TiB", "512.0 MiB", "640 B".
 std::string bytes_text(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -51,7 +46,8 @@ double host_available_bytes() {
 // The context the session gets, checked against the memory of its device: an explicit -c
 // whose KV cache cannot fit is refused with the bytes it needs; the CPU engine's default (the
 // model's max_position_embeddings) is shortened to what fits, with a note, as the GPU
-// engine's is (models/gpu/decoder.cpp, which also makes the final check on the GPU).
+// engine's is (the DecoderCudaSession constructor, models/gpu/session.cpp, which also makes the
+// final check on the GPU).
 int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
   const ModelConfig& c = m.spec->config;
   const int ctx = o.context > 0 ? o.context : c.max_pos;
@@ -94,6 +90,10 @@ int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
 
 }  // namespace
 
+void note(bool quiet, const std::string& msg) {
+  if (!quiet) std::cerr << msg << "\n";
+}
+
 void set_cpu_threads(int threads) {
   if (threads > 0) openblas_set_num_threads(threads);
   set_linear_threads(threads);
@@ -107,7 +107,9 @@ LoadedModel open_model(const ModelLoadOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel m;
   m.device = device_key(resolve_device(o.device));
-  set_cpu_threads(o.threads);
+  // A program's load sets its threads (0: one per core); a library's leaves the calling thread's
+  // as they are unless asked, so that loading a model changes nothing the caller did not ask for.
+  if (o.open_session || o.threads > 0) set_cpu_threads(o.threads);
   if (o.threads > 0 && m.device == "cuda")
     note(o.quiet, "note: -t sets the CPU engine's threads; this model runs on the GPU");
 
@@ -120,7 +122,9 @@ LoadedModel open_model(const ModelLoadOptions& o) {
     note(o.quiet, "warning: context " + std::to_string(o.context) +
                       " is longer than the model was trained for (" + std::to_string(c.max_pos) +
                       ")");
-  m.context = checked_context(m, o);
+  // The program's session is checked against the device's memory here, before the weights
+  // load; a library's sessions are opened later, each by new_session, which checks its own.
+  if (o.open_session) m.context = checked_context(m, o);
   m.load_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return m;
@@ -142,7 +146,7 @@ void load_weights(LoadedModel& m, const ModelLoadOptions& o) {
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   m.load_ms += ms;
-  if (m.device != "cuda")
+  if (m.device != "cuda" && o.open_session)
     note(o.quiet, fmt::format("loaded {:.1f} MiB of weights from {} on {} in {:.0f} ms, context {}",
                               m.spec->files.total_bytes() / 1048576.0, o.dir,
                               m.model->device_name(), ms,

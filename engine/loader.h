@@ -23,7 +23,10 @@ struct ModelLoadOptions {
   int threads = 0;              // CPU engine: threads (0 = one per core; set_cpu_threads)
   bool quiet = true;            // false: notes and the progress bar on stderr
   DecodeTuning tuning;          // the CUDA decode path's (kestrel bench sets it)
-  bool open_session = true;     // load_weights opens a session of the context
+  // load_weights opens a session of the context: a program's load. false: the library's, which
+  // opens sessions later (new_session checks each one's memory) and keeps the CPU threads as
+  // they are unless threads > 0.
+  bool open_session = true;
 };
 
 struct LoadedModel {
@@ -56,9 +59,13 @@ int context_length(const LoadedModel& m, const ModelLoadOptions& o);
 
 // The CPU engine's threads, for its one-to-few-row linears (OpenMP) and its batched ones
 // (OpenBLAS) alike, for calls from the calling thread (0 = OMP_NUM_THREADS or one per core;
-// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so.
+// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so for a program
+// (open_session), and for the library only where threads > 0.
 void set_cpu_threads(int threads);
 int cpu_threads();  // the team set for the calling thread
+
+// Prints msg and a newline to stderr unless quiet: the loader's notes, and the CLI's.
+void note(bool quiet, const std::string& msg);
 
 // Sampling defaults from <dir>/generation_config.json (temperature, top_k, top_p, min_p,
 // repetition_penalty; do_sample false means greedy), over Kestrel's own defaults.

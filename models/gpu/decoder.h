@@ -9,8 +9,9 @@
 //   - DecoderCudaSession (models/gpu/session.h): a context. One sequence's KV cache, its decode
 //     and verify graphs, and the runs over it: steps, chained and sampled runs
 //     (models/gpu/runs.cpp), prompts, verify passes, NLL.
-// A step over several sequences at once records the same blocks over a list of GpuSequences;
-// nothing in the model is bound to one sequence but the graphs each session captures.
+// The model records its forward over whichever sequence it is handed and binds none, so a step
+// over several sequences (not built yet) would record the same blocks over a list of
+// GpuSequences with its scratch widened to B rows.
 #pragma once
 
 #include <cuda_fp16.h>

@@ -180,11 +180,6 @@ ModelLoadOptions load_options(const ModelOptions& o, bool quiet, const DecodeTun
   return lo;
 }
 
-void note(bool quiet, const std::string& msg) {
-  if (!quiet) std::cerr << msg << "\n";
-}
-
-
 void add_sampling_options(CLI::App* cmd, SamplingOptions& s) {
   const SamplingParams d;  // Kestrel's defaults, under generation_config.json's
   cmd->add_option("--temp", s.temperature,
@@ -357,9 +352,9 @@ Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
     sp.draft = std::make_unique<LoadedModel>(as_draft([&] {
       // The target's context, or the draft's own limit where that is shorter: past it the
       // draft proposes nothing and the target decodes on alone.
-      const ModelSpec probe = load_model_spec(o.dir);
+      const int draft_max_pos = read_model_info(o.dir).config.max_pos;
       o.context = target.session->context_length();
-      if (probe.config.max_pos > 0) o.context = std::min(o.context, probe.config.max_pos);
+      if (draft_max_pos > 0) o.context = std::min(o.context, draft_max_pos);
       return open_model(o);
     }));
     const std::string diff = vocabulary_difference(target, *sp.draft);

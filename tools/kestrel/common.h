@@ -126,8 +126,6 @@ std::string read_text_file(const std::string& path);
 // backslash stays as written.
 std::string process_escapes(std::string_view s);
 
-// Prints a one-line note to stderr unless quiet.
-void note(bool quiet, const std::string& msg);
 
 // Size and parameter count as llama-bench prints them: MiB and M below a GiB and a billion.
 std::string size_text(uint64_t bytes);

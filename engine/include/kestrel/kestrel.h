@@ -38,8 +38,10 @@ class KESTREL_API Error : public std::runtime_error {
 struct LoadOptions {
   std::string device = "auto";  // "cpu", "cuda", or "auto" (cuda when a GPU is usable)
   bool quiet = true;            // false: a progress bar and notes on stderr
-  // The CPU engine's threads (0 = OMP_NUM_THREADS or one per core), for the calls made from
-  // the thread that loads the model; calls from other threads run on one thread each.
+  // The CPU engine's threads for the calls made from the thread that loads the model (0 =
+  // leave that thread's setting: one thread unless set before); calls from other threads run
+  // on one thread each. The setting belongs to one thread: loading another model with threads
+  // from another thread moves it there.
   int threads = 0;
 };
 
