@@ -647,11 +647,15 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   // Plain strings, their presence taken from the options' counts: CLI11 would read an empty
   // value into an std::optional as "not given", the very accident --api-key "" is refused for.
   auto key = std::make_shared<std::string>(), key_file = std::make_shared<std::string>();
-  CLI::Option* key_opt = cmd->add_option("--api-key", *key,
-                  "require \"Authorization: Bearer KEY\" on every request but /health "
-                  "(visible in ps: prefer --api-key-file or KESTREL_API_KEY)");
-  CLI::Option* key_file_opt = cmd->add_option("--api-key-file", *key_file,
-                  "the API key is the first line of FILE (after --api-key; before KESTREL_API_KEY)");
+  CLI::Option* key_opt =
+      cmd->add_option("--api-key", *key,
+                      "require \"Authorization: Bearer KEY\" on every request but /health "
+                      "(visible in ps: prefer --api-key-file or KESTREL_API_KEY)")
+          ->type_name("KEY");
+  CLI::Option* key_file_opt =
+      cmd->add_option("--api-key-file", *key_file,
+                      "the API key is the first line of FILE (after --api-key; before KESTREL_API_KEY)")
+          ->type_name("FILE");
   cmd->add_option("--parallel", a->parallel,
                   "requests generating at once, each in its own session (KV cache of -c tokens)")
       ->check(whole(1, 256))
