@@ -253,7 +253,13 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
   if (auto v = f.number("presence_penalty", -2, 2)) r.sampling.presence_penalty = (float)*v;
   if (auto v = f.number("frequency_penalty", -2, 2)) r.sampling.frequency_penalty = (float)*v;
   if (const json* s = f.get("seed")) {
-    // Any 64-bit integer, as OpenAI takes it; a negative one is its two's complement.
+    // Any 64-bit integer, as OpenAI takes it; a negative one is its two's complement. An
+    // integer past 64 bits is read by the JSON parser as a float: out of range, not "not an
+    // integer".
+    if (s->is_number_float() && std::isfinite(s->get<double>()) &&
+        (s->get<double>() >= 0x1p64 || s->get<double>() < -0x1p63))
+      throw bad("seed", fmt::format("'seed' is out of range: it must be a 64-bit integer (between {} and {}), got {}",
+                                    INT64_MIN, UINT64_MAX, shown(*s)));
     if (!s->is_number_integer()) throw bad("seed", "'seed' must be an integer, got " + shown(*s));
     r.sampling.seed = s->is_number_unsigned() ? s->get<uint64_t>() : (uint64_t)s->get<int64_t>();
   }

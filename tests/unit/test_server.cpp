@@ -1,14 +1,17 @@
 // kestrel serve without sockets: request bodies read into engine options (and refused with
 // OpenAI's error object), the response objects and stream chunks, the slots and their queue,
-// the turn lock, the API key check and the access log's line.
+// the turn lock, the API key's sources and check, loopback hosts and the access log's line.
 #include <gtest/gtest.h>
 
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <unistd.h>
 
+#include "base/error.h"
 #include "engine/server/request.h"
 #include "engine/server/response.h"
 #include "engine/server/scheduler.h"
@@ -172,6 +175,7 @@ TEST(ServerRequest, WrongTypesAndRanges) {
   expect_refused(Endpoint::Chat, with(R"("stream": "yes")"), "stream");
   expect_refused(Endpoint::Chat, with(R"("stream_options": {"include_usage": true})"), "stream_options");
   expect_refused(Endpoint::Chat, with(R"("seed": "x")"), "seed");
+  expect_refused(Endpoint::Chat, with(R"("seed": 1.5)"), "seed");
   expect_refused(Endpoint::Chat, with(R"("stop": 5)"), "stop");
   expect_refused(Endpoint::Chat, with(R"("stop": ["a", 1])"), "stop");
   expect_refused(Endpoint::Chat, with(R"("stop": [""])"), "stop");
@@ -182,6 +186,25 @@ TEST(ServerRequest, WrongTypesAndRanges) {
   expect_refused(Endpoint::Chat, with(R"("top_k": -1)"), "top_k");
   expect_refused(Endpoint::Chat, with(R"("repeat_penalty": 0)"), "repeat_penalty");
   expect_refused(Endpoint::Chat, with(R"("model": 3)"), "model");
+}
+
+// An integer too large for the 64-bit seed (JSON reads it as a float) is out of range, not "not
+// an integer"; a fraction still is not an integer.
+TEST(ServerRequest, SeedOutOfRange) {
+  const std::string m = R"({"messages": [{"role": "user", "content": "Hi"}], "seed": )";
+  for (const std::string seed : {"1180591620717411303424", "-1180591620717411303424", "18446744073709551616",
+                                 "1e30"}) {
+    const ApiError e = refusal([&] { parse_completion_request(Endpoint::Chat, m + seed + "}", defaults(), 1); });
+    EXPECT_EQ(e.status(), 400) << seed;
+    EXPECT_EQ(e.param(), "seed") << seed;
+    EXPECT_NE(std::string(e.what()).find("out of range"), std::string::npos) << seed << ": " << e.what();
+    EXPECT_EQ(std::string(e.what()).find("must be an integer,"), std::string::npos) << e.what();
+  }
+  const ApiError f = refusal([&] { parse_completion_request(Endpoint::Chat, m + "2.5}", defaults(), 1); });
+  EXPECT_NE(std::string(f.what()).find("must be an integer"), std::string::npos) << f.what();
+  // The ends of the range are taken.
+  EXPECT_EQ(chat({{"messages", kMessages}, {"seed", UINT64_MAX}}).sampling.seed, UINT64_MAX);
+  EXPECT_EQ(chat({{"messages", kMessages}, {"seed", INT64_MIN}}).sampling.seed, (uint64_t)INT64_MIN);
 }
 
 TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
@@ -512,4 +535,65 @@ TEST(ServerAccess, LogLine) {
   g.path = "/health";
   g.status = 200;
   EXPECT_EQ(access_line(g), "::1:9 GET /health 200 0.0 ms");
+}
+
+// Where the key comes from: --api-key, then --api-key-file, then KESTREL_API_KEY; an empty one
+// from any of them, or both options, is refused rather than serving without a key.
+TEST(ServerAccess, ApiKeySources) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("kestrel_test_keys_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name, std::ios::binary) << text;
+    return (dir / name).string();
+  };
+  using Key = std::optional<std::string>;
+  auto keys = [](Key flag, Key file, Key env) {
+    ApiKeySources s;
+    s.flag = flag;
+    s.file = file;
+    s.env = env;
+    return s;
+  };
+  auto refused = [](const ApiKeySources& s) -> std::string {
+    try {
+      resolve_api_key(s);
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();  // one line
+      return e.what();
+    }
+    return "(not refused)";
+  };
+  EXPECT_EQ(resolve_api_key(keys({}, {}, {})), "");  // no key: serving without one is asked for
+  EXPECT_EQ(resolve_api_key(keys("k1", {}, {})), "k1");
+  EXPECT_EQ(resolve_api_key(keys("k1", {}, "k3")), "k1");
+  const std::string file = write("key", "k2 \r\nsecond line\n");
+  EXPECT_EQ(resolve_api_key(keys({}, file, "k3")), "k2");
+  EXPECT_EQ(resolve_api_key(keys({}, write("bare", "k4"), {})), "k4");
+  EXPECT_EQ(resolve_api_key(keys({}, {}, "k3")), "k3");
+
+  EXPECT_NE(refused(keys("", {}, {})).find("--api-key is empty"), std::string::npos);
+  EXPECT_NE(refused(keys("", {}, "k3")).find("--api-key is empty"), std::string::npos);
+  EXPECT_NE(refused(keys("k1", file, {})).find("both"), std::string::npos);
+  EXPECT_NE(refused(keys({}, {}, "")).find("KESTREL_API_KEY"), std::string::npos);
+  for (const std::string text : {"", "\n", "  \nk5\n"}) {
+    const std::string empty = write("empty", text);
+    const std::string why = refused(keys({}, empty, {}));
+    EXPECT_NE(why.find(empty), std::string::npos) << why;
+    EXPECT_NE(why.find("empty"), std::string::npos) << why;
+  }
+  for (const std::string& bad : {(dir / "missing").string(), dir.string()}) {
+    const std::string why = refused(keys({}, bad, {}));
+    EXPECT_NE(why.find("cannot read the API key file " + bad + ": "), std::string::npos) << why;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ServerAccess, LoopbackHosts) {
+  for (const char* h : {"127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LocalHost",
+                        "::ffff:127.0.0.1", "0:0:0:0:0:0:0:1"})
+    EXPECT_TRUE(is_loopback_host(h)) << h;
+  for (const char* h : {"0.0.0.0", "::", "192.168.1.2", "10.0.0.1", "128.0.0.1", "example.com",
+                        "localhost.example.com", "::ffff:10.0.0.1", ""})
+    EXPECT_FALSE(is_loopback_host(h)) << h;
 }

@@ -8,6 +8,7 @@
 #include <dirent.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -15,7 +16,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
@@ -48,7 +51,8 @@ struct ServeArgs {
   ModelOptions model;
   std::string host = "127.0.0.1";
   int port = 8080;
-  std::string api_key;
+  server::ApiKeySources key_sources;  // --api-key, --api-key-file (KESTREL_API_KEY is read at start)
+  std::string api_key;               // the key required, resolved from them; "" = none
   int parallel = 1;
   int queue = 16;
   int n_predict = -1;
@@ -151,6 +155,55 @@ class HttpServer : public httplib::Server {
   }
 };
 
+// Why host:port cannot be bound, the library's bind having failed (it keeps no errno of its
+// own): the address resolved and bound again as the library does, and the first failure's
+// text ("Address already in use", "Cannot assign requested address", ...).
+std::string bind_failure(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* list = nullptr;
+  const std::string service = std::to_string(port);
+  if (const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &list); rc != 0)
+    return gai_strerror(rc);
+  std::string why;
+  for (addrinfo* ai = list; ai && why.empty(); ai = ai->ai_next) {
+    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      why = std::strerror(errno);
+      continue;
+    }
+    int yes = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd, 1) != 0) why = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(list);
+  return why.empty() ? "the address could not be bound" : why;
+}
+
+std::string url_host(const std::string& host) {
+  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
+}
+
+// The listening socket, bound before the model loads so that a port in use (or an address not
+// of this host) is found in a moment, not after the weights. Connections made while the model
+// loads wait in the backlog until the server runs.
+int bind_listener(HttpServer& svr, const ServeArgs& a) {
+  // SO_REUSEADDR (a restart may bind while old connections linger) but not the library's
+  // SO_REUSEPORT, under which a second server on a taken port would bind too and be handed
+  // half of its connections.
+  svr.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  const int port = svr.bind(a.host, a.port);
+  if (port < 0)
+    throw Error(fmt::format("cannot listen on {}:{}: {}", url_host(a.host), a.port, bind_failure(a.host, a.port)));
+  return port;
+}
+
 std::string model_id(const ServeArgs& a) {
   if (!a.alias.empty()) return a.alias;
   std::filesystem::path p = std::filesystem::path(a.model.dir).lexically_normal();
@@ -204,8 +257,8 @@ class Server {
     seed_base_ = rng_();
   }
 
-  int run() {
-    HttpServer svr;
+  // Serves on `svr`, bound (bind_listener) to `port`, until SIGINT or SIGTERM.
+  int run(HttpServer& svr, int port) {
     const int threads = a_.parallel + a_.queue + 64;  // the slots, the line, idle keep-alives
     svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     // Keep-alive (docs/hardening.md). A server that closes an idle connection races the
@@ -226,13 +279,6 @@ class Server {
       res.set_header("Keep-Alive", fmt::format("timeout={}, max={}", kKeepAliveHintSeconds,
                                                CPPHTTPLIB_KEEPALIVE_MAX_COUNT));
     });
-    // SO_REUSEADDR (a restart may bind while old connections linger) but not the library's
-    // SO_REUSEPORT, under which a second server on a taken port would bind too and be handed
-    // half of its connections.
-    svr.set_socket_options([](int sock) {
-      int yes = 1;
-      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    });
     svr.set_payload_max_length((size_t)a_.max_body);
     svr.set_read_timeout(a_.timeout, 0);
     svr.set_write_timeout(a_.timeout, 0);
@@ -251,6 +297,7 @@ class Server {
       if (server::bearer_matches(req.get_header_value("Authorization"), a_.api_key))
         return httplib::Server::HandlerResponse::Unhandled;
       error(res, ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", "", "invalid_api_key"));
+      res.set_header("WWW-Authenticate", "Bearer");  // RFC 6750: the scheme the key goes in
       return httplib::Server::HandlerResponse::Handled;
     });
     svr.set_error_handler(httplib::Server::HandlerWithResponse(
@@ -267,8 +314,10 @@ class Server {
       } else {
         error(res, s == 404   ? ApiError(404, "no such endpoint", "", "not_found")
                    : s == 413 ? ApiError(413, "the request body is too large", "", "request_too_large")
+                   : s == 414 ? ApiError(414, "the request's URI is too long", "", "uri_too_long")
                    : s == 400 ? ApiError(400, "the HTTP request could not be read", "", "bad_request")
-                              : ApiError(s, fmt::format("the request could not be read (HTTP {})", s)));
+                              : ApiError(s, fmt::format("the request could not be read (HTTP {})", s), "",
+                                         s >= 500 ? "server_error" : "bad_request"));
       }
       return httplib::Server::HandlerResponse::Handled;
     }));
@@ -331,10 +380,6 @@ class Server {
       }
     });
 
-    const int port = svr.bind(a_.host, a_.port);
-    if (port < 0)
-      throw Error(fmt::format("cannot listen on {}:{} (in use, or not an address of this host)",
-                              a_.host, a_.port));
     std::thread listener([&] {
       svr.listen_after_bind();
       // Ended otherwise than by a signal (accepting failed): wake the main thread.
@@ -343,8 +388,9 @@ class Server {
         kill(getpid(), SIGTERM);
       }
     });
-    const bool v6 = a_.host.find(':') != std::string::npos;
-    std::cerr << fmt::format("listening on http://{}:{}", v6 ? "[" + a_.host + "]" : a_.host, port)
+    std::cerr << fmt::format("listening on http://{}:{} {}", url_host(a_.host), port,
+                             a_.api_key.empty() ? "(no API key: anyone who can reach it may use it)"
+                                                : "(API key required)")
               << std::endl;
 
     const int sig = wait_for_stop_signal();
@@ -544,7 +590,21 @@ class Server {
   std::atomic<uint64_t> requests_{0};
 };
 
-int run_serve(const ServeArgs& a) {
+int run_serve(ServeArgs& a) {
+  // The key first: an empty or unreadable one is refused before anything else is done.
+  server::ApiKeySources keys = a.key_sources;
+  if (const char* env = std::getenv("KESTREL_API_KEY")) keys.env = env;
+  a.api_key = server::resolve_api_key(keys);
+  HttpServer svr;
+  const int port = bind_listener(svr, a);
+  // Not quieted by -q: a server open to the network without a key is worth a line.
+  if (a.api_key.empty() && !server::is_loopback_host(a.host))
+    std::cerr << fmt::format("kestrel serve: warning: {} is not a loopback address and no API key is "
+                             "set: anyone who can reach it may use the server (--api-key-file FILE "
+                             "or KESTREL_API_KEY sets one)",
+                             a.host)
+              << std::endl;
+
   const ModelLoadOptions lo = load_options(a.model, a.quiet);
   LoadedModel m = open_model(lo);
   std::string why;
@@ -570,7 +630,7 @@ int run_serve(const ServeArgs& a) {
                                 ? ""
                                 : fmt::format(", speculative {} (draft-max {})", a.spec.kind,
                                               a.spec.draft_max)));
-  return s.run();
+  return s.run(svr, port);
 }
 
 }  // namespace
@@ -584,8 +644,18 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--port", a->port, "port to listen on (0 = any free port, printed)")
       ->check(whole(0, 65535))
       ->capture_default_str();
-  cmd->add_option("--api-key", a->api_key,
-                  "require \"Authorization: Bearer KEY\" on every request but /health");
+  // Plain strings, their presence taken from the options' counts: CLI11 would read an empty
+  // value into an std::optional as "not given", the very accident --api-key "" is refused for.
+  auto key = std::make_shared<std::string>(), key_file = std::make_shared<std::string>();
+  CLI::Option* key_opt =
+      cmd->add_option("--api-key", *key,
+                      "require \"Authorization: Bearer KEY\" on every request but /health "
+                      "(visible in ps: prefer --api-key-file or KESTREL_API_KEY)")
+          ->type_name("KEY");
+  CLI::Option* key_file_opt =
+      cmd->add_option("--api-key-file", *key_file,
+                      "the API key is the first line of FILE (after --api-key; before KESTREL_API_KEY)")
+          ->type_name("FILE");
   cmd->add_option("--parallel", a->parallel,
                   "requests generating at once, each in its own session (KV cache of -c tokens)")
       ->check(whole(1, 256))
@@ -613,8 +683,10 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   cmd->add_flag("--log-prompts", a->log_prompts, "also write each prompt's text to the access log");
   cmd->add_flag("-q,--quiet", a->quiet, "no notes on stderr (the listening line and the access log stay)");
   add_spec_options(cmd, a->spec);
-  cmd->callback([a, &action] {
+  cmd->callback([a, &action, key, key_file, key_opt, key_file_opt] {
     check_spec_options(a->spec);
+    if (key_opt->count()) a->key_sources.flag = *key;
+    if (key_file_opt->count()) a->key_sources.file = *key_file;
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);

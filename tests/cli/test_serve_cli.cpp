@@ -1,0 +1,341 @@
+// kestrel serve as a user starts it, at its door: where the API key comes from and what is
+// refused before the model loads (an empty key, a port in use), the lines it prints about auth,
+// and the answers that carry auth's header or an error's code. The real binary on a
+// kestrel-synth model, on the CPU engine, driven over a plain socket; the requests' bodies and
+// the generations are tests/cli/serve_e2e.sh's.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support/test_util.h"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using kestrel::test::read_file;
+using kestrel::test::scratch;
+using kestrel::test::write_file;
+using Result = kestrel::test::CommandResult;
+
+const std::string kKestrel = KESTREL_BIN;
+const std::string kSynth = KESTREL_SYNTH_BIN;
+
+int lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n + (!s.empty() && s.back() != '\n');
+}
+
+// A server started in the background, its stderr in a file the test reads as it runs.
+class Server {
+ public:
+  explicit Server(const std::vector<std::string>& args, const std::string& name = "serve") {
+    log_ = scratch() / (name + ".log");
+    std::vector<std::string> argv = {kKestrel, "serve"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    std::vector<char*> cargs;
+    for (std::string& a : argv) cargs.push_back(a.data());
+    cargs.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
+    posix_spawn_file_actions_addopen(&fa, STDERR_FILENO, log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (posix_spawn(&pid_, cargs[0], &fa, nullptr, cargs.data(), environ) != 0) pid_ = -1;
+    posix_spawn_file_actions_destroy(&fa);
+  }
+  ~Server() { stop(); }
+
+  std::string log() const { return read_file(log_); }
+
+  // The port of its "listening on" line, once printed (-1 when it exited first or took over
+  // 60 s); `line` gets the whole line.
+  int wait_listening(std::string* line = nullptr) {
+    static const std::regex re(R"(listening on http://[^\s]+:(\d+)[^\n]*)");
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < end) {
+      std::smatch m;
+      const std::string text = log();
+      if (std::regex_search(text, m, re)) {
+        if (line) *line = m[0];
+        return std::stoi(m[1]);
+      }
+      if (exited()) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
+
+  // Stops it (SIGTERM) and returns its exit status (-1: killed by a signal).
+  int stop() {
+    if (pid_ <= 0) return status_;
+    if (!exited()) kill(pid_, SIGTERM);
+    int st = 0;
+    waitpid(pid_, &st, 0);
+    pid_ = -1;
+    status_ = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return status_;
+  }
+
+ private:
+  bool exited() const {
+    siginfo_t info{};
+    return waitid(P_PID, (id_t)pid_, &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid_;
+  }
+  fs::path log_;
+  pid_t pid_ = -1;
+  int status_ = -1;
+};
+
+// One HTTP/1.1 exchange over a fresh connection ("Connection: close"); the raw answer.
+std::string http(int port, const std::string& request_line, const std::vector<std::string>& headers = {}) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons((uint16_t)port);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string req = request_line + "\r\nHost: 127.0.0.1\r\nConnection: close\r\n";
+  for (const std::string& h : headers) req += h + "\r\n";
+  req += "\r\n";
+  for (size_t off = 0; off < req.size();) {
+    const ssize_t n = write(fd, req.data() + off, req.size() - off);
+    if (n <= 0) break;
+    off += (size_t)n;
+  }
+  // Read to the end of the body by its Content-Length: an answer given before the request
+  // was read through (414) leaves the connection open.
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof buf)) > 0) {
+    out.append(buf, (size_t)n);
+    const size_t head = out.find("\r\n\r\n");
+    if (head == std::string::npos) continue;
+    std::smatch m;
+    const std::string h = out.substr(0, head);
+    static const std::regex re(R"(\r\nContent-Length: (\d+))", std::regex::icase);
+    if (std::regex_search(h, m, re) && out.size() >= head + 4 + std::stoul(m[1])) break;
+  }
+  close(fd);
+  return out;
+}
+
+int status_of(const std::string& response) {
+  return response.size() > 12 ? std::atoi(response.c_str() + 9) : 0;
+}
+std::string body_of(const std::string& response) {
+  const size_t at = response.find("\r\n\r\n");
+  return at == std::string::npos ? "" : response.substr(at + 4);
+}
+bool has_header(const std::string& response, const std::string& header) {
+  const std::string head = response.substr(0, response.find("\r\n\r\n") + 2);
+  return head.find("\r\n" + header + "\r\n") != std::string::npos;
+}
+
+// A port that something else holds: a socket of the test's, bound and listening.
+class TakenPort {
+ public:
+  TakenPort() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+    listen(fd_, 1);
+    socklen_t len = sizeof(a);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+  }
+  ~TakenPort() { close(fd_); }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1, port_ = 0;
+};
+
+class ServeCli : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    model_ = new fs::path(scratch() / "model");
+    broken_ = new fs::path(scratch() / "broken");
+    fs::remove_all(*model_);
+    const Result r = kestrel::test::run_command(
+        kSynth + " --shape tiny --layers 2 --dtype gptq --bits 4 --group-size 64 --seed 3 --quiet --out " +
+        model_->string());
+    ASSERT_EQ(r.code, 0) << r.err;
+    // A model whose weights cannot be read: what is refused before the weights load is
+    // refused the same with it, and the weights' error would show that they were read first.
+    fs::remove_all(*broken_);
+    fs::copy(*model_, *broken_);
+    for (const auto& e : fs::directory_iterator(*broken_))
+      if (e.path().extension() == ".safetensors") fs::resize_file(e.path(), 100);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*model_);
+    fs::remove_all(*broken_);
+    delete model_;
+    delete broken_;
+  }
+  static Result serve(const std::string& args, const std::string& env = "") {
+    return kestrel::test::run_command(env + " " + kKestrel + " serve --device cpu " + args + " < /dev/null");
+  }
+  static std::vector<std::string> args(std::vector<std::string> extra) {
+    std::vector<std::string> a = {"-m", model_->string(), "--device", "cpu", "-c", "64", "--port", "0"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+  static fs::path* model_;
+  static fs::path* broken_;
+};
+fs::path* ServeCli::model_ = nullptr;
+fs::path* ServeCli::broken_ = nullptr;
+
+void expect_one_line_error(const Result& r, const std::string& what) {
+  EXPECT_EQ(r.code, 1) << r.err;
+  EXPECT_EQ(lines(r.err), 1) << r.err;
+  EXPECT_NE(r.err.find(what), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.rfind("kestrel", 0), 0u) << r.err;
+}
+
+// `--api-key "$KEY"` with KEY unset must not start a server without auth; nor an empty key
+// file or KESTREL_API_KEY. Each is refused in one line before the model is read.
+TEST_F(ServeCli, EmptyKeysAreRefusedBeforeTheModelLoads) {
+  const std::string m = "-m " + broken_->string() + " --port 0 ";
+  expect_one_line_error(serve(m + "--api-key ''"), "--api-key is empty");
+  expect_one_line_error(serve(m + "--api-key ''", "KESTREL_API_KEY=k"), "--api-key is empty");
+  const fs::path empty = scratch() / "empty.key";
+  write_file(empty, "\n");
+  expect_one_line_error(serve(m + "--api-key-file " + empty.string()), empty.string());
+  expect_one_line_error(serve(m + "--api-key-file " + (scratch() / "missing.key").string()),
+                        "cannot read the API key file " + (scratch() / "missing.key").string());
+  expect_one_line_error(serve(m, "KESTREL_API_KEY="), "KESTREL_API_KEY is set but empty");
+  const fs::path key = scratch() / "k.key";
+  write_file(key, "k\n");
+  expect_one_line_error(serve(m + "--api-key k --api-key-file " + key.string()),
+                        "--api-key and --api-key-file both given");
+}
+
+// A port already taken is found before the weights load (the broken model's weights would
+// fail otherwise), in one line naming host:port and the system's reason.
+TEST_F(ServeCli, PortInUseIsFoundBeforeTheWeights) {
+  TakenPort taken;
+  const auto start = std::chrono::steady_clock::now();
+  const Result r = serve("-m " + broken_->string() + " --port " + std::to_string(taken.port()));
+  expect_one_line_error(r, "cannot listen on 127.0.0.1:" + std::to_string(taken.port()) + ": " +
+                               std::strerror(EADDRINUSE));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+// The key from a file (its first line) and from KESTREL_API_KEY: a request without it gets 401
+// with WWW-Authenticate: Bearer, one with it is answered; the listening line says a key is
+// required. --api-key wins over the environment.
+TEST_F(ServeCli, KeyFromFileAndEnvironment) {
+  const fs::path key = scratch() / "server.key";
+  write_file(key, "from-file \n# not the key\n");
+  struct Case {
+    std::vector<std::string> extra;
+    std::string env, accepted, refused;
+  };
+  const std::vector<Case> cases = {
+      {{"--api-key-file", key.string()}, "", "from-file", "from-file-x"},
+      {{}, "from-env", "from-env", "wrong"},
+      {{"--api-key", "from-flag"}, "from-env", "from-flag", "from-env"},
+      {{"--api-key-file", key.string()}, "from-env", "from-file", "from-env"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.accepted);
+    if (c.env.empty()) unsetenv("KESTREL_API_KEY");
+    else setenv("KESTREL_API_KEY", c.env.c_str(), 1);
+    Server s(args(c.extra));
+    unsetenv("KESTREL_API_KEY");
+    std::string line;
+    const int port = s.wait_listening(&line);
+    ASSERT_GT(port, 0) << s.log();
+    EXPECT_NE(line.find("(API key required)"), std::string::npos) << line;
+    EXPECT_EQ(s.log().find("warning"), std::string::npos) << s.log();
+
+    const std::string no_key = http(port, "GET /v1/models HTTP/1.1");
+    EXPECT_EQ(status_of(no_key), 401) << no_key;
+    EXPECT_TRUE(has_header(no_key, "WWW-Authenticate: Bearer")) << no_key;
+    const nlohmann::json e = nlohmann::json::parse(body_of(no_key));
+    EXPECT_EQ(e["error"]["code"], "invalid_api_key");
+    const std::string wrong = http(port, "GET /v1/models HTTP/1.1", {"Authorization: Bearer " + c.refused});
+    EXPECT_EQ(status_of(wrong), 401) << wrong;
+    EXPECT_TRUE(has_header(wrong, "WWW-Authenticate: Bearer")) << wrong;
+    const std::string ok = http(port, "GET /v1/models HTTP/1.1", {"Authorization: Bearer " + c.accepted});
+    EXPECT_EQ(status_of(ok), 200) << ok;
+    EXPECT_FALSE(has_header(ok, "WWW-Authenticate: Bearer")) << ok;
+    EXPECT_EQ(status_of(http(port, "GET /health HTTP/1.1")), 200);  // needs no key
+    EXPECT_EQ(s.stop(), 0) << s.log();
+    EXPECT_EQ(s.log().find("from-"), std::string::npos) << "the key was written:\n" << s.log();
+  }
+}
+
+// Without a key the listening line says so; on a loopback address that is all, on any other a
+// warning line comes first.
+TEST_F(ServeCli, NoKeyIsSaidAndWarnedOffLoopback) {
+  unsetenv("KESTREL_API_KEY");
+  {
+    Server s(args({}), "loopback");
+    std::string line;
+    ASSERT_GT(s.wait_listening(&line), 0) << s.log();
+    EXPECT_NE(line.find("(no API key: anyone who can reach it may use it)"), std::string::npos) << line;
+    EXPECT_EQ(s.log().find("warning"), std::string::npos) << s.log();
+  }
+  {
+    Server s(args({"--host", "0.0.0.0", "-q"}), "any");
+    std::string line;
+    ASSERT_GT(s.wait_listening(&line), 0) << s.log();
+    EXPECT_NE(line.find("(no API key"), std::string::npos) << line;
+    const std::string log = s.log();
+    EXPECT_NE(log.find("kestrel serve: warning: 0.0.0.0 is not a loopback address and no API key is set"),
+              std::string::npos)
+        << log;
+    EXPECT_EQ(lines(log.substr(0, log.find("listening on"))), 1) << log;  // -q keeps the warning alone
+  }
+  {
+    Server s(args({"--host", "0.0.0.0", "--api-key", "k", "-q"}), "any-key");
+    std::string line;
+    ASSERT_GT(s.wait_listening(&line), 0) << s.log();
+    EXPECT_NE(line.find("(API key required)"), std::string::npos) << line;
+    EXPECT_EQ(s.log().find("warning"), std::string::npos) << s.log();
+  }
+}
+
+// The library's 414 (a request line past 8 KiB) in OpenAI's error shape, with a code as every
+// other refusal has.
+TEST_F(ServeCli, UriTooLongHasACode) {
+  unsetenv("KESTREL_API_KEY");
+  Server s(args({"-q"}));
+  const int port = s.wait_listening();
+  ASSERT_GT(port, 0) << s.log();
+  const std::string r = http(port, "GET /v1/models?x=" + std::string(10000, 'a') + " HTTP/1.1");
+  ASSERT_EQ(status_of(r), 414) << r.substr(0, 200);
+  const nlohmann::json e = nlohmann::json::parse(body_of(r));
+  EXPECT_EQ(e["error"]["code"], "uri_too_long") << e;
+  EXPECT_EQ(e["error"]["type"], "invalid_request_error") << e;
+}
+
+}  // namespace
