@@ -175,7 +175,7 @@ std::string format_text(const ModelConfig& c) {
   if (!c.quant) return dtype_name(c.dtype);
   const QuantConfig& q = *c.quant;
   return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
-                     q.group_size > 0 ? "g" + std::to_string(q.group_size) : "per-channel",
+                     q.group_size > 0 ? fmt::format("g{}", q.group_size) : std::string("per-channel"),
                      q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
 }
 
