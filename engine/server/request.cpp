@@ -177,12 +177,73 @@ std::vector<std::string> parse_stop(const json* v) {
   return out;
 }
 
+// nlohmann's DOM builder behind a count of the values it has made and the depth it is at:
+// json::parse would build the whole body's DOM before anything could look at its size. Each
+// event is checked before the builder spends memory on it, and a limit passed ends the parse
+// at once (the ApiError unwinds through the parser, which frees what it built).
+class LimitedDomParser {
+ public:
+  LimitedDomParser(json& result, const JsonLimits& limits) : dom_(result, true), limits_(limits) {}
+
+  bool null() { return value() && dom_.null(); }
+  bool boolean(bool v) { return value() && dom_.boolean(v); }
+  bool number_integer(json::number_integer_t v) { return value() && dom_.number_integer(v); }
+  bool number_unsigned(json::number_unsigned_t v) { return value() && dom_.number_unsigned(v); }
+  bool number_float(json::number_float_t v, const json::string_t& s) {
+    return value() && dom_.number_float(v, s);
+  }
+  bool string(json::string_t& v) { return value() && dom_.string(v); }
+  bool binary(json::binary_t& v) { return value() && dom_.binary(v); }
+  bool start_object(std::size_t n) { return open() && dom_.start_object(n); }
+  bool key(json::string_t& k) { return dom_.key(k); }
+  bool end_object() {
+    --depth_;
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t n) { return open() && dom_.start_array(n); }
+  bool end_array() {
+    --depth_;
+    return dom_.end_array();
+  }
+  template <class Exception>
+  bool parse_error(std::size_t pos, const std::string& token, const Exception& ex) {
+    return dom_.parse_error(pos, token, ex);  // throws it, as json::parse does
+  }
+
+ private:
+  bool value() {
+    if (++values_ > limits_.max_values)
+      throw ApiError(413,
+                     fmt::format("the body holds more than {} JSON values (objects, arrays, strings, "
+                                 "numbers, ...), the most this server parses",
+                                 limits_.max_values),
+                     "", "too_many_json_values");
+    return true;
+  }
+  bool open() {
+    value();
+    if (++depth_ > limits_.max_depth)
+      throw ApiError(400,
+                     fmt::format("the body's JSON nests deeper than {} objects or arrays, the most "
+                                 "this server parses",
+                                 limits_.max_depth),
+                     "", "json_too_deep");
+    return true;
+  }
+
+  nlohmann::detail::json_sax_dom_parser<json> dom_;
+  const JsonLimits& limits_;
+  size_t values_ = 0;
+  int depth_ = 0;
+};
+
 }  // namespace
 
-json parse_body(const std::string& body) {
+json parse_body(const std::string& body, const JsonLimits& limits) {
   json j;
   try {
-    j = json::parse(body);
+    LimitedDomParser sax(j, limits);
+    json::sax_parse(body, &sax);
   } catch (const json::parse_error& e) {
     throw ApiError(400,
                    e.byte <= body.size()
@@ -199,8 +260,9 @@ json parse_body(const std::string& body) {
 }
 
 CompletionRequest parse_completion_request(Endpoint endpoint, const std::string& body,
-                                           const RequestDefaults& defaults, uint64_t seed) {
-  const json j = parse_body(body);
+                                           const RequestDefaults& defaults, uint64_t seed,
+                                           const JsonLimits& limits) {
+  const json j = parse_body(body, limits);
   const Fields f(j);
   CompletionRequest r;
   r.endpoint = endpoint;
@@ -340,8 +402,8 @@ PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& t
   return p;
 }
 
-TokenizeRequest parse_tokenize_request(const std::string& body) {
-  const json j = parse_body(body);
+TokenizeRequest parse_tokenize_request(const std::string& body, const JsonLimits& limits) {
+  const json j = parse_body(body, limits);
   const Fields f(j);
   TokenizeRequest r;
   const auto content = f.string("content");
@@ -352,8 +414,9 @@ TokenizeRequest parse_tokenize_request(const std::string& body) {
   return r;
 }
 
-std::vector<int> parse_detokenize_request(const std::string& body, int vocab) {
-  const json j = parse_body(body);
+std::vector<int> parse_detokenize_request(const std::string& body, int vocab,
+                                          const JsonLimits& limits) {
+  const json j = parse_body(body, limits);
   const json* v = Fields(j).get("tokens");
   if (!v) throw ApiError(400, "'tokens' is required", "tokens", "missing_required_parameter");
   if (!v->is_array()) throw bad("tokens", "'tokens' must be a list of token ids, got " + shown(*v));

@@ -21,6 +21,27 @@ namespace kestrel::server {
 
 enum class Endpoint { Chat, Completion };
 
+// Bounds on a request body's JSON, enforced while it is parsed (parse_body), so that a body
+// cannot spend more memory and CPU than these allow before it is refused: the parsed DOM costs
+// far more than its text (7.8 MB of `[{},{},...]` is 2.6 million objects, about 250 MB), and the
+// body limit (--max-body) alone does not bound it. Past max_values: 413, code
+// "too_many_json_values"; past max_depth: 400, code "json_too_deep".
+//
+// The defaults are generous for real requests. A chat message is 3 to 5 values (its object,
+// role, content, a few content parts), a tool definition's JSON schema some tens to a few
+// hundred; a conversation of 2,000 messages with 100 tools is under 40,000. What comes near
+// 100,000 is a prompt of token ids (one value per id), which is why `kestrel serve` raises the
+// limit to twice its context where that is more. 100,000 empty objects parse in milliseconds
+// into about 10 MB. Requests nest 4 deep (messages[i].content[j].text) and tool schemas rarely
+// past 20; 64 leaves room for any schema a person writes.
+constexpr size_t kDefaultMaxJsonValues = 100000;
+constexpr int kDefaultMaxJsonDepth = 64;
+
+struct JsonLimits {
+  size_t max_values = kDefaultMaxJsonValues;  // values of any kind: objects, arrays, scalars
+  int max_depth = kDefaultMaxJsonDepth;       // objects and arrays open at once
+};
+
 // What a request gets for what it leaves out: `kestrel serve`'s command line over the model's
 // generation_config.json, as for `kestrel generate`.
 struct RequestDefaults {
@@ -47,9 +68,10 @@ struct CompletionRequest {
 };
 
 // Parses and checks a request body. `seed` is the seed used when the request gives none (the
-// caller draws it). Throws ApiError (400) naming the field at fault.
+// caller draws it). Throws ApiError (400) naming the field at fault, or parse_body's.
 CompletionRequest parse_completion_request(Endpoint endpoint, const std::string& body,
-                                           const RequestDefaults& defaults, uint64_t seed);
+                                           const RequestDefaults& defaults, uint64_t seed,
+                                           const JsonLimits& limits = {});
 
 // A request made ready to run: the prompt's ids (the chat template renders the messages) and
 // the generation options.
@@ -72,11 +94,15 @@ struct TokenizeRequest {
   bool add_special = false;
   bool with_pieces = false;
 };
-TokenizeRequest parse_tokenize_request(const std::string& body);
+TokenizeRequest parse_tokenize_request(const std::string& body, const JsonLimits& limits = {});
 // POST /detokenize: {"tokens": [ID, ...]}, every id within the vocabulary.
-std::vector<int> parse_detokenize_request(const std::string& body, int vocab);
+std::vector<int> parse_detokenize_request(const std::string& body, int vocab,
+                                          const JsonLimits& limits = {});
 
-// The JSON object of a body, or ApiError (400) saying why it is not one.
-nlohmann::json parse_body(const std::string& body);
+// The JSON object of a body, or ApiError saying why it is not one: 400 (invalid_json) for
+// malformed JSON or another value than an object, 400 (json_too_deep) past limits.max_depth,
+// 413 (too_many_json_values) past limits.max_values. The limits stop the parser as they are
+// passed, before the rest of the body is read into memory.
+nlohmann::json parse_body(const std::string& body, const JsonLimits& limits = {});
 
 }  // namespace kestrel::server

@@ -1,6 +1,7 @@
 // kestrel serve without sockets: request bodies read into engine options (and refused with
 // OpenAI's error object), the response objects and stream chunks, the slots and their queue,
 // the turn lock, the API key's sources and check, loopback hosts and the access log's line.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -251,6 +252,94 @@ TEST(ServerRequest, TokenizeBodies) {
   EXPECT_EQ(refusal([] { parse_detokenize_request(R"({"tokens": [10]})", 10); }).param(), "tokens");
   EXPECT_EQ(refusal([] { parse_detokenize_request(R"({"tokens": "a"})", 10); }).param(), "tokens");
   EXPECT_EQ(refusal([] { parse_detokenize_request(R"({})", 10); }).param(), "tokens");
+}
+
+// A chat body whose ignored `metadata` holds `n` empty objects: 6 + n values in all (the body,
+// messages, the message, its role and content, metadata).
+std::string with_metadata(size_t n) {
+  std::string body = R"({"messages": [{"role": "user", "content": "Hi"}], "metadata": [)";
+  for (size_t i = 0; i < n; ++i) body += i ? ",{}" : "{}";
+  return body + "]}";
+}
+// A chat body whose `metadata` nests `d` arrays: 1 + d deep.
+std::string nested_metadata(int d) {
+  return R"({"messages": [{"role": "user", "content": "Hi"}], "metadata": )" + std::string(d, '[') +
+         std::string(d, ']') + "}";
+}
+
+// The values of a body are counted as it is parsed: up to the limit it is read, one past it is
+// 413 naming the limit, on every endpoint.
+TEST(ServerJsonLimits, Values) {
+  const JsonLimits limits{100, 64};
+  EXPECT_NO_THROW(parse_completion_request(Endpoint::Chat, with_metadata(94), defaults(), 1, limits));
+  const ApiError e = refusal([&] { parse_completion_request(Endpoint::Chat, with_metadata(95), defaults(), 1, limits); });
+  EXPECT_EQ(e.status(), 413) << e.what();
+  EXPECT_EQ(e.code(), "too_many_json_values");
+  EXPECT_EQ(e.type(), "invalid_request_error");
+  EXPECT_NE(std::string(e.what()).find("more than 100 JSON values"), std::string::npos) << e.what();
+  // Scalars count as objects do; keys do not (their values do).
+  EXPECT_NO_THROW(parse_body(R"({"a": [1, "x", null, true, 2.5]})", JsonLimits{7, 64}));
+  EXPECT_EQ(refusal([] { parse_body(R"({"a": [1, "x", null, true, 2.5]})", JsonLimits{6, 64}); }).status(), 413);
+  EXPECT_EQ(refusal([] { parse_tokenize_request(R"({"content": "a", "x": [1, 2]})", JsonLimits{3, 64}); }).code(),
+            "too_many_json_values");
+  EXPECT_EQ(refusal([] { parse_detokenize_request(R"({"tokens": [1, 2, 3]})", 10, JsonLimits{4, 64}); }).code(),
+            "too_many_json_values");
+  EXPECT_EQ(parse_detokenize_request(R"({"tokens": [1, 2, 3]})", 10, JsonLimits{5, 64}).size(), 3u);
+}
+
+TEST(ServerJsonLimits, Depth) {
+  const JsonLimits limits{100000, 10};
+  EXPECT_NO_THROW(parse_completion_request(Endpoint::Chat, nested_metadata(9), defaults(), 1, limits));
+  const ApiError e = refusal([&] { parse_completion_request(Endpoint::Chat, nested_metadata(10), defaults(), 1, limits); });
+  EXPECT_EQ(e.status(), 400) << e.what();
+  EXPECT_EQ(e.code(), "json_too_deep");
+  EXPECT_NE(std::string(e.what()).find("deeper than 10"), std::string::npos) << e.what();
+  // The defaults: 64 deep is read, 65 is not; a nesting far past it is refused as soon as it
+  // is passed, never built.
+  EXPECT_NO_THROW(parse_completion_request(Endpoint::Chat, nested_metadata(63), defaults(), 1));
+  EXPECT_EQ(refusal([] { parse_completion_request(Endpoint::Chat, nested_metadata(64), defaults(), 1); }).code(),
+            "json_too_deep");
+  EXPECT_EQ(refusal([] { parse_body(std::string(1000000, '[')); }).code(), "json_too_deep");
+  // Malformed JSON is still invalid_json, within the limits.
+  EXPECT_EQ(refusal([] { parse_body("{\"a\": [[1]"); }).code(), "invalid_json");
+}
+
+// The finding: 7.8 MB of empty objects in the ignored `metadata` took seconds and 250 MB to
+// parse. The default limit refuses it after its first 100,000 values.
+TEST(ServerJsonLimits, DefaultsRefuseAHugeIgnoredFieldQuickly) {
+  const std::string body = with_metadata(2600000);
+  ASSERT_GT(body.size(), 7800000u);
+  const auto start = std::chrono::steady_clock::now();
+  const ApiError e = refusal([&] { parse_completion_request(Endpoint::Chat, body, defaults(), 1); });
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(e.status(), 413);
+  EXPECT_NE(std::string(e.what()).find("more than 100000 JSON values"), std::string::npos) << e.what();
+  EXPECT_LT(s, 2.0);  // milliseconds when the machine is idle; seconds before the limit
+}
+
+// The defaults are generous for real requests: a conversation of 2,000 messages, some with
+// content parts, and 100 tool definitions with nested JSON schemas parse.
+TEST(ServerJsonLimits, DefaultsPassALongConversationWithTools) {
+  json messages = json::array({{{"role", "system"}, {"content", "You are helpful."}}});
+  for (int i = 0; i < 2000; ++i)
+    messages.push_back(i % 3 == 2 ? json{{"role", "user"},
+                                         {"content", json::array({{{"type", "text"}, {"text", "part a"}},
+                                                                  {{"type", "text"}, {"text", "part b"}}})}}
+                                  : json{{"role", i % 2 ? "assistant" : "user"}, {"content", fmt::format("turn {}", i)}});
+  EXPECT_EQ(chat({{"messages", messages}, {"metadata", {{"user", "u"}}}}).messages.size(), 2001u);
+  json tools = json::array();
+  for (int t = 0; t < 100; ++t) {
+    json props = json::object();
+    for (int p = 0; p < 20; ++p)
+      props[fmt::format("p{}", p)] = {{"type", "object"},
+                                        {"description", "a field"},
+                                        {"properties", {{"x", {{"type", "array"}, {"items", {{"type", "string"}, {"enum", {"a", "b", "c"}}}}}}}}};
+    tools.push_back({{"type", "function"},
+                     {"function", {{"name", fmt::format("f{}", t)},
+                                   {"parameters", {{"type", "object"}, {"properties", props}, {"required", {"p0", "p1"}}}}}}});
+  }
+  // (tools themselves this engine refuses, after parsing; the body's size is what is tested)
+  EXPECT_NO_THROW(parse_body(json{{"messages", messages}, {"tools", tools}}.dump()));
 }
 
 class ServerPrepare : public ::testing::Test {
