@@ -8,6 +8,7 @@
 #include <dirent.h>
 #include <fmt/format.h>
 #include <httplib.h>
+#include <malloc.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -60,6 +61,8 @@ struct ServeArgs {
   std::string chat_template = "auto";
   std::string alias;
   int64_t max_body = 8 << 20;
+  int64_t max_json_values = 0;  // 0: server::kDefaultMaxJsonValues or twice the context, the larger
+  int max_json_depth = server::kDefaultMaxJsonDepth;
   int timeout = 60;
   bool log_prompts = false;
   bool quiet = false;
@@ -75,6 +78,56 @@ struct RequestLog {
   std::optional<std::string> prompt;
 };
 thread_local RequestLog t_log;
+
+// A request body past this size has its memory given back to the system once its connection
+// is done (TrimmingTaskQueue).
+constexpr size_t kTrimAfterBodyBytes = 1 << 20;
+// Set by the logger when this thread's request had such a body.
+thread_local bool t_trim = false;
+
+// Memory a large request used, given back to the system. glibc gives every thread that
+// allocates an arena of its own and keeps what is freed there for reuse: a large body and the
+// DOM parsed from it (many small chunks) leave their pages resident after they are freed, and
+// with requests landing on different threads (arenas) the server's RSS grew by that much per
+// arena and never came back. Three things undo it:
+//  - malloc's thresholds are fixed (set_malloc_thresholds): by default a freed large block
+//    raises them to its size (up to 32 MiB / 64 MiB), after which 8 MB bodies live inside
+//    arenas and an arena keeps a top of up to twice that resident;
+//  - after a connection whose request had a large body: a free of a block of 256 KiB
+//    (arena-allocated, under the mmap threshold), which makes glibc merge the arena's freed
+//    small chunks into its top and shrink the top (malloc_trim does not shrink the top of a
+//    thread's arena, only the main one's);
+//  - then malloc_trim(0), which hands the free pages inside every arena back (madvise).
+// It runs once the connection's last request is done, when the Request (and its body) is
+// gone; a kept-alive connection keeps its last body's memory for reuse until it closes.
+void set_malloc_thresholds() {
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);  // blocks past 1 MiB (large bodies) are mapped, unmapped on free
+  mallopt(M_TRIM_THRESHOLD, 1 << 20);  // an arena's top past 1 MiB is given back
+}
+void give_back_memory() {
+  if (void* p = malloc(256 << 10)) free(p);
+  malloc_trim(0);
+}
+
+// cpp-httplib's thread pool, each connection's task followed by give_back_memory() when one of
+// its requests had a body past kTrimAfterBodyBytes.
+class TrimmingTaskQueue : public httplib::TaskQueue {
+ public:
+  explicit TrimmingTaskQueue(size_t threads) : pool_(threads) {}
+  void enqueue(std::function<void()> fn) override {
+    pool_.enqueue([fn = std::move(fn)] {
+      fn();
+      if (t_trim) {
+        t_trim = false;
+        give_back_memory();
+      }
+    });
+  }
+  void shutdown() override { pool_.shutdown(); }
+
+ private:
+  httplib::ThreadPool pool_;
+};
 
 // The connection's socket: cpp-httplib 0.11 does not hand it to handlers, and a handler needs
 // it to see that the client went away while it waits or generates without writing. It is the
@@ -251,6 +304,12 @@ class Server {
             a.parallel == 1 ? std::move(s)
                             : std::make_unique<server::TurnTakingSession>(std::move(s), draft_turn_));
     }
+    // Every request's JSON is parsed within these (server/request.h says why); a prompt of
+    // token ids is one value per token, so the values allowed are at least twice the context.
+    limits_.max_values = a.max_json_values > 0
+                             ? (size_t)a.max_json_values
+                             : std::max(server::kDefaultMaxJsonValues, 2 * (size_t)ctx);
+    limits_.max_depth = a.max_json_depth;
     slots_ = std::make_unique<server::Slots>(a.parallel, a.queue, [this](int i) -> const std::vector<int>& {
       return sessions_[i]->cached;
     });
@@ -260,7 +319,8 @@ class Server {
   // Serves on `svr`, bound (bind_listener) to `port`, until SIGINT or SIGTERM.
   int run(HttpServer& svr, int port) {
     const int threads = a_.parallel + a_.queue + 64;  // the slots, the line, idle keep-alives
-    svr.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    set_malloc_thresholds();
+    svr.new_task_queue = [threads] { return new TrimmingTaskQueue(threads); };
     // Keep-alive (docs/hardening.md). A server that closes an idle connection races the
     // client's next request on it: a client that wrote it before it read the close gets the
     // connection reset, the request unanswered. Clients that honour the Keep-Alive hint stop
@@ -360,7 +420,7 @@ class Server {
     });
     svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
       try {
-        const server::TokenizeRequest t = server::parse_tokenize_request(req.body);
+        const server::TokenizeRequest t = server::parse_tokenize_request(req.body, limits_);
         const std::vector<int> ids = m_.tok->encode(t.content, t.add_special);
         json tokens = json::array();
         for (int id : ids)
@@ -373,7 +433,7 @@ class Server {
     });
     svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
       try {
-        const std::vector<int> ids = server::parse_detokenize_request(req.body, m_.spec->config.vocab);
+        const std::vector<int> ids = server::parse_detokenize_request(req.body, m_.spec->config.vocab, limits_);
         res.set_content(server::dump({{"content", m_.tok->decode(ids)}}), "application/json");
       } catch (const ApiError& e) {
         error(res, e);
@@ -433,7 +493,7 @@ class Server {
     try {
       server::CompletionRequest cr =
           server::parse_completion_request(endpoint, req.body, defaults_,
-                                           a_.sampling.seed ? *a_.sampling.seed : draw_seed());
+                                           a_.sampling.seed ? *a_.sampling.seed : draw_seed(), limits_);
       if (!cr.model.empty() && cr.model != id_)
         throw ApiError(404, fmt::format("the model '{}' does not exist (this server has '{}')", cr.model, id_),
                        "model", "model_not_found");
@@ -547,6 +607,7 @@ class Server {
   }
 
   void log(const httplib::Request& req, const httplib::Response& res) {
+    if (req.body.size() > kTrimAfterBodyBytes) t_trim = true;
     server::AccessEntry e;
     e.remote = fmt::format("{}:{}", req.remote_addr, req.remote_port);
     e.method = req.method;
@@ -575,6 +636,7 @@ class Server {
   std::string id_;
   int64_t created_;
   server::RequestDefaults defaults_;
+  server::JsonLimits limits_;
   server::TurnLock turn_;
   std::vector<std::unique_ptr<Session>> sessions_;
   // --spec draft: the draft model (declared before its sessions, which it outlives), its
@@ -675,6 +737,16 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--alias", a->alias, "the model's id in the API (default: the directory's name)");
   cmd->add_option("--max-body", a->max_body, "largest request body in bytes (larger: 413)")
       ->check(whole(1024, INT64_MAX))
+      ->capture_default_str();
+  cmd->add_option("--max-json-values", a->max_json_values,
+                  fmt::format("most JSON values (objects, arrays, strings, numbers) a request body may "
+                              "hold (more: 413); 0 = {} or twice the context, the larger",
+                              server::kDefaultMaxJsonValues))
+      ->check(whole(0, INT64_MAX))
+      ->capture_default_str();
+  cmd->add_option("--max-json-depth", a->max_json_depth,
+                  "most objects and arrays a request body may nest (deeper: 400)")
+      ->check(whole(1, 100000))
       ->capture_default_str();
   cmd->add_option("--timeout", a->timeout,
                   "seconds a client may take to send a request or to take the answer's next bytes")
