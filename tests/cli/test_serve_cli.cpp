@@ -394,10 +394,12 @@ TEST_F(ServeCli, HugeJsonIsRefusedInBoundedMemory) {
 
   for (int i = 0; i < kClients; ++i) {
     SCOPED_TRACE(i);
-    ASSERT_EQ(status_of(answers[i]), 413) << answers[i].substr(0, 300);
-    const nlohmann::json e = nlohmann::json::parse(body_of(answers[i]));
-    EXPECT_EQ(e["error"]["code"], "too_many_json_values") << e;
-    EXPECT_NE(e["error"]["message"].get<std::string>().find("100000"), std::string::npos) << e;
+    EXPECT_EQ(status_of(answers[i]), 413) << answers[i].substr(0, 300);
+    if (status_of(answers[i]) == 413) {
+      const nlohmann::json e = nlohmann::json::parse(body_of(answers[i]));
+      EXPECT_EQ(e["error"]["code"], "too_many_json_values") << e;
+      EXPECT_NE(e["error"]["message"].get<std::string>().find("100000"), std::string::npos) << e;
+    }
     // Sent and refused in well under a second on an idle machine; parsing all of one took 3 to
     // 8 s of CPU.
     EXPECT_LT(seconds[i], 5.0);
