@@ -400,14 +400,15 @@ TEST_F(ServeCli, HugeJsonIsRefusedInBoundedMemory) {
       EXPECT_EQ(e["error"]["code"], "too_many_json_values") << e;
       EXPECT_NE(e["error"]["message"].get<std::string>().find("100000"), std::string::npos) << e;
     }
-    // Sent and refused in well under a second on an idle machine; parsing all of one took 3 to
-    // 8 s of CPU.
-    EXPECT_LT(seconds[i], 5.0);
+    // Sent and refused in about a second on a busy 2-core machine, most of it the transfer;
+    // parsing all of each took 3 to 8 s of CPU (the 8 took 20 s there).
+    EXPECT_LT(seconds[i], 8.0);
   }
-  // The freed memory goes back once the connections close: allow the server a moment.
+  // The freed memory goes back once the connections close: allow the server a moment (and
+  // give it up to 3 s to settle near the start, for the figure printed).
   const int64_t allowed = std::max<int64_t>(start / 10, 30 << 20);
   int64_t after = rss_bytes(s.pid());
-  for (int i = 0; i < 300 && after > start + allowed; ++i) {
+  for (int i = 0; i < 300 && after > start + (5 << 20); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     after = rss_bytes(s.pid());
   }
@@ -418,6 +419,28 @@ TEST_F(ServeCli, HugeJsonIsRefusedInBoundedMemory) {
   EXPECT_LT(peak - start, int64_t(200) << 20);
   EXPECT_LE(after, start + allowed);
   EXPECT_EQ(s.stop(), 0) << s.log();
+}
+
+// --max-json-values and --max-json-depth set the limits, named in the refusals.
+TEST_F(ServeCli, JsonLimitsAreOptions) {
+  unsetenv("KESTREL_API_KEY");
+  Server s(args({"-q", "--max-json-values", "10", "--max-json-depth", "3"}));
+  const int port = s.wait_listening();
+  ASSERT_GT(port, 0) << s.log();
+  auto post = [&](const std::string& body) {
+    return http(port, "POST /tokenize HTTP/1.1", {"Content-Type: application/json"}, body);
+  };
+  EXPECT_EQ(status_of(post(R"({"content": "a", "x": [[1, 2, 3, 4, 5, 6]]})")), 200);  // 10 values, 3 deep
+  const std::string many = post(R"({"content": "a", "x": [[1, 2, 3, 4, 5, 6, 7]]})");
+  ASSERT_EQ(status_of(many), 413) << many;
+  nlohmann::json e = nlohmann::json::parse(body_of(many));
+  EXPECT_EQ(e["error"]["code"], "too_many_json_values") << e;
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("more than 10 JSON values"), std::string::npos) << e;
+  const std::string deep = post(R"({"content": "a", "x": [[[1]]]})");
+  ASSERT_EQ(status_of(deep), 400) << deep;
+  e = nlohmann::json::parse(body_of(deep));
+  EXPECT_EQ(e["error"]["code"], "json_too_deep") << e;
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("deeper than 3"), std::string::npos) << e;
 }
 
 }  // namespace
