@@ -282,6 +282,18 @@ TEST_F(ServerPrepare, PromptIdsAndOptions) {
   EXPECT_EQ(q.options.logprobs, 0);
 }
 
+// /tokenize's pieces: a special token, which decodes to nothing, shows its own text.
+TEST_F(ServerPrepare, TokenizePiecesOfSpecialTokens) {
+  const std::vector<int> ids = tok_->encode("hi<|end|>");
+  ASSERT_EQ(ids.back(), 258);
+  EXPECT_EQ(token_text(*tok_, 258), "");  // as generated text: nothing
+  EXPECT_EQ(token_piece(*tok_, 258), "<|end|>");
+  std::string pieces;
+  for (int id : ids) pieces += token_piece(*tok_, id);
+  EXPECT_EQ(pieces, tok_->decode(ids) + "<|end|>");  // the text as decoded, then the token
+  for (int id : {4, 5, 104}) EXPECT_EQ(token_piece(*tok_, id), token_text(*tok_, id)) << id;
+}
+
 TEST_F(ServerPrepare, PromptLongerThanTheContextIsRefused) {
   const CompletionRequest c = completion({{"prompt", "the river runs under a stone bridge"}, {"max_tokens", 4}});
   const int n = (int)tok_->encode(c.prompt).size();

@@ -364,7 +364,7 @@ class Server {
         const std::vector<int> ids = m_.tok->encode(t.content, t.add_special);
         json tokens = json::array();
         for (int id : ids)
-          tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_text(*m_.tok, id)}}
+          tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_piece(*m_.tok, id)}}
                                          : json(id));
         res.set_content(server::dump({{"tokens", tokens}}), "application/json");
       } catch (const ApiError& e) {
