@@ -177,6 +177,13 @@ std::vector<std::string> parse_stop(const json* v) {
   return out;
 }
 
+// tool_choice "none": the model is not to call the tools, so they can be left out of the
+// prompt (the template renders without tools, as it always does here).
+bool tools_not_called(const Fields& f) {
+  const json* choice = f.get("tool_choice");
+  return choice && *choice == "none";
+}
+
 }  // namespace
 
 json parse_body(const std::string& body) {
@@ -223,7 +230,8 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
     f.refuse_unless("suffix", f.string("suffix").value_or("").empty(), "insertion (suffix) is not supported");
   }
   const json* tools = f.get("tools");
-  f.refuse_unless("tools", tools && tools->is_array() && tools->empty(), "tool calls are not supported");
+  f.refuse_unless("tools", tools && tools->is_array() && (tools->empty() || tools_not_called(f)),
+                  "tool calls are not supported (tools pass only with \"tool_choice\": \"none\")");
   const json* functions = f.get("functions");
   f.refuse_unless("functions", functions && functions->is_array() && functions->empty(),
                   "function calls are not supported");

@@ -218,6 +218,14 @@ TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
   // Their harmless values pass.
   EXPECT_NO_THROW(chat(json::parse(with(R"("n": 1, "tools": [], "tool_choice": "none",
                                            "response_format": {"type": "text"}, "logit_bias": {})"))));
+  // Tools the model is told not to call (tool_choice "none") pass, rendered without them.
+  const std::string tools = R"("tools": [{"type": "function", "function": {"name": "f"}}])";
+  const CompletionRequest none = chat(json::parse(with(tools + R"(, "tool_choice": "none")")));
+  EXPECT_EQ(none.messages.size(), 1u);
+  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": "auto")"), "tools");
+  expect_refused(Endpoint::Chat, with(R"("tools": [], "tool_choice": "required")"), "tool_choice");
+  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": null)"), "tools");
+  expect_refused(Endpoint::Chat, with(R"("tools": {"type": "function"}, "tool_choice": "none")"), "tools");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "best_of": 2})", "best_of");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "echo": true})", "echo");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "suffix": "b"})", "suffix");
