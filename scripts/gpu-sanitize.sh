@@ -61,7 +61,7 @@ for c in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer
   [ -n "$cs" ] || { [ -x "$c" ] && cs="$c"; }
 done
 [ -n "$cs" ] || { echo "gpu-sanitize: compute-sanitizer not found" >&2; exit 1; }
-"$build/kestrel" devices > /dev/null 2>&1 || { echo "gpu-sanitize: no usable GPU: $("$build/kestrel" devices 2>&1)" >&2; exit 1; }
+"$build/kestrel" devices 2>&1 | grep -q '^cuda: ' || { echo "gpu-sanitize: no usable GPU: $("$build/kestrel" devices 2>&1 | sed -n 's/^cuda unusable: //p')" >&2; exit 1; }
 for b in tests/test_decoder_cuda tests/test_ops_cuda tests/test_gemv_cuda tests/test_prefill_cuda \
          tests/test_families tests/test_gemm_small tests/test_speculative tests/test_quantize_cuda \
          tests/test_quantize kestrel kestrel-synth; do

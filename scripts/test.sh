@@ -7,11 +7,14 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh
 bash scripts/fetch-test-tokenizers.sh build/test-tokenizers
-if gpu="$(./build/kestrel devices 2>&1)"; then
+# `kestrel devices` lists the CPU engine, then "cuda: NAME (...)" for a usable GPU or
+# "cuda unusable: WHY"; it fails only where the program itself does.
+devices="$(./build/kestrel devices 2>&1)" || { echo "test: kestrel devices failed: $devices" >&2; exit 1; }
+if gpu="$(grep '^cuda: ' <<<"$devices")"; then
   echo "test: $gpu; running every test"
   ctest --test-dir build --output-on-failure -j"$(nproc)"
 else
   skipped="$(ctest --test-dir build -N -L gpu | sed -n 's/^Total Tests: //p')"
-  echo "test: ${skipped:-0} GPU tests skipped (ctest -L gpu): $gpu"
+  echo "test: ${skipped:-0} GPU tests skipped (ctest -L gpu): $(sed -n 's/^cuda unusable: //p' <<<"$devices")"
   ctest --test-dir build --output-on-failure -j"$(nproc)" -LE gpu
 fi

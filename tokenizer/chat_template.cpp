@@ -261,18 +261,34 @@ ChatTemplate ChatTemplate::load(const std::string& dir, const std::string& name,
   return from_jinja(source, path.string());
 }
 
+void check_template_kwargs(const jinja::Json& kwargs) {
+  if (!kwargs.is_object()) {
+    const std::string shown = kwargs.dump(-1, ' ', false, jinja::Json::error_handler_t::replace);
+    throw Error(fmt::format("must be a JSON object of the template's variables, such as "
+                            "{{\"enable_thinking\": false}}, got {}",
+                            shown.size() > 40 ? shown.substr(0, 37) + "..." : shown));
+  }
+  for (const char* key : {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+    if (kwargs.contains(key))
+      throw Error(fmt::format("'{}' cannot be set: Kestrel sets it", key));
+}
+
 std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
-                                 bool add_generation_prompt) const {
+                                 bool add_generation_prompt, const jinja::Json& kwargs) const {
+  if (!kwargs.is_null()) check_template_kwargs(kwargs);
   if (!jinja_) return segments_text(render_chat(format_, messages, add_generation_prompt));
   jinja::Json msgs = jinja::Json::array();
   for (const ChatMessage& m : messages) msgs.push_back({{"role", m.role}, {"content", m.content}});
   // What transformers passes: the messages, the generation prompt flag, the special tokens'
   // text; tools none (their parts stay inert), thinking left to the template's default.
-  const jinja::Json context = {{"messages", msgs},
-                               {"add_generation_prompt", add_generation_prompt},
-                               {"bos_token", bos_text_},
-                               {"eos_token", eos_text_},
-                               {"tools", nullptr}};
+  // chat_template_kwargs follow, as transformers passes its **kwargs.
+  jinja::Json context = {{"messages", msgs},
+                         {"add_generation_prompt", add_generation_prompt},
+                         {"bos_token", bos_text_},
+                         {"eos_token", eos_text_},
+                         {"tools", nullptr}};
+  if (kwargs.is_object())
+    for (const auto& [key, value] : kwargs.items()) context[key] = value;
   try {
     return jinja_->render(context);
   } catch (const jinja::TemplateException& e) {
@@ -359,10 +375,12 @@ std::string ChatTemplate::describe() const {
 }
 
 std::vector<int> ChatTemplate::tokenize(const std::vector<ChatMessage>& messages,
-                                        bool add_generation_prompt) const {
+                                        bool add_generation_prompt,
+                                        const jinja::Json& kwargs) const {
   // A model's own template writes its BOS itself where it has one: nothing is added, as
   // transformers' apply_chat_template(tokenize=True) adds nothing.
-  if (jinja_) return encode(split_specials(render(messages, add_generation_prompt)), false);
+  if (jinja_) return encode(split_specials(render(messages, add_generation_prompt, kwargs)), false);
+  if (!kwargs.is_null()) check_template_kwargs(kwargs);
   return tokenize(render_chat(format_, messages, add_generation_prompt));
 }
 

@@ -74,6 +74,13 @@ std::vector<ChatSegment> render_chat(ChatFormat f, const std::vector<ChatMessage
 // The rendered text (special tokens written as their text).
 std::string segments_text(const std::vector<ChatSegment>& segments);
 
+// chat_template_kwargs, as transformers' apply_chat_template takes them and vLLM's requests
+// give them: extra variables for a Jinja template, such as {"enable_thinking": false} for
+// Qwen3. Throws kestrel::Error (one line) unless `kwargs` is an object that sets none of the
+// variables the renderer sets itself (messages, add_generation_prompt, bos_token, eos_token,
+// tools).
+void check_template_kwargs(const jinja::Json& kwargs);
+
 // A model's chat format bound to its tokenizer's special tokens.
 class ChatTemplate {
  public:
@@ -90,10 +97,13 @@ class ChatTemplate {
   ChatFormat format() const { return format_; }
   bool is_jinja() const { return jinja_ != nullptr; }
   // The rendered prompt, special tokens as their text. Throws kestrel::Error where the
-  // template refuses the conversation (its raise_exception message).
-  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt) const;
-  std::vector<int> tokenize(const std::vector<ChatMessage>& messages,
-                            bool add_generation_prompt) const;
+  // template refuses the conversation (its raise_exception message). `kwargs` (an object, or
+  // null for none; check_template_kwargs) are extra variables of a Jinja template; a built-in
+  // format has none to set.
+  std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+                     const jinja::Json& kwargs = jinja::Json()) const;
+  std::vector<int> tokenize(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
+                            const jinja::Json& kwargs = jinja::Json()) const;
   // "the model's own template" or "<name> format", for messages.
   std::string describe() const;
   std::vector<int> tokenize(const std::vector<ChatSegment>& segments) const;

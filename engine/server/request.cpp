@@ -237,6 +237,28 @@ class LimitedDomParser {
   int depth_ = 0;
 };
 
+// chat_template_kwargs (vLLM's): extra variables of the chat template, such as Qwen3's
+// {"enable_thinking": false}; the server's --chat-template-kwargs, each key replaced by the
+// request's own.
+json parse_template_kwargs(const json* v, const json& defaults) {
+  json out = defaults.is_object() ? defaults : json::object();
+  if (!v) return out;
+  try {
+    check_template_kwargs(*v);
+  } catch (const Error& e) {
+    throw bad("chat_template_kwargs", std::string("'chat_template_kwargs' ") + e.what());
+  }
+  for (const auto& [key, value] : v->items()) out[key] = value;
+  return out;
+}
+
+// tool_choice "none": the model is not to call the tools, so they can be left out of the
+// prompt (the template renders without tools, as it always does here).
+bool tools_not_called(const Fields& f) {
+  const json* choice = f.get("tool_choice");
+  return choice && *choice == "none";
+}
+
 }  // namespace
 
 json parse_body(const std::string& body, const JsonLimits& limits) {
@@ -275,6 +297,9 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
   if (auto m = f.string("model")) r.model = *m;
   if (chat) r.messages = parse_messages(f.get("messages"));
   else parse_prompt(f.get("prompt"), r);
+  if (chat)
+    r.chat_template_kwargs =
+        parse_template_kwargs(f.get("chat_template_kwargs"), defaults.chat_template_kwargs);
 
   if (auto n = f.integer("n", 1, 128); n && *n != 1)
     throw ApiError(400, "'n': only one choice per request is supported (n = 1)", "n", "unsupported_value");
@@ -285,7 +310,8 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
     f.refuse_unless("suffix", f.string("suffix").value_or("").empty(), "insertion (suffix) is not supported");
   }
   const json* tools = f.get("tools");
-  f.refuse_unless("tools", tools && tools->is_array() && tools->empty(), "tool calls are not supported");
+  f.refuse_unless("tools", tools && tools->is_array() && (tools->empty() || tools_not_called(f)),
+                  "tool calls are not supported (tools pass only with \"tool_choice\": \"none\")");
   const json* functions = f.get("functions");
   f.refuse_unless("functions", functions && functions->is_array() && functions->empty(),
                   "function calls are not supported");
@@ -360,7 +386,7 @@ PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& t
   if (chat) {
     KESTREL_CHECK(tmpl != nullptr, "a chat request needs the model's chat template");
     try {
-      p.prompt_ids = tmpl->tokenize(req.messages, /*add_generation_prompt=*/true);
+      p.prompt_ids = tmpl->tokenize(req.messages, /*add_generation_prompt=*/true, req.chat_template_kwargs);
     } catch (const Error& e) {  // an order of roles the template refuses, its raise_exception
       throw ApiError(400, std::string("the chat template refused the messages: ") + e.what(),
                      "messages", "invalid_value");

@@ -48,12 +48,16 @@ struct RequestDefaults {
   SamplingParams sampling;
   int max_tokens = -1;  // -1 = up to the end of the context
   std::vector<std::string> stop;
+  // --chat-template-kwargs: the chat template's extra variables (an object, or null for none);
+  // a request's chat_template_kwargs replace them key by key.
+  nlohmann::json chat_template_kwargs;
 };
 
 struct CompletionRequest {
   Endpoint endpoint = Endpoint::Chat;
   std::string model;                  // empty when the request names none
   std::vector<ChatMessage> messages;  // chat
+  nlohmann::json chat_template_kwargs;  // chat: the template's extra variables (an object)
   std::string prompt;                 // completions: a text ...
   std::vector<int> prompt_ids;        // ... or token ids (prompt_is_ids)
   bool prompt_is_ids = false;

@@ -38,6 +38,10 @@ std::string token_text(const Tokenizer& tok, int id) {
   return s + d.flush();
 }
 
+std::string token_piece(const Tokenizer& tok, int id) {
+  return tok.is_control(id) ? tok.piece(id) : token_text(tok, id);
+}
+
 std::vector<int> token_bytes(const Tokenizer& tok, int id) {
   if (tok.is_byte(id)) {  // "<0xNN>": one byte that may be part of a character
     unsigned v = 0;

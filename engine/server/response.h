@@ -33,6 +33,9 @@ nlohmann::json usage_json(const GenerateResult& r);
 // The text a token adds on its own (" the" for SentencePiece's "▁the") and its UTF-8 bytes;
 // a byte-fallback token's byte is the one it stands for.
 std::string token_text(const Tokenizer& tok, int id);
+// A token as /tokenize's with_pieces shows it: its text as token_text decodes it, and a
+// special token (which decodes to nothing) as its own text ("<|im_start|>", "<s>").
+std::string token_piece(const Tokenizer& tok, int id);
 std::vector<int> token_bytes(const Tokenizer& tok, int id);
 
 // chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}, ...], "refusal": null}

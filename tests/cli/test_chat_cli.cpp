@@ -249,6 +249,52 @@ TEST_F(ChatCli, EveryTemplateRuns) {
   }
 }
 
+// --chat-template-kwargs: extra variables of a Jinja template (generate --chat, chat, serve),
+// as vLLM's chat_template_kwargs; what would do nothing or is not an object is one line.
+TEST_F(ChatCli, TemplateKwargsReachTheTemplate) {
+  const fs::path tmpl = scratch() / "chat_cli_kwargs.jinja", fixed = scratch() / "chat_cli_fixed.jinja";
+  write_file(tmpl, "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+                   "{% if enable_thinking is defined and enable_thinking is false %}no thinking\n"
+                   "{% endif %}{{ extra }}");
+  write_file(fixed, "{% for m in messages %}{{ m.content }}\n{% endfor %}no thinking\nmore");
+  const std::string gen = kKestrel + " generate --device cpu -m " + dir_->string() +
+                          " -p hello -n 1 --temp 0 --json --chat --template ";
+  const auto ids = [](const Result& r) {
+    EXPECT_EQ(r.code, 0) << r.err;
+    return r.code == 0 ? json::parse(r.out)["prompt_ids"] : json();
+  };
+  const json plain = ids(run(gen + tmpl.string()));
+  const json off = ids(run(gen + tmpl.string() +
+                           " --chat-template-kwargs '{\"enable_thinking\": false, \"extra\": \"more\"}'"));
+  EXPECT_NE(off, plain);
+  EXPECT_EQ(off, ids(run(gen + fixed.string())));
+  EXPECT_EQ(ids(run(gen + tmpl.string() + " --chat-template-kwargs '{\"enable_thinking\": true}'")),
+            plain);
+  // kestrel chat renders each turn with them.
+  const Result c = chat("hello\n", "--template " + tmpl.string() +
+                                      " --chat-template-kwargs '{\"enable_thinking\": false}' -n 2 -q");
+  EXPECT_EQ(c.code, 0) << c.err;
+
+  const auto one_line = [](const Result& r, const std::string& line) {
+    EXPECT_EQ(r.code, 1);
+    EXPECT_EQ(r.err, "kestrel: " + line + "\n");
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  };
+  const std::string m = " --device cpu -m " + dir_->string();
+  one_line(run(gen + tmpl.string() + " --chat-template-kwargs '[1]'"),
+           "--chat-template-kwargs: must be a JSON object of the template's variables, such as "
+           "{\"enable_thinking\": false}, got [1]");
+  one_line(run(kKestrel + " chat" + m + " --chat-template-kwargs '{oops' < /dev/null"),
+           "--chat-template-kwargs: not valid JSON: {oops");
+  one_line(run(kKestrel + " serve" + m + " --chat-template-kwargs '{\"messages\": []}'"),
+           "--chat-template-kwargs: 'messages' cannot be set: Kestrel sets it");
+  one_line(run(kKestrel + " generate" + m + " -p hi --chat-template-kwargs '{}'"),
+           "--chat-template-kwargs goes with --chat");
+  one_line(run(gen + "chatml --chat-template-kwargs '{}'"),
+           "--chat-template-kwargs goes with a Jinja chat template (the model's own or "
+           "--template FILE.jinja), not the chatml format");
+}
+
 TEST_F(ChatCli, UnknownTemplateIsOneLine) {
   const Result r = chat("hello\n", "--template alpaca");
   EXPECT_EQ(r.code, 1);

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "tests/support/gpu.h"
 #include "tests/support/test_util.h"
@@ -84,9 +85,18 @@ TEST_F(Usability, CommandLineMistakesInPlainWords) {
   expect_error(run(kKestrel + " server"),
                "unknown command 'server' (generate, chat, serve, bench, perplexity, tokenize, "
                "info, devices)");
-  expect_error(run(kKestrel),
-               "a command is required (generate, chat, serve, bench, perplexity, tokenize, "
-               "info, devices); kestrel --help");
+  // No command: the usage as --help prints it, then the one error line, exit 1 (as git does).
+  const Result none = run(kKestrel);
+  EXPECT_EQ(none.code, 1);
+  EXPECT_TRUE(none.out.empty()) << none.out;
+  EXPECT_EQ(none.err.rfind(run(kKestrel + " --help").out, 0), 0u) << none.err;
+  for (const char* cmd :
+       {"generate", "chat", "serve", "bench", "perplexity", "tokenize", "info", "devices"})
+    EXPECT_NE(none.err.find(std::string("\n  ") + cmd + " "), std::string::npos) << cmd;
+  const std::string last = none.err.substr(none.err.rfind('\n', none.err.size() - 2) + 1);
+  EXPECT_EQ(last,
+            "kestrel: a command is required (generate, chat, serve, bench, perplexity, "
+            "tokenize, info, devices); kestrel --help\n");
   // llama.cpp's multi-letter short options are not read as -n gl.
   expect_error(run(gen("-p hi -ngl 99")),
                "unknown option -ngl (the whole model runs on one device: --device cpu|cuda)");
@@ -147,15 +157,37 @@ TEST(Version, EveryProgramAnswers) {
   }
 }
 
+// kestrel devices lists the CPU engine always, with -t's default team, then the CUDA GPU or
+// why none is usable; exit 0 either way (scripts/test.sh looks for the "cuda: " line).
+TEST(Devices, ListsTheCpuAlwaysAndTheGpuOrWhyNot) {
+  const Result r = run("OMP_NUM_THREADS=1 " + kKestrel + " devices");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.err, "");
+  EXPECT_EQ(lines(r.out), 2) << r.out;
+  EXPECT_EQ(r.out.rfind("cpu: the CPU engine (fp32 reference), 1 thread\n", 0), 0u) << r.out;
+  const std::string gpu = r.out.substr(r.out.find('\n') + 1);
+  if (kestrel::test::gpu().usable)
+    EXPECT_EQ(gpu.rfind("cuda: ", 0), 0u) << gpu;
+  else
+    EXPECT_EQ(gpu.rfind("cuda unusable: ", 0), 0u) << gpu;
+  const Result many = run("OMP_NUM_THREADS=2 " + kKestrel + " devices");
+  if (std::thread::hardware_concurrency() >= 2)
+    EXPECT_EQ(many.out.rfind("cpu: the CPU engine (fp32 reference), 2 threads\n", 0), 0u)
+        << many.out;
+}
+
 // The GPU benchmarks without a GPU say why as `kestrel devices` does.
 TEST(Version, GpuBenchmarksWithoutAGpuSayItAsKestrelDoes) {
   if (kestrel::test::gpu().usable) GTEST_SKIP() << "a GPU is present";
   const Result devices = run(kKestrel + " devices");
-  ASSERT_EQ(devices.code, 1);
-  // One error line, named as every other: "kestrel: no usable CUDA GPU (...)".
-  EXPECT_EQ(devices.out, "");
-  ASSERT_EQ(devices.err.rfind("kestrel: no usable CUDA GPU (", 0), 0u) << devices.err;
-  const std::string problem = devices.err.substr(9, devices.err.find('\n') - 9);
+  ASSERT_EQ(devices.code, 0);
+  // The reason, on the "cuda unusable: " line: "no usable CUDA GPU (...)".
+  const std::string key = "\ncuda unusable: ";
+  const size_t at = devices.out.find(key);
+  ASSERT_NE(at, std::string::npos) << devices.out;
+  const std::string problem =
+      devices.out.substr(at + key.size(), devices.out.find('\n', at + 1) - at - key.size());
+  EXPECT_EQ(problem.rfind("no usable CUDA GPU (", 0), 0u) << problem;
   for (const std::string bin : {KESTREL_BENCH_GEMM_BIN, KESTREL_BENCH_GEMV_BIN}) {
     const Result r = run(bin);
     EXPECT_EQ(r.code, 1) << bin;
@@ -236,6 +268,29 @@ TEST_F(Usability, OptionsThatDoNothingAreRefused) {
   expect_error(run(gen("-p hi -o out.jsonl")), "-o FILE goes with --batch-file");
   expect_error(run(gen("-p hi --json --no-display-prompt")),
                "--no-display-prompt goes with streamed text, not --json or --batch-file");
+}
+
+// kestrel-synth's GPTQ options without --dtype gptq would write an fp16 model as if they were
+// not given: refused in one line, nothing written.
+TEST(Synth, GptqOptionsWithoutGptqAreRefused) {
+  const fs::path out = scratch() / "usability_synth_fp16";
+  fs::remove_all(out);
+  const std::string synth = kSynth + " --shape tiny --layers 1 --quiet --out " + out.string();
+  for (const std::string opt :
+       {"--bits 4", "--group-size 128", "--act-order", "--asym", "--format gptq_v2"}) {
+    for (const std::string dtype : {"", " --dtype fp16"}) {
+      SCOPED_TRACE(opt + dtype);
+      const Result r = run(synth + dtype + " " + opt);
+      EXPECT_EQ(r.code, 1);
+      EXPECT_EQ(r.err, "kestrel-synth: " + opt.substr(0, opt.find(' ')) +
+                           " goes with --dtype gptq (the default, fp16, is not quantized)\n");
+      EXPECT_FALSE(fs::exists(out));
+    }
+  }
+  // With --dtype gptq they are taken.
+  EXPECT_EQ(run(synth + " --dtype gptq --bits 4 --group-size 64 --act-order").code, 0);
+  EXPECT_TRUE(fs::exists(out / "quantize_config.json"));
+  fs::remove_all(out);
 }
 
 TEST_F(Usability, HelpShowsDefaults) {

@@ -298,6 +298,44 @@ TEST_F(ChatTokenize, LoadChoosesTemplates) {
   EXPECT_NE(note.find("raw"), std::string::npos);
 }
 
+// chat_template_kwargs: extra variables of the model's template, as Qwen3's enable_thinking;
+// a built-in format has none to set; what is not an object, or sets Kestrel's own variables,
+// is refused in one line.
+TEST_F(ChatTokenize, TemplateKwargsAreVariables) {
+  write_config({{"chat_template",
+                 "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and enable_thinking is false %}"
+                 "<think>\n\n</think>\n\n{% endif %}{% endif %}{{ greeting }}"}});
+  const ChatTemplate t = ChatTemplate::load(dir_->string(), "auto", *tok_);
+  const std::vector<ChatMessage> hi = {{"user", "Hi"}};
+  const std::string plain = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+  EXPECT_EQ(t.render(hi, true), plain);
+  EXPECT_EQ(t.render(hi, true, jinja::Json::object()), plain);
+  EXPECT_EQ(t.render(hi, true, {{"enable_thinking", true}}), plain);
+  EXPECT_EQ(t.render(hi, true, {{"enable_thinking", false}, {"greeting", "hello"}}),
+            plain + "<think>\n\n</think>\n\nhello");
+  EXPECT_NE(t.tokenize(hi, true, {{"enable_thinking", false}}), t.tokenize(hi, true));
+  // A built-in format renders as it does without them.
+  const ChatTemplate chatml(ChatFormat::chatml, *tok_);
+  EXPECT_EQ(chatml.render(hi, true, {{"enable_thinking", false}}), chatml.render(hi, true));
+  const auto refused = [&](const jinja::Json& kwargs, const std::string& part) {
+    try {
+      t.render(hi, true, kwargs);
+      ADD_FAILURE() << "no error for " << kwargs.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(chatml.tokenize(hi, true, kwargs), Error) << kwargs.dump();
+  };
+  refused(jinja::Json::array({1}), "must be a JSON object");
+  refused("thinking", "must be a JSON object");
+  refused({{"messages", jinja::Json::array()}}, "'messages' cannot be set");
+  refused({{"add_generation_prompt", false}}, "'add_generation_prompt' cannot be set");
+  refused({{"tools", jinja::Json::array()}}, "'tools' cannot be set");
+}
+
 // tokenizer_config.json and a --template file are read only when they are regular files: a
 // FIFO blocked the load, a directory gave a C++ library message.
 TEST_F(ChatTokenize, NonRegularFilesAreRefused) {

@@ -219,9 +219,45 @@ TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
   // Their harmless values pass.
   EXPECT_NO_THROW(chat(json::parse(with(R"("n": 1, "tools": [], "tool_choice": "none",
                                            "response_format": {"type": "text"}, "logit_bias": {})"))));
+  // Tools the model is told not to call (tool_choice "none") pass, rendered without them.
+  const std::string tools = R"("tools": [{"type": "function", "function": {"name": "f"}}])";
+  const CompletionRequest none = chat(json::parse(with(tools + R"(, "tool_choice": "none")")));
+  EXPECT_EQ(none.messages.size(), 1u);
+  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": "auto")"), "tools");
+  expect_refused(Endpoint::Chat, with(R"("tools": [], "tool_choice": "required")"), "tool_choice");
+  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": null)"), "tools");
+  expect_refused(Endpoint::Chat, with(R"("tools": {"type": "function"}, "tool_choice": "none")"), "tools");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "best_of": 2})", "best_of");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "echo": true})", "echo");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "suffix": "b"})", "suffix");
+}
+
+// chat_template_kwargs (vLLM's): the server's --chat-template-kwargs, each key replaced by the
+// request's; anything but an object, or Kestrel's own variables, refused (400).
+TEST(ServerRequest, ChatTemplateKwargs) {
+  EXPECT_EQ(chat({{"messages", kMessages}}).chat_template_kwargs, json::object());
+  EXPECT_EQ(chat({{"messages", kMessages}, {"chat_template_kwargs", nullptr}}).chat_template_kwargs,
+            json::object());
+  const json off = {{"enable_thinking", false}};
+  EXPECT_EQ(chat({{"messages", kMessages}, {"chat_template_kwargs", off}}).chat_template_kwargs, off);
+  RequestDefaults d = defaults();
+  d.chat_template_kwargs = {{"enable_thinking", true}, {"lang", "en"}};
+  const auto with = [&](const json& kwargs) {
+    json body = {{"messages", kMessages}};
+    if (!kwargs.is_null()) body["chat_template_kwargs"] = kwargs;
+    return parse_completion_request(Endpoint::Chat, body.dump(), d, 1).chat_template_kwargs;
+  };
+  EXPECT_EQ(with(nullptr), d.chat_template_kwargs);
+  EXPECT_EQ(with(off), (json{{"enable_thinking", false}, {"lang", "en"}}));
+  const std::string m = R"({"messages": [{"role": "user", "content": "Hi"}], )";
+  for (const std::string bad : {R"("chat_template_kwargs": "x")", R"("chat_template_kwargs": [1])",
+                                R"("chat_template_kwargs": true)",
+                                R"("chat_template_kwargs": {"messages": []})",
+                                R"("chat_template_kwargs": {"add_generation_prompt": false})"}) {
+    expect_refused(Endpoint::Chat, m + bad + "}", "chat_template_kwargs");
+    const ApiError e = refusal([&] { chat(json::parse(m + bad + "}")); });
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+  }
 }
 
 TEST(ServerRequest, CompletionPrompts) {
@@ -369,6 +405,38 @@ TEST_F(ServerPrepare, PromptIdsAndOptions) {
   EXPECT_EQ(q.options.stop.front(), "y");
   EXPECT_EQ(q.options.stop_ids, tmpl_->stop_ids());
   EXPECT_EQ(q.options.logprobs, 0);
+}
+
+// /tokenize's pieces: a special token, which decodes to nothing, shows its own text.
+TEST_F(ServerPrepare, TokenizePiecesOfSpecialTokens) {
+  const std::vector<int> ids = tok_->encode("hi<|end|>");
+  ASSERT_EQ(ids.back(), 258);
+  EXPECT_EQ(token_text(*tok_, 258), "");  // as generated text: nothing
+  EXPECT_EQ(token_piece(*tok_, 258), "<|end|>");
+  std::string pieces;
+  for (int id : ids) pieces += token_piece(*tok_, id);
+  EXPECT_EQ(pieces, tok_->decode(ids) + "<|end|>");  // the text as decoded, then the token
+  for (int id : {4, 5, 104}) EXPECT_EQ(token_piece(*tok_, id), token_text(*tok_, id)) << id;
+}
+
+// The request's chat_template_kwargs reach the model's template.
+TEST_F(ServerPrepare, ChatTemplateKwargsReachTheTemplate) {
+  const std::filesystem::path file = std::filesystem::temp_directory_path() /
+                                     ("kestrel_test_server_" + std::to_string(getpid()) + ".jinja");
+  std::ofstream(file) << "{% for m in messages %}{{ m.content }}{% endfor %}"
+                         "{% if enable_thinking is defined and enable_thinking is false %}"
+                         " without thinking{% endif %}";
+  const ChatTemplate t =
+      ChatTemplate::load(std::string(KESTREL_TOKENIZER_FIXTURES) + "/byte_level", file.string(), *tok_);
+  std::filesystem::remove(file);
+  const std::vector<ChatMessage> hi = {{"user", "Hi"}};
+  ASSERT_NE(t.tokenize(hi, true, {{"enable_thinking", false}}), t.tokenize(hi, true));
+  const CompletionRequest off =
+      chat({{"messages", kMessages}, {"chat_template_kwargs", {{"enable_thinking", false}}}});
+  EXPECT_EQ(prepare_request(off, *tok_, &t, 64, tok_->vocab_size()).prompt_ids,
+            t.tokenize(hi, true, {{"enable_thinking", false}}));
+  EXPECT_EQ(prepare_request(chat({{"messages", kMessages}}), *tok_, &t, 64, tok_->vocab_size()).prompt_ids,
+            t.tokenize(hi, true));
 }
 
 TEST_F(ServerPrepare, PromptLongerThanTheContextIsRefused) {

@@ -35,6 +35,8 @@ struct ChatArgs {
   SpecOptions spec;
   std::string chat_template = "auto";
   std::optional<std::string> system;
+  std::string template_kwargs_text;  // --chat-template-kwargs
+  nlohmann::json template_kwargs;    // ... read (null when not given)
   bool escape = false;
   bool quiet = false;
   bool verbose = false;
@@ -70,6 +72,7 @@ class ChatSession {
     std::string why;
     tmpl_.emplace(ChatTemplate::load(a_.model.dir, a_.chat_template, *m_.tok, &why));
     if (!why.empty()) info("note: " + why);
+    check_template_kwargs_use(a_.template_kwargs, *tmpl_);
     load_weights(m_, load_options(a_.model, a_.quiet));
     perf_.load_ms = m_.load_ms;
     ctx_ = m_.session->context_length();
@@ -209,11 +212,11 @@ class ChatSession {
     const int room = n_predict_ > 0 ? std::min(n_predict_, ctx_ / 2) : std::max(ctx_ / 4, 1);
     const size_t first = (!msgs_.empty() && msgs_[0].role == "system") ? 1 : 0;
     int dropped = 0;
-    ids = tmpl_->tokenize(msgs_, true);
+    ids = tmpl_->tokenize(msgs_, true, a_.template_kwargs);
     while ((int)ids.size() + room > ctx_ && msgs_.size() >= first + 3) {
       msgs_.erase(msgs_.begin() + first, msgs_.begin() + first + 2);
       ++dropped;
-      ids = tmpl_->tokenize(msgs_, true);
+      ids = tmpl_->tokenize(msgs_, true, a_.template_kwargs);
     }
     if (dropped)
       info(fmt::format("(the conversation outgrew the context of {} tokens: dropped the {} oldest "
@@ -317,6 +320,7 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
                   "file, or a built-in format: llama2, mistral, zephyr, chatml, vicuna, raw")
       ->capture_default_str();
   cmd->add_option("--system", a->system, "system prompt");
+  auto* kwargs = add_template_kwargs_option(cmd, a->template_kwargs_text);
   auto* n = cmd->add_option("-n,--n-predict", a->n_predict,
                             fmt::format("most tokens per reply (-1 = up to the context; default "
                                         "-1, {} with the raw template)",
@@ -330,8 +334,9 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
       cmd->add_flag("-q,--quiet", a->quiet, "no notes, statistics or performance block on stderr");
   cmd->add_flag("--verbose", a->verbose, "also print the device, the template and the sampling")
       ->excludes(quiet);
-  cmd->callback([a, n, &action] {
+  cmd->callback([a, n, kwargs, &action] {
     a->n_given = n->count() > 0;
+    if (kwargs->count()) a->template_kwargs = parse_template_kwargs(a->template_kwargs_text);
     check_spec_options(a->spec);
     action = [a] {
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")

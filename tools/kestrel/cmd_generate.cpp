@@ -36,6 +36,8 @@ struct GenerateArgs {
   bool chat = false;
   std::string chat_template = "auto";
   std::optional<std::string> system;
+  std::string template_kwargs_text;  // --chat-template-kwargs
+  nlohmann::json template_kwargs;    // ... read (null when not given)
   int logprobs = 0;
   bool json = false;
   bool quiet = false;
@@ -54,7 +56,7 @@ std::vector<int> prompt_ids(const GenerateArgs& a, const LoadedModel& m,
   std::vector<ChatMessage> msgs;
   if (a.system) msgs.push_back({"system", *a.system});
   msgs.push_back({"user", prompt});
-  return tmpl->tokenize(msgs, /*add_generation_prompt=*/true);
+  return tmpl->tokenize(msgs, /*add_generation_prompt=*/true, a.template_kwargs);
 }
 
 std::optional<ChatTemplate> chat_template(const GenerateArgs& a, const LoadedModel& m) {
@@ -62,6 +64,7 @@ std::optional<ChatTemplate> chat_template(const GenerateArgs& a, const LoadedMod
   std::string why;
   ChatTemplate t = ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why);
   if (!why.empty()) note(a.quiet, "note: " + why);
+  check_template_kwargs_use(a.template_kwargs, t);
   return t;
 }
 
@@ -369,6 +372,7 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
                                "llama2, mistral, zephyr, chatml, vicuna, raw")
                    ->capture_default_str();
   auto* system = cmd->add_option("--system", a->system, "system prompt for --chat");
+  auto* kwargs = add_template_kwargs_option(cmd, a->template_kwargs_text);
   auto* logprobs =
       cmd->add_option("--logprobs", a->logprobs,
                       "with --json or --batch-file: top-N log-probabilities of each generated token")
@@ -383,13 +387,15 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
   cmd->add_flag("--verbose", a->verbose,
                 "also print the device, the prompt's ids, the sampling and the stops on stderr")
       ->excludes(quiet);
-  cmd->callback([a, p, o, batch, chat, tmpl, system, logprobs, json, no_display, &action] {
+  cmd->callback([a, p, o, batch, chat, tmpl, system, kwargs, logprobs, json, no_display, &action] {
     a->prompt_given = p->count() > 0;
     // Options that would do nothing here are refused, not ignored.
     auto refuse = [](const std::string& what) { throw CLI::ValidationError(what); };
     if (o->count() && !batch->count()) refuse("-o FILE goes with --batch-file");
     if (system->count() && !chat->count()) refuse("--system goes with --chat");
     if (tmpl->count() && !chat->count()) refuse("--template goes with --chat");
+    if (kwargs->count() && !chat->count()) refuse("--chat-template-kwargs goes with --chat");
+    if (kwargs->count()) a->template_kwargs = parse_template_kwargs(a->template_kwargs_text);
     if (logprobs->count() && !json->count() && !batch->count())
       refuse("--logprobs goes with --json or --batch-file (streamed text has no room for it)");
     if (no_display->count() && (json->count() || batch->count()))

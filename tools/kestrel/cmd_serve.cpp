@@ -59,6 +59,8 @@ struct ServeArgs {
   int n_predict = -1;
   SamplingOptions sampling;
   std::string chat_template = "auto";
+  std::string template_kwargs_text;  // --chat-template-kwargs
+  nlohmann::json template_kwargs;    // ... read (null when not given): the requests' defaults
   std::string alias;
   int64_t max_body = 8 << 20;
   int64_t max_json_values = 0;  // 0: server::kDefaultMaxJsonValues or twice the context, the larger
@@ -277,6 +279,7 @@ class Server {
     defaults_.sampling = resolve_sampling(a.model.dir, a.sampling);
     defaults_.max_tokens = a.n_predict;
     defaults_.stop = a.sampling.stop;
+    defaults_.chat_template_kwargs = a.template_kwargs;
     // One session is the command's already; --parallel adds the others. Sessions that share
     // the model take its turn for every step; a lone one runs unwrapped, device-chained runs
     // included.
@@ -428,7 +431,7 @@ class Server {
         const std::vector<int> ids = m_.tok->encode(t.content, t.add_special);
         json tokens = json::array();
         for (int id : ids)
-          tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_text(*m_.tok, id)}}
+          tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_piece(*m_.tok, id)}}
                                          : json(id));
         res.set_content(server::dump({{"tokens", tokens}}), "application/json");
       } catch (const ApiError& e) {
@@ -508,7 +511,7 @@ class Server {
       p->options.ignore_eos = p->options.ignore_eos || a_.sampling.ignore_eos;  // the request's or the server's
       t_log.prompt_tokens = (int)p->prompt_ids.size();
       if (a_.log_prompts)
-        t_log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true)
+        t_log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true, cr.chat_template_kwargs)
                                                   : m_.tok->decode(p->prompt_ids);
 
       const int fd = connection_socket(req);
@@ -676,6 +679,7 @@ int run_serve(ServeArgs& a) {
   std::string why;
   std::optional<ChatTemplate> tmpl(ChatTemplate::load(a.model.dir, a.chat_template, *m.tok, &why));
   if (!why.empty()) note(a.quiet, "note: " + why);
+  check_template_kwargs_use(a.template_kwargs, *tmpl);
   load_weights(m, lo);
   // --spec draft loads the draft model now (its errors before the server listens); the
   // drafters themselves are made per request, with the request's sampling.
@@ -738,6 +742,7 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
                   "chat template: auto (the model's own), a .jinja file, or llama2, mistral, "
                   "zephyr, chatml, vicuna, raw")
       ->capture_default_str();
+  auto* kwargs = add_template_kwargs_option(cmd, a->template_kwargs_text);
   cmd->add_option("--alias", a->alias, "the model's id in the API (default: the directory's name)");
   cmd->add_option("--max-body", a->max_body, "largest request body in bytes (larger: 413)")
       ->check(whole(1024, INT64_MAX))
@@ -759,8 +764,9 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   cmd->add_flag("--log-prompts", a->log_prompts, "also write each prompt's text to the access log");
   cmd->add_flag("-q,--quiet", a->quiet, "no notes on stderr (the listening line and the access log stay)");
   add_spec_options(cmd, a->spec);
-  cmd->callback([a, &action, key, key_file, key_opt, key_file_opt] {
+  cmd->callback([a, &action, key, key_file, key_opt, key_file_opt, kwargs] {
     check_spec_options(a->spec);
+    if (kwargs->count()) a->template_kwargs = parse_template_kwargs(a->template_kwargs_text);
     if (key_opt->count()) a->key_sources.flag = *key;
     if (key_file_opt->count()) a->key_sources.file = *key_file;
     action = [a] {

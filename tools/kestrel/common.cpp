@@ -428,6 +428,34 @@ void print_perf(const Perf& p, const std::string& device) {
 
 std::string read_text_file(const std::string& path) { return read_regular_file(path); }
 
+CLI::Option* add_template_kwargs_option(CLI::App* cmd, std::string& text) {
+  return cmd->add_option("--chat-template-kwargs", text,
+                         "extra variables of the model's chat template, a JSON object "
+                         "(as vLLM's chat_template_kwargs): '{\"enable_thinking\": false}'")
+      ->type_name("JSON");
+}
+
+nlohmann::json parse_template_kwargs(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception&) {
+    throw CLI::ValidationError("--chat-template-kwargs: not valid JSON: " + text);
+  }
+  try {
+    check_template_kwargs(j);
+  } catch (const Error& e) {
+    throw CLI::ValidationError(std::string("--chat-template-kwargs: ") + e.what());
+  }
+  return j;
+}
+
+void check_template_kwargs_use(const nlohmann::json& kwargs, const ChatTemplate& tmpl) {
+  if (!kwargs.is_null() && !tmpl.is_jinja())
+    throw Error("--chat-template-kwargs goes with a Jinja chat template (the model's own or "
+                "--template FILE.jinja), not the " + tmpl.describe());
+}
+
 std::string process_escapes(std::string_view s) {
   std::string out;
   out.reserve(s.size());

@@ -13,6 +13,7 @@
 #include "engine/loader.h"
 #include "engine/sampler.h"
 #include "engine/speculative.h"
+#include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 
 namespace kestrel::cli {
@@ -117,6 +118,16 @@ struct Perf {
 void add_result(Perf& p, const GenerateResult& r);
 // Prints the block to stderr.
 void print_perf(const Perf& p, const std::string& device);
+
+// --chat-template-kwargs JSON (generate, chat, serve): extra variables of the chat template,
+// as vLLM's chat_template_kwargs ({"enable_thinking": false} for Qwen3).
+CLI::Option* add_template_kwargs_option(CLI::App* cmd, std::string& text);
+// The option's object (null when not given); throws CLI::ValidationError in one line
+// ("--chat-template-kwargs: ...") unless it is a JSON object check_template_kwargs takes.
+nlohmann::json parse_template_kwargs(const std::string& text);
+// A built-in format has no variables to set: kwargs with one is refused (kestrel::Error), as
+// options that would do nothing are.
+void check_template_kwargs_use(const nlohmann::json& kwargs, const ChatTemplate& tmpl);
 
 // Reads a whole text file; throws kestrel::Error naming it when missing, not a regular file
 // ("data is a directory") or unreadable (base/files.h).

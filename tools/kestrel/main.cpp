@@ -8,6 +8,7 @@
 #include "tools/kestrel/common.h"
 #include "base/device.h"
 #include "base/error.h"
+#include "engine/loader.h"
 
 namespace {
 
@@ -27,15 +28,21 @@ int main(int argc, char** argv) {
   kestrel::cli::register_perplexity(app, action);
   kestrel::cli::register_tokenize(app, action);
   kestrel::cli::register_info(app, action);
-  // The GPU Kestrel would use, or why there is none (exit 1): the one check every part of the
-  // project asks (base/device.h), for scripts such as scripts/test.sh.
-  app.add_subcommand("devices", "show the CUDA GPU Kestrel would use, or why there is none")
+  // The engines Kestrel can run on: the CPU engine always, then the CUDA GPU it would use or
+  // why none is usable (a GPU present but unusable is still named). Exit 0 either way; scripts
+  // such as scripts/test.sh look for the "cuda: " line (base/device.h is the one check).
+  app.add_subcommand("devices", "list the engines Kestrel can run on: the CPU, and the CUDA GPU "
+                                "it would use or why there is none")
       ->callback([&action] {
         action = [] {
+          kestrel::set_cpu_threads(0);  // -t's default: OMP_NUM_THREADS or one per core
+          const int t = kestrel::cpu_threads();
+          std::cout << "cpu: the CPU engine (fp32 reference), " << t << " thread"
+                    << (t == 1 ? "" : "s") << "\n";
           const kestrel::CudaStatus s = kestrel::cuda_status();
-          if (!s.usable) {  // an error line like every other command's
-            std::cerr << "kestrel: " << s.problem << "\n";
-            return 1;
+          if (!s.usable) {
+            std::cout << "cuda unusable: " << s.problem << "\n";
+            return 0;
           }
           std::cout << "cuda: " << s.name << " (" << s.device_count << " device"
                     << (s.device_count == 1 ? "" : "s") << ", driver "
@@ -54,8 +61,11 @@ int main(int argc, char** argv) {
 
   // The command comes first; CLI11 alone would answer "kestrel server" with "A subcommand is
   // required" and read llama.cpp's -ngl 99 as -n gl.
+  // No command: the usage with its list of commands (as --help prints it), then the one error
+  // line, exit 1 (as git does); all on stderr, so that nothing reaches a pipe.
   if (argc < 2) {
-    std::cerr << "kestrel: a command is required (" << kCommands << "); kestrel --help\n";
+    std::cerr << app.help() << "kestrel: a command is required (" << kCommands
+              << "); kestrel --help\n";
     return 1;
   }
   if (argv[1][0] != '-') {

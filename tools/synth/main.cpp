@@ -56,6 +56,16 @@ int main(int argc, char** argv) {
     std::cerr << "kestrel-synth: " << e.what() << "\n";
     return 1;
   }
+  // GPTQ's options without --dtype gptq would do nothing (an fp16 model would be written as if
+  // they were not given): refused in one line, naming what they go with, before anything is
+  // written.
+  if (o.dtype == "fp16")
+    for (const char* name : {"--bits", "--group-size", "--act-order", "--asym", "--format"})
+      if (app.count(name) > 0) {
+        std::cerr << "kestrel-synth: " << name << " goes with --dtype gptq (the default, fp16, "
+                  << "is not quantized)\n";
+        return 1;
+      }
   // Ctrl-C removes the half-written output and says so.
   kestrel::remove_staged_outputs_on_signals("kestrel-synth");
   try {
