@@ -416,8 +416,14 @@ TEST_F(ServeCli, HugeJsonIsRefusedInBoundedMemory) {
   std::printf("RSS: start %.1f MB, peak %.1f MB (+%.1f), after %.1f MB (%+.1f); slowest answer %.2f s\n",
               start / mb, peak / mb, (peak - start) / mb, after / mb, (after - start) / mb,
               *std::max_element(seconds.begin(), seconds.end()));
+#if defined(__SANITIZE_ADDRESS__)
+  // AddressSanitizer's allocator holds freed memory in its quarantine and pads every block, so
+  // the server's RSS says nothing about glibc's; the bounds hold for the plain build.
+  (void)allowed;
+#else
   EXPECT_LT(peak - start, int64_t(200) << 20);
   EXPECT_LE(after, start + allowed);
+#endif
   EXPECT_EQ(s.stop(), 0) << s.log();
 }
 
