@@ -16,12 +16,13 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 build=build-asan
 jobs="${JOBS:-$(nproc)}"
+source scripts/cmake-common.sh
 san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
 
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DKESTREL_GPU_TESTS=OFF \
   -DCMAKE_CXX_FLAGS="$san -D_GLIBCXX_ASSERTIONS" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
-  -DCMAKE_EXE_LINKER_FLAGS="$san" -DCMAKE_SHARED_LINKER_FLAGS="$san" > /dev/null
+  -DCMAKE_EXE_LINKER_FLAGS="$san" -DCMAKE_SHARED_LINKER_FLAGS="$san" "${cmake_common_args[@]}" > /dev/null
 cmake --build "$build" -j"$jobs" --target kestrel_cpu_tests
 
 # The tokenizer tests' references (scripts/fetch-test-tokenizers.sh): build/'s where
