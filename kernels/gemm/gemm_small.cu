@@ -18,6 +18,7 @@
 #include "kernels/common/pdl.cuh"
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/gemm/gemm_small_kernel.cuh"
+#include "kernels/gemm/gemm_stream_kernel.cuh"
 #include "kernels/gemv/gemv_layout.h"
 
 namespace kestrel::cuda {
@@ -79,6 +80,8 @@ struct Plan {
   int64_t row_blocks = 0;
   int n_stages = 0, splits = 1, stages = 0;
   bool x_once = false;
+  bool stream = false;
+  int k_slices = 1;  // warps per m-tile (streaming kernel); 1 for the ring kernel
   int x_slots = 0;
   size_t smem = 0;
   bool pack = false;  // x gathered into the workspace first
@@ -87,6 +90,15 @@ struct Plan {
   int64_t blocks() const { return row_blocks * token_groups; }  // gridDim.x
   size_t workspace() const { return counters_bytes + partial_bytes + x_bytes; }
 };
+
+Kernel stream_kernel_of(int bits, int gs, int nt) {
+  switch (bits) {
+    case 2: return stream_kernel_2bit(gs, nt);
+    case 4: return stream_kernel_4bit(gs, nt);
+    case 8: return stream_kernel_8bit(gs, nt);
+    default: return nullptr;
+  }
+}
 
 Kernel kernel_of(int bits, int gs, int nt) {
   switch (bits) {
@@ -134,20 +146,23 @@ int64_t grid_cost(int64_t blocks, int64_t work, int occ, int64_t sms) {
 // splits (x staged once takes shared memory by the length of a split's range), 0 where a
 // block does not fit.
 template <class OccOf>
-int choose_splits(int64_t blocks, int n_stages, int64_t sms, OccOf occ_of) {
+int choose_splits(int64_t blocks, int n_stages, int64_t sms, OccOf occ_of, int slices = 1) {
   int best = 0;
   int64_t best_cost = INT64_MAX;
   for (int s = 1; s <= std::min(n_stages, kMaxSplits); ++s) {
     const int occ = occ_of(s);
     if (occ < 1) continue;
     if (s > 1 && blocks > kMaxCounters) break;
-    const int64_t cost = grid_cost(blocks * s, (n_stages + s - 1) / s, occ, sms);
+    const int64_t cost = grid_cost(blocks * s, ((n_stages + s - 1) / s + slices - 1) / slices, occ, sms);
     if (cost < best_cost) best = s, best_cost = cost;
   }
   return best;
 }
 
 std::string plan_name(const Plan& p) {
+  if (p.stream)
+    return "stream warps=" + std::to_string(p.warps) + " k_slices=" + std::to_string(p.k_slices) +
+           " token_tiles=" + std::to_string(p.nt);
   return "warps=" + std::to_string(p.warps) + " stages=" + std::to_string(p.stages) +
          " token_tiles=" + std::to_string(p.nt) + (p.x_once ? " x_once" : "");
 }
@@ -170,16 +185,28 @@ Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
   const int need = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
   p.nt = l.token_tiles > 0 ? std::min(l.token_tiles, need) : need;
   p.token_groups = (tiles + p.nt - 1) / p.nt;
-  p.kernel = kernel_of(w.bits, w.group_size, p.nt);
+  p.stream = l.stream;
+  p.kernel = p.stream ? stream_kernel_of(w.bits, w.group_size, p.nt)
+                      : kernel_of(w.bits, w.group_size, p.nt);
   if (!p.kernel)
-    throw Error("gemm_small: no kernel compiled for bits=" + std::to_string(w.bits) +
-                ", group " + std::to_string(w.group_size) + ", M=" + std::to_string(M));
-  p.warps = l.warps > 0 ? l.warps : block_warps(w.bits);
+    throw Error(std::string("gemm_small: no ") + (p.stream ? "streaming " : "") +
+                "kernel compiled for bits=" + std::to_string(w.bits) + ", group " +
+                std::to_string(w.group_size) + ", " + std::to_string(p.nt) + " token tiles (M=" +
+                std::to_string(M) + ")");
+  p.warps = l.warps > 0 ? l.warps : p.stream ? kMaxWarps : block_warps(w.bits);
   p.threads = 32 * p.warps;
   p.stages = l.stages > 0 ? l.stages : pipeline_stages(p.nt);
-  p.x_once = l.x_once;
+  p.x_once = l.x_once || p.stream;
+  if (p.stream) {
+    p.k_slices = l.k_slices > 0 ? l.k_slices : 2;
+    if (p.k_slices > p.warps || p.warps % p.k_slices != 0 || p.k_slices > kMaxSlices)
+      throw Error("gemm_small: k_slices=" + std::to_string(p.k_slices) +
+                  " does not divide warps=" + std::to_string(p.warps));
+  } else if (l.k_slices > 1) {
+    throw Error("gemm_small: k_slices needs the streaming kernel (stream)");
+  }
   const int64_t out_rows = out.silu_mul ? w.N / 2 : w.N;
-  p.rows_per_block = (out.silu_mul ? 8 : 16) * p.warps;
+  p.rows_per_block = (out.silu_mul ? 8 : 16) * (p.warps / p.k_slices);
   p.row_blocks = (out_rows + p.rows_per_block - 1) / p.rows_per_block;
   const int64_t units = w.chunks / gemv_detail::unit_chunks(w.bits);
   p.n_stages = static_cast<int>((units + stage_units(w.bits) - 1) / stage_units(w.bits));
@@ -194,11 +221,13 @@ Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
   // Shared memory at s splits: the ring, and x of a ring's stages or of the longest range.
   auto x_slots_of = [&](int s) { return p.x_once ? (p.n_stages + s - 1) / s : p.stages; };
   auto smem_of = [&](int s) {
-    return smem_bytes(w.bits, w.group_size, p.nt, p.warps, p.stages, x_slots_of(s));
+    return p.stream ? stream_smem_bytes(p.nt, p.warps, p.k_slices, x_slots_of(s))
+                    : smem_bytes(w.bits, w.group_size, p.nt, p.warps, p.stages, x_slots_of(s));
   };
   auto occ_of = [&](int s) { return blocks_per_sm(p.kernel, p.threads, smem_of(s)); };
   const int64_t sms = current_device_info().sm_count;
-  p.splits = l.splits > 0 ? l.splits : choose_splits(p.blocks(), p.n_stages, sms, occ_of);
+  p.splits = l.splits > 0 ? l.splits
+                          : choose_splits(p.blocks(), p.n_stages, sms, occ_of, p.k_slices);
   if (p.splits < 1 || occ_of(p.splits) < 1)
     throw Error("gemm_small: the plan " + plan_name(p) + " needs " +
                 std::to_string(smem_of(p.splits > 0 ? p.splits : std::min(p.n_stages, kMaxSplits))) +
@@ -248,6 +277,8 @@ GemmSmallLaunch gemm_small_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch 
   r.stages = p.stages;
   r.token_tiles = p.nt;
   r.x_once = p.x_once;
+  r.stream = p.stream;
+  r.k_slices = p.stream ? p.k_slices : 0;
   return r;
 }
 
@@ -300,6 +331,7 @@ void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
   p.x_once = plan.x_once;
   p.x_slots = plan.x_slots;
   p.token_groups = plan.token_groups;
+  p.k_slices = plan.k_slices;
   if (plan.splits > 1) {
     p.counters = reinterpret_cast<int*>(ws);
     p.partials = reinterpret_cast<float*>(ws + plan.counters_bytes);

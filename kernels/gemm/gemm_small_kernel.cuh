@@ -109,6 +109,7 @@ struct Params {
   int token_groups;       // blocks side by side on one row block, NT n-tiles of tokens each
   float* partials;        // split-K: [splits][gridDim.x][threads][NT * 4]
   int* counters;          // split-K: [gridDim.x], zero between calls
+  int k_slices;           // the streaming kernel: warps per m-tile (gemm_stream_kernel.cuh)
 };
 
 using Kernel = void (*)(Params);
@@ -119,6 +120,11 @@ Kernel kernel_2bit(int gs, int nt);
 Kernel kernel_3bit(int gs, int nt);
 Kernel kernel_4bit(int gs, int nt);
 Kernel kernel_8bit(int gs, int nt);
+// The streaming kernels (gemm_stream_kernel.cuh) of 2-, 4- and 8-bit weights at 1 or 2 n-tiles,
+// or nullptr.
+Kernel stream_kernel_2bit(int gs, int nt);
+Kernel stream_kernel_4bit(int gs, int nt);
+Kernel stream_kernel_8bit(int gs, int nt);
 
 // ---- PTX ------------------------------------------------------------------------------------------
 

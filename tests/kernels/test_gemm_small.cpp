@@ -618,6 +618,129 @@ INSTANTIATE_TEST_SUITE_P(All, GpuGemmSmallPlans, ::testing::ValuesIn(plan_varian
                            return plan_label(i.param);
                          });
 
+// ---- The streaming kernel (GemmSmallLaunch::stream) ------------------------------------------------
+
+// Its plans: warps 4 and 8 x k-slices 1, 2, 4, 8 (those that divide the warps).
+std::vector<GemmSmallLaunch> stream_variants() {
+  std::vector<GemmSmallLaunch> out;
+  for (int warps : {4, 8})
+    for (int ks : {1, 2, 4, 8}) {
+      if (ks > warps) continue;
+      GemmSmallLaunch l;
+      l.stream = true;
+      l.warps = warps;
+      l.k_slices = ks;
+      out.push_back(l);
+    }
+  return out;
+}
+
+class GpuGemmStream : public ::testing::TestWithParam<GemmSmallLaunch> {};
+
+// The 2- and 4-bit formats (every group size, symmetric and not, act-order) at every M up to
+// 16, N = 160 (a partial block of rows at every plan), K = 800 (1.56 stages: a k-slice with no
+// stage at 4 and 8 slices) and 2080 (5 stages, the last one unit), split-K by the plan and
+// forced; the residual aliasing y with bias and ReLU; SiLU over [gate | up].
+TEST_P(GpuGemmStream, MatchReference) {
+  KESTREL_REQUIRE_GPU();
+  const GemmSmallLaunch plan = GetParam();
+  const std::string label = "stream w" + std::to_string(plan.warps) + " ks" + std::to_string(plan.k_slices);
+  std::vector<Format> formats;
+  for (int bits : {2, 4})
+    for (int gs : {32, 64, 128, -1})
+      for (bool sym : {true, false}) {
+        formats.push_back(Format{bits, gs, sym, false, sym ? 1 : 0});
+        if (gs != -1 && !sym) formats.push_back(Format{bits, gs, sym, true, 1});
+      }
+  std::mt19937 rng(8);
+  for (const Format& f : formats)
+    for (int64_t K : {800, 2080}) {
+      const int64_t N = 160;
+      Linear L = random_linear(f, N, K, 83);
+      GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+      const Case c = make_case(L, 21);
+      for (int M : {1, 2, 5, 8, 9, 16})
+        for (int splits : {0, 2}) {
+          RunOpts o;
+          o.launch = plan;
+          o.launch.splits = splits;
+          expect_matches(run_small(w, c.xh, M, N, o), ref_rows(c, N, M), M, N,
+                         describe(f, N, K) + " M=" + std::to_string(M) + " splits=" +
+                             std::to_string(splits) + " " + label);
+        }
+      const int M = 9;
+      const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
+      const std::vector<uint16_t> bias = random_halves(N, 0.5f, rng);
+      std::vector<float> ref = ref_rows(c, N, M);
+      for (int m = 0; m < M; ++m)
+        for (int64_t i = 0; i < N; ++i) {
+          const size_t k = size_t(m) * N + i;
+          ref[k] = std::max(ref[k] + half_to_float(res[k]) + half_to_float(bias[i]), 0.f);
+        }
+      RunOpts o;
+      o.launch = plan;
+      o.launch.splits = 2;
+      o.residual = &res;
+      o.alias = true;
+      o.out.relu = true;
+      expect_matches(run_small(w, c.xh, M, N, o, &bias), ref, M, N,
+                     describe(f, N, K) + " M=9 residual aliasing y + bias + relu " + label);
+      cuda::gemv_free(w);
+    }
+  const Format f{4, 128, false, true, 0};
+  const int64_t H = 96, Ks = 800;
+  Linear gate = random_linear(f, H, Ks, 61);
+  Linear up = random_linear(f, H, Ks, 62);
+  up.view.g_idx = gate.view.g_idx;
+  GemvWeight wg = cuda::gemv_prepare({gate.view, up.view}, nullptr);
+  const Case cg = make_case(gate, 13);
+  const std::vector<float> ru = matmul_f16_weights(up.view, to_floats(cg.xh), cuda::kGemmSmallMaxRows);
+  for (int M : {1, 7, 16})
+    for (int splits : {0, 2}) {
+      RunOpts o;
+      o.launch = plan;
+      o.launch.splits = splits;
+      o.out.silu_mul = true;
+      expect_matches(run_small(wg, cg.xh, M, H, o), silu_of(cg.ref, ru, M, H), M, H,
+                     describe(f, 2 * H, Ks) + " SiLU M=" + std::to_string(M) + " " + label);
+    }
+  cuda::gemv_free(wg);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GpuGemmStream, ::testing::ValuesIn(stream_variants()),
+                         [](const ::testing::TestParamInfo<GemmSmallLaunch>& i) {
+                           return "w" + std::to_string(i.param.warps) + "_ks" +
+                                  std::to_string(i.param.k_slices);
+                         });
+
+// What the streaming kernel does not run is refused in one line: 3- and 8-bit weights, more
+// than 16 tokens, k-slices that do not divide the warps, k-slices without it.
+TEST(GemmSmallPlans, GpuStreamRefusesWhatItDoesNotRun) {
+  KESTREL_REQUIRE_GPU();
+  auto message = [](const Format& f, int M, GemmSmallLaunch l) -> std::string {
+    Linear L = random_linear(f, 64, 512, 5);
+    GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+    std::string msg = "(no error)";
+    try {
+      cuda::gemm_small_plan(w, M, l);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    cuda::gemv_free(w);
+    return msg;
+  };
+  GemmSmallLaunch l;
+  l.stream = true;
+  EXPECT_THAT(message(Format{3, 128, true, false, 1}, 4, l), HasSubstr("no streaming kernel compiled for bits=3"));
+  EXPECT_THAT(message(Format{8, 128, true, false, 1}, 4, l), HasSubstr("no streaming kernel compiled for bits=8"));
+  EXPECT_THAT(message(Format{4, 128, true, false, 1}, 17, l), HasSubstr("token tiles (M=17)"));
+  l.k_slices = 3;
+  EXPECT_THAT(message(Format{4, 128, true, false, 1}, 4, l), HasSubstr("k_slices=3 does not divide warps=8"));
+  GemmSmallLaunch r;
+  r.k_slices = 2;
+  EXPECT_THAT(message(Format{4, 128, true, false, 1}, 4, r), HasSubstr("k_slices needs the streaming kernel"));
+}
+
 // The planner's own choice is the design's plan (docs/gemm-small.md): 8 warps (4 at 8 bits),
 // a ring of 2 stages, all tokens in one block, x with each stage; a field that is set comes
 // back as it was.

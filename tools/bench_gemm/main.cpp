@@ -64,6 +64,7 @@ struct Options {
   std::vector<int> sweep_rows{128, 256, 512, 1024, 2048};
   // The fused GEMM's plan sweep (--fused-sweep) and its token counts.
   bool fused_sweep = false;
+  std::string sweep_kernels = "both";  // ring, stream or both
   std::vector<int> fused_sweep_m{1, 4, 8, 16, 32, 64};
   int fused_top = 5;  // plans listed per (shape, M)
 };
@@ -120,16 +121,31 @@ double time_ms(int reps, Fn fn) {
 }
 
 std::string plan_label(const cuda::GemmSmallLaunch& l) {
+  if (l.stream) return fmt::format("stream w{} ks{} sp{}", l.warps, l.k_slices, l.splits);
   return fmt::format("w{} st{} tt{} {} sp{}", l.warps, l.stages, l.token_tiles,
                      l.x_once ? "x-once " : "x-stage", l.splits);
 }
 
 // The candidate plans of the sweep for M tokens: warps 2/4/8 x ring 2/3/4/6 x token tiles (all
 // of M's n-tiles, half, a quarter) x x once or per stage x split-K (the planner's, then forced).
-std::vector<cuda::GemmSmallLaunch> fused_candidates(int M) {
+// The streaming kernel's (M <= 16): warps 4/8 x k-slices 1/2/4/8 x split-K.
+std::vector<cuda::GemmSmallLaunch> fused_candidates(int M, const std::string& kernels) {
   const int tiles = (M + 7) / 8;
   const int need = tiles <= 1 ? 1 : tiles <= 2 ? 2 : tiles <= 4 ? 4 : 8;
   std::vector<cuda::GemmSmallLaunch> out;
+  if (kernels != "ring" && M <= 16)
+    for (int warps : {4, 8})
+      for (int ks : {1, 2, 4, 8})
+        for (int splits : {0, 1, 2, 3, 4, 6, 8, 12, 16}) {
+          if (ks > warps) continue;
+          cuda::GemmSmallLaunch l;
+          l.stream = true;
+          l.warps = warps;
+          l.k_slices = ks;
+          l.splits = splits;
+          out.push_back(l);
+        }
+  if (kernels == "stream") return out;
   for (int warps : {2, 4, 8})
     for (int stages : {2, 3, 4, 6})
       for (int tt = need; tt >= std::max(1, need / 4); tt /= 2)
@@ -174,13 +190,15 @@ int run_fused_sweep(const Options& o, const std::vector<Shape>& shapes, const De
     for (int M : ms) {
       // The plans that fit, resolved, and the largest workspace among them.
       std::vector<cuda::GemmSmallLaunch> plans;
-      std::set<std::tuple<int, int, int, bool, int>> seen;  // a forced split may be the planner's
+      std::set<std::tuple<int, int, int, bool, int, bool, int>> seen;  // a forced split may be the planner's
       size_t ws_bytes = 16;
-      for (const cuda::GemmSmallLaunch& c : fused_candidates(M)) {
+      for (const cuda::GemmSmallLaunch& c : fused_candidates(M, o.sweep_kernels)) {
         try {
           const size_t b = cuda::gemm_small_workspace_bytes(w, M, c);
           const cuda::GemmSmallLaunch r = cuda::gemm_small_plan(w, M, c);
-          if (!seen.insert({r.warps, r.stages, r.token_tiles, r.x_once, r.splits}).second) continue;
+          if (!seen.insert({r.warps, r.stream ? 0 : r.stages, r.token_tiles, r.x_once, r.splits, r.stream,
+                            r.k_slices}).second)
+            continue;
           plans.push_back(r);
           ws_bytes = std::max(ws_bytes, b);
         } catch (const Error&) {
@@ -226,7 +244,8 @@ int run_fused_sweep(const Options& o, const std::vector<Shape>& shapes, const De
                d / b);
   }
   fmt::print("(plan: w warps per block, st ring stages, tt token tiles per block, x once or per "
-             "stage, sp split-K ranges; gemv1 = one batch-1 GEMV)\n");
+             "stage, sp split-K ranges; stream: the streaming kernel, ks k-slices per m-tile; "
+             "gemv1 = one batch-1 GEMV)\n");
   return 0;
 }
 
@@ -463,6 +482,9 @@ int main(int argc, char** argv) {
   app.add_option("--sweep-rows", o.sweep_rows, "memory sweep: token counts")->check(CLI::Range(1, 8192));
   app.add_flag("--fused-sweep", o.fused_sweep,
                "time every launch plan of the fused small-M GEMM per shape and M (only that)");
+  app.add_option("--sweep-kernels", o.sweep_kernels,
+                 "fused sweep: the ring kernel's plans, the streaming kernel's (M <= 16), or both")
+      ->check(CLI::IsMember({"ring", "stream", "both"}));
   app.add_option("--sweep-m", o.fused_sweep_m, "fused sweep: token counts")->check(CLI::Range(1, 64));
   app.add_option("--sweep-top", o.fused_top, "fused sweep: plans listed per shape and M")
       ->check(CLI::NonNegativeNumber);
