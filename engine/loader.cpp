@@ -5,11 +5,13 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 
 #include "base/error.h"
+#include "engine/cpu_threads.h"
 #include "kernels/matmul/matmul.h"
 #include "models/io/config.h"
 #include "models/io/generation_config.h"
@@ -88,6 +90,25 @@ int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
   return ctx_fit;
 }
 
+// The CPU engine's threads without -t (engine/cpu_threads.h): OMP_NUM_THREADS where set, else
+// the cores left idle by other programs, with a note when that is fewer than the cores.
+int default_threads(bool quiet) {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (env && *env) return 0;  // set_linear_threads takes OpenMP's
+  // 100 ms: /proc/stat counts in 10 ms ticks, so that a core's share is read to about a tenth.
+  const CpuLoad load = measure_cpu_load(100);
+  const int t = default_cpu_threads(load);
+  if (load.quota > 0 && t == (int)load.quota && t < load.physical)
+    note(quiet, fmt::format("note: {} CPU threads: the cgroup's CPU quota is {:.1f} of the {} "
+                            "cores (-t sets the threads)", t, load.quota, load.physical));
+  else if (t < load.physical)
+    note(quiet, fmt::format("note: {} CPU threads: other programs keep {:.1f} of the {} cores busy "
+                            "(-t sets the threads)",
+                            t, load.physical - std::max(0.0, load.idle) * load.physical / load.logical,
+                            load.physical));
+  return t;
+}
+
 }  // namespace
 
 void note(bool quiet, const std::string& msg) {
@@ -95,6 +116,7 @@ void note(bool quiet, const std::string& msg) {
 }
 
 void set_cpu_threads(int threads) {
+  // OpenBLAS's pthreads busy-wait between calls as OpenMP's do: its team is the linears' team.
   if (threads > 0) openblas_set_num_threads(threads);
   set_linear_threads(threads);
 }
@@ -107,9 +129,11 @@ LoadedModel open_model(const ModelLoadOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel m;
   m.device = device_key(resolve_device(o.device));
-  // A program's load sets its threads (0: one per core); a library's leaves the calling thread's
-  // as they are unless asked, so that loading a model changes nothing the caller did not ask for.
-  if (o.open_session || o.threads > 0) set_cpu_threads(o.threads);
+  // A program's load sets its threads (0: a default fitted to the machine's idle cores, for the
+  // CPU engine); a library's leaves the calling thread's as they are unless asked, so that
+  // loading a model changes nothing the caller did not ask for.
+  if (o.threads > 0) set_cpu_threads(o.threads);
+  else if (o.open_session) set_cpu_threads(m.device == "cpu" ? default_threads(o.quiet) : 0);
   if (o.threads > 0 && m.device == "cuda")
     note(o.quiet, "note: -t sets the CPU engine's threads; this model runs on the GPU");
 
