@@ -7,7 +7,8 @@
 // default against 111 at -t 1 (docs/performance.md, 2026-12-07). So the default is the physical
 // cores of the affinity mask (SMT siblings share a core's arithmetic, as llama.cpp counts them)
 // scaled by the share of the mask's CPUs that were idle over a short sample, and at most the
-// cgroup's CPU quota; at least 1. -t N and OMP_NUM_THREADS are taken as given.
+// cgroup's CPU quota; at least 1. -t N and OMP_NUM_THREADS are taken as given. The default is
+// chosen once, when the model loads: a load that starts later is not followed.
 #pragma once
 
 namespace kestrel {
