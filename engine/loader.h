@@ -76,9 +76,9 @@ ContextFit fit_context(int asked, int max_pos, double per_pos, double room, doub
 
 // The CPU engine's threads, for its one-to-few-row linears (OpenMP) and its batched ones
 // (OpenBLAS) alike, for calls from the calling thread (0 = OMP_NUM_THREADS or one per core;
-// a program's default is default_cpu_threads;
-// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so for a program
-// (open_session), and for the library only where threads > 0.
+// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so, or without it
+// default_cpu_threads(), for a program (open_session), and for the library only where
+// threads > 0.
 void set_cpu_threads(int threads);
 int cpu_threads();  // the team set for the calling thread
 // The threads without -t (engine/cpu_threads.h): 0 (OpenMP's) where OMP_NUM_THREADS is set,
