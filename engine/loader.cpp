@@ -5,11 +5,13 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 
 #include "base/error.h"
+#include "engine/cpu_threads.h"
 #include "kernels/matmul/matmul.h"
 #include "models/io/config.h"
 #include "models/io/generation_config.h"
@@ -45,9 +47,9 @@ double host_available_bytes() {
 
 // The context the session gets, checked against the memory of its device: an explicit -c
 // whose KV cache cannot fit is refused with the bytes it needs; the CPU engine's default (the
-// model's max_position_embeddings) is shortened to what fits, with a note, as the GPU
-// engine's is (the DecoderCudaSession constructor, models/gpu/session.cpp, which also makes the
-// final check on the GPU).
+// model's max_position_embeddings) is shortened to what fits in half the memory left, with a
+// note, as the GPU engine's is (the DecoderCudaSession constructor, models/gpu/session.cpp,
+// which also makes the final check on the GPU).
 int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
   const ModelConfig& c = m.spec->config;
   const int ctx = o.context > 0 ? o.context : c.max_pos;
@@ -69,32 +71,58 @@ int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
     room = (double)free_b;
     memory = fmt::format("GPU memory and {} is free", bytes_text((double)free_b));
   }
+  if (!cpu && o.context == 0) return ctx;  // the GPU engine shortens its own
+  const ContextFit f = fit_context(o.context, c.max_pos, per_pos, room, cpu ? kCpuDefaultContextShare : 1.0);
+  if (f.context == ctx) return ctx;
   const double need = per_pos * ctx;
-  if (need <= room || (!cpu && o.context == 0)) return ctx;  // the GPU engine shortens its own
-  const int64_t fits = room > 0 ? (int64_t)(room / per_pos) : 0;
-  if (o.context > 0 || fits < 16)
+  if (f.context == 0)
     throw Error(fmt::format("{}: the KV cache would need {} of {}; use -c N with N up to {}{}",
                             o.context > 0 ? fmt::format("-c {}", ctx)
                                           : fmt::format("the model's context of {}", ctx),
-                            bytes_text(need), memory, fits,
-                            fits > c.max_pos
+                            bytes_text(need), memory, f.fits,
+                            f.fits > c.max_pos
                                 ? fmt::format(" (the model was trained for {})", c.max_pos)
                                 : ""));
-  // A round number under what fits.
-  const int ctx_fit = (int)(fits >= 512 ? fits / 256 * 256 : fits);
   note(o.quiet, fmt::format("note: host memory is short: context reduced from {} to {} tokens "
-                            "(the KV cache of {} would need {})",
-                            ctx, ctx_fit, ctx, bytes_text(need)));
-  return ctx_fit;
+                            "(the KV cache of {} would need {}; a default context takes at most "
+                            "half of the {} left beside the weights; -c sets it)",
+                            ctx, f.context, ctx, bytes_text(need), bytes_text(std::max(room, 0.0))));
+  return f.context;
 }
 
 }  // namespace
+
+int default_cpu_threads() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (env && *env) return 0;  // set_linear_threads takes OpenMP's
+  // 100 ms: /proc/stat counts in 10 ms ticks, so that a core's share is read to about a tenth.
+  return default_cpu_threads(measure_cpu_load(100));
+}
+
+ContextFit fit_context(int asked, int max_pos, double per_pos, double room, double default_share) {
+  ContextFit f;
+  f.fits = room > 0 ? (int64_t)(room / per_pos) : 0;
+  const int ctx = asked > 0 ? asked : max_pos;
+  if (asked > 0) {  // -c: whole, or not at all
+    f.context = ctx <= f.fits ? ctx : 0;
+    return f;
+  }
+  const int64_t fits_default = room > 0 ? (int64_t)(room * default_share / per_pos) : 0;
+  if (ctx <= fits_default) {
+    f.context = ctx;
+  } else if (fits_default >= 16) {
+    // A round number under what fits.
+    f.context = (int)(fits_default >= 512 ? fits_default / 256 * 256 : fits_default);
+  }
+  return f;
+}
 
 void note(bool quiet, const std::string& msg) {
   if (!quiet) std::cerr << msg << "\n";
 }
 
 void set_cpu_threads(int threads) {
+  // OpenBLAS's pthreads busy-wait between calls as OpenMP's do: its team is the linears' team.
   if (threads > 0) openblas_set_num_threads(threads);
   set_linear_threads(threads);
 }
@@ -107,9 +135,11 @@ LoadedModel open_model(const ModelLoadOptions& o) {
   const auto t0 = std::chrono::steady_clock::now();
   LoadedModel m;
   m.device = device_key(resolve_device(o.device));
-  // A program's load sets its threads (0: one per core); a library's leaves the calling thread's
-  // as they are unless asked, so that loading a model changes nothing the caller did not ask for.
-  if (o.open_session || o.threads > 0) set_cpu_threads(o.threads);
+  // A program's load sets its threads (0: a default fitted to the machine's idle cores, for the
+  // CPU engine); a library's leaves the calling thread's as they are unless asked, so that
+  // loading a model changes nothing the caller did not ask for.
+  if (o.threads > 0) set_cpu_threads(o.threads);
+  else if (o.open_session) set_cpu_threads(m.device == "cpu" ? default_cpu_threads() : 0);
   if (o.threads > 0 && m.device == "cuda")
     note(o.quiet, "note: -t sets the CPU engine's threads; this model runs on the GPU");
 

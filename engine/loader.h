@@ -20,7 +20,7 @@ struct ModelLoadOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda
   int context = 0;              // 0 = the model's max_position_embeddings
-  int threads = 0;              // CPU engine: threads (0 = one per core; set_cpu_threads)
+  int threads = 0;              // CPU engine: threads (0 = the idle cores; engine/cpu_threads.h)
   bool quiet = true;            // false: notes and the progress bar on stderr
   DecodeTuning tuning;          // the CUDA decode path's (kestrel bench sets it)
   // load_weights opens a session of the context: a program's load. false: the library's, which
@@ -57,12 +57,34 @@ void load_weights(LoadedModel& m, const ModelLoadOptions& o);
 // where the host's memory is short, see open_model).
 int context_length(const LoadedModel& m, const ModelLoadOptions& o);
 
+// The share of the host memory left beside the weights that the CPU engine's default context
+// may take for its KV cache. Not all of it: host memory is shared with every other program, and
+// a model whose max_position_embeddings is 2^31 - 1 would otherwise take the whole machine. An
+// explicit -c may take all of it.
+constexpr double kCpuDefaultContextShare = 0.5;
+
+// How a context fits `room` bytes (<= 0: none) at `per_pos` bytes of KV cache a position: an
+// asked one (-c, > 0) whole or not at all; the default (asked 0: max_pos) shortened to what
+// `default_share` of room holds, rounded down to a multiple of 256 from 512 up. context is 0
+// when nothing fits (the default's floor is 16 positions); fits is what all of room holds,
+// the most -c may ask.
+struct ContextFit {
+  int context = 0;
+  int64_t fits = 0;
+};
+ContextFit fit_context(int asked, int max_pos, double per_pos, double room, double default_share);
+
 // The CPU engine's threads, for its one-to-few-row linears (OpenMP) and its batched ones
 // (OpenBLAS) alike, for calls from the calling thread (0 = OMP_NUM_THREADS or one per core;
-// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so for a program
-// (open_session), and for the library only where threads > 0.
+// kernels/matmul/matmul.h says why per thread). open_model sets o.threads so, or without it
+// default_cpu_threads(), for a program (open_session), and for the library only where
+// threads > 0.
 void set_cpu_threads(int threads);
 int cpu_threads();  // the team set for the calling thread
+// The threads without -t (engine/cpu_threads.h): 0 (OpenMP's) where OMP_NUM_THREADS is set,
+// else the cores other programs leave idle over a 100 ms sample. No note: it would come and go
+// with the machine's load (--verbose's device line shows the count).
+int default_cpu_threads();
 
 // Prints msg and a newline to stderr unless quiet: the loader's notes, and the CLI's.
 void note(bool quiet, const std::string& msg);

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "base/error.h"
+#include "engine/server/messages.h"
 
 namespace kestrel::server {
 
@@ -23,12 +24,7 @@ ApiError bad(const std::string& param, const std::string& message) {
   return ApiError(400, message, param, "invalid_value");
 }
 
-// A value as it appears in a message: short, so that a huge field is not echoed back.
-std::string shown(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 40) s = s.substr(0, 37) + "...";
-  return s;
-}
+std::string shown(const json& v) { return shown_json(v); }
 
 // The fields of a request object. null counts as absent, as OpenAI's clients send it for
 // "not given".
@@ -86,49 +82,6 @@ class Fields {
  private:
   const json& j_;
 };
-
-std::string message_content(const json& content, size_t i) {
-  const std::string param = fmt::format("messages[{}].content", i);
-  if (content.is_string()) return content.get<std::string>();
-  // Content parts: text parts are joined, anything else (images, audio) this engine cannot read.
-  if (content.is_array()) {
-    std::string text;
-    for (const json& part : content) {
-      if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
-          !part.contains("text") || !part["text"].is_string())
-        throw ApiError(400, param + ": only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
-                       param, "unsupported_content");
-      text += part["text"].get<std::string>();
-    }
-    return text;
-  }
-  throw bad(param, param + " must be a string or a list of text parts, got " + shown(content));
-}
-
-std::vector<ChatMessage> parse_messages(const json* v) {
-  if (!v) throw ApiError(400, "'messages' is required", "messages", "missing_required_parameter");
-  if (!v->is_array() || v->empty())
-    throw bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects");
-  std::vector<ChatMessage> out;
-  for (size_t i = 0; i < v->size(); ++i) {
-    const json& m = (*v)[i];
-    const std::string at = fmt::format("messages[{}]", i);
-    if (!m.is_object()) throw bad(at, at + " must be an object, got " + shown(m));
-    if (!m.contains("role") || !m["role"].is_string())
-      throw bad(at + ".role", at + ".role must be a string");
-    std::string role = m["role"].get<std::string>();
-    // OpenAI's newer name for the system role.
-    if (role == "developer") role = "system";
-    if (role != "system" && role != "user" && role != "assistant")
-      throw ApiError(400, fmt::format("{}.role: '{}' is not supported (system, developer, user, assistant)",
-                                      at, role),
-                     at + ".role", "unsupported_value");
-    if (!m.contains("content") || m["content"].is_null())
-      throw bad(at + ".content", at + ".content is required (tool calls are not supported)");
-    out.push_back({role, message_content(m["content"], i)});
-  }
-  return out;
-}
 
 // completions' prompt: a text, a list of one text, or a list of token ids.
 void parse_prompt(const json* v, CompletionRequest& r) {
@@ -295,7 +248,7 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
   const bool chat = endpoint == Endpoint::Chat;
 
   if (auto m = f.string("model")) r.model = *m;
-  if (chat) r.messages = parse_messages(f.get("messages"));
+  if (chat) r.messages = parse_chat_messages(f.get("messages"));
   else parse_prompt(f.get("prompt"), r);
   if (chat)
     r.chat_template_kwargs =

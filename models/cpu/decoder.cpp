@@ -147,8 +147,8 @@ CpuRunState DecoderCpu::run_state(int context) const {
   s.ctx = context > 0 ? context : cfg_.max_pos;
   cfg_.check_context(s.ctx);
   const size_t cache = (size_t)cfg_.n_layers * s.ctx * cfg_.kv_dim();
-  s.key_cache.assign(cache, 0.0f);
-  s.value_cache.assign(cache, 0.0f);
+  s.key_cache = CacheFloats(cache);
+  s.value_cache = CacheFloats(cache);
   return s;
 }
 

@@ -5,8 +5,10 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -83,11 +85,32 @@ struct CpuWeights {
   std::vector<CpuLayer> layers;
 };
 
+// A KV cache's floats, zero. From calloc, not a vector: a large one comes as fresh pages that
+// the kernel commits only as positions are written, so a long context costs what its used
+// positions hold, not seconds of page faults before the first token (a vector writes every
+// float; 22 GB took 100 s on a busy 2-core machine).
+class CacheFloats {
+ public:
+  CacheFloats() = default;
+  explicit CacheFloats(size_t n) : p_(static_cast<float*>(std::calloc(n ? n : 1, sizeof(float)))), n_(n) {
+    if (!p_) throw std::bad_alloc();
+  }
+  float& operator[](size_t i) { return p_.get()[i]; }
+  size_t size() const { return n_; }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> p_;
+  size_t n_ = 0;
+};
+
 // Activations of one token, and the KV cache: one sequence's state (DecoderCpuSession).
 struct CpuRunState {
   int ctx = 0;                 // positions the cache holds
-  std::vector<float> key_cache;    // [n_layers, ctx, n_kv_heads * head_dim]
-  std::vector<float> value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
+  CacheFloats key_cache;    // [n_layers, ctx, n_kv_heads * head_dim]
+  CacheFloats value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
 };
 
 class DecoderCpuSession;

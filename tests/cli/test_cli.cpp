@@ -78,6 +78,49 @@ void expect_one_line_error(const Result& r, const std::string& what) {
   EXPECT_EQ(r.err.rfind("kestrel", 0), 0u) << r.err;
 }
 
+// Host memory the kernel would give without swapping, in bytes (/proc/meminfo's MemAvailable).
+double mem_available() {
+  std::ifstream in("/proc/meminfo");
+  std::string key, unit;
+  double kib = 0;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+// A config whose max_position_embeddings is 2^31 - 1 (as some checkpoints write "no limit"):
+// the CPU engine's default context is shortened to what half the host memory left holds, with
+// a note, and the run starts at once rather than filling the machine with a KV cache first.
+TEST_F(Cli, CpuDefaultContextIsBoundedByHostMemory) {
+  const fs::path d = copy_model("huge_max_pos");
+  nlohmann::json cfg = nlohmann::json::parse(kestrel::test::read_file(d / "config.json"));
+  cfg["max_position_embeddings"] = 2147483647;
+  kestrel::test::write_file(d / "config.json", cfg.dump(2));
+  const int heads = cfg["num_attention_heads"], layers = cfg["num_hidden_layers"];
+  const int kv_heads = cfg.value("num_key_value_heads", heads);
+  const int head_dim = cfg.value("head_dim", cfg["hidden_size"].get<int>() / heads);
+  const double per_pos = 2.0 * layers * kv_heads * head_dim * sizeof(float);  // fp32 K and V
+  const double avail = mem_available();
+  ASSERT_GT(avail, 0);
+
+  const Result r = run(kKestrel + " generate --device cpu -m " + d.string() + " -n 2 -p hi --temp 0");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("note: host memory is short: context reduced from 2147483647 to "),
+            std::string::npos) << r.err;
+  const size_t at = r.err.find(", context ");
+  ASSERT_NE(at, std::string::npos) << r.err;
+  const long long ctx = std::stoll(r.err.substr(at + 10));
+  EXPECT_GE(ctx, 16);
+  EXPECT_LT(ctx, 2147483647LL);
+  // Half of what was available (less the weights), with room for MemAvailable to move a little
+  // between this reading and the run's.
+  EXPECT_LE(ctx * per_pos, 0.55 * avail) << ctx << " positions of " << per_pos << " bytes";
+
+  // -c past all of the memory is one line naming the bytes, whatever the default would be.
+  const Result big = run(kKestrel + " generate --device cpu -m " + d.string() + " -n 2 -p hi -c 2000000000");
+  expect_one_line_error(big, "-c 2000000000: the KV cache would need ");
+}
+
 TEST_F(Cli, GenerateJsonOnCpu) {
   const Result r = run(kKestrel + " generate --device cpu -m " + dir_->string() +
                        " -p 'the river' -n 12 --temp 0 --json");

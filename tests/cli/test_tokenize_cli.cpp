@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/server/request.h"
 #include "tests/support/test_util.h"
 
 namespace fs = std::filesystem;
@@ -119,11 +120,61 @@ TEST(TokenizeCli, BadInputsAreOneLine) {
   const fs::path bad = write_file("bad.json", R"({"role": "user"})");
   expect_one_line_error(run(cmd + " --messages " + bad.string()), bad.string());
   const fs::path bad2 = write_file("bad2.json", R"([{"role": "user", "content": 3}])");
-  expect_one_line_error(run(cmd + " --messages " + bad2.string()), "message 1");
+  expect_one_line_error(run(cmd + " --messages " + bad2.string()), "messages[0].content");
   const fs::path no_tok = scratch() / "no_tokenizer";
   fs::create_directories(no_tok);
   expect_one_line_error(run(kKestrel + " tokenize -m " + no_tok.string() + " -p hi"),
                         "no tokenizer");
+}
+
+// --messages reads a conversation by the server's rules (engine/server/messages.h): OpenAI's
+// `developer` role is the system role and text content parts are joined, so a conversation
+// written either way tokenizes to the same ids (the ChatML format writes the role's name, so a
+// developer role kept as such would give other ids).
+TEST(TokenizeCli, MessagesTakeDeveloperAndContentParts) {
+  const std::string cmd =
+      kKestrel + " tokenize -m " + kSpStyle.string() + " --template chatml --json --messages ";
+  const fs::path plain = write_file(
+      "plain.json",
+      R"([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}])");
+  const fs::path openai = write_file(
+      "openai.json",
+      R"([{"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+          {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}])");
+  const std::vector<int> want = ids_of(run(cmd + plain.string()));
+  ASSERT_FALSE(want.empty());
+  EXPECT_EQ(ids_of(run(cmd + openai.string())), want);
+}
+
+// A conversation the server refuses is refused by tokenize --messages in the server's words,
+// after the file's name, with the server's indexes (messages[0] is the first).
+TEST(TokenizeCli, MessagesErrorsAreTheServers) {
+  const std::string cmd = kKestrel + " tokenize -m " + kSpStyle.string() + " --messages ";
+  const std::vector<std::string> conversations = {
+      R"([])",
+      R"({"role": "user", "content": "hi"})",
+      R"([{"role": "user", "content": "hi"}, "text"])",
+      R"([{"role": "user", "content": "hi"}, {"content": "x"}])",
+      R"([{"role": "tool", "content": "42"}])",
+      R"([{"role": "user", "content": 3}])",
+      R"([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])",
+      R"([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}])",
+  };
+  for (size_t i = 0; i < conversations.size(); ++i) {
+    std::string server_says;
+    try {
+      kestrel::server::parse_completion_request(
+          kestrel::server::Endpoint::Chat,
+          R"({"messages": )" + conversations[i] + "}", kestrel::server::RequestDefaults{}, 1);
+    } catch (const kestrel::server::ApiError& e) {
+      server_says = e.what();
+    }
+    ASSERT_NE(server_says, "") << conversations[i] << ": the server took it";
+    const fs::path f = write_file("refused" + std::to_string(i) + ".json", conversations[i]);
+    const Result r = run(cmd + f.string());
+    EXPECT_EQ(r.code, 1) << conversations[i];
+    EXPECT_EQ(r.err, "kestrel: " + f.string() + ": " + server_says + "\n") << conversations[i];
+  }
 }
 
 // A kestrel-synth model whose tokenizer.model is replaced by a tokenizer.json.

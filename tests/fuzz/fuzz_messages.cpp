@@ -1,5 +1,6 @@
 // The --messages conversation reader (`kestrel tokenize --messages FILE`) on arbitrary text:
-// kestrel::Error or a list of messages, nothing else.
+// kestrel::Error or a list of messages, nothing else. It reads by the server's rules
+// (engine/server/messages.h), whose ApiError it must turn into a kestrel::Error.
 #include <cstddef>
 #include <cstdint>
 #include <string>

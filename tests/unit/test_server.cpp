@@ -16,6 +16,7 @@
 #include "engine/server/request.h"
 #include "engine/server/response.h"
 #include "engine/server/scheduler.h"
+#include "tools/kestrel/inputs.h"
 #include "tools/kestrel/server/access.h"
 
 using nlohmann::json;
@@ -149,6 +150,42 @@ TEST(ServerRequest, ChatMessages) {
   expect_refused(Endpoint::Chat,
                  R"({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})",
                  "messages[0].content");
+}
+
+// `kestrel tokenize --messages` reads a conversation with the same parser (engine/server/
+// messages.h): the same messages from what the server takes, and the server's message after
+// the file's name for what it refuses, indexes counted from 0 as the request's JSON has them.
+TEST(ServerRequest, TokenizeMessagesReadAsTheServerReadsThem) {
+  const std::string taken =
+      R"([{"role": "developer", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "a"}]},
+          {"role": "assistant", "content": "b", "tool_calls": null}])";
+  const std::vector<ChatMessage> cli_msgs = cli::parse_messages(taken, "m.json");
+  const CompletionRequest r = chat({{"messages", json::parse(taken)}});
+  ASSERT_EQ(cli_msgs.size(), r.messages.size());
+  for (size_t i = 0; i < cli_msgs.size(); ++i) {
+    EXPECT_EQ(cli_msgs[i].role, r.messages[i].role);
+    EXPECT_EQ(cli_msgs[i].content, r.messages[i].content);
+  }
+  EXPECT_EQ(cli_msgs[0].role, "system");
+
+  for (const std::string refused :
+       {R"([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])",
+        R"([{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": [{"id": "c"}]}])",
+        R"([{"role": "user", "content": [{"type": "text"}]}])"}) {
+    const ApiError server = refusal([&] { chat({{"messages", json::parse(refused)}}); });
+    ASSERT_EQ(server.status(), 400) << refused;
+    std::string cli_error;
+    try {
+      cli::parse_messages(refused, "m.json");
+    } catch (const Error& e) {
+      cli_error = e.what();
+    }
+    EXPECT_EQ(cli_error, std::string("m.json: ") + server.what());
+  }
+  const ApiError second = refusal([&] {
+    chat({{"messages", json::parse(R"([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])")}});
+  });
+  EXPECT_EQ(second.param(), "messages[1].role");
 }
 
 TEST(ServerRequest, MalformedBodies) {

@@ -164,7 +164,8 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
       ->check(whole(0))
       ->capture_default_str();
   cmd->add_option("-t,--threads", o.threads,
-                  "CPU engine: threads (0 = one per core, or OMP_NUM_THREADS)")
+                  "CPU engine: threads (0 = the physical cores other programs leave idle, or "
+                  "OMP_NUM_THREADS)")
       ->check(whole(0, 4096))
       ->capture_default_str();
 }

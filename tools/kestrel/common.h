@@ -46,7 +46,7 @@ struct ModelOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda
   int context = 0;              // 0 = the model's max_position_embeddings
-  int threads = 0;              // CPU engine: threads (0 = one per core; set_cpu_threads)
+  int threads = 0;              // CPU engine: threads (0 = default_cpu_threads)
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& o);

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "base/error.h"
+#include "engine/server/messages.h"
 
 namespace kestrel::cli {
 
@@ -110,17 +111,12 @@ std::vector<ChatMessage> parse_messages(const std::string& text, const std::stri
   } catch (const json::out_of_range&) {
     throw Error(path + ": not valid JSON (a number too large to represent)");
   }
-  if (!j.is_array()) throw Error(path + ": expected a list of {\"role\", \"content\"} messages");
-  std::vector<ChatMessage> msgs;
-  for (size_t i = 0; i < j.size(); ++i) {
-    const json& m = j[i];
-    if (!m.is_object() || !m.contains("role") || !m["role"].is_string() ||
-        !m.contains("content") || !m["content"].is_string())
-      throw Error(fmt::format("{}: message {} needs a string \"role\" and a string \"content\"",
-                              path, i + 1));
-    msgs.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+  // The server's rules and words (engine/server/messages.h), after the file's name.
+  try {
+    return server::parse_chat_messages(&j);
+  } catch (const server::ApiError& e) {
+    throw Error(path + ": " + e.what());
   }
-  return msgs;
 }
 
 }  // namespace kestrel::cli

@@ -32,7 +32,9 @@ BatchItem parse_batch_line(const std::string& text, int line);
 void apply_batch_settings(const nlohmann::json& settings, GenerateOptions& opt);
 
 // An OpenAI-style conversation, [{"role": ..., "content": ...}, ...], from the text of the
-// file `path` (named in the errors). Throws kestrel::Error.
+// file `path`, read by the server's rules (engine/server/messages.h: developer is system, text
+// content parts are joined). Throws kestrel::Error: the path, then the server's message
+// ("messages.json: messages[0].role: 'tool' is not supported ...").
 std::vector<ChatMessage> parse_messages(const std::string& text, const std::string& path);
 
 }  // namespace kestrel::cli

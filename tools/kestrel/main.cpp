@@ -35,7 +35,8 @@ int main(int argc, char** argv) {
                                 "it would use or why there is none")
       ->callback([&action] {
         action = [] {
-          kestrel::set_cpu_threads(0);  // -t's default: OMP_NUM_THREADS or one per core
+          // -t's default: OMP_NUM_THREADS, or the cores other programs leave idle.
+          kestrel::set_cpu_threads(kestrel::default_cpu_threads());
           const int t = kestrel::cpu_threads();
           std::cout << "cpu: the CPU engine (fp32 reference), " << t << " thread"
                     << (t == 1 ? "" : "s") << "\n";
