@@ -204,10 +204,22 @@ class RequestReader {
   }
 
   const ApiError& error() const { return *error_; }
+  // The method and path of the request refused ("-" where its header was not read), and of
+  // one cut off mid-way.
+  const std::string& failed_method() const { return failed_method_; }
+  const std::string& failed_path() const { return failed_path_; }
+  void abandon() { fail(ApiError(408, "")); }
 
  private:
   Step fail(ApiError e) {
     error_ = std::move(e);
+    // What the access log can name of a request refused after its header.
+    failed_method_ = failed_path_ = "-";
+    // (Beast fills in the request line before it checks the header's limits.)
+    if (p_ && !p_->get().method_string().empty()) {
+      failed_method_ = std::string(p_->get().method_string());
+      failed_path_ = target_path(std::string(p_->get().target()));
+    }
     p_.reset();
     return Step::Failed;
   }
@@ -241,6 +253,7 @@ class RequestReader {
   std::optional<bhttp::request_parser<bhttp::string_body>> p_;
   bool checked_ = false, continue_ = false;
   std::optional<ApiError> error_;
+  std::string failed_method_ = "-", failed_path_ = "-";
 };
 
 // ---- answers -------------------------------------------------------------------------------
@@ -582,10 +595,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void on_read(beast::error_code ec, size_t n) {
     if (state_ == State::Closed) return;
     if (ec) {
-      if (timed_out_ && state_ == State::Reading && reader_.started())
+      if (timed_out_ && state_ == State::Reading && reader_.started()) {
+        reader_.abandon();
         return refuse_request(HttpResponse::error(
             ApiError(408, fmt::format("the request took longer than {} s to arrive", srv_.limits.timeout.count()),
                      "", "request_timeout")));
+      }
       return close();
     }
     if (state_ == State::Idle) begin_request();
@@ -600,9 +615,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
     AnswerContext c;
     AccessEntry e;
     e.remote = address_ + ":" + std::to_string(port_);
-    e.method = "-";
-    e.path = "-";
+    e.method = reader_.failed_method();
+    e.path = reader_.failed_path();
     e.status = r.status;
+    answer_start_ = clock::now();
     in_.clear();
     enqueue(head_bytes(r, c, false, false) + r.body, nullptr);
     finish_after_writes(false, std::move(e));
