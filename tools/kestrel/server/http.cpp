@@ -86,6 +86,8 @@ ApiError framing_error(const beast::error_code& ec, const HttpLimits& l) {
   if (ec == bhttp::error::bad_transfer_encoding)
     return ApiError(400, "the request's Transfer-Encoding is given twice or with a Content-Length", "",
                     "invalid_transfer_encoding");
+  if (ec == bhttp::error::bad_version)
+    return ApiError(505, "only HTTP/1.0 and HTTP/1.1 are served", "", "http_version_not_supported");
   return ApiError(400, fmt::format("the HTTP request could not be read ({})", ec.message()), "", "bad_request");
 }
 
@@ -1127,10 +1129,11 @@ std::string HttpServer::answer_bytes(std::string_view input) {
     const RequestReader::Step step = reader.step(in);
     if (step == RequestReader::Step::More) {
       // The input ended within a request: the connection's deadline would pass.
-      if (reader.started())
-        out += head_bytes(HttpResponse::error(ApiError(408, "the request took too long to arrive", "",
-                                                       "request_timeout")),
-                          AnswerContext{}, false, false);
+      if (reader.started()) {
+        const HttpResponse r =
+            HttpResponse::error(ApiError(408, "the request took too long to arrive", "", "request_timeout"));
+        out += head_bytes(r, AnswerContext{}, false, false) + r.body;
+      }
       return out;
     }
     if (step == RequestReader::Step::Failed) {
