@@ -196,7 +196,7 @@ class Server {
       if (body_bytes > kTrimAfterBodyBytes) give_back_memory();
     };
     svr.on_fatal = [](const std::string& why) {
-      std::cerr << fmt::format("kestrel serve: the server stopped: {}", why) << std::endl;
+      std::cerr << fmt::format("kestrel serve: the HTTP I/O thread failed ({}): stopping", why) << std::endl;
       kill(getpid(), SIGTERM);
     };
 

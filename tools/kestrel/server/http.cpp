@@ -978,10 +978,9 @@ void HttpServer::Impl::admit(tcp::socket s) {
   if (peer.address().is_v6() && peer.address().to_v6().is_v4_mapped())
     address = asio::ip::make_address_v4(asio::ip::v4_mapped, peer.address().to_v6()).to_string();
   const int per = limits.max_connections_per_address;
-  if (per > 0 && per_address[address] >= per && !evict_idle(&address)) {
-    if (per_address[address] == 0) per_address.erase(address);
+  const auto from = per_address.find(address);
+  if (per > 0 && from != per_address.end() && from->second >= per && !evict_idle(&address))
     return refuse(std::move(s));
-  }
   if ((int)conns.size() >= limits.max_connections && !evict_idle(nullptr)) return refuse(std::move(s));
   s.set_option(tcp::no_delay(true), ec);  // a stream's small chunks go out as they come
   auto c = std::make_shared<Connection>(*this, std::move(s), address, peer.port());
@@ -1075,13 +1074,14 @@ void HttpServer::start(int workers) {
   impl_->accept();
   impl_->io_thread = std::thread([this] {
     auto guard = asio::make_work_guard(impl_->io);
+    // A handler that throws (out of memory) ends run(); the thread reports it and runs on,
+    // so that the server can still be stopped in order.
     for (;;) {
       try {
         impl_->io.run();
         return;
       } catch (const std::exception& e) {
         if (on_fatal) on_fatal(e.what());
-        return;
       }
     }
   });

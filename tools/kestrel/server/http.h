@@ -158,8 +158,8 @@ class HttpServer {
   // Stops accepting, lets the workers finish what they run (their answers are written), then
   // closes every connection. Blocks until done; from any thread but the server's.
   void stop();
-  // Called (on the I/O thread) if the I/O thread fails for good, before it ends: the server
-  // can no longer serve, and whoever runs it should stop.
+  // Called on the I/O thread when one of its handlers failed with an exception (out of
+  // memory): a connection was lost mid-way, and whoever runs the server may stop it.
   std::function<void(const std::string& why)> on_fatal;
 
   // The answers to `input` read as one connection's bytes, everything on this thread (worker
