@@ -33,7 +33,7 @@ void parse(Exchange& ex, Fn&& fn) {
   }
 }
 
-HttpServer& server() {
+HttpServer& http_server() {
   static HttpServer* s = [] {
     HttpLimits l;
     l.max_body = 1 << 20;
@@ -84,7 +84,7 @@ HttpServer& server() {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const std::string out = server().answer_bytes(std::string_view(reinterpret_cast<const char*>(data), size));
+  const std::string out = http_server().answer_bytes(std::string_view(reinterpret_cast<const char*>(data), size));
   if (!out.empty() && out.rfind("HTTP/1.", 0) != 0) {
     std::fprintf(stderr, "the server wrote something other than an answer: %.80s\n", out.c_str());
     std::abort();
