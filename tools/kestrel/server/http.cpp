@@ -708,12 +708,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
 };
 
 // An answer written to a connection from any thread, through the I/O thread. A worker's
-// stream waits for each write (its back-pressure, and the client's disconnect seen as a
-// failed write); an answer from the I/O thread itself is queued.
+// stream does not wait for each chunk to be written (a round trip between threads per token):
+// it goes on while less than kInFlight bytes are queued, and waits past that, so that a client
+// that stops reading holds the worker (and its generation) to the write timeout, and a failed
+// write (the client gone) is seen at the next chunk.
 class SocketSink final : public ExchangeSink {
  public:
+  static constexpr size_t kInFlight = 64 << 10;
+
   SocketSink(AnswerContext ctx, std::shared_ptr<Connection> c, bool watch)
-      : ExchangeSink(std::move(ctx)), c_(std::move(c)) {
+      : ExchangeSink(std::move(ctx)), c_(std::move(c)), flow_(std::make_shared<Flow>()) {
     // The socket's own descriptor may be closed by the I/O thread (a write timed out) and
     // its number reused; a duplicate keeps this one's socket while the worker polls it.
     if (watch) fd_ = fcntl(c_->fd(), F_DUPFD_CLOEXEC, 0);
@@ -723,19 +727,28 @@ class SocketSink final : public ExchangeSink {
   }
 
   bool send(std::string bytes, bool wait) override {
-    if (broken_) return false;
-    auto c = c_;
-    if (!wait || c->io().get_executor().running_in_this_thread()) {
-      asio::post(c->io(), [c, b = std::move(bytes)]() mutable { c->enqueue(std::move(b), nullptr); });
-      return true;
+    std::shared_ptr<Flow> f = flow_;
+    const size_t n = bytes.size();
+    {
+      std::lock_guard<std::mutex> lk(f->m);
+      if (f->broken) return false;
+      f->pending += n;
     }
-    auto done = std::make_shared<std::promise<bool>>();
-    std::future<bool> f = done->get_future();
-    asio::post(c->io(), [c, done, b = std::move(bytes)]() mutable {
-      c->enqueue(std::move(b), [done](bool ok) { done->set_value(ok); });
+    auto c = c_;
+    asio::post(c->io(), [c, f, n, b = std::move(bytes)]() mutable {
+      c->enqueue(std::move(b), [f, n](bool ok) {
+        {
+          std::lock_guard<std::mutex> lk(f->m);
+          f->pending -= n;
+          if (!ok) f->broken = true;
+        }
+        f->cv.notify_all();
+      });
     });
-    if (!f.get()) broken_ = true;
-    return !broken_;
+    if (!wait || c->io().get_executor().running_in_this_thread()) return true;
+    std::unique_lock<std::mutex> lk(f->m);
+    f->cv.wait(lk, [&] { return f->broken || f->pending <= kInFlight; });
+    return !f->broken;
   }
 
   void finish(bool keep_alive, AccessEntry entry) override {
@@ -746,16 +759,27 @@ class SocketSink final : public ExchangeSink {
   }
 
   bool gone() const override {
-    if (broken_) return true;
+    {
+      std::lock_guard<std::mutex> lk(flow_->m);
+      if (flow_->broken) return true;
+    }
     if (fd_ < 0) return false;
     pollfd p{fd_, POLLRDHUP, 0};
     return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
   }
 
  private:
+  // The bytes queued and not yet written, and whether a write failed: shared with the write
+  // callbacks, which may run after the exchange is gone.
+  struct Flow {
+    std::mutex m;
+    std::condition_variable cv;
+    size_t pending = 0;
+    bool broken = false;
+  };
   std::shared_ptr<Connection> c_;
+  std::shared_ptr<Flow> flow_;
   int fd_ = -1;
-  std::atomic<bool> broken_{false};
 };
 
 // answer_bytes' sink: everything appended to one string.

@@ -93,8 +93,9 @@ class Exchange {
 
   void respond(HttpResponse r);
   // A chunked answer: the head now, then each write one chunk. Each returns false once the
-  // client is gone (or took longer than the timeout to take the bytes); the stream is then
-  // dead and the caller should stop.
+  // client is gone (a write failed, or took longer than the timeout); the stream is then dead
+  // and the caller should stop. Writes are queued, not waited for, up to 64 KiB not yet
+  // taken by the client; past that, write waits for the client.
   bool begin_stream(HttpResponse head);
   bool write(std::string_view data);
   // The last chunk: the connection then reads its next request.
