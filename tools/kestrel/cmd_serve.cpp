@@ -11,15 +11,12 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <random>
-#include <thread>
 
 #include "base/error.h"
 #include "base/interrupt.h"
@@ -41,7 +38,6 @@ namespace {
 using nlohmann::json;
 using server::ApiError;
 using server::Endpoint;
-using clock = std::chrono::steady_clock;
 
 struct ServeArgs {
   ModelOptions model;
@@ -69,8 +65,8 @@ struct ServeArgs {
   SpecOptions spec;
 };
 
-// A request body past this size has its memory given back to the system once its connection
-// is done (TrimmingTaskQueue).
+// A request body past this size has its memory given back to the system once the request is
+// done (HttpServer::after_request).
 constexpr size_t kTrimAfterBodyBytes = 1 << 20;
 
 // Memory a large request used, given back to the system. glibc gives every thread that
