@@ -21,7 +21,7 @@ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ "${cmake_common_args[@]}" \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
 all_targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja
-             fuzz_batch_line fuzz_messages fuzz_server_request)
+             fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http)
 targets=("${all_targets[@]}")
 if [ "$mode" = run ] && [ $# -gt 2 ]; then targets=("${@:3}"); fi
 cmake --build build-fuzz -j"${FUZZ_JOBS:-$(nproc)}" --target "${all_targets[@]}"
@@ -122,6 +122,33 @@ bodies = [
 ]
 for i, (endpoint, b) in enumerate(bodies):
     open("%s/fuzz_server_request/b%d" % (out, i), "wb").write(bytes([endpoint]) + json.dumps(b).encode())
+# kestrel serve's HTTP: one connection's bytes each, as clients write them: pipelined
+# requests, bodies by length and chunked, HEAD, a CORS preflight, Expect, the refusals' shapes.
+def req(method, path, body=b"", headers=()):
+    h = "%s %s HTTP/1.1\r\nHost: 127.0.0.1:8080\r\n" % (method, path)
+    for x in headers:
+        h += x + "\r\n"
+    if body and not any(x.lower().startswith("transfer-encoding") for x in headers):
+        h += "Content-Length: %d\r\n" % len(body)
+    return h.encode() + b"\r\n" + body
+chat = json.dumps(bodies[0][1]).encode()
+http = {
+    "pipelined": req("GET", "/health") + req("HEAD", "/health") + req("GET", "/v1/models/m?x=%20y"),
+    "chat": req("POST", "/v1/chat/completions", chat, ["Content-Type: application/json", "Authorization: Bearer k"]),
+    "stream": req("POST", "/v1/completions", json.dumps({"prompt": "a", "stream": True}).encode(),
+                  ["Connection: close"]),
+    "chunked": req("POST", "/tokenize", b"6\r\n{\"cont\r\n11\r\nent\": \"Hello\", \"x\"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n",
+                   ["Transfer-Encoding: chunked"]) + req("POST", "/detokenize", b'{"tokens": [1, 2]}'),
+    "preflight": req("OPTIONS", "/v1/chat/completions", headers=["Origin: http://a.example",
+                     "Access-Control-Request-Method: POST", "Access-Control-Request-Headers: authorization"]),
+    "expect": req("POST", "/tokenize", b'{"content": "x"}', ["Expect: 100-continue"]),
+    "http10": b"GET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" + req("GET", "/health"),
+    "conflict": req("POST", "/tokenize", b'{"content": "x"}', ["Content-Length: 3"]),
+    "refusals": req("GET", "/v1/completions") + req("POST", "/health") + req("POST", "/tokenize") +
+                req("GET", "/nothing", headers=["Authorization: Bearer wrong"]),
+}
+for name, data in http.items():
+    open("%s/fuzz_server_http/%s" % (out, name), "wb").write(data)
 PY
 
 status=0

@@ -18,6 +18,7 @@
 #include "engine/server/scheduler.h"
 #include "tools/kestrel/inputs.h"
 #include "tools/kestrel/server/access.h"
+#include "tools/kestrel/server/http.h"
 
 using nlohmann::json;
 using namespace kestrel;
@@ -791,3 +792,122 @@ TEST(ServerAccess, LoopbackHosts) {
                         "localhost.example.com", "::ffff:10.0.0.1", ""})
     EXPECT_FALSE(is_loopback_host(h)) << h;
 }
+
+// ---- the HTTP transport without sockets (HttpServer::answer_bytes) -------------------------
+
+namespace {
+
+// A server with the routes' shapes of kestrel serve: GET on the I/O thread, POST on a worker
+// (run inline here), one streamed.
+std::unique_ptr<HttpServer> transport(HttpLimits l = {}) {
+  auto s = std::make_unique<HttpServer>(l);
+  s->route("GET", "/health", RunOn::IoThread,
+           [](HttpRequest&, Exchange& ex) { ex.respond(HttpResponse::json(R"({"status":"ok"})")); });
+  s->route("GET", "/v1/models/*", RunOn::IoThread,
+           [](HttpRequest& r, Exchange& ex) { ex.respond(HttpResponse::json(json{{"id", r.rest}}.dump())); });
+  s->route("POST", "/echo", RunOn::Worker, [](HttpRequest& r, Exchange& ex) { ex.respond(HttpResponse::json(r.body)); });
+  s->route("POST", "/stream", RunOn::Worker, [](HttpRequest&, Exchange& ex) {
+    HttpResponse head;
+    head.content_type = "text/event-stream";
+    ex.begin_stream(std::move(head));
+    ex.write("data: 1\n\n");
+    ex.end_stream();
+  });
+  s->route("POST", "/throws", RunOn::Worker, [](HttpRequest&, Exchange&) { throw std::runtime_error("boom"); });
+  s->route("POST", "/silent", RunOn::Worker, [](HttpRequest&, Exchange&) {});
+  return s;
+}
+
+std::vector<int> statuses(const std::string& out) {
+  std::vector<int> st;
+  // A status line starts the output or follows the end of an answer (a CRLF or a JSON body).
+  for (size_t at = out.find("HTTP/1."); at != std::string::npos; at = out.find("HTTP/1.", at + 1))
+    if (at == 0 || out[at - 1] == '\n' || out[at - 1] == '}') st.push_back(std::atoi(out.c_str() + at + 9));
+  return st;
+}
+
+TEST(HttpTransport, PipelinedRequestsAnsweredInOrder) {
+  auto s = transport();
+  const std::string out = s->answer_bytes(
+      "GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+      "POST /echo HTTP/1.1\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
+      "GET /v1/models/my%20model?q=1 HTTP/1.1\r\n\r\n"
+      "POST /stream HTTP/1.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+      "GET /health HTTP/1.1\r\n\r\n");  // after the close: not answered
+  EXPECT_EQ(statuses(out), (std::vector<int>{200, 200, 200, 200})) << out;
+  EXPECT_NE(out.find("{\"a\":1}"), std::string::npos) << out;
+  EXPECT_NE(out.find("{\"id\":\"my model\"}"), std::string::npos) << out;
+  EXPECT_NE(out.find("Transfer-Encoding: chunked\r\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("9\r\ndata: 1\n\n\r\n0\r\n\r\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("Keep-Alive: timeout=2, max="), std::string::npos) << out;
+  EXPECT_TRUE(out.ends_with("0\r\n\r\n")) << out;
+}
+
+TEST(HttpTransport, ChunkedBodiesAndHead) {
+  auto s = transport();
+  std::string out = s->answer_bytes(
+      "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{\"a\"\r\n5\r\n:\"b\"}\r\n0\r\n\r\n"
+      "HEAD /health HTTP/1.1\r\n\r\n");
+  EXPECT_EQ(statuses(out), (std::vector<int>{200, 200})) << out;
+  EXPECT_NE(out.find("\r\n\r\n{\"a\":\"b\"}HTTP/1.1"), std::string::npos) << out;
+  EXPECT_TRUE(out.ends_with("Content-Length: 15\r\nKeep-Alive: timeout=2, max=998\r\n\r\n")) << out;
+}
+
+TEST(HttpTransport, FramingRefusals) {
+  struct Case {
+    std::string input;
+    int status;
+    std::string code;
+  };
+  const std::vector<Case> cases = {
+      {"POST /echo HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", 400, "invalid_content_length"},
+      {"POST /echo HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400, "invalid_content_length"},
+      {"POST /echo HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", 400,
+       "invalid_transfer_encoding"},
+      {"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n", 400, "invalid_transfer_encoding"},
+      {"POST /echo HTTP/1.1\r\nContent-Length: 2000\r\n\r\n", 413, "request_too_large"},
+      {"GET /" + std::string(2000, 'a') + " HTTP/1.1\r\n\r\n", 414, "uri_too_long"},
+      {"GET / HTTP/1.1\r\nX: " + std::string(5000, 'a') + "\r\n\r\n", 431, "request_header_fields_too_large"},
+      {"GET /health HTTP/2.0\r\n\r\n", 505, "http_version_not_supported"},
+      {"GET health HTTP/1.1\r\n\r\n", 400, "bad_request"},
+      {"GARBAGE\r\n\r\n", 400, "bad_request"},
+      {"GET /health HTTP/1.1\r\nHost: x\r\n", 408, "request_timeout"},  // the input ends mid-request
+  };
+  HttpLimits l;
+  l.max_body = 1000;
+  l.max_header = 4096;
+  l.max_request_line = 1024;
+  auto s = transport(l);
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.input.substr(0, 80));
+    // A good request after the bad one is never reached: the connection closes. (Not after
+    // the 408's: that input must end mid-request.)
+    const std::string out = s->answer_bytes(c.status == 408 ? c.input : c.input + "GET /health HTTP/1.1\r\n\r\n");
+    EXPECT_EQ(statuses(out), std::vector<int>{c.status}) << out;
+    EXPECT_NE(out.find("Connection: close\r\n"), std::string::npos) << out;
+    EXPECT_NE(out.find("\"code\":\"" + c.code + "\""), std::string::npos) << out;
+  }
+}
+
+TEST(HttpTransport, RoutingRefusalsAndHandlerFailures) {
+  auto s = transport();
+  const std::string out = s->answer_bytes(
+      "GET /echo HTTP/1.1\r\n\r\n"                          // 405, Allow: POST
+      "POST /health HTTP/1.1\r\nContent-Length: 0\r\n\r\n"  // 405, Allow: GET, HEAD
+      "GET /nothing HTTP/1.1\r\n\r\n"                       // 404
+      "POST /echo HTTP/1.1\r\n\r\n"                         // 411: no length
+      "POST /throws HTTP/1.1\r\nContent-Length: 0\r\n\r\n"  // 500, the exception's text
+      "POST /silent HTTP/1.1\r\nContent-Length: 0\r\n\r\n"  // 500: no answer given
+      "OPTIONS /echo HTTP/1.1\r\n\r\n"                      // 204, Allow; no CORS without origins
+      "GET /health HTTP/1.0\r\n\r\n");                      // 1.0 without keep-alive: the last
+  EXPECT_EQ(statuses(out), (std::vector<int>{405, 405, 404, 411, 500, 500, 204, 200})) << out;
+  EXPECT_NE(out.find("Allow: POST\r\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("Allow: GET, HEAD\r\n"), std::string::npos) << out;
+  EXPECT_NE(out.find("\"message\":\"boom\""), std::string::npos) << out;
+  EXPECT_NE(out.find("the server gave no answer"), std::string::npos) << out;
+  EXPECT_NE(out.find("Allow: POST, OPTIONS\r\n"), std::string::npos) << out;
+  EXPECT_EQ(out.find("Access-Control-"), std::string::npos) << out;
+  EXPECT_TRUE(out.ends_with("Connection: close\r\n\r\n{\"status\":\"ok\"}")) << out;
+}
+
+}  // namespace

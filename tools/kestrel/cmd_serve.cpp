@@ -1,31 +1,22 @@
-// kestrel serve: the model behind an OpenAI-compatible HTTP API (cpp-httplib), for the chat
-// clients, editors and libraries that speak it. Requests are read into engine options by
+// kestrel serve: the model behind an OpenAI-compatible HTTP API, for the chat clients, editors
+// and libraries that speak it. Requests are read into engine options by
 // engine/server/request.h, answered in OpenAI's shapes by engine/server/response.h, and run on
 // --parallel sessions of the one loaded model behind a bounded queue
-// (engine/server/scheduler.h). Each connection is served on a thread of its own, which runs its
-// generation itself, taking the model's turn for each step.
-#include <arpa/inet.h>
-#include <dirent.h>
+// (engine/server/scheduler.h). The HTTP transport is server/http.h: connections are read on
+// one I/O thread; a completion or tokenize request runs on a worker thread, which runs its
+// generation itself, taking the model's turn for each step, and writes its answer back.
 #include <fmt/format.h>
-#include <httplib.h>
 #include <malloc.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
 #include <mutex>
 #include <random>
-#include <thread>
 
 #include "base/error.h"
 #include "base/interrupt.h"
@@ -38,6 +29,7 @@
 #include "tools/kestrel/commands.h"
 #include "tools/kestrel/common.h"
 #include "tools/kestrel/server/access.h"
+#include "tools/kestrel/server/http.h"
 
 namespace kestrel::cli {
 
@@ -46,7 +38,6 @@ namespace {
 using nlohmann::json;
 using server::ApiError;
 using server::Endpoint;
-using clock = std::chrono::steady_clock;
 
 struct ServeArgs {
   ModelOptions model;
@@ -66,26 +57,17 @@ struct ServeArgs {
   int64_t max_json_values = 0;  // 0: server::kDefaultMaxJsonValues or twice the context, the larger
   int max_json_depth = server::kDefaultMaxJsonDepth;
   int timeout = 60;
+  int max_connections = 1024;
+  int max_connections_per_ip = 64;
+  std::vector<std::string> cors;  // --cors: origins allowed to call the API from a browser page
   bool log_prompts = false;
   bool quiet = false;
   SpecOptions spec;
 };
 
-// What the access log learns of the request a thread is serving: cpp-httplib calls the
-// logger on the thread that ran the handler, once the answer is written.
-struct RequestLog {
-  clock::time_point start{};
-  int prompt_tokens = -1, completion_tokens = -1;
-  std::string finish;
-  std::optional<std::string> prompt;
-};
-thread_local RequestLog t_log;
-
-// A request body past this size has its memory given back to the system once its connection
-// is done (TrimmingTaskQueue).
+// A request body past this size has its memory given back to the system once the request is
+// done (HttpServer::after_request).
 constexpr size_t kTrimAfterBodyBytes = 1 << 20;
-// Set by the logger when this thread's request had such a body.
-thread_local bool t_trim = false;
 
 // Memory a large request used, given back to the system. glibc gives every thread that
 // allocates an arena of its own and keeps what is freed there for reuse: a large body and the
@@ -95,16 +77,16 @@ thread_local bool t_trim = false;
 //  - malloc's thresholds are fixed (set_malloc_thresholds): by default a freed large block
 //    raises them to its size (up to 32 MiB / 64 MiB), after which 8 MB bodies live inside
 //    arenas and an arena keeps a top of up to twice that resident;
-//  - after a connection whose request had a large body, malloc_trim(0), which hands the free
-//    pages inside every arena back (madvise);
+//  - after a request with a large body, malloc_trim(0), which hands the free pages inside
+//    every arena back (madvise);
 //  - before it, a free of a block of 256 KiB (arena-allocated, under the mmap threshold):
 //    malloc_trim merges freed small chunks into the arena's top but (glibc 2.36) shrinks only
 //    the main arena's top, while a free of 64 KiB or more makes glibc merge them and shrink
 //    the top of the thread's own arena. (In the CLI test the DOM's own large frees already do
 //    this: pinning the thresholds is what takes the RSS back there, from 25-34 MB kept per
 //    batch of 8 with malloc_trim alone to 2 MB.)
-// It runs once the connection's last request is done, when the Request (and its body) is
-// gone; a kept-alive connection keeps its last body's memory for reuse until it closes.
+// It runs once the request (and its body) is gone (HttpServer::after_request), on the thread
+// that served it.
 void set_malloc_thresholds() {
   mallopt(M_MMAP_THRESHOLD, 1 << 20);  // blocks past 1 MiB (large bodies) are mapped, unmapped on free
   mallopt(M_TRIM_THRESHOLD, 1 << 20);  // an arena's top past 1 MiB is given back
@@ -115,153 +97,22 @@ void give_back_memory() {
   malloc_trim(0);
 }
 
-// cpp-httplib's thread pool, each connection's task followed by give_back_memory() when one of
-// its requests had a body past kTrimAfterBodyBytes.
-class TrimmingTaskQueue : public httplib::TaskQueue {
- public:
-  explicit TrimmingTaskQueue(size_t threads) : pool_(threads) {}
-  void enqueue(std::function<void()> fn) override {
-    pool_.enqueue([fn = std::move(fn)] {
-      fn();
-      if (t_trim) {
-        t_trim = false;
-        give_back_memory();
-      }
-    });
-  }
-  void shutdown() override { pool_.shutdown(); }
-
- private:
-  httplib::ThreadPool pool_;
-};
-
-// The connection's socket: cpp-httplib 0.11 does not hand it to handlers, and a handler needs
-// it to see that the client went away while it waits or generates without writing. It is the
-// process's one socket whose two ends are the request's addresses.
-int connection_socket(const httplib::Request& req) {
-  auto address = [](const sockaddr_storage& a, std::string& host, int& port) {
-    char buf[INET6_ADDRSTRLEN] = {};
-    if (a.ss_family == AF_INET) {
-      const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
-      inet_ntop(AF_INET, &in->sin_addr, buf, sizeof(buf));
-      port = ntohs(in->sin_port);
-    } else if (a.ss_family == AF_INET6) {
-      const auto* in = reinterpret_cast<const sockaddr_in6*>(&a);
-      inet_ntop(AF_INET6, &in->sin6_addr, buf, sizeof(buf));
-      port = ntohs(in->sin6_port);
-    } else {
-      return false;
-    }
-    host = buf;
-    return true;
-  };
-  DIR* d = opendir("/proc/self/fd");
-  if (!d) return -1;
-  int found = -1;
-  while (dirent* e = readdir(d)) {
-    const int fd = std::atoi(e->d_name);
-    if (e->d_name[0] < '0' || e->d_name[0] > '9' || fd == dirfd(d)) continue;
-    sockaddr_storage local{}, peer{};
-    socklen_t ll = sizeof(local), pl = sizeof(peer);
-    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &ll) != 0 ||
-        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &pl) != 0)
-      continue;
-    std::string lh, ph;
-    int lp = 0, pp = 0;
-    if (address(local, lh, lp) && address(peer, ph, pp) && lp == req.local_port &&
-        pp == req.remote_port && ph == req.remote_addr && lh == req.local_addr) {
-      found = fd;
-      break;
-    }
-  }
-  closedir(d);
-  return found;
-}
-
-// Whether the client closed its end (or the connection broke).
-bool peer_gone(int fd) {
-  if (fd < 0) return false;
-  pollfd p{fd, POLLRDHUP, 0};
-  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR));
-}
-
-// The method a path of the API takes ("GET" or "POST"), or "" for a path it does not have: a
-// request with the other method gets 405 naming it, not 404. (The routes of Server::run.)
-std::string allowed_method(const std::string& path) {
-  const std::string model = "/v1/models/";
-  if (path == "/health" || path == "/v1/models" ||
-      (path.size() > model.size() && path.rfind(model, 0) == 0))
-    return "GET";
-  if (path == "/v1/chat/completions" || path == "/v1/completions" || path == "/tokenize" ||
-      path == "/detokenize")
-    return "POST";
-  return "";
-}
-
 // Seconds an idle keep-alive connection is kept open, and what the Keep-Alive header tells
-// clients (Server::run says why they differ).
+// clients. A server that closes an idle connection races the client's next request on it: a
+// client that wrote it before it read the close gets the connection reset, the request
+// unanswered. Clients that honour the Keep-Alive hint stop reusing before it (Node's fetch at
+// timeout - 2 s, so never for 2 s), but by a clock that stops while their process stalls (an
+// event loop blocked for seconds, as the serve test's kestrel generate calls block it under
+// ASan); others keep connections by their own expiry (openai-python's httpx: 5 s). So the hint
+// stays short, and the server waits much longer than it says before it closes
+// (docs/hardening.md). An idle connection holds no thread, and gives way to a new one when the
+// connections are at their bound.
 constexpr int kKeepAliveIdleSeconds = 10;
 constexpr int kKeepAliveHintSeconds = 2;
 
-// cpp-httplib's server with a listen backlog for many clients connecting at once (the library
-// builds in 5, which makes a burst of connections wait for SYN retries).
-class HttpServer : public httplib::Server {
- public:
-  int bind(const std::string& host, int port) {
-    const int bound = port == 0 ? bind_to_any_port(host) : (bind_to_port(host, port) ? port : -1);
-    if (bound > 0) ::listen(svr_sock_, 512);
-    return bound;
-  }
-};
-
-// Why host:port cannot be bound, the library's bind having failed (it keeps no errno of its
-// own): the address resolved and bound again as the library does, and the first failure's
-// text ("Address already in use", "Cannot assign requested address", ...).
-std::string bind_failure(const std::string& host, int port) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* list = nullptr;
-  const std::string service = std::to_string(port);
-  if (const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &list); rc != 0)
-    return gai_strerror(rc);
-  std::string why;
-  for (addrinfo* ai = list; ai && why.empty(); ai = ai->ai_next) {
-    const int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) {
-      why = std::strerror(errno);
-      continue;
-    }
-    int yes = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    if (::bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || ::listen(fd, 1) != 0) why = std::strerror(errno);
-    close(fd);
-  }
-  freeaddrinfo(list);
-  return why.empty() ? "the address could not be bound" : why;
-}
-
-std::string url_host(const std::string& host) {
-  return host.find(':') != std::string::npos ? "[" + host + "]" : host;
-}
-
-// The listening socket, bound before the model loads so that a port in use (or an address not
-// of this host) is found in a moment, not after the weights. Connections made while the model
-// loads wait in the backlog until the server runs.
-int bind_listener(HttpServer& svr, const ServeArgs& a) {
-  // SO_REUSEADDR (a restart may bind while old connections linger) but not the library's
-  // SO_REUSEPORT, under which a second server on a taken port would bind too and be handed
-  // half of its connections.
-  svr.set_socket_options([](int sock) {
-    int yes = 1;
-    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-  });
-  const int port = svr.bind(a.host, a.port);
-  if (port < 0)
-    throw Error(fmt::format("cannot listen on {}:{}: {}", url_host(a.host), a.port, bind_failure(a.host, a.port)));
-  return port;
-}
+// Worker threads beyond the slots and the queue: a completion past them gets its 429 from the
+// scheduler at once, and /tokenize and /detokenize run beside the generations.
+constexpr int kSpareWorkers = 8;
 
 std::string model_id(const ServeArgs& a) {
   if (!a.alias.empty()) return a.alias;
@@ -323,163 +174,82 @@ class Server {
     seed_base_ = rng_();
   }
 
-  // Serves on `svr`, bound (bind_listener) to `port`, until SIGINT or SIGTERM.
-  int run(HttpServer& svr, int port) {
-    const int threads = a_.parallel + a_.queue + 64;  // the slots, the line, idle keep-alives
+  // Serves on `svr`, bound to `port`, until SIGINT or SIGTERM.
+  int run(server::HttpServer& svr, int port) {
     set_malloc_thresholds();
-    svr.new_task_queue = [threads] { return new TrimmingTaskQueue(threads); };
-    // Keep-alive (docs/hardening.md). A server that closes an idle connection races the
-    // client's next request on it: a client that wrote it before it read the close gets the
-    // connection reset, the request unanswered. Clients that honour the Keep-Alive hint stop
-    // reusing before it (Node's fetch at timeout - 2 s, so never for 2 s), but by a clock
-    // that stops while their process stalls (an event loop blocked for seconds, as the serve
-    // test's kestrel generate calls block it under ASan); others keep connections by their own
-    // expiry (openai-python's httpx: 5 s). So the hint stays short, and the server waits much
-    // longer than it says before it closes. An idle connection holds a thread meanwhile: past
-    // the 64 spare ones a new connection waits in the library's queue, unseen by the slots'
-    // 429, for at most that long.
-    svr.set_keep_alive_timeout(kKeepAliveIdleSeconds);
-    svr.set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
-      // cpp-httplib 0.11 writes its own wait as the hint; the hint is the shorter one.
-      if (!res.has_header("Keep-Alive")) return;  // "Connection: close" instead
-      res.headers.erase("Keep-Alive");
-      res.set_header("Keep-Alive", fmt::format("timeout={}, max={}", kKeepAliveHintSeconds,
-                                               CPPHTTPLIB_KEEPALIVE_MAX_COUNT));
-    });
-    svr.set_payload_max_length((size_t)a_.max_body);
-    svr.set_read_timeout(a_.timeout, 0);
-    svr.set_write_timeout(a_.timeout, 0);
-    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
-      t_log = RequestLog{};
-      t_log.start = clock::now();
-      // A POST without its length: the library would read the body until the client closes
-      // or --timeout passes, then answer 400. Refused before any of it is read.
-      if (req.method == "POST" && !req.has_header("Content-Length") &&
-          req.get_header_value("Transfer-Encoding").find("chunked") == std::string::npos) {
-        error(res, ApiError(411, "a POST needs a Content-Length header (or chunked transfer encoding)",
-                            "", "length_required"));
-        return httplib::Server::HandlerResponse::Handled;
-      }
-      if (a_.api_key.empty() || req.path == "/health") return httplib::Server::HandlerResponse::Unhandled;
-      if (server::bearer_matches(req.get_header_value("Authorization"), a_.api_key))
-        return httplib::Server::HandlerResponse::Unhandled;
-      error(res, ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", "", "invalid_api_key"));
-      res.set_header("WWW-Authenticate", "Bearer");  // RFC 6750: the scheme the key goes in
-      return httplib::Server::HandlerResponse::Handled;
-    });
-    svr.set_error_handler(httplib::Server::HandlerWithResponse(
-        [](const httplib::Request& req, httplib::Response& res) {
-      if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-      // The library's own refusals (unknown path, body too large, a request it could not
-      // read) in OpenAI's shape; a known path asked with the other method is 405, with Allow.
-      const int s = res.status;
-      const std::string allow = s == 404 ? allowed_method(req.path) : std::string();
-      if (!allow.empty() && allow != req.method) {
-        res.set_header("Allow", allow == "GET" ? "GET, HEAD" : allow);  // the library answers HEAD
-        error(res, ApiError(405, fmt::format("{} takes {}, not {}", req.path, allow, req.method), "",
-                            "method_not_allowed"));
-      } else {
-        error(res, s == 404   ? ApiError(404, "no such endpoint", "", "not_found")
-                   : s == 413 ? ApiError(413, "the request body is too large", "", "request_too_large")
-                   : s == 414 ? ApiError(414, "the request's URI is too long", "", "uri_too_long")
-                   : s == 400 ? ApiError(400, "the HTTP request could not be read", "", "bad_request")
-                              : ApiError(s, fmt::format("the request could not be read (HTTP {})", s), "",
-                                         s >= 500 ? "server_error" : "bad_request"));
-      }
-      return httplib::Server::HandlerResponse::Handled;
-    }));
-    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-      std::string what = "internal error";
-      try {
-        std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
-      error(res, ApiError(500, what));
-    });
-    svr.set_logger([this](const httplib::Request& req, const httplib::Response& res) { log(req, res); });
+    if (!a_.cors.empty()) svr.set_cors_origins(a_.cors);
+    svr.before_route = [this](const server::HttpRequest& req) -> std::optional<server::HttpResponse> {
+      if (a_.api_key.empty() || req.path == "/health") return std::nullopt;
+      if (server::bearer_matches(req.header("Authorization"), a_.api_key)) return std::nullopt;
+      server::HttpResponse r =
+          server::HttpResponse::error(ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)", "",
+                                               "invalid_api_key"));
+      r.set_header("WWW-Authenticate", "Bearer");  // RFC 6750: the scheme the key goes in
+      return r;
+    };
+    svr.on_done = [this](const server::AccessEntry& e) { log(e); };
+    svr.after_request = [](size_t body_bytes) {
+      if (body_bytes > kTrimAfterBodyBytes) give_back_memory();
+    };
+    svr.on_fatal = [](const std::string& why) {
+      std::cerr << fmt::format("kestrel serve: the HTTP I/O thread failed ({}): stopping", why) << std::endl;
+      kill(getpid(), SIGTERM);
+    };
 
-    svr.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    // The cheap routes answer on the I/O thread (a slow generation never delays them); those
+    // that parse a body and compute run on the workers. A GET route of the I/O thread is where
+    // a /metrics page goes.
+    using server::RunOn;
+    svr.route("GET", "/health", RunOn::IoThread, [this](server::HttpRequest&, server::Exchange& ex) {
       const server::Slots::Status s = slots_->status();
-      res.set_content(server::dump({{"status", "ok"},
-                                    {"slots_idle", s.idle},
-                                    {"slots_processing", s.busy},
-                                    {"queued", s.queued}}),
-                      "application/json");
+      ex.respond(server::HttpResponse::json(server::dump(
+          {{"status", "ok"}, {"slots_idle", s.idle}, {"slots_processing", s.busy}, {"queued", s.queued}})));
     });
-    svr.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-      res.set_content(server::dump({{"object", "list"}, {"data", json::array({model_json()})}}),
-                      "application/json");
+    svr.route("GET", "/v1/models", RunOn::IoThread, [this](server::HttpRequest&, server::Exchange& ex) {
+      ex.respond(server::HttpResponse::json(
+          server::dump({{"object", "list"}, {"data", json::array({model_json()})}})));
     });
-    svr.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
-      if (req.matches[1] != id_)
-        return error(res, ApiError(404, fmt::format("the model '{}' does not exist (this server has '{}')",
-                                                    req.matches[1].str(), id_),
-                                   "model", "model_not_found"));
-      res.set_content(server::dump(model_json()), "application/json");
+    svr.route("GET", "/v1/models/*", RunOn::IoThread, [this](server::HttpRequest& req, server::Exchange& ex) {
+      if (req.rest != id_)
+        throw ApiError(404, fmt::format("the model '{}' does not exist (this server has '{}')", req.rest, id_),
+                       "model", "model_not_found");
+      ex.respond(server::HttpResponse::json(server::dump(model_json())));
     });
-    svr.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      complete(Endpoint::Chat, req, res);
+    svr.route("POST", "/v1/chat/completions", RunOn::Worker,
+              [this](server::HttpRequest& req, server::Exchange& ex) { complete(Endpoint::Chat, req, ex); });
+    svr.route("POST", "/v1/completions", RunOn::Worker,
+              [this](server::HttpRequest& req, server::Exchange& ex) { complete(Endpoint::Completion, req, ex); });
+    svr.route("POST", "/tokenize", RunOn::Worker, [this](server::HttpRequest& req, server::Exchange& ex) {
+      const server::TokenizeRequest t = server::parse_tokenize_request(req.body, limits_);
+      const std::vector<int> ids = m_.tok->encode(t.content, t.add_special);
+      json tokens = json::array();
+      for (int id : ids)
+        tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_piece(*m_.tok, id)}} : json(id));
+      ex.respond(server::HttpResponse::json(server::dump({{"tokens", tokens}})));
     });
-    svr.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      complete(Endpoint::Completion, req, res);
-    });
-    svr.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-      try {
-        const server::TokenizeRequest t = server::parse_tokenize_request(req.body, limits_);
-        const std::vector<int> ids = m_.tok->encode(t.content, t.add_special);
-        json tokens = json::array();
-        for (int id : ids)
-          tokens.push_back(t.with_pieces ? json{{"id", id}, {"piece", server::token_piece(*m_.tok, id)}}
-                                         : json(id));
-        res.set_content(server::dump({{"tokens", tokens}}), "application/json");
-      } catch (const ApiError& e) {
-        error(res, e);
-      }
-    });
-    svr.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-      try {
-        const std::vector<int> ids = server::parse_detokenize_request(req.body, m_.spec->config.vocab, limits_);
-        res.set_content(server::dump({{"content", m_.tok->decode(ids)}}), "application/json");
-      } catch (const ApiError& e) {
-        error(res, e);
-      }
+    svr.route("POST", "/detokenize", RunOn::Worker, [this](server::HttpRequest& req, server::Exchange& ex) {
+      const std::vector<int> ids = server::parse_detokenize_request(req.body, m_.spec->config.vocab, limits_);
+      ex.respond(server::HttpResponse::json(server::dump({{"content", m_.tok->decode(ids)}})));
     });
 
-    std::thread listener([&] {
-      svr.listen_after_bind();
-      // Ended otherwise than by a signal (accepting failed): wake the main thread.
-      if (!stopping_) {
-        listener_failed_ = true;
-        kill(getpid(), SIGTERM);
-      }
-    });
-    std::cerr << fmt::format("listening on http://{}:{} {}", url_host(a_.host), port,
+    svr.start(a_.parallel + a_.queue + kSpareWorkers);
+    std::cerr << fmt::format("listening on http://{}:{} {}", server::url_host(a_.host), port,
                              a_.api_key.empty() ? "(no API key: anyone who can reach it may use it)"
                                                 : "(API key required)")
               << std::endl;
 
     const int sig = wait_for_stop_signal();
-    if (!listener_failed_)
-      std::cerr << fmt::format("kestrel: {}: stopping (in-flight requests are cancelled)",
-                               sig == SIGINT ? "SIGINT" : "SIGTERM")
-                << std::endl;
+    std::cerr << fmt::format("kestrel: {}: stopping (in-flight requests are cancelled)",
+                             sig == SIGINT ? "SIGINT" : "SIGTERM")
+              << std::endl;
     stopping_ = true;
     slots_->shut_down();
     svr.stop();
-    listener.join();
-    if (listener_failed_) throw Error("the server stopped accepting connections");
     std::cerr << "kestrel: stopped" << std::endl;
     return 0;
   }
 
  private:
-  static void error(httplib::Response& res, const ApiError& e) {
-    res.status = e.status();
-    if (e.status() == 429) res.set_header("Retry-After", "1");
-    res.set_content(server::dump(e.to_json()), "application/json");
-  }
 
   json model_json() const {
     return {{"id", id_}, {"object", "model"}, {"created", created_}, {"owned_by", "kestrel"}};
@@ -496,11 +266,16 @@ class Server {
             (int64_t)std::time(nullptr), id_};
   }
 
-  void complete(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+  // A completion on its worker thread: the request read, a slot waited for, the generation run,
+  // the answer written whole or streamed as it comes. A refusal is thrown as an ApiError
+  // (answered by the transport); the client going away cancels the wait or the generation.
+  void complete(Endpoint endpoint, server::HttpRequest& req, server::Exchange& ex) {
+    server::AccessEntry& log = ex.log();
     try {
       server::CompletionRequest cr =
           server::parse_completion_request(endpoint, req.body, defaults_,
                                            a_.sampling.seed ? *a_.sampling.seed : draw_seed(), limits_);
+      req.body = std::string();  // read: its memory is not held while the request generates
       if (!cr.model.empty() && cr.model != id_)
         throw ApiError(404, fmt::format("the model '{}' does not exist (this server has '{}')", cr.model, id_),
                        "model", "model_not_found");
@@ -509,13 +284,12 @@ class Server {
           cr, *m_.tok, tmpl, sessions_[0]->context_length(), m_.spec->config.vocab));
       p->options.reverse_prompts = a_.sampling.reverse;
       p->options.ignore_eos = p->options.ignore_eos || a_.sampling.ignore_eos;  // the request's or the server's
-      t_log.prompt_tokens = (int)p->prompt_ids.size();
+      log.prompt_tokens = (int)p->prompt_ids.size();
       if (a_.log_prompts)
-        t_log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true, cr.chat_template_kwargs)
-                                                  : m_.tok->decode(p->prompt_ids);
+        log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true, cr.chat_template_kwargs)
+                                                : m_.tok->decode(p->prompt_ids);
 
-      const int fd = connection_socket(req);
-      auto gone = [fd] { return peer_gone(fd); };
+      auto gone = [&ex] { return ex.client_gone(); };
       server::Slots::Outcome why;
       std::shared_ptr<server::Slots::Lease> lease = slots_->acquire(p->prompt_ids, gone, why);
       if (!lease) {
@@ -524,109 +298,83 @@ class Server {
                                           a_.parallel, a_.queue),
                          "", "rate_limit_exceeded");
         if (why == server::Slots::Outcome::Cancelled) {
-          res.status = 499;  // nginx's "client closed request", for the log: nobody reads it
-          t_log.finish = "cancelled";
-          return;
+          log.finish = "cancelled";
+          return ex.drop(499);  // nginx's "client closed request", for the log: nobody reads it
         }
         throw ApiError(503, "the server is shutting down", "", "shutting_down");
       }
       Session& session = *sessions_[lease->slot()];
       const server::ResponseMeta rm = meta(endpoint);
-      // The request's drafter, drafting with its own sampling (kept alive by the stream below).
-      std::shared_ptr<Drafter> drafter;
-      if (a_.spec.kind == "lookup") drafter = std::make_shared<NgramDrafter>();
+      // The request's drafter, drafting with its own sampling.
+      std::unique_ptr<Drafter> drafter;
+      if (a_.spec.kind == "lookup") drafter = std::make_unique<NgramDrafter>();
       if (a_.spec.kind == "draft")
-        drafter = std::make_shared<ModelDrafter>(*draft_sessions_[lease->slot()],
-                                                 p->options.sampling, m_.spec->config.vocab);
+        drafter = std::make_unique<ModelDrafter>(*draft_sessions_[lease->slot()], p->options.sampling,
+                                                 m_.spec->config.vocab);
       p->options.drafter = drafter.get();
       p->options.draft_max = a_.spec.draft_max;
 
       if (!cr.stream) {
         p->options.cancelled = [this, gone] { return stopping_.load() || gone(); };
         const GenerateResult r = generate_cached(session, *m_.tok, p->prompt_ids, p->options);
-        note_result(r);
+        note_result(log, r);
         if (r.finish_reason == "cancelled") {
           if (stopping_) throw ApiError(503, "the server is shutting down", "", "shutting_down");
-          res.status = 499;
-          return;
+          return ex.drop(499);
         }
-        res.set_content(server::dump(server::completion_response(cr, rm, r, *m_.tok)), "application/json");
-        return;
+        return ex.respond(server::HttpResponse::json(server::dump(server::completion_response(cr, rm, r, *m_.tok))));
       }
 
       // Streamed: the generation runs as the body is written, the slot held until it ends.
-      auto request = std::make_shared<server::CompletionRequest>(std::move(cr));
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [this, request, p, rm, lease, gone, drafter, &session](size_t, httplib::DataSink& sink) {
-            bool ok = true;
-            auto send = [&](const std::string& s) {
-              if (ok && !sink.write(s.data(), s.size())) ok = false;
-            };
-            if (request->endpoint == Endpoint::Chat) send(server::sse_event(server::role_chunk(*request, rm)));
-            // The provider runs after the handler returned, outside the library's own catch:
-            // an engine failure here (out of memory, a CUDA error) must end this stream with
-            // an error event, not the process. The options are this call's copy: `cancelled`
-            // reads its locals.
-            GenerateOptions options = p->options;
-            options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
-            GenerateResult r;
-            try {
-              r = generate_cached(session, *m_.tok, p->prompt_ids, options, [&](std::string_view text) {
-                send(server::sse_event(server::text_chunk(*request, rm, text)));
-              });
-            } catch (const std::exception& e) {
-              std::cerr << fmt::format("kestrel serve: {}\n", e.what()) << std::flush;
-              t_log.finish = "error";
-              send(server::sse_event(ApiError(500, e.what(), "", "engine_error").to_json()));
-              return false;
-            }
-            note_result(r);
-            if (r.finish_reason == "cancelled") {
-              // The client is gone, or the server is stopping. Stopping: an error event, no
-              // [DONE] (the client knows the answer is cut), and the body ended properly, so
-              // that the transfer itself is not an error as well.
-              if (ok && stopping_) {
-                send(server::sse_event(ApiError(503, "the server is shutting down", "", "shutting_down").to_json()));
-                if (ok) sink.done();
-                return ok;
-              }
-              return false;
-            }
-            send(server::sse_event(server::finish_chunk(*request, rm, r, *m_.tok)));
-            if (request->include_usage) send(server::sse_event(server::usage_chunk(*request, rm, r)));
-            send(server::kSseDone);
-            if (ok) sink.done();
-            return ok;
-          },
-          [lease](bool) mutable { lease.reset(); });
-    } catch (const ApiError& e) {
-      error(res, e);
+      server::HttpResponse head;
+      head.content_type = "text/event-stream";
+      head.set_header("Cache-Control", "no-cache");
+      bool ok = ex.begin_stream(std::move(head));
+      auto send = [&](const std::string& s) { ok = ok && ex.write(s); };
+      if (endpoint == Endpoint::Chat) send(server::sse_event(server::role_chunk(cr, rm)));
+      GenerateOptions& options = p->options;
+      options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
+      GenerateResult r;
+      try {
+        r = generate_cached(session, *m_.tok, p->prompt_ids, options, [&](std::string_view text) {
+          send(server::sse_event(server::text_chunk(cr, rm, text)));
+        });
+      } catch (const std::exception& e) {
+        // An engine failure (out of memory, a CUDA error) once the answer has begun: an error
+        // event, and the stream cut (no [DONE]: the client knows the answer is incomplete).
+        std::cerr << fmt::format("kestrel serve: {}\n", e.what()) << std::flush;
+        log.finish = "error";
+        send(server::sse_event(ApiError(500, e.what(), "", "engine_error").to_json()));
+        return ex.drop(200);
+      }
+      note_result(log, r);
+      if (r.finish_reason == "cancelled") {
+        // The client is gone, or the server is stopping. Stopping: an error event, no [DONE]
+        // (the client knows the answer is cut), and the body ended properly, so that the
+        // transfer itself is not an error as well.
+        if (ok && stopping_) {
+          send(server::sse_event(ApiError(503, "the server is shutting down", "", "shutting_down").to_json()));
+          if (ok) ex.end_stream();
+        }
+        return ex.drop(200);
+      }
+      send(server::sse_event(server::finish_chunk(cr, rm, r, *m_.tok)));
+      if (cr.include_usage) send(server::sse_event(server::usage_chunk(cr, rm, r)));
+      send(server::kSseDone);
+      if (ok) ex.end_stream();
+      ex.drop(200);  // a stream cut short: the connection is closed
     } catch (const Error& e) {  // the engine's own failure: the request was valid
-      error(res, ApiError(500, e.what(), "", "engine_error"));
+      if (ex.answered()) return;
+      throw ApiError(500, e.what(), "", "engine_error");
     }
   }
 
-  void note_result(const GenerateResult& r) {
-    t_log.completion_tokens = (int)r.ids.size();
-    t_log.finish = server::finish_reason(r);
+  static void note_result(server::AccessEntry& log, const GenerateResult& r) {
+    log.completion_tokens = (int)r.ids.size();
+    log.finish = server::finish_reason(r);
   }
 
-  void log(const httplib::Request& req, const httplib::Response& res) {
-    if (req.body.size() > kTrimAfterBodyBytes) t_trim = true;
-    server::AccessEntry e;
-    e.remote = fmt::format("{}:{}", req.remote_addr, req.remote_port);
-    e.method = req.method;
-    e.path = req.path;
-    e.status = res.status;
-    e.prompt_tokens = t_log.prompt_tokens;
-    e.completion_tokens = t_log.completion_tokens;
-    e.finish = t_log.finish;
-    if (t_log.start != clock::time_point{})
-      e.ms = std::chrono::duration<double, std::milli>(clock::now() - t_log.start).count();
-    e.prompt = t_log.prompt;
-    t_log = RequestLog{};
+  void log(const server::AccessEntry& e) {
     char when[32];
     const std::time_t now = std::time(nullptr);
     std::tm tm{};
@@ -652,7 +400,7 @@ class Server {
   server::TurnLock draft_turn_;
   std::vector<std::unique_ptr<Session>> draft_sessions_;
   std::unique_ptr<server::Slots> slots_;
-  std::atomic<bool> stopping_{false}, listener_failed_{false};
+  std::atomic<bool> stopping_{false};
   std::mutex rng_mutex_, log_mutex_;
   std::mt19937_64 rng_;
   uint64_t seed_base_ = 0;
@@ -664,8 +412,18 @@ int run_serve(ServeArgs& a) {
   server::ApiKeySources keys = a.key_sources;
   if (const char* env = std::getenv("KESTREL_API_KEY")) keys.env = env;
   a.api_key = server::resolve_api_key(keys);
-  HttpServer svr;
-  const int port = bind_listener(svr, a);
+  server::HttpLimits limits;
+  limits.max_body = (size_t)a.max_body;
+  limits.timeout = std::chrono::seconds(a.timeout);
+  limits.idle = std::chrono::seconds(kKeepAliveIdleSeconds);
+  limits.keep_alive_hint = kKeepAliveHintSeconds;
+  limits.max_connections = a.max_connections;
+  limits.max_connections_per_address = a.max_connections_per_ip;
+  server::HttpServer svr(limits);
+  // Bound before the model loads, so that a port in use (or an address not of this host) is
+  // found in a moment, not after the weights. Connections made while the model loads wait in
+  // the backlog until the server runs.
+  const int port = svr.bind(a.host, a.port);
   // Not quieted by -q: a server open to the network without a key is worth a line.
   if (a.api_key.empty() && !server::is_loopback_host(a.host))
     std::cerr << fmt::format("kestrel serve: warning: {} is not a loopback address and no API key is "
@@ -758,9 +516,23 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
       ->check(whole(1, 100000))
       ->capture_default_str();
   cmd->add_option("--timeout", a->timeout,
-                  "seconds a client may take to send a request or to take the answer's next bytes")
+                  "seconds a client may take to send a whole request (from its first byte; 408 past "
+                  "it), or to take each write of the answer")
       ->check(whole(1, 3600))
       ->capture_default_str();
+  cmd->add_option("--max-connections", a->max_connections,
+                  "open connections in all; past it the oldest idle keep-alive one is closed, else a "
+                  "new one gets 503")
+      ->check(whole(1, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--max-connections-per-ip", a->max_connections_per_ip,
+                  "open connections from one client address (0 = no bound; raise it behind a proxy)")
+      ->check(whole(0, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--cors", a->cors,
+                  "an origin whose browser pages may call the API (repeatable or comma-separated; * = any)")
+      ->delimiter(',')
+      ->type_name("ORIGIN");
   cmd->add_flag("--log-prompts", a->log_prompts, "also write each prompt's text to the access log");
   cmd->add_flag("-q,--quiet", a->quiet, "no notes on stderr (the listening line and the access log stay)");
   add_spec_options(cmd, a->spec);
