@@ -508,3 +508,48 @@ TEST_F(ServeHttp, KeepAliveAfterAStreamedAnswer) {
 }
 
 }  // namespace
+
+// GET /metrics after real traffic: the requests by endpoint and status, the tokens, a time to
+// first token per completion and a per-token latency per token after the first, the slots'
+// gauges, in Prometheus's text format; behind the API key like the API.
+TEST_F(ServeHttp, MetricsCountWhatWasServed) {
+  Server s(args({"--api-key", "k"}), "metrics");
+  const int port = s.wait_listening();
+  ASSERT_GT(port, 0) << s.log();
+  const std::string key = "Authorization: Bearer k";
+  for (int i = 0; i < 2; ++i) {
+    const std::string c = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json", key},
+                               R"({"prompt": "the river", "max_tokens": 4, "temperature": 0, "ignore_eos": true})");
+    ASSERT_EQ(status_of(c), 200) << c;
+  }
+  EXPECT_EQ(status_of(http(port, "GET /nowhere HTTP/1.1", {key})), 404);
+  EXPECT_EQ(status_of(http(port, "GET /metrics HTTP/1.1")), 401);  // no key
+
+  // A request is counted once its answer is written, which the client may see a moment before:
+  // scraped until the last request of the test is in (at most 2 s).
+  std::string m, body;
+  auto value = [&](const std::string& series) -> double {
+    const size_t at = body.find("\n" + series + " ");
+    if (at == std::string::npos) return -1;
+    return std::stod(body.substr(at + series.size() + 2));
+  };
+  for (int i = 0; i < 40; ++i) {
+    m = http(port, "GET /metrics HTTP/1.1", {key});
+    body = body_of(m);
+    if (value(R"(kestrel:http_requests_total{endpoint="/metrics",status="401"})") == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_EQ(status_of(m), 200) << m;
+  EXPECT_EQ(header_value(m, "Content-Type"), "text/plain; version=0.0.4; charset=utf-8") << m;
+  EXPECT_EQ(value(R"(kestrel:http_requests_total{endpoint="/v1/completions",status="200"})"), 2) << body;
+  EXPECT_EQ(value(R"(kestrel:http_requests_total{endpoint="/nowhere",status="404"})"), 1) << body;
+  // The 401 of the scrape without a key.
+  EXPECT_EQ(value(R"(kestrel:http_requests_total{endpoint="/metrics",status="401"})"), 1) << body;
+  EXPECT_EQ(value("kestrel:generation_tokens_total"), 8) << body;
+  EXPECT_GT(value("kestrel:prompt_tokens_total"), 0) << body;
+  EXPECT_EQ(value("kestrel:time_to_first_token_seconds_count"), 2) << body;
+  EXPECT_EQ(value("kestrel:time_per_output_token_seconds_count"), 6) << body;  // 3 after the first, twice
+  EXPECT_EQ(value("kestrel:num_requests_running"), 0) << body;
+  EXPECT_EQ(value("kestrel:num_requests_waiting"), 0) << body;
+  EXPECT_EQ(value("kestrel:num_slots"), 1) << body;
+}

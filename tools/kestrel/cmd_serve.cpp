@@ -22,6 +22,7 @@
 #include "base/interrupt.h"
 #include "engine/generate.h"
 #include "engine/server/api_error.h"
+#include "engine/server/metrics.h"
 #include "engine/server/request.h"
 #include "engine/server/response.h"
 #include "engine/server/scheduler.h"
@@ -187,7 +188,11 @@ class Server {
       r.set_header("WWW-Authenticate", "Bearer");  // RFC 6750: the scheme the key goes in
       return r;
     };
-    svr.on_done = [this](const server::AccessEntry& e) { log(e); };
+    svr.on_done = [this](const server::AccessEntry& e) {
+      log(e);
+      metrics_.observe_request(e.path, e.status, e.ms / 1000.0);
+      if (e.prompt_tokens >= 0 && e.completion_tokens >= 0) metrics_.add_tokens(e.prompt_tokens, e.completion_tokens);
+    };
     svr.after_request = [](size_t body_bytes) {
       if (body_bytes > kTrimAfterBodyBytes) give_back_memory();
     };
@@ -197,9 +202,16 @@ class Server {
     };
 
     // The cheap routes answer on the I/O thread (a slow generation never delays them); those
-    // that parse a body and compute run on the workers. A GET route of the I/O thread is where
-    // a /metrics page goes.
+    // that parse a body and compute run on the workers.
     using server::RunOn;
+    // Prometheus's scrape (docs/server.md, "/metrics"): behind the API key like the API, since
+    // it tells who uses the server how much.
+    svr.route("GET", "/metrics", RunOn::IoThread, [this](server::HttpRequest&, server::Exchange& ex) {
+      server::HttpResponse r;
+      r.content_type = server::kMetricsContentType;
+      r.body = metrics_.render(*slots_);
+      ex.respond(std::move(r));
+    });
     svr.route("GET", "/health", RunOn::IoThread, [this](server::HttpRequest&, server::Exchange& ex) {
       const server::Slots::Status s = slots_->status();
       ex.respond(server::HttpResponse::json(server::dump(
@@ -271,6 +283,7 @@ class Server {
   // (answered by the transport); the client going away cancels the wait or the generation.
   void complete(Endpoint endpoint, server::HttpRequest& req, server::Exchange& ex) {
     server::AccessEntry& log = ex.log();
+    const auto arrived = std::chrono::steady_clock::now();
     try {
       server::CompletionRequest cr =
           server::parse_completion_request(endpoint, req.body, defaults_,
@@ -316,8 +329,10 @@ class Server {
 
       if (!cr.stream) {
         p->options.cancelled = [this, gone] { return stopping_.load() || gone(); };
+        const auto started = std::chrono::steady_clock::now();
         const GenerateResult r = generate_cached(session, *m_.tok, p->prompt_ids, p->options);
         note_result(log, r);
+        observe_timing(arrived, started, r);
         if (r.finish_reason == "cancelled") {
           if (stopping_) throw ApiError(503, "the server is shutting down", "", "shutting_down");
           return ex.drop(499);
@@ -335,6 +350,7 @@ class Server {
       GenerateOptions& options = p->options;
       options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
       GenerateResult r;
+      const auto started = std::chrono::steady_clock::now();
       try {
         r = generate_cached(session, *m_.tok, p->prompt_ids, options, [&](std::string_view text) {
           send(server::sse_event(server::text_chunk(cr, rm, text)));
@@ -348,6 +364,7 @@ class Server {
         return ex.drop(200);
       }
       note_result(log, r);
+      observe_timing(arrived, started, r);
       if (r.finish_reason == "cancelled") {
         // The client is gone, or the server is stopping. Stopping: an error event, no [DONE]
         // (the client knows the answer is cut), and the body ended properly, so that the
@@ -367,6 +384,20 @@ class Server {
       if (ex.answered()) return;
       throw ApiError(500, e.what(), "", "engine_error");
     }
+  }
+
+  // A generation's time to first token (from the worker taking the request, the wait for a
+  // slot included, to the prompt's first logits) and its time per output token after the
+  // first: the request's mean, observed once per such token, so that the histogram's count is
+  // the tokens', as vLLM's is.
+  void observe_timing(std::chrono::steady_clock::time_point arrived,
+                      std::chrono::steady_clock::time_point started, const GenerateResult& r) {
+    if (r.ids.empty()) return;
+    metrics_.observe_ttft(std::chrono::duration<double>(started - arrived).count() + r.prompt_ms / 1000.0);
+    const size_t after_first = r.ids.size() - 1;
+    if (after_first == 0) return;
+    const double per = r.gen_ms / 1000.0 / (double)after_first;
+    for (size_t i = 0; i < after_first; ++i) metrics_.observe_token_latency(per);
   }
 
   static void note_result(server::AccessEntry& log, const GenerateResult& r) {
@@ -400,6 +431,7 @@ class Server {
   server::TurnLock draft_turn_;
   std::vector<std::unique_ptr<Session>> draft_sessions_;
   std::unique_ptr<server::Slots> slots_;
+  server::Metrics metrics_;
   std::atomic<bool> stopping_{false};
   std::mutex rng_mutex_, log_mutex_;
   std::mt19937_64 rng_;
