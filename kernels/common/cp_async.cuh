@@ -99,6 +99,15 @@ __device__ __forceinline__ uint4 ldg16(const void* p, uint64_t policy) {
                : "l"(p), "l"(policy));
   return r;
 }
+// Streaming weight load: not kept in L1, evict-first in L2. Not volatile, so that the compiler
+// may issue a buffer's loads as early as their addresses allow.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p), "l"(pol));
+  return r;
+}
 // Waits until the mbarrier's phase `parity` has completed (the bulk copy landed).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   KESTREL_BULK(asm volatile(

@@ -263,6 +263,80 @@ __device__ __forceinline__ int weight_row(const Params& p, int tile, int r) {
   return row < p.N ? row : -1;
 }
 
+// Split-K: every block stores its partial sums (fragment order, one float4 per n-tile per
+// thread); the last block of a (row block, token group) to arrive sums them in split order
+// (deterministic) and runs the epilogue, then resets the counter for the next call. Returns
+// false in the blocks that are not the last. `holds`: whether this thread's acc is part of the
+// block's tile (the streaming kernel's warps past the first k-slice hold none, and neither store
+// nor read partial sums).
+template <int NT>
+__device__ __forceinline__ bool reduce_splits(const Params& p, float (&acc)[NT][4], bool holds) {
+  __shared__ int last;
+  const int tid = threadIdx.x, threads = blockDim.x, splits = gridDim.y;
+  float4* part = reinterpret_cast<float4*>(p.partials);
+  const int64_t stride = int64_t(gridDim.x) * threads * NT;  // float4 per split
+  const int64_t mine = (int64_t(blockIdx.x) * threads + tid) * NT;
+  if (holds) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+      __stcg(part + int64_t(blockIdx.y) * stride + mine + j,
+             make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(p.counters + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();
+  if (holds) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float4 v = __ldcg(part + int64_t(sp) * stride + mine + j);
+        acc[j][0] += v.x, acc[j][1] += v.y, acc[j][2] += v.z, acc[j][3] += v.w;
+      }
+    }
+  }
+  if (tid == 0) p.counters[blockIdx.x] = 0;
+  return true;
+}
+
+// Epilogue of one warp's m-tile `tile`: c[2h + j] is row g + 8h, token m0 + 8 nt + 2t + j.
+template <int NT>
+__device__ __forceinline__ void store_outputs(const Params& p, int tile, int m0, int g, int t,
+                                              const float (&acc)[NT][4]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int m = m0 + nt * 8 + 2 * t + j;
+      if (m >= p.M) continue;
+      if (p.silu_half) {
+        // As the GEMV's SiLU epilogue: gate and up rounded to fp16, fp32 math, one rounding.
+        const int pr = tile * 8 + g;
+        if (pr < p.silu_half)
+          p.y[int64_t(m) * p.rows + pr] = __float2half_rn(
+              silu_times(__half2float(__float2half_rn(acc[nt][j])),
+                         __half2float(__float2half_rn(acc[nt][2 + j]))));
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = tile * 16 + g + 8 * h;
+          if (row >= p.N) continue;
+          const int64_t o = int64_t(m) * p.rows + row;
+          float v = acc[nt][2 * h + j];
+          float r = 0.f;
+          if (p.residual) r = __half2float(__ldcg(p.residual + o));
+          if (p.bias) r += __half2float(__ldg(p.bias + row));
+          v += r;
+          p.y[o] = __float2half_rn(p.relu ? fmaxf(v, 0.f) : v);
+        }
+      }
+    }
+}
+
 // Blocks of kMaxWarps that must fit on an SM by registers: 2 (at most 128 registers a thread)
 // where the kernel needs no more without spilling, so that two blocks of 8 warps (four of 4)
 // may share an SM when their shared memory fits; 1 for 8 n-tiles (32 accumulators a thread)
@@ -488,66 +562,8 @@ __global__ void __launch_bounds__(32 * kMaxWarps, min_blocks(BITS, NT)) gemm_sma
   }
   cp_async_wait<0>();
 
-  // Split-K: every block stores its partial sums (fragment order, one float4 per n-tile per
-  // thread); the last block of a (row block, token group) to arrive sums them in split order
-  // (deterministic) and runs the epilogue, then resets the counter for the next call.
-  if (gridDim.y > 1) {
-    __shared__ int last;
-    float4* part = reinterpret_cast<float4*>(p.partials);
-    const int64_t stride = int64_t(gridDim.x) * threads * NT;  // float4 per split
-    const int64_t mine = (int64_t(blockIdx.x) * threads + tid) * NT;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-      __stcg(part + int64_t(blockIdx.y) * stride + mine + j,
-             make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(p.counters + blockIdx.x, 1) == splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-#pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    for (int sp = 0; sp < splits; ++sp) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float4 v = __ldcg(part + int64_t(sp) * stride + mine + j);
-        acc[j][0] += v.x, acc[j][1] += v.y, acc[j][2] += v.z, acc[j][3] += v.w;
-      }
-    }
-    if (tid == 0) p.counters[blockIdx.x] = 0;
-  }
-
-  // Epilogue: c[2h + j] is row g + 8h, token m0 + 8 nt + 2t + j.
-  const int tile = tile0 + warp;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int m = m0 + nt * 8 + 2 * t + j;
-      if (m >= p.M) continue;
-      if (p.silu_half) {
-        // As the GEMV's SiLU epilogue: gate and up rounded to fp16, fp32 math, one rounding.
-        const int pr = tile * 8 + g;
-        if (pr < p.silu_half)
-          p.y[int64_t(m) * p.rows + pr] = __float2half_rn(
-              silu_times(__half2float(__float2half_rn(acc[nt][j])),
-                         __half2float(__float2half_rn(acc[nt][2 + j]))));
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = tile * 16 + g + 8 * h;
-          if (row >= p.N) continue;
-          const int64_t o = int64_t(m) * p.rows + row;
-          float v = acc[nt][2 * h + j];
-          float r = 0.f;
-          if (p.residual) r = __half2float(__ldcg(p.residual + o));
-          if (p.bias) r += __half2float(__ldg(p.bias + row));
-          v += r;
-          p.y[o] = __float2half_rn(p.relu ? fmaxf(v, 0.f) : v);
-        }
-      }
-    }
+  if (gridDim.y > 1 && !reduce_splits<NT>(p, acc, true)) return;
+  store_outputs<NT>(p, tile0 + warp, m0, g, t, acc);
 }
 
 // The kernels of bit width B compiled: group 0/32/64/128 x n-tiles 1/2/4/8.

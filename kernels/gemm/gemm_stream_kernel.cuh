@@ -35,14 +35,6 @@ namespace kestrel::cuda::gemm_small_detail {
 // The most k-slices a block of kMaxWarps takes.
 constexpr int kMaxSlices = 8;
 
-__device__ __forceinline__ uint4 ld_weights(const uint4* p, uint64_t pol) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "l"(pol));
-  return r;
-}
-
 // Shared memory of a streaming block: x of `x_slots` stages, or the k-slices' partial sums if
 // those take more.
 constexpr size_t stream_smem_bytes(int nt, int warps, int slices, int x_slots) {
@@ -95,7 +87,7 @@ __global__ void __launch_bounds__(32 * kMaxWarps, 2) gemm_stream_kernel(const Pa
         const bool ok = row >= 0 && u < p.nch;
         if (ok) {
           const int grp = u >> 5, cnt = min(32, p.nch - 32 * grp);
-          b.c[us][h] = ld_weights(p.codes + int64_t(row) * p.row_stride +
+          b.c[us][h] = ld_stream(p.codes + int64_t(row) * p.row_stride +
                                       int64_t(grp) * 32 * kQ + t * cnt + (u & 31), pol);
         } else {
           b.c[us][h] = make_uint4(0, 0, 0, 0);
@@ -234,67 +226,10 @@ __global__ void __launch_bounds__(32 * kMaxWarps, 2) gemm_stream_kernel(const Pa
     }
   }
 
-  // Split-K across blocks, as gemm_small_kernel (the other slices' warps store zeros).
-  if (gridDim.y > 1) {
-    __shared__ int last;
-    float4* part = reinterpret_cast<float4*>(p.partials);
-    const int64_t stride = int64_t(gridDim.x) * threads * NT;
-    const int64_t mine = (int64_t(blockIdx.x) * threads + tid) * NT;
-    if (slice == 0) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-        __stcg(part + int64_t(blockIdx.y) * stride + mine + j,
-               make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(p.counters + blockIdx.x, 1) == splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (slice == 0) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-      for (int sp = 0; sp < splits; ++sp) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const float4 v = __ldcg(part + int64_t(sp) * stride + mine + j);
-          acc[j][0] += v.x, acc[j][1] += v.y, acc[j][2] += v.z, acc[j][3] += v.w;
-        }
-      }
-    }
-    if (tid == 0) p.counters[blockIdx.x] = 0;
-  }
-  if (slice != 0) return;
-
-  // Epilogue: c[2h + j] is row g + 8h, token m0 + 8 nt + 2t + j (gemm_small_kernel's).
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int m = m0 + nt * 8 + 2 * t + j;
-      if (m >= p.M) continue;
-      if (p.silu_half) {
-        const int pr = tile * 8 + g;
-        if (pr < p.silu_half)
-          p.y[int64_t(m) * p.rows + pr] = __float2half_rn(
-              silu_times(__half2float(__float2half_rn(acc[nt][j])),
-                         __half2float(__float2half_rn(acc[nt][2 + j]))));
-      } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = tile * 16 + g + 8 * h;
-          if (row >= p.N) continue;
-          const int64_t o = int64_t(m) * p.rows + row;
-          float v = acc[nt][2 * h + j];
-          float r = 0.f;
-          if (p.residual) r = __half2float(__ldcg(p.residual + o));
-          if (p.bias) r += __half2float(__ldg(p.bias + row));
-          v += r;
-          p.y[o] = __float2half_rn(p.relu ? fmaxf(v, 0.f) : v);
-        }
-      }
-    }
+  // Split-K across blocks and the epilogue, as gemm_small_kernel's (only the first k-slice's
+  // warps hold sums).
+  if (gridDim.y > 1 && !reduce_splits<NT>(p, acc, slice == 0)) return;
+  if (slice == 0) store_outputs<NT>(p, tile, m0, g, t, acc);
 }
 
 template <int B, int GS>

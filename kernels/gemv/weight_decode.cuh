@@ -63,6 +63,7 @@
 #include <cstdint>
 
 #include "kernels/common/bits.cuh"
+#include "kernels/common/cp_async.cuh"
 #include "kernels/gemv/gemv_layout.h"
 #include "kernels/gemv/gemv_params.cuh"
 
@@ -70,15 +71,6 @@ namespace kestrel::cuda::gemv_detail {
 namespace {
 
 // ---- PTX --------------------------------------------------------------------------------------
-
-// Streaming weight load: not kept in L1, evict-first in L2.
-__device__ __forceinline__ uint4 ld_stream(const uint4* p, uint64_t pol) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p), "l"(pol));
-  return r;
-}
 
 __device__ __forceinline__ float hsum(__half2 v) { return __low2float(v) + __high2float(v); }
 
