@@ -140,3 +140,118 @@ TEST(GrammarMatch, AmbiguityIsCappedWithAnError) {
       },
       Error);
 }
+
+namespace {
+
+// The oracle: a token is allowed when a fresh copy of the state takes all its bytes.
+std::vector<uint32_t> brute_force_mask(const TokenMasker& m, const GrammarState& st) {
+  std::vector<uint32_t> mask(m.mask_words(), 0);
+  for (int id = 0; id < m.vocab_size(); ++id) {
+    bool ok;
+    if (m.is_eos(id)) {
+      ok = st.is_accepting();
+    } else {
+      GrammarState copy = st;
+      ok = !m.token_bytes(id).empty() && copy.accept_bytes(m.token_bytes(id));
+    }
+    if (ok) mask[id >> 5] |= 1u << (id & 31);
+  }
+  return mask;
+}
+
+// Random byte strings over pieces a grammar below uses, split anywhere (so that tokens end
+// and start inside multi-byte characters, as byte-level BPE tokens do).
+std::vector<std::string> random_vocab(std::mt19937& rng, int n) {
+  const std::vector<std::string> pieces = {"a", "b", "c", "{", "}", "\"", ":", ",", " ", "\n", "1", "2",
+                                           "é", "中", "😀", "\\", "x", "true", "null", "[", "]"};
+  std::string text;
+  for (int i = 0; i < 20000; ++i) text += pieces[rng() % pieces.size()];
+  std::vector<std::string> vocab = {""};  // id 0: a control token, never allowed
+  for (int b = 0; b < 256; ++b) vocab.push_back(std::string(1, static_cast<char>(b)));
+  while (static_cast<int>(vocab.size()) < n) {
+    size_t at = rng() % (text.size() - 16);
+    vocab.push_back(text.substr(at, 1 + rng() % 12));
+  }
+  return vocab;
+}
+
+std::string random_grammar(std::mt19937& rng) {
+  const std::vector<std::string> atoms = {"\"a\"", "\"b\"", "\"ab\"", "[a-c]", "[^a]", "\"é\"", "[\\u4e00-\\u9fff]",
+                                          ".", "\"\\\"\"", "\" \"", "\"{\"", "\"}\"", "[0-9]"};
+  const int rules = 1 + static_cast<int>(rng() % 4);
+  std::string g;
+  for (int r = 0; r < rules; ++r) {
+    g += (r == 0 ? std::string("root") : "r" + std::to_string(r)) + " ::= ";
+    const int alts = 1 + static_cast<int>(rng() % 3);
+    for (int a = 0; a < alts; ++a) {
+      if (a) g += " | ";
+      const int len = 1 + static_cast<int>(rng() % 4);
+      for (int e = 0; e < len; ++e) {
+        // References only to later rules: no left recursion by construction.
+        std::string atom = (r + 1 < rules && rng() % 3 == 0)
+                               ? "r" + std::to_string(r + 1 + static_cast<int>(rng() % (rules - r - 1)))
+                               : atoms[rng() % atoms.size()];
+        const char* ops[] = {"", "", "*", "+", "?", "{2}", "{1,3}", "{2,}"};
+        g += "(" + atom + ")" + ops[rng() % 8] + " ";
+      }
+    }
+    g += "\n";
+  }
+  return g;
+}
+
+void expect_masks_match(const TokenMasker& m, GrammarState st, std::mt19937& rng, int steps) {
+  for (int step = 0; step < steps; ++step) {
+    const auto got = m.allowed_tokens(st);
+    const auto want = brute_force_mask(m, st);
+    ASSERT_EQ(got, want) << "step " << step;
+    std::vector<int> allowed;
+    for (int id = 0; id < m.vocab_size(); ++id) {
+      if (((want[id >> 5] >> (id & 31)) & 1) && !m.is_eos(id)) allowed.push_back(id);
+    }
+    if (allowed.empty()) return;
+    ASSERT_TRUE(m.accept_token(st, allowed[rng() % allowed.size()]));
+  }
+}
+
+}  // namespace
+
+TEST(TokenMasks, EqualPerTokenMatchingOnRandomGrammars) {
+  std::mt19937 rng(7);
+  std::vector<std::string> vocab = random_vocab(rng, 3000);
+  TokenMasker m(vocab, {1});  // id 1 (byte 0x00) stands for end of sequence
+  int compiled = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const std::string g = random_grammar(rng);
+    SCOPED_TRACE(g);
+    std::shared_ptr<const Grammar> gr;
+    try {
+      gr = Grammar::parse(g);
+    } catch (const Error& e) {
+      // A repetition of a rule that can match nothing: refused, as it must be.
+      EXPECT_NE(std::string(e.what()).find("left-recursive"), std::string::npos) << e.what();
+      continue;
+    }
+    ++compiled;
+    expect_masks_match(m, GrammarState(gr), rng, 8);
+  }
+  EXPECT_GE(compiled, 50);
+}
+
+TEST(TokenMasks, EqualPerTokenMatchingInsideJsonStrings) {
+  // Strings are where whole subtrees are allowed at once (the loop test): many tokens of
+  // plain text, some with quotes, backslashes and split characters.
+  std::mt19937 rng(11);
+  std::vector<std::string> vocab = random_vocab(rng, 6000);
+  TokenMasker m(vocab, {1});
+  auto g = Grammar::parse(R"(root ::= "{" ws "\"" char* "\"" ws ":" ws "[" ws ("\"" char* "\"" ws)? "]" ws "}"
+char ::= [^"\\\x00-\x1F] | "\\" (["\\nt] | "u" [0-9a-f]{4})
+ws ::= " "{0,3})");
+  for (int trial = 0; trial < 20; ++trial) expect_masks_match(m, GrammarState(g), rng, 12);
+  // The end-of-sequence id only at a complete match.
+  GrammarState st(g);
+  EXPECT_FALSE((m.allowed_tokens(st)[0] >> 1) & 1);
+  ASSERT_TRUE(st.accept_bytes("{\"k\":[]}"));
+  EXPECT_TRUE((m.allowed_tokens(st)[0] >> 1) & 1);
+  EXPECT_TRUE(m.accept_token(st, 1));
+}
