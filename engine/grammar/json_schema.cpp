@@ -34,7 +34,9 @@ const std::map<std::string, std::string> kPrimitives = {
     {"integral-part", R"([0] | [1-9] [0-9]{0,15})"},
     {"decimal-part", R"([0-9]{1,16})"},
     {"integer", R"(("-"? integral-part) space)"},
-    {"number", R"(("-"? integral-part) ("." decimal-part)? ([eE] [-+]? integral-part)? space)"},
+    // The exponent has at most two digits (llama.cpp allows 16): 1e999 is valid JSON that
+    // overflows a double, and parsers refuse it.
+    {"number", R"(("-"? integral-part) ("." decimal-part)? ([eE] [-+]? [0-9]{1,2})? space)"},
     {"string", R"("\"" char* "\"" space)"},
     {"value", R"(object | array | string | number | boolean | null)"},
     {"object", R"("{" space ( string ":" space value ("," space string ":" space value)* )? "}" space)"},
@@ -441,7 +443,7 @@ class Converter {
     // first_k: properties k.. when nothing was written yet.
     const size_t n = props.size();
     std::vector<std::string> rest(n + 1), first(n + 1);
-    const std::string base = fresh("obj");
+    const std::string base = "obj" + std::to_string(++objects_);
     auto kv = [&](size_t i) { return "(" + gbnf_literal(props[i].first) + " " + sp + " \":\" " + sp + " " + props[i].second + ")"; };
     rest[n] = extra.empty() ? "" : "(\",\" " + sp + " " + extra + ")*";
     first[n] = extra.empty() ? "" : "(" + extra + " " + rest[n] + ")?";
@@ -455,7 +457,6 @@ class Converter {
       rest[k] = rn;
       first[k] = fn;
     }
-    reserved_.erase(base);
     return "(\"{\" " + sp + " " + first[0] + " \"}\" " + sp + ")";
   }
 
@@ -464,34 +465,31 @@ class Converter {
   // escape cannot spell a listed name another way).
   std::string other_key(const std::set<std::string>& names) {
     prim("char");
-    std::vector<std::string> inner;
-    for (const auto& n : names) inner.push_back(n.substr(1, n.size() - 2));
-    return "(\"\\\"\" " + key_trie(inner, 0) + " " + prim("space") + ")";
+    std::vector<std::vector<uint32_t>> inner;
+    for (const auto& n : names) {
+      RegexConv r{n, "", 1};
+      std::vector<uint32_t> cps;
+      while (r.pos + 1 < n.size()) cps.push_back(r.utf8());
+      inner.push_back(std::move(cps));
+    }
+    return "(\"\\\"\" (" + key_trie(inner, 0) + ") " + prim("space") + ")";
   }
 
-  std::string key_trie(const std::vector<std::string>& words, size_t depth) {
-    std::map<unsigned char, std::vector<std::string>> next;
+  // Over code points: `words` hold each name's characters.
+  std::string key_trie(const std::vector<std::vector<uint32_t>>& words, size_t depth) {
+    std::map<uint32_t, std::vector<std::vector<uint32_t>>> next;
     bool ends_here = false;
     for (const auto& w : words) {
       if (w.size() == depth) ends_here = true;
-      else next[static_cast<unsigned char>(w[depth])].push_back(w);
+      else next[w[depth]].push_back(w);
     }
     std::string cls = "[^\"\\\\\\x7F\\x00-\\x1F";
     std::vector<std::string> alts;
     for (const auto& [c, ws] : next) {
-      std::string lit = gbnf_literal(std::string(1, static_cast<char>(c)));
-      if (c >= 0x80) {
-        // A byte of a multi-byte character: leaving the trie inside it would split it, so
-        // the whole name is followed byte by byte and other characters leave before it.
-        alts.push_back(lit + " (" + key_trie(ws, depth + 1) + ")");
-        continue;
-      }
-      cls += lit.substr(1, lit.size() - 2);
-      alts.push_back(lit + " (" + key_trie(ws, depth + 1) + ")");
+      cls += hexcp(c);
+      alts.push_back("[" + hexcp(c) + "] (" + key_trie(ws, depth + 1) + ")");
     }
-    bool multibyte = false;
-    for (const auto& [c, ws] : next) multibyte |= c >= 0x80;
-    if (!multibyte) alts.push_back(cls + "] char* \"\\\"\"");
+    alts.push_back(cls + "] char* \"\\\"\"");
     if (!ends_here) alts.push_back("\"\\\"\"");
     std::string out;
     for (const auto& a : alts) out += (out.empty() ? "" : " | ") + a;
@@ -725,6 +723,7 @@ class Converter {
   std::map<std::string, std::string> rules_;
   std::set<std::string> reserved_;
   std::map<std::string, std::string> refs_;
+  int objects_ = 0;
 };
 
 }  // namespace
