@@ -18,7 +18,7 @@ namespace kestrel::grammar {
 namespace {
 
 // Below this many tokens a subtree is walked rather than tested for loops.
-constexpr uint32_t kLoopTestMin = 64;
+constexpr uint32_t kLoopTestMin = 2;
 constexpr size_t kLoopCacheSize = 64;
 
 // Strict UTF-8 validity of a byte string read from a code point boundary, one byte at a
