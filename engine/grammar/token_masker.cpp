@@ -58,9 +58,18 @@ struct LoopInfo {
   bool non_ascii = false;      // every non-ASCII code point does too
 };
 
+// The looping bytes of the state at one depth of the walk, when they are known (a copy, as a
+// LoopInfo may be evicted while the walk goes on).
+struct LoopBits {
+  uint64_t ascii[2] = {0, 0};
+  bool non_ascii = false;
+  bool known = false;
+};
+
 struct Scratch {
   std::vector<StackSet> states;
-  std::vector<LoopInfo> loops;  // most recent last
+  std::vector<LoopBits> loop_at;  // per depth, for states[depth]
+  std::vector<LoopInfo> loops;    // most recent last
   StackSet tmp, tmp2;
 };
 
@@ -171,7 +180,7 @@ TokenMasker::TokenMasker(std::vector<std::string> token_bytes, std::vector<int> 
     dec[i] = dec[parent[i]];
     valid[i] = valid[parent[i]] && dec[i].step(nodes_[i].byte);
   }
-  for (auto& n : nodes_) n.flags = kValidBelow;
+  for (size_t i = 0; i < nodes_.size(); ++i) nodes_[i].flags = kValidBelow | (valid[i] ? kValidPrefix : 0);
   for (size_t i = nodes_.size(); i-- > 1;) {
     Node& n = nodes_[i];
     Node& p = nodes_[parent[i]];
@@ -193,22 +202,57 @@ void TokenMasker::allowed_tokens(const GrammarState& st, uint32_t* mask) const {
     for (int id : eos_) mask[id >> 5] |= 1u << (id & 31);
   }
   Scratch& s = scratch();
-  if (s.states.size() < max_depth_ + 1) s.states.resize(max_depth_ + 1);
+  if (s.states.size() < max_depth_ + 1) {
+    s.states.resize(max_depth_ + 1);
+    s.loop_at.resize(max_depth_ + 1);
+  }
   s.states[0] = st.stacks();
+  auto bits_of = [&](const StackSet& set) {
+    const LoopInfo& l = loop_info(st, set);
+    LoopBits b;
+    b.ascii[0] = l.ascii[0];
+    b.ascii[1] = l.ascii[1];
+    b.non_ascii = l.non_ascii;
+    b.known = true;
+    return b;
+  };
+  s.loop_at[0] = st.stacks().partial.remaining == 0 ? bits_of(st.stacks()) : LoopBits{};
   const Grammar& g = st.grammar();
   const uint32_t n = static_cast<uint32_t>(nodes_.size());
   for (uint32_t i = 1; i < n;) {
     const Node& node = nodes_[i];
+    const StackSet& prev = s.states[node.depth - 1];
+    const LoopBits& prev_loop = s.loop_at[node.depth - 1];
     StackSet& cur = s.states[node.depth];
-    if (!advance(g, s.states[node.depth - 1], node.byte, cur)) {
+    LoopBits& cur_loop = s.loop_at[node.depth];
+    if (prev_loop.known && node.byte < 128 && ((prev_loop.ascii[node.byte >> 6] >> (node.byte & 63)) & 1)) {
+      // A looping byte leads back to the state before it: no need to run the matcher. Inside
+      // a string this is most of the walk, down to the tokens that hold a quote or a backslash.
+      cur = prev;
+      cur_loop = prev_loop;
+    } else if (prev_loop.known && prev_loop.non_ascii && node.byte >= 0x80 && (node.flags & kValidPrefix) &&
+               (node.flags & kValidBelow) && (node.below[0] & ~prev_loop.ascii[0]) == 0 &&
+               (node.below[1] & ~prev_loop.ascii[1]) == 0) {
+      // A code point starts here in a state every code point leads back to, and everything
+      // below is valid UTF-8 made of looping bytes: the whole subtree is allowed, the tokens
+      // that end inside the code point too (a partial code point that can complete is taken).
+      // Without this, each two-byte prefix of a CJK character would run the matcher.
+      set_range(mask, node.tok_lo, node.tok_hi);
       i = node.end;
       continue;
+    } else {
+      if (!advance(g, prev, node.byte, cur)) {
+        i = node.end;
+        continue;
+      }
+      cur_loop.known = false;
     }
     set_range(mask, node.tok_lo, node.tok_exact);
     if (node.tok_hi - node.tok_exact >= kLoopTestMin && cur.partial.remaining == 0) {
-      const LoopInfo& loop = loop_info(st, cur);
-      const bool ascii_ok = (node.below[0] & ~loop.ascii[0]) == 0 && (node.below[1] & ~loop.ascii[1]) == 0;
-      const bool rest_ok = !(node.flags & kNonAsciiBelow) || (loop.non_ascii && (node.flags & kValidBelow));
+      if (!cur_loop.known) cur_loop = bits_of(cur);
+      const bool ascii_ok =
+          (node.below[0] & ~cur_loop.ascii[0]) == 0 && (node.below[1] & ~cur_loop.ascii[1]) == 0;
+      const bool rest_ok = !(node.flags & kNonAsciiBelow) || (cur_loop.non_ascii && (node.flags & kValidBelow));
       if (ascii_ok && rest_ok) {
         set_range(mask, node.tok_exact, node.tok_hi);
         i = node.end;
@@ -223,6 +267,38 @@ std::vector<uint32_t> TokenMasker::allowed_tokens(const GrammarState& st) const 
   std::vector<uint32_t> mask(mask_words());
   allowed_tokens(st, mask.data());
   return mask;
+}
+
+void TokenMasker::allowed_tokens(const GrammarState& st, uint32_t* mask, MaskCache& cache) const {
+  KESTREL_CHECK(cache.owner_ == nullptr || cache.owner_ == this, "a mask cache serves one token masker");
+  cache.owner_ = this;
+  const StackSet& set = st.stacks();
+  const size_t h = set.hash();
+  const size_t words = mask_words();
+  ++cache.tick_;
+  for (MaskCache::Entry& e : cache.entries_) {
+    if (e.hash == h && e.g == st.grammar_ptr() && e.set.same_as(set)) {
+      e.used = cache.tick_;
+      ++cache.hits_;
+      std::memcpy(mask, e.mask.data(), words * sizeof(uint32_t));
+      return;
+    }
+  }
+  ++cache.misses_;
+  allowed_tokens(st, mask);
+  if (cache.capacity_ == 0) return;
+  MaskCache::Entry* slot;
+  if (cache.entries_.size() < cache.capacity_) {
+    slot = &cache.entries_.emplace_back();
+  } else {
+    slot = &*std::min_element(cache.entries_.begin(), cache.entries_.end(),
+                              [](const MaskCache::Entry& a, const MaskCache::Entry& b) { return a.used < b.used; });
+  }
+  slot->g = st.grammar_ptr();
+  slot->set = set;
+  slot->hash = h;
+  slot->used = cache.tick_;
+  slot->mask.assign(mask, mask + words);
 }
 
 bool TokenMasker::accept_token(GrammarState& st, int id) const {

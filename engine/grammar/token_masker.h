@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -11,10 +12,38 @@
 
 namespace kestrel::grammar {
 
+class TokenMasker;
+
+// Masks already computed for the states of one generation, the least recently used evicted
+// past `capacity`. Inside a JSON string the state after every ordinary character is the same,
+// so after the string's first mask each one is a lookup (a hash of the stacks) and a copy.
+// Belongs to one generation (not thread-safe) and to one masker.
+class MaskCache {
+ public:
+  explicit MaskCache(size_t capacity = 16) : capacity_(capacity) {}
+  size_t hits() const { return hits_; }
+  size_t misses() const { return misses_; }
+
+ private:
+  friend class TokenMasker;
+  struct Entry {
+    std::shared_ptr<const Grammar> g;
+    StackSet set;
+    size_t hash = 0;
+    uint64_t used = 0;
+    std::vector<uint32_t> mask;
+  };
+  const TokenMasker* owner_ = nullptr;
+  std::vector<Entry> entries_;
+  size_t capacity_;
+  uint64_t tick_ = 0;
+  size_t hits_ = 0, misses_ = 0;
+};
+
 class TokenMasker {
  public:
-  // `token_bytes[id]` is the text token `id` adds in the middle of a generation (see
-  // vocab.h); "" marks a token never allowed (control tokens, unused ids). The `eos_ids` are
+  // `token_bytes[id]` is the text token `id` adds in the middle of a generation
+  // (Tokenizer::all_token_bytes); "" marks a token never allowed (control tokens, unused ids). The `eos_ids` are
   // allowed exactly when the state is a complete match. Built once per vocabulary and shared:
   // the masker holds no grammar and its methods are const (safe from several threads).
   TokenMasker(std::vector<std::string> token_bytes, std::vector<int> eos_ids);
@@ -26,6 +55,8 @@ class TokenMasker {
   // Writes the bitmask of tokens allowed after `st` into mask[0 .. mask_words()).
   void allowed_tokens(const GrammarState& st, uint32_t* mask) const;
   std::vector<uint32_t> allowed_tokens(const GrammarState& st) const;
+  // The same, through a generation's cache of masks per state.
+  void allowed_tokens(const GrammarState& st, uint32_t* mask, MaskCache& cache) const;
   // Takes token `id`: false (and no change) when the grammar refuses it. An end-of-sequence
   // id is taken, changing nothing, exactly when the state is a complete match.
   bool accept_token(GrammarState& st, int id) const;
@@ -47,6 +78,7 @@ class TokenMasker {
   };
   static constexpr uint8_t kNonAsciiBelow = 1;
   static constexpr uint8_t kValidBelow = 2;  // every path below continues valid UTF-8
+  static constexpr uint8_t kValidPrefix = 4; // the bytes down to this node are valid UTF-8 so far
 
   void set_range(uint32_t* mask, uint32_t lo, uint32_t hi) const {
     for (uint32_t i = lo; i < hi; ++i) {

@@ -200,11 +200,19 @@ std::string random_grammar(std::mt19937& rng) {
   return g;
 }
 
-void expect_masks_match(const TokenMasker& m, GrammarState st, std::mt19937& rng, int steps) {
+// Also through a mask cache small enough to evict (shared by the walks of a test, so that
+// states of different grammars and walks meet in it).
+void expect_masks_match(const TokenMasker& m, GrammarState st, std::mt19937& rng, int steps,
+                        MaskCache* cache = nullptr) {
+  std::vector<uint32_t> cached(m.mask_words());
   for (int step = 0; step < steps; ++step) {
     const auto got = m.allowed_tokens(st);
     const auto want = brute_force_mask(m, st);
     ASSERT_EQ(got, want) << "step " << step;
+    if (cache) {
+      m.allowed_tokens(st, cached.data(), *cache);
+      ASSERT_EQ(cached, want) << "step " << step << " through the cache";
+    }
     std::vector<int> allowed;
     for (int id = 0; id < m.vocab_size(); ++id) {
       if (((want[id >> 5] >> (id & 31)) & 1) && !m.is_eos(id)) allowed.push_back(id);
@@ -221,6 +229,7 @@ TEST(TokenMasks, EqualPerTokenMatchingOnRandomGrammars) {
   std::vector<std::string> vocab = random_vocab(rng, 3000);
   TokenMasker m(vocab, {1});  // id 1 (byte 0x00) stands for end of sequence
   int compiled = 0;
+  MaskCache cache(3);
   for (int trial = 0; trial < 80; ++trial) {
     const std::string g = random_grammar(rng);
     SCOPED_TRACE(g);
@@ -233,9 +242,10 @@ TEST(TokenMasks, EqualPerTokenMatchingOnRandomGrammars) {
       continue;
     }
     ++compiled;
-    expect_masks_match(m, GrammarState(gr), rng, 8);
+    expect_masks_match(m, GrammarState(gr), rng, 8, &cache);
   }
   EXPECT_GE(compiled, 50);
+  EXPECT_GT(cache.hits(), 20u);
 }
 
 TEST(TokenMasks, EqualPerTokenMatchingInsideJsonStrings) {
@@ -247,7 +257,9 @@ TEST(TokenMasks, EqualPerTokenMatchingInsideJsonStrings) {
   auto g = Grammar::parse(R"(root ::= "{" ws "\"" char* "\"" ws ":" ws "[" ws ("\"" char* "\"" ws)? "]" ws "}"
 char ::= [^"\\\x00-\x1F] | "\\" (["\\nt] | "u" [0-9a-f]{4})
 ws ::= " "{0,3})");
-  for (int trial = 0; trial < 20; ++trial) expect_masks_match(m, GrammarState(g), rng, 12);
+  MaskCache cache(4);
+  for (int trial = 0; trial < 20; ++trial) expect_masks_match(m, GrammarState(g), rng, 12, &cache);
+  EXPECT_GT(cache.hits(), 20u);
   // The end-of-sequence id only at a complete match.
   GrammarState st(g);
   EXPECT_FALSE((m.allowed_tokens(st)[0] >> 1) & 1);

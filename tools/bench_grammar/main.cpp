@@ -1,72 +1,66 @@
 // kestrel-bench-grammar: the time of one token mask (engine/grammar/token_masker.h) for a JSON
-// grammar at typical positions, over a real byte-level BPE vocabulary (a tokenizer.json's
-// model.vocab, e.g. Qwen3's from scripts/fetch-test-tokenizers.sh).
-//   kestrel-bench-grammar TOKENIZER_JSON [REPEATS]
+// grammar at typical positions, and per step of a whole generated document, over a real
+// vocabulary's token bytes (Tokenizer::token_bytes; e.g. Qwen3's from
+// scripts/fetch-test-tokenizers.sh). Each position's mask is also checked against matching
+// every token alone, so a fast wrong mask cannot pass for a fast one.
+//   kestrel-bench-grammar TOKENIZER_DIR_OR_JSON [REPEATS]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <map>
+#include <filesystem>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
+#include "base/error.h"
 #include "engine/grammar/grammar.h"
 #include "engine/grammar/json_schema.h"
 #include "engine/grammar/token_masker.h"
+#include "tokenizer/tokenizer.h"
 
 using namespace kestrel::grammar;
+namespace fs = std::filesystem;
 
 namespace {
 
-// GPT-2's byte-to-character map, inverted: a byte-level BPE token string to its bytes.
-std::string byte_level_bytes(const std::string& tok) {
-  static const std::map<uint32_t, uint8_t> inv = [] {
-    std::map<uint32_t, uint8_t> m;
-    int n = 0;
-    for (int b = 0; b < 256; ++b) {
-      bool direct = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174 && b <= 255);
-      m[direct ? static_cast<uint32_t>(b) : static_cast<uint32_t>(256 + n++)] = static_cast<uint8_t>(b);
-    }
-    return m;
-  }();
-  std::string out;
-  for (size_t i = 0; i < tok.size();) {
-    unsigned char c = static_cast<unsigned char>(tok[i]);
-    uint32_t cp = c;
-    int n = c < 0x80 ? 1 : c < 0xE0 ? 2 : 3;
-    if (n == 2) cp = ((c & 0x1F) << 6) | (tok[i + 1] & 0x3F);
-    if (n == 3) cp = ((c & 0x0F) << 12) | ((tok[i + 1] & 0x3F) << 6) | (tok[i + 2] & 0x3F);
-    auto it = inv.find(cp);
-    if (it == inv.end()) return "";
-    out += static_cast<char>(it->second);
-    i += n;
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
+
+// Whether `mask` is what matching each token's bytes on a copy of the state gives.
+bool mask_is_exact(const TokenMasker& m, const GrammarState& st, const std::vector<uint32_t>& mask) {
+  for (int id = 0; id < m.vocab_size(); ++id) {
+    GrammarState copy = st;
+    const bool ok = m.is_eos(id) ? st.is_accepting() : !m.token_bytes(id).empty() && copy.accept_bytes(m.token_bytes(id));
+    if (ok != static_cast<bool>((mask[static_cast<size_t>(id) >> 5] >> (id & 31)) & 1)) return false;
   }
-  return out;
+  return true;
+}
+
+struct Spread {
+  double median, p90, max, mean;
+};
+Spread spread(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  double sum = 0;
+  for (double x : v) sum += x;
+  return {v[v.size() / 2], v[v.size() * 9 / 10], v.back(), sum / static_cast<double>(v.size())};
 }
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int main(int argc, char** argv) try {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: kestrel-bench-grammar TOKENIZER_JSON [REPEATS]\n");
+    std::fprintf(stderr, "usage: kestrel-bench-grammar TOKENIZER_DIR_OR_JSON [REPEATS]\n");
     return 2;
   }
-  const int repeats = argc > 2 ? std::atoi(argv[2]) : 20;
-  std::ifstream f(argv[1]);
-  nlohmann::json tj = nlohmann::json::parse(f);
-  std::vector<std::string> vocab;
-  for (const auto& [piece, id] : tj["model"]["vocab"].items()) {
-    size_t i = id.get<size_t>();
-    if (vocab.size() <= i) vocab.resize(i + 1);
-    vocab[i] = byte_level_bytes(piece);
-  }
+  const int repeats = argc > 2 ? std::max(1, std::atoi(argv[2])) : 20;
+  fs::path dir = argv[1];
+  if (fs::is_regular_file(dir)) dir = dir.parent_path();
+  const auto tok = kestrel::Tokenizer::load(dir.string());
   auto t0 = std::chrono::steady_clock::now();
-  TokenMasker masker(vocab, {});
-  auto t1 = std::chrono::steady_clock::now();
-  std::printf("vocabulary %zu tokens, trie %zu nodes, built in %.0f ms\n", vocab.size(), masker.trie_nodes(),
-              std::chrono::duration<double, std::milli>(t1 - t0).count());
+  TokenMasker masker(tok->all_token_bytes(), tok->eos_ids());
+  std::printf("vocabulary %d tokens, trie %zu nodes, built in %.0f ms\n", masker.vocab_size(), masker.trie_nodes(),
+              ms_since(t0));
 
   const std::string schema = R"({"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer","minimum":0,"maximum":150},"tags":{"type":"array","items":{"type":"string"}},"address":{"type":"object","properties":{"city":{"type":"string"},"zip":{"type":"string","pattern":"^[0-9]{5}$"}},"required":["city"]}},"required":["name","age"]})";
   struct Case {
@@ -94,19 +88,56 @@ int main(int argc, char** argv) {
     // The first call per state includes finding which bytes loop (cached per thread).
     auto a = std::chrono::steady_clock::now();
     masker.allowed_tokens(st, mask.data());
-    auto b = std::chrono::steady_clock::now();
+    const double first = ms_since(a);
     std::vector<double> ms;
     for (int r = 0; r < repeats; ++r) {
       auto x = std::chrono::steady_clock::now();
       masker.allowed_tokens(st, mask.data());
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - x).count());
+      ms.push_back(ms_since(x));
     }
-    std::sort(ms.begin(), ms.end());
+    if (!mask_is_exact(masker, st, mask)) {
+      std::fprintf(stderr, "the mask after '%s' differs from per-token matching\n", c.prefix.c_str());
+      return 1;
+    }
     size_t allowed = 0;
     for (uint32_t w : mask) allowed += static_cast<size_t>(__builtin_popcount(w));
     std::printf("%-12s after %-55s first %.3f ms, median %.3f ms, %zu allowed\n", c.grammar,
-                ("'" + c.prefix + "'").c_str(), std::chrono::duration<double, std::milli>(b - a).count(),
-                ms[ms.size() / 2], allowed);
+                ("'" + c.prefix + "'").c_str(), first, spread(ms).median, allowed);
+  }
+
+  // A whole document as a generation meets it: its tokens one by one, a mask before each, with
+  // and without the per-generation cache of masks (a fresh cache per pass, as a generation has).
+  const std::string doc =
+      "{\"name\": \"Ada Lovelace, née Byron — 数学者 and writer\", \"age\": 36, \"tags\": [\"analytical engine\", "
+      "\"notes on the \\\"Sketch\\\"\", \"poetical science\"], \"address\": {\"city\": \"London\", \"zip\": \"12345\"}}";
+  const std::vector<int> ids = tok->encode(doc, false);
+  for (const bool cached : {false, true}) {
+    std::vector<double> ms;
+    size_t hits = 0;
+    for (int r = 0; r < std::max(1, repeats / 4); ++r) {
+      GrammarState st(Grammar::parse(json_schema_to_gbnf(schema)));
+      MaskCache cache;
+      std::vector<uint32_t> mask(masker.mask_words());
+      for (int id : ids) {
+        auto x = std::chrono::steady_clock::now();
+        if (cached) masker.allowed_tokens(st, mask.data(), cache);
+        else masker.allowed_tokens(st, mask.data());
+        ms.push_back(ms_since(x));
+        if (!((mask[static_cast<size_t>(id) >> 5] >> (id & 31)) & 1) || !masker.accept_token(st, id)) {
+          std::fprintf(stderr, "the document's token %d was refused\n", id);
+          return 1;
+        }
+      }
+      hits = cache.hits();
+    }
+    const Spread sp = spread(ms);
+    std::printf("document of %zu tokens, %s: per mask median %.3f ms, p90 %.3f ms, max %.3f ms, mean %.3f ms",
+                ids.size(), cached ? "with the mask cache" : "no cache", sp.median, sp.p90, sp.max, sp.mean);
+    if (cached) std::printf(" (%zu of %zu from the cache)", hits, ids.size());
+    std::printf("\n");
   }
   return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kestrel-bench-grammar: %s\n", e.what());
+  return 1;
 }
