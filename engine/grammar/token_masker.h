@@ -61,6 +61,7 @@ class TokenMasker {
   // id is taken, changing nothing, exactly when the state is a complete match.
   bool accept_token(GrammarState& st, int id) const;
   bool is_eos(int id) const;
+  const std::vector<int>& eos_ids() const { return eos_; }
   const std::string& token_bytes(int id) const { return tokens_[static_cast<size_t>(id)]; }
   size_t trie_nodes() const { return nodes_.size(); }
 
