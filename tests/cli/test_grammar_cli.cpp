@@ -7,8 +7,10 @@
 // (scripts/fetch-test-tokenizers.sh). And every refusal is one line before the model loads.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -54,27 +56,31 @@ std::vector<std::string> samplings() {
 
 class GrammarCli : public ::testing::TestWithParam<std::string> {
  protected:
-  static void SetUpTestSuite() {
-    sp_ = new fs::path(scratch() / "grammar_sp");
-    qwen_ = new fs::path(scratch() / "grammar_qwen3");
-    fs::remove_all(*sp_);
-    fs::remove_all(*qwen_);
-    Result r = run(kSynth + " --shape tiny --layers 2 --seed 5 --quiet --out " + sp_->string());
-    ASSERT_EQ(r.code, 0) << r.err;
-    const fs::path qt = test_tokenizers() / "qwen3";
-    ASSERT_TRUE(fs::exists(qt / "tokenizer.json"))
-        << qt << " is missing: run scripts/fetch-test-tokenizers.sh " << test_tokenizers().string();
-    r = run(kSynth + " --shape tiny --layers 1 --seed 6 --quiet --tokenizer " + qt.string() + " --out " +
-            qwen_->string());
-    ASSERT_EQ(r.code, 0) << r.err;
-  }
   static void TearDownTestSuite() {
-    fs::remove_all(*sp_);
-    fs::remove_all(*qwen_);
-    delete sp_;
-    delete qwen_;
+    for (const auto& [name, dir] : models_) fs::remove_all(dir);
+    models_.clear();
   }
-  static const fs::path& model() { return GetParam() == "qwen3" ? *qwen_ : *sp_; }
+  // The parameter's model, written on first use (ctest runs each test in its own process, so
+  // only the one it needs).
+  static const fs::path& model() {
+    const std::string name = GetParam();
+    auto it = models_.find(name);
+    if (it != models_.end()) return it->second;
+    const fs::path dir = scratch() / ("grammar_" + name);
+    fs::remove_all(dir);
+    std::string cmd = kSynth + " --shape tiny --quiet --out " + dir.string();
+    if (name == "qwen3") {
+      const fs::path qt = test_tokenizers() / "qwen3";
+      EXPECT_TRUE(fs::exists(qt / "tokenizer.json"))
+          << qt << " is missing: run scripts/fetch-test-tokenizers.sh " << test_tokenizers().string();
+      cmd += " --layers 1 --seed 6 --tokenizer " + qt.string();
+    } else {
+      cmd += " --layers 2 --seed 5";
+    }
+    const Result r = run(cmd);
+    EXPECT_EQ(r.code, 0) << r.err;
+    return models_.emplace(name, dir).first->second;
+  }
 
   // kestrel generate --json with `args`; the parsed result.
   static json generate(const std::string& args, const std::string& device = "cpu") {
@@ -85,8 +91,7 @@ class GrammarCli : public ::testing::TestWithParam<std::string> {
     return json::parse(r.out);
   }
 
-  static inline fs::path* sp_ = nullptr;
-  static inline fs::path* qwen_ = nullptr;
+  static inline std::map<std::string, fs::path> models_;
 };
 
 // Lines of `checker` (a command reading one case per line on stdin) for the given input.
