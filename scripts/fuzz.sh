@@ -93,6 +93,10 @@ lines = [
     {"prompt": "def fib(n):", "max_tokens": 64, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
      "seed": 42, "stop": "\n", "id": 7},
     {"prompt": "Caf\u00e9 \u2014 \U0001f600", "temperature": 0.7, "id": None},
+    {"prompt": "Yes or no?", "grammar": "root ::= (\"yes\" | \"no\") [.!]?"},
+    {"prompt": "A city", "json_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+     "required": ["city"]}},
+    {"prompt": "Anything", "json_object": True, "n_predict": 64},
 ]
 for i, l in enumerate(lines):
     open("%s/fuzz_batch_line/line%d" % (out, i), "w").write(json.dumps(l) + "\n")

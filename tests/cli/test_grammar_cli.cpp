@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <map>
@@ -193,25 +194,45 @@ TEST_P(GrammarCli, TokenLimitCutsTheTextWithANote) {
       << r.err;
 }
 
+// Every line takes the command line's grammar, unless it has its own ("grammar",
+// "json_schema", "json_object"), which a line's error reports before the model runs.
 TEST_P(GrammarCli, BatchLinesTakeTheGrammar) {
   const fs::path batch = scratch() / "grammar_batch.jsonl";
-  write_file(batch, "{\"prompt\": \"a\", \"seed\": 1, \"temperature\": 1}\n{\"prompt\": \"b\", \"temperature\": 0}\n");
+  write_file(batch,
+             "{\"prompt\": \"a\", \"seed\": 1, \"temperature\": 1}\n"
+             "{\"prompt\": \"b\", \"temperature\": 0}\n"
+             "{\"prompt\": \"c\", \"grammar\": \"root ::= [0-9]{2} \\\"!\\\"\", \"seed\": 2, \"temperature\": 1}\n"
+             "{\"prompt\": \"d\", \"json_schema\": {\"enum\": [\"up\", \"down\"]}, \"temperature\": 0}\n"
+             "{\"prompt\": \"e\", \"json_schema\": {\"type\": \"string\", \"not\": {}}}\n"
+             "{\"prompt\": \"f\", \"grammar\": \"root ::= (\"}\n");
   const fs::path g = scratch() / "yesno.gbnf";
   write_file(g, "root ::= (\"yes\" | \"no\") \".\"\n");
   const Result r = run(kKestrel + " generate --device cpu -q -m " + model().string() + " --batch-file " +
                        batch.string() + " -n 20 --grammar " + g.string());
-  ASSERT_EQ(r.code, 0) << r.err;
-  int n = 0;
+  EXPECT_EQ(r.code, 1) << r.err;  // two lines fail
+  EXPECT_NE(r.err.find(":5: \"json_schema\": json schema: /: unsupported keyword 'not'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(":6: \"grammar\": grammar:1:11: expected ')'"), std::string::npos) << r.err;
+  std::vector<json> out;
   for (size_t at = 0; at < r.out.size();) {
     const size_t nl = r.out.find('\n', at);
-    const json j = json::parse(r.out.substr(at, nl - at));
-    const std::string t = j["text"];
-    EXPECT_TRUE(t == "yes." || t == "no.") << t;
-    EXPECT_TRUE(j["grammar_complete"].get<bool>());
-    ++n;
+    out.push_back(json::parse(r.out.substr(at, nl - at)));
     at = nl + 1;
   }
-  EXPECT_EQ(n, 2);
+  ASSERT_EQ(out.size(), 6u) << r.out;
+  for (int k : {0, 1}) {
+    const std::string t = out[k]["text"];
+    EXPECT_TRUE(t == "yes." || t == "no.") << t;
+    EXPECT_TRUE(out[k]["grammar_complete"].get<bool>());
+  }
+  const std::string digits = out[2]["text"];
+  EXPECT_TRUE(digits.size() == 3 && std::isdigit((unsigned char)digits[0]) && std::isdigit((unsigned char)digits[1]) &&
+              digits[2] == '!')
+      << digits;
+  // A JSON string, then at most the grammar's bounded whitespace.
+  const std::string dir = out[3]["text"];
+  EXPECT_TRUE(json::parse(dir) == "up" || json::parse(dir) == "down") << dir;
+  EXPECT_TRUE(out[4].contains("error"));
+  EXPECT_TRUE(out[5].contains("error"));
 }
 
 TEST_P(GrammarCli, ChatRepliesMatchTheGrammar) {

@@ -136,8 +136,8 @@ GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemp
 
 // With a grammar: the tokenizer's masker, its end ids and the chat template's allowed at a
 // complete match.
-void add_masker(const GenerateArgs& a, const LoadedModel& m, GenerateOptions& opt) {
-  if (a.grammar) opt.masker = grammar_masker(*m.tok, opt.stop_ids);
+void add_masker(const GenerateArgs& a, const LoadedModel& m, GenerateOptions& opt, bool lines_have_grammars = false) {
+  if (a.grammar || lines_have_grammars) opt.masker = grammar_masker(*m.tok, opt.stop_ids);
 }
 
 // --verbose: what the run is made of, on stderr.
@@ -275,9 +275,13 @@ int run_batch(const GenerateArgs& a) {
   const std::optional<ChatTemplate> tmpl = chat_template(a, m);
   const int ctx = context_length(m, lo);
   int runnable = 0;
+  bool line_grammars = false;
   for (BatchItem& it : items) {
     if (!it.error.empty()) continue;
     try {
+      if (it.grammar && !a.spec.kind.empty())
+        throw Error("--spec does not go with a line's grammar (drafts are not checked against it)");
+      line_grammars |= it.grammar != nullptr;
       it.ids = prompt_ids(a, m, tmpl, it.prompt);
       check_fits((int)it.ids.size(), it.settings.value("n_predict", a.n_predict), ctx);
       ++runnable;
@@ -291,7 +295,7 @@ int run_batch(const GenerateArgs& a) {
     perf.load_ms = m.load_ms;
   }
   GenerateOptions base = base_options(a, tmpl);
-  if (runnable > 0) add_masker(a, m, base);
+  if (runnable > 0) add_masker(a, m, base, line_grammars);
   Speculation spec;
   if (runnable > 0) spec = open_speculation(a.spec, m, a.model, base.sampling, a.quiet);
   base.drafter = spec.drafter.get();
@@ -314,6 +318,7 @@ int run_batch(const GenerateArgs& a) {
     if (it.error.empty()) {
       GenerateOptions opt = base;
       apply_batch_settings(it.settings, opt);
+      if (it.grammar) opt.grammar = it.grammar;
       if (it.settings.contains("stop")) {
         if (tmpl)
           for (const std::string& t : tmpl->stop_strings()) opt.stop.push_back(t);
@@ -326,7 +331,7 @@ int run_batch(const GenerateArgs& a) {
         j["prompt_tokens"] = r.prompt_ids.size();
         j["generated_tokens"] = r.ids.size();
         j["seed"] = opt.sampling.seed;
-        if (a.grammar) j["grammar_complete"] = r.grammar_complete;
+        if (opt.grammar) j["grammar_complete"] = r.grammar_complete;
         j["timings"] = timings_json(r, opt.drafter != nullptr);
         if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
         stopped = take_interrupt();
