@@ -269,11 +269,17 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
       if (opt.ignore_eos)
         for (int id : opt.masker->eos_ids()) mask[id >> 5] &= ~(1u << (id & 31));
       bool any = false;
-      // Ids past the tokenizer's vocabulary (a model's padded embedding) are never text.
-      for (int id = 0; id < vocab; ++id) {
-        const bool ok = id < opt.masker->vocab_size() && ((mask[id >> 5] >> (id & 31)) & 1);
-        if (!ok) logits[id] = -INFINITY;
-        any |= ok;
+      // Ids past the tokenizer's vocabulary (a model's padded embedding) are never text. A
+      // word at a time: inside a string most words allow all 32 ids, elsewhere most none.
+      const int known = std::min(vocab, opt.masker->vocab_size());
+      for (int w = 0; w * 32 < vocab; ++w) {
+        const int lo = w * 32, hi = std::min(lo + 32, vocab);
+        uint32_t bits = lo < known ? mask[w] : 0;
+        if (hi > known) bits &= known > lo ? (1u << (known - lo)) - 1 : 0;
+        any |= bits != 0;
+        if (bits == ~0u) continue;
+        for (int id = lo; id < hi; ++id)
+          if (!((bits >> (id - lo)) & 1)) logits[id] = -INFINITY;
       }
       if (!any) {
         KESTREL_CHECK(gstate->is_accepting(),
