@@ -1,14 +1,19 @@
-// The token masks. Two things make a mask cheap on a 150k-token vocabulary:
+// The token masks. Three things make a mask cheap on a 150k-token vocabulary:
 // - the trie: a byte the state refuses skips the whole subtree below it, and a prefix is
 //   matched once for all the tokens that share it;
-// - loops: inside a JSON string nearly every byte leads back to the same state. For a state
-//   whose set of such looping bytes covers every byte below a trie node (precomputed per
-//   node), every token below is allowed without walking it. Which bytes loop is found by
-//   trying each ASCII byte once per distinct state, and remembered per thread.
+// - steps: from a state, most bytes lead to one same next state (inside a JSON string, every
+//   ordinary character: back to the same state when the string is unbounded, to the next count
+//   under maxLength). Per distinct state, which ASCII bytes do so (and whether every non-ASCII
+//   code point does too) is found once by trying each byte, and remembered per thread. A byte
+//   of that set copies the next state down the trie instead of running the matcher;
+// - chains: following those next states gives, for each length d, the bytes that any string of
+//   up to d code points may hold and still be taken. A subtree whose bytes all lie in the set
+//   for its height is allowed whole, without being walked.
 #include <algorithm>
 #include <cstring>
 #include <memory>
 #include <numeric>
+#include <unordered_map>
 
 #include "base/error.h"
 #include "engine/grammar/token_masker.h"
@@ -17,9 +22,13 @@ namespace kestrel::grammar {
 
 namespace {
 
-// Below this many tokens a subtree is walked rather than tested for loops.
-constexpr uint32_t kLoopTestMin = 2;
-constexpr size_t kLoopCacheSize = 64;
+// A subtree of fewer tokens than this is walked rather than tested along a chain (a chain step
+// costs a try of every ASCII byte the first time a state is met). A loop needs no chain.
+constexpr uint32_t kChainTestMin = 8;
+// The longest chain followed: deeper subtrees are walked down to this height.
+constexpr int kChainMax = 32;
+// States remembered per thread; past this the memory is cleared before the next mask.
+constexpr size_t kStepCacheMax = 4096;
 
 // Strict UTF-8 validity of a byte string read from a code point boundary, one byte at a
 // time, with the same table as advance() (grammar.h).
@@ -50,26 +59,39 @@ struct Utf8Check {
   }
 };
 
-struct LoopInfo {
+// What any string of up to d code points from a state may hold: the ASCII bytes, and whether
+// any non-ASCII code point.
+struct Reach {
+  uint64_t ascii[2] = {~uint64_t{0}, ~uint64_t{0}};
+  bool non_ascii = true;
+};
+
+// One state met by the walk: the ASCII bytes that lead to its most common next state `succ`
+// (the successor most bytes lead to), and whether every non-ASCII code point leads there too.
+struct StepInfo {
   std::shared_ptr<const Grammar> g;
   StackSet set;
   size_t hash = 0;
-  uint64_t ascii[2] = {0, 0};  // bytes that lead back to this state
-  bool non_ascii = false;      // every non-ASCII code point does too
-};
-
-// The looping bytes of the state at one depth of the walk, when they are known (a copy, as a
-// LoopInfo may be evicted while the walk goes on).
-struct LoopBits {
   uint64_t ascii[2] = {0, 0};
   bool non_ascii = false;
-  bool known = false;
+  bool loops = false;  // succ is this state
+  StackSet succ;
+  int next = -2;       // succ's index: -2 not looked up yet, -1 no byte is taken
+  std::vector<Reach> reach;  // reach[d - 1], for d up to its size
 };
 
 struct Scratch {
   std::vector<StackSet> states;
-  std::vector<LoopBits> loop_at;  // per depth, for states[depth]
-  std::vector<LoopInfo> loops;    // most recent last
+  std::vector<int> info_at;  // per depth: the StepInfo of states[depth], -1 unknown
+  std::vector<StepInfo> infos;
+  std::unordered_multimap<size_t, int> index;  // hash -> infos
+  struct Group {
+    StackSet set;
+    uint64_t bytes[2];
+    int n;
+  };
+  std::vector<Group> groups;
+  std::vector<int> chain;
   StackSet tmp, tmp2;
 };
 
@@ -78,41 +100,99 @@ Scratch& scratch() {
   return s;
 }
 
-const LoopInfo& loop_info(const GrammarState& st, const StackSet& set) {
+// The index of the StepInfo of `set` (at a code point boundary), computed on first sight.
+int intern(const std::shared_ptr<const Grammar>& gp, const StackSet& set) {
   Scratch& s = scratch();
   const size_t h = set.hash();
-  for (size_t i = s.loops.size(); i-- > 0;) {
-    if (s.loops[i].hash == h && s.loops[i].g == st.grammar_ptr() && s.loops[i].set.same_as(set)) {
-      return s.loops[i];
-    }
+  for (auto [it, end] = s.index.equal_range(h); it != end; ++it) {
+    const StepInfo& in = s.infos[static_cast<size_t>(it->second)];
+    if (in.g == gp && in.set.same_as(set)) return it->second;
   }
-  if (s.loops.size() >= kLoopCacheSize) s.loops.erase(s.loops.begin());
-  LoopInfo info;
-  info.g = st.grammar_ptr();
+  const Grammar& g = *gp;
+  StepInfo info;
+  info.g = gp;
   info.set = set;
   info.hash = h;
-  const Grammar& g = st.grammar();
+  s.groups.clear();
   for (uint32_t b = 0; b < 128; ++b) {
-    if (advance(g, set, static_cast<uint8_t>(b), s.tmp) && s.tmp.same_as(set)) {
-      info.ascii[b >> 6] |= uint64_t{1} << (b & 63);
+    if (!advance(g, set, static_cast<uint8_t>(b), s.tmp)) continue;
+    Scratch::Group* grp = nullptr;
+    for (auto& x : s.groups)
+      if (x.set.same_as(s.tmp)) grp = &x;
+    if (!grp) {
+      s.groups.push_back({s.tmp, {0, 0}, 0});
+      grp = &s.groups.back();
     }
+    grp->bytes[b >> 6] |= uint64_t{1} << (b & 63);
+    ++grp->n;
   }
-  // Every non-ASCII code point leads back here when each stack's top takes all of them or
-  // none: then U+0080 stands for them all.
-  bool uniform = true;
-  size_t off = 0;
-  for (uint32_t i = 0; i < set.count && uniform; ++i) {
-    const uint32_t len = set.words[off];
-    if (len > 0) {
-      const CharClass& c = g.classes()[g.elements()[set.words[off + len]].arg];
-      uniform = c.all_non_ascii() || c.no_non_ascii();
+  if (s.groups.empty()) {
+    info.next = -1;
+  } else {
+    const auto best = std::max_element(s.groups.begin(), s.groups.end(),
+                                       [](const Scratch::Group& a, const Scratch::Group& b) { return a.n < b.n; });
+    info.ascii[0] = best->bytes[0];
+    info.ascii[1] = best->bytes[1];
+    info.succ = best->set;
+    info.loops = info.succ.same_as(set);
+    // Every non-ASCII code point leads to succ when each stack's top takes all of them or
+    // none: then U+0080 stands for them all.
+    bool uniform = true;
+    size_t off = 0;
+    for (uint32_t i = 0; i < set.count && uniform; ++i) {
+      const uint32_t len = set.words[off];
+      if (len > 0) {
+        const CharClass& c = g.classes()[g.elements()[set.words[off + len]].arg];
+        uniform = c.all_non_ascii() || c.no_non_ascii();
+      }
+      off += len + 1;
     }
-    off += len + 1;
+    info.non_ascii = uniform && advance(g, set, 0xC2, s.tmp) && advance(g, s.tmp, 0x80, s.tmp2) &&
+                     s.tmp2.same_as(info.succ);
   }
-  info.non_ascii = uniform && advance(g, set, 0xC2, s.tmp) && advance(g, s.tmp, 0x80, s.tmp2) &&
-                   s.tmp2.same_as(set);
-  s.loops.push_back(std::move(info));
-  return s.loops.back();
+  if (info.loops) info.next = static_cast<int>(s.infos.size());
+  s.infos.push_back(std::move(info));
+  const int id = static_cast<int>(s.infos.size() - 1);
+  s.index.emplace(h, id);
+  return id;
+}
+
+// What any string of up to d (<= kChainMax) code points from infos[id]'s state may hold:
+// the bytes common to the chain of next states, as long as the chain goes.
+Reach reach(int id, int d) {
+  Scratch& s = scratch();
+  if (s.infos[static_cast<size_t>(id)].reach.size() >= static_cast<size_t>(d))
+    return s.infos[static_cast<size_t>(id)].reach[static_cast<size_t>(d - 1)];
+  // The whole length at once: the walk asks for many heights of one state.
+  const int want = d;
+  d = kChainMax;
+  s.chain.assign(1, id);
+  while (static_cast<int>(s.chain.size()) < d) {
+    const int c = s.chain.back();
+    if (s.infos[static_cast<size_t>(c)].loops || s.infos[static_cast<size_t>(c)].next == -1) break;
+    if (s.infos[static_cast<size_t>(c)].next == -2) {
+      const StackSet succ = s.infos[static_cast<size_t>(c)].succ;  // intern may move infos
+      const int t = intern(s.infos[static_cast<size_t>(c)].g, succ);
+      s.infos[static_cast<size_t>(c)].next = t;
+    }
+    s.chain.push_back(s.infos[static_cast<size_t>(c)].next);
+  }
+  std::vector<Reach> out(static_cast<size_t>(d));
+  Reach acc;
+  const StepInfo& last = s.infos[static_cast<size_t>(s.chain.back())];
+  for (int j = 0; j < d; ++j) {
+    if (j < static_cast<int>(s.chain.size()) || last.loops) {
+      const StepInfo& in = j < static_cast<int>(s.chain.size()) ? s.infos[static_cast<size_t>(s.chain[static_cast<size_t>(j)])] : last;
+      acc.ascii[0] &= in.ascii[0];
+      acc.ascii[1] &= in.ascii[1];
+      acc.non_ascii = acc.non_ascii && in.non_ascii;
+    } else {  // the chain ended: past it nothing is known to be taken
+      acc = Reach{{0, 0}, false};
+    }
+    out[static_cast<size_t>(j)] = acc;
+  }
+  s.infos[static_cast<size_t>(id)].reach = std::move(out);
+  return s.infos[static_cast<size_t>(id)].reach[static_cast<size_t>(want - 1)];
 }
 
 }  // namespace
@@ -187,6 +267,7 @@ TokenMasker::TokenMasker(std::vector<std::string> token_bytes, std::vector<int> 
     p.below[0] |= n.below[0];
     p.below[1] |= n.below[1];
     if (n.byte < 128) p.below[n.byte >> 6] |= uint64_t{1} << (n.byte & 63);
+    p.height = std::max<uint16_t>(p.height, static_cast<uint16_t>(n.height + 1));
     if (n.byte >= 128 || (n.flags & kNonAsciiBelow)) p.flags |= kNonAsciiBelow;
     if (!valid[i] || !(n.flags & kValidBelow)) p.flags &= static_cast<uint8_t>(~kValidBelow);
   }
@@ -202,63 +283,62 @@ void TokenMasker::allowed_tokens(const GrammarState& st, uint32_t* mask) const {
     for (int id : eos_) mask[id >> 5] |= 1u << (id & 31);
   }
   Scratch& s = scratch();
+  if (s.infos.size() > kStepCacheMax) {
+    s.infos.clear();
+    s.index.clear();
+  }
   if (s.states.size() < max_depth_ + 1) {
     s.states.resize(max_depth_ + 1);
-    s.loop_at.resize(max_depth_ + 1);
+    s.info_at.resize(max_depth_ + 1);
   }
+  const std::shared_ptr<const Grammar>& gp = st.grammar_ptr();
+  const Grammar& g = *gp;
   s.states[0] = st.stacks();
-  auto bits_of = [&](const StackSet& set) {
-    const LoopInfo& l = loop_info(st, set);
-    LoopBits b;
-    b.ascii[0] = l.ascii[0];
-    b.ascii[1] = l.ascii[1];
-    b.non_ascii = l.non_ascii;
-    b.known = true;
-    return b;
-  };
-  s.loop_at[0] = st.stacks().partial.remaining == 0 ? bits_of(st.stacks()) : LoopBits{};
-  const Grammar& g = st.grammar();
+  s.info_at[0] = st.stacks().partial.remaining == 0 ? intern(gp, st.stacks()) : -1;
   const uint32_t n = static_cast<uint32_t>(nodes_.size());
   for (uint32_t i = 1; i < n;) {
     const Node& node = nodes_[i];
     const StackSet& prev = s.states[node.depth - 1];
-    const LoopBits& prev_loop = s.loop_at[node.depth - 1];
     StackSet& cur = s.states[node.depth];
-    LoopBits& cur_loop = s.loop_at[node.depth];
-    if (prev_loop.known && node.byte < 128 && ((prev_loop.ascii[node.byte >> 6] >> (node.byte & 63)) & 1)) {
-      // A looping byte leads back to the state before it: no need to run the matcher. Inside
-      // a string this is most of the walk, down to the tokens that hold a quote or a backslash.
-      cur = prev;
-      cur_loop = prev_loop;
-    } else if (prev_loop.known && prev_loop.non_ascii && node.byte >= 0x80 && (node.flags & kValidPrefix) &&
-               (node.flags & kValidBelow) && (node.below[0] & ~prev_loop.ascii[0]) == 0 &&
-               (node.below[1] & ~prev_loop.ascii[1]) == 0) {
-      // A code point starts here in a state every code point leads back to, and everything
-      // below is valid UTF-8 made of looping bytes: the whole subtree is allowed, the tokens
-      // that end inside the code point too (a partial code point that can complete is taken).
-      // Without this, each two-byte prefix of a CJK character would run the matcher.
-      set_range(mask, node.tok_lo, node.tok_hi);
+    const int pi = s.info_at[node.depth - 1];
+    int ci = -1;
+    if (pi >= 0) {
+      // The whole subtree from the state before this node: its edge and everything below.
+      uint64_t need[2] = {node.below[0], node.below[1]};
+      if (node.byte < 128) need[node.byte >> 6] |= uint64_t{1} << (node.byte & 63);
+      const bool non_ascii = node.byte >= 128 || (node.flags & kNonAsciiBelow);
+      const StepInfo& p = s.infos[static_cast<size_t>(pi)];
+      // The first step's bytes bound every longer chain's: a cheap test before the chain.
+      if ((need[0] & ~p.ascii[0]) == 0 && (need[1] & ~p.ascii[1]) == 0 &&
+          (!non_ascii || (p.non_ascii && (node.flags & kValidPrefix) && (node.flags & kValidBelow)))) {
+        const int d = node.height + 1;
+        bool whole = p.loops || d == 1;
+        if (!whole && d <= kChainMax && node.tok_hi - node.tok_lo >= kChainTestMin) {
+          const Reach r = reach(pi, d);
+          whole = (need[0] & ~r.ascii[0]) == 0 && (need[1] & ~r.ascii[1]) == 0 && (!non_ascii || r.non_ascii);
+        }
+        if (whole) {
+          set_range(mask, node.tok_lo, node.tok_hi);
+          i = node.end;
+          continue;
+        }
+      }
+      const StepInfo& q = s.infos[static_cast<size_t>(pi)];  // reach() may have moved infos
+      if (node.byte < 128 && ((q.ascii[node.byte >> 6] >> (node.byte & 63)) & 1)) {
+        // The byte leads to the state's usual next state: no need to run the matcher.
+        cur = q.succ;
+        ci = q.next >= 0 ? q.next : -1;
+      } else if (!advance(g, prev, node.byte, cur)) {
+        i = node.end;
+        continue;
+      }
+    } else if (!advance(g, prev, node.byte, cur)) {
       i = node.end;
       continue;
-    } else {
-      if (!advance(g, prev, node.byte, cur)) {
-        i = node.end;
-        continue;
-      }
-      cur_loop.known = false;
     }
     set_range(mask, node.tok_lo, node.tok_exact);
-    if (node.tok_hi - node.tok_exact >= kLoopTestMin && cur.partial.remaining == 0) {
-      if (!cur_loop.known) cur_loop = bits_of(cur);
-      const bool ascii_ok =
-          (node.below[0] & ~cur_loop.ascii[0]) == 0 && (node.below[1] & ~cur_loop.ascii[1]) == 0;
-      const bool rest_ok = !(node.flags & kNonAsciiBelow) || (cur_loop.non_ascii && (node.flags & kValidBelow));
-      if (ascii_ok && rest_ok) {
-        set_range(mask, node.tok_exact, node.tok_hi);
-        i = node.end;
-        continue;
-      }
-    }
+    if (ci < 0 && node.tok_hi > node.tok_exact && cur.partial.remaining == 0) ci = intern(gp, cur);
+    s.info_at[node.depth] = ci;
     ++i;
   }
 }

@@ -74,6 +74,7 @@ class TokenMasker {
     uint32_t tok_hi;
     uint64_t below[2];   // the ASCII bytes on edges below this node
     uint16_t depth;
+    uint16_t height;     // the longest path below this node, in bytes
     uint8_t byte;        // the edge into this node
     uint8_t flags;       // kNonAsciiBelow, kValidBelow
   };

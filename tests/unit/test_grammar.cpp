@@ -260,6 +260,16 @@ ws ::= " "{0,3})");
   MaskCache cache(4);
   for (int trial = 0; trial < 20; ++trial) expect_masks_match(m, GrammarState(g), rng, 12, &cache);
   EXPECT_GT(cache.hits(), 20u);
+  // Bounded strings (maxLength, minLength): every character leads to a new state, the next
+  // count, so whole subtrees are allowed by following the chain of counts (kChainMax deep),
+  // and near the bound only the tokens short enough may be.
+  for (const char* bounded : {R"(root ::= "\"" [^"\\]{0,9} "\"" [ ]?)",
+                              R"(root ::= "{" "\"" ([^"\\] | "\\" ["\\nt]){2,40} "\"" ":" [0-9]{1,3} "}")",
+                              R"(root ::= ([a-c] | "é" | [\u4e00-\u9fff]){3,50} "\"" [ ]{0,20} "x")"}) {
+    SCOPED_TRACE(bounded);
+    auto gb = Grammar::parse(bounded);
+    for (int trial = 0; trial < 12; ++trial) expect_masks_match(m, GrammarState(gb), rng, 40, &cache);
+  }
   // The end-of-sequence id only at a complete match.
   GrammarState st(g);
   EXPECT_FALSE((m.allowed_tokens(st)[0] >> 1) & 1);

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "base/error.h"
@@ -63,6 +64,7 @@ int main(int argc, char** argv) try {
               ms_since(t0));
 
   const std::string schema = R"({"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer","minimum":0,"maximum":150},"tags":{"type":"array","items":{"type":"string"}},"address":{"type":"object","properties":{"city":{"type":"string"},"zip":{"type":"string","pattern":"^[0-9]{5}$"}},"required":["city"]}},"required":["name","age"]})";
+  const std::string bounded = R"({"type":"object","properties":{"note":{"type":"string","minLength":1,"maxLength":200}},"required":["note"]})";
   struct Case {
     const char* grammar;
     std::string gbnf;
@@ -77,6 +79,9 @@ int main(int argc, char** argv) try {
       {"schema", json_schema_to_gbnf(schema), "{\"name\": \"Ada\", \"age\": 3"},
       {"schema", json_schema_to_gbnf(schema), "{\"name\": \"Ada\", \"age\": 36, \"tags\": [\"x\", "},
       {"schema", json_schema_to_gbnf(schema), "{\"name\": \"Ada\", \"age\": 36, \"address\": {\"city\": \"Lon"},
+      // maxLength: each character leads to the next count, a new state every time.
+      {"bounded", json_schema_to_gbnf(bounded), "{\"note\": \"some text"},
+      {"bounded", json_schema_to_gbnf(bounded), "{\"note\": \"" + std::string(180, 'x')},
   };
   for (const auto& c : cases) {
     GrammarState st(Grammar::parse(c.gbnf));
@@ -110,12 +115,15 @@ int main(int argc, char** argv) try {
   const std::string doc =
       "{\"name\": \"Ada Lovelace, née Byron — 数学者 and writer\", \"age\": 36, \"tags\": [\"analytical engine\", "
       "\"notes on the \\\"Sketch\\\"\", \"poetical science\"], \"address\": {\"city\": \"London\", \"zip\": \"12345\"}}";
-  const std::vector<int> ids = tok->encode(doc, false);
+  const std::string bounded_doc =
+      "{\"note\": \"Ada Lovelace wrote the first published program — for Babbage's engine, 数学 — in 1843.\"}";
+  for (const auto& [what, text, sch] : {std::tuple{"document", doc, schema}, std::tuple{"bounded document", bounded_doc, bounded}})
   for (const bool cached : {false, true}) {
+    const std::vector<int> ids = tok->encode(text, false);
     std::vector<double> ms;
     size_t hits = 0;
     for (int r = 0; r < std::max(1, repeats / 4); ++r) {
-      GrammarState st(Grammar::parse(json_schema_to_gbnf(schema)));
+      GrammarState st(Grammar::parse(json_schema_to_gbnf(sch)));
       MaskCache cache;
       std::vector<uint32_t> mask(masker.mask_words());
       for (int id : ids) {
@@ -131,8 +139,8 @@ int main(int argc, char** argv) try {
       hits = cache.hits();
     }
     const Spread sp = spread(ms);
-    std::printf("document of %zu tokens, %s: per mask median %.3f ms, p90 %.3f ms, max %.3f ms, mean %.3f ms",
-                ids.size(), cached ? "with the mask cache" : "no cache", sp.median, sp.p90, sp.max, sp.mean);
+    std::printf("%s of %zu tokens, %s: per mask median %.3f ms, p90 %.3f ms, max %.3f ms, mean %.3f ms",
+                what, ids.size(), cached ? "with the mask cache" : "no cache", sp.median, sp.p90, sp.max, sp.mean);
     if (cached) std::printf(" (%zu of %zu from the cache)", hits, ids.size());
     std::printf("\n");
   }
