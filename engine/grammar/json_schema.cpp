@@ -6,6 +6,7 @@
 //     out; additionalProperties absent or false allows no other key, true or a schema allows
 //     further keys (not one of the listed ones) after the listed properties;
 //   - oneOf is read as anyOf (the alternatives are not made exclusive).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <map>
@@ -551,10 +552,21 @@ class Converter {
         size_t close = s.find('}', pos);
         if (close == std::string::npos) fail("unterminated '{'");
         std::string body = s.substr(pos + 1, close - pos - 1);
-        for (char d : body) {
-          if (!std::isdigit(static_cast<unsigned char>(d)) && d != ',') fail("bad repetition '{" + body + "}'");
-        }
-        if (body.empty() || body[0] == ',') fail("bad repetition '{" + body + "}'");
+        // {m}, {m,} or {m,n} with m <= n <= 10000, checked here so that the generated GBNF
+        // always compiles and a mistake names the pattern, not the GBNF.
+        const size_t comma = body.find(',');
+        const std::string lo = body.substr(0, comma);
+        const std::string hi = comma == std::string::npos ? lo : body.substr(comma + 1);
+        auto number = [&](const std::string& t) {
+          if (t.empty() || t.size() > 5 || !std::all_of(t.begin(), t.end(), [](char d) { return std::isdigit(static_cast<unsigned char>(d)); }))
+            fail("bad repetition '{" + body + "}'");
+          const int v = std::stoi(t);
+          if (v > 10000) fail("repetition '{" + body + "}' over 10000");
+          return v;
+        };
+        const int m = number(lo);
+        if (!(comma != std::string::npos && hi.empty()) && number(hi) < m)
+          fail("repetition '{" + body + "}' with its maximum below its minimum");
         q = "{" + body + "}";
         pos = close + 1;
       } else {
@@ -734,6 +746,8 @@ std::string json_schema_to_gbnf(const std::string& schema_text) {
     schema = json::parse(schema_text);
   } catch (const json::parse_error& e) {
     throw Error(std::string("json schema: not valid JSON: ") + e.what());
+  } catch (const json::out_of_range&) {  // a number past a double (found by fuzz_grammar)
+    throw Error("json schema: not valid JSON: a number too large to represent");
   }
   return Converter(schema).run();
 }

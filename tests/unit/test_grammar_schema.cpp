@@ -240,12 +240,19 @@ TEST(JsonSchema, RefusalsNameKeywordAndPath) {
             "json schema: /pattern: group '(?=' (lookaround, named groups, flags) is not supported at offset 2 of the pattern");
   EXPECT_EQ(refusal(R"({"type":"string","pattern":"(a)\\1"})"),
             "json schema: /pattern: back-references are not supported at offset 4 of the pattern");
+  // Counts the GBNF would refuse are refused here, naming the pattern (found by fuzz_grammar).
+  EXPECT_EQ(refusal(R"({"type":"string","pattern":"^[a-z]{5,4}$"})"),
+            "json schema: /pattern: repetition '{5,4}' with its maximum below its minimum at offset 6 of the pattern");
+  EXPECT_EQ(refusal(R"({"type":"string","pattern":"^a{1,2,3}$"})").rfind("json schema: /pattern: bad repetition '{1,2,3}'", 0), 0u);
+  EXPECT_EQ(refusal(R"({"type":"string","pattern":"^a{20000}$"})").rfind("json schema: /pattern: repetition '{20000}' over 10000", 0), 0u);
+  EXPECT_NO_THROW((void)json_schema_to_gbnf(R"({"type":"string","pattern":"^a{2,}b{3}c{0,4}$"})"));
   EXPECT_EQ(refusal(R"({"$ref":"https://example.com/s.json"})"),
             "json schema: /$ref: unsupported or unresolvable reference 'https://example.com/s.json' (only #, #/$defs/NAME and #/definitions/NAME)");
   EXPECT_EQ(refusal(R"({"type":"object","properties":{"a":{"type":"x"}}})"),
             "json schema: /properties/a/type: unknown type 'x'");
   EXPECT_EQ(refusal("{\"type\": "), refusal("{\"type\": "));
   EXPECT_EQ(refusal("{\"type\": ").rfind("json schema: not valid JSON: ", 0), 0u);
+  EXPECT_EQ(refusal(R"({"type":"integer","maximum":1e800})"), "json schema: not valid JSON: a number too large to represent");
   // A reference to itself with nothing consumed first is left recursion, refused by name.
   try {
     Grammar::parse(json_schema_to_gbnf(R"({"$ref":"#"})"));
