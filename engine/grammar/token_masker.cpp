@@ -10,6 +10,7 @@
 //   up to d code points may hold and still be taken. A subtree whose bytes all lie in the set
 //   for its height is allowed whole, without being walked.
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -91,6 +92,7 @@ struct Scratch {
     int n;
   };
   std::vector<Group> groups;
+  std::vector<std::pair<uint64_t, std::array<uint64_t, 2>>> sigs;  // signature -> its bytes
   std::vector<int> chain;
   StackSet tmp, tmp2;
 };
@@ -114,7 +116,36 @@ int intern(const std::shared_ptr<const Grammar>& gp, const StackSet& set) {
   info.set = set;
   info.hash = h;
   s.groups.clear();
-  for (uint32_t b = 0; b < 128; ++b) {
+  // An ASCII byte at a code point boundary is a whole code point: where it leads depends only
+  // on which stacks' tops take it. So the bytes are grouped by that signature first and the
+  // matcher runs once per signature, not once per byte (up to 64 stacks; past that, per byte).
+  s.sigs.clear();
+  if (set.count <= 64) {
+    uint64_t sig[128] = {};
+    size_t off = 0;
+    for (uint32_t i = 0; i < set.count; ++i) {
+      const uint32_t len = set.words[off];
+      if (len > 0) {
+        const CharClass& c = g.classes()[g.elements()[set.words[off + len]].arg];
+        for (uint32_t b = 0; b < 128; ++b)
+          if ((c.ascii[b >> 6] >> (b & 63)) & 1) sig[b] |= uint64_t{1} << i;
+      }
+      off += len + 1;
+    }
+    for (uint32_t b = 0; b < 128; ++b) {
+      if (!sig[b]) continue;
+      auto it = std::find_if(s.sigs.begin(), s.sigs.end(), [&](const auto& x) { return x.first == sig[b]; });
+      if (it == s.sigs.end()) {
+        s.sigs.push_back({sig[b], {0, 0}});
+        it = s.sigs.end() - 1;
+      }
+      it->second[b >> 6] |= uint64_t{1} << (b & 63);
+    }
+  } else {
+    for (uint32_t b = 0; b < 128; ++b) s.sigs.push_back({b, {b < 64 ? uint64_t{1} << b : 0, b >= 64 ? uint64_t{1} << (b - 64) : 0}});
+  }
+  for (const auto& [sig, bytes] : s.sigs) {
+    const uint32_t b = bytes[0] ? static_cast<uint32_t>(__builtin_ctzll(bytes[0])) : 64 + static_cast<uint32_t>(__builtin_ctzll(bytes[1]));
     if (!advance(g, set, static_cast<uint8_t>(b), s.tmp)) continue;
     Scratch::Group* grp = nullptr;
     for (auto& x : s.groups)
@@ -123,8 +154,9 @@ int intern(const std::shared_ptr<const Grammar>& gp, const StackSet& set) {
       s.groups.push_back({s.tmp, {0, 0}, 0});
       grp = &s.groups.back();
     }
-    grp->bytes[b >> 6] |= uint64_t{1} << (b & 63);
-    ++grp->n;
+    grp->bytes[0] |= bytes[0];
+    grp->bytes[1] |= bytes[1];
+    grp->n += __builtin_popcountll(bytes[0]) + __builtin_popcountll(bytes[1]);
   }
   if (s.groups.empty()) {
     info.next = -1;
