@@ -11,6 +11,7 @@
 //   for its height is allowed whole, without being walked.
 #include <algorithm>
 #include <array>
+#include <deque>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -29,7 +30,10 @@ constexpr uint32_t kChainTestMin = 8;
 // The longest chain followed: deeper subtrees are walked down to this height.
 constexpr int kChainMax = 32;
 // States remembered per thread; past this the memory is cleared before the next mask.
-constexpr size_t kStepCacheMax = 4096;
+constexpr size_t kStepCacheMax = 65536;
+// Below this many tokens under a node, its state is not looked up or remembered (each new
+// state costs a few matcher runs; a full walk of a structural position meets thousands).
+constexpr uint32_t kInternMin = 4;
 
 // Strict UTF-8 validity of a byte string read from a code point boundary, one byte at a
 // time, with the same table as advance() (grammar.h).
@@ -84,7 +88,7 @@ struct StepInfo {
 struct Scratch {
   std::vector<StackSet> states;
   std::vector<int> info_at;  // per depth: the StepInfo of states[depth], -1 unknown
-  std::vector<StepInfo> infos;
+  std::deque<StepInfo> infos;  // a deque: growing it moves nothing
   std::unordered_multimap<size_t, int> index;  // hash -> infos
   struct Group {
     StackSet set;
@@ -195,9 +199,12 @@ Reach reach(int id, int d) {
   Scratch& s = scratch();
   if (s.infos[static_cast<size_t>(id)].reach.size() >= static_cast<size_t>(d))
     return s.infos[static_cast<size_t>(id)].reach[static_cast<size_t>(d - 1)];
-  // The whole length at once: the walk asks for many heights of one state.
+  // A power of two at least as long: the walk asks for many heights of one state, and a long
+  // chain costs a new state per step the first time.
   const int want = d;
-  d = kChainMax;
+  d = 4;
+  while (d < want) d *= 2;
+  d = std::min(d, kChainMax);
   s.chain.assign(1, id);
   while (static_cast<int>(s.chain.size()) < d) {
     const int c = s.chain.back();
@@ -369,7 +376,8 @@ void TokenMasker::allowed_tokens(const GrammarState& st, uint32_t* mask) const {
       continue;
     }
     set_range(mask, node.tok_lo, node.tok_exact);
-    if (ci < 0 && node.tok_hi > node.tok_exact && cur.partial.remaining == 0) ci = intern(gp, cur);
+    // Small subtrees are walked: a state is worth remembering only above a few tokens.
+    if (ci < 0 && node.tok_hi - node.tok_exact >= kInternMin && cur.partial.remaining == 0) ci = intern(gp, cur);
     s.info_at[node.depth] = ci;
     ++i;
   }
