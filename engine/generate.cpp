@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include "base/error.h"
@@ -234,20 +236,59 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
   // samples). Each device draw is a function of the seed and its index (philox_uniform), so a
   // seed still fixes the output; the first token, from the prompt's logits, is the host's.
   const SamplingParams& sp = opt.sampling;
+  // Structured output: the grammar's state follows the taken ids, and choose() masks the
+  // logits with the ids it allows.
+  std::optional<grammar::GrammarState> gstate;
+  grammar::MaskCache mask_cache;
+  std::vector<uint32_t> mask;
+  if (opt.grammar) {
+    KESTREL_CHECK(opt.masker && opt.masker->vocab_size() == tok.vocab_size(),
+                  "a grammar needs the token masker of the model's tokenizer");
+    KESTREL_CHECK(!opt.drafter, "speculative decoding does not take a grammar");
+    gstate.emplace(opt.grammar);
+    mask.resize(opt.masker->mask_words());
+  }
   const bool no_penalties = sp.repeat_penalty == 1.0f && sp.frequency_penalty == 0.0f &&
                             sp.presence_penalty == 0.0f && opt.logprobs <= 0;
   const bool argmax_only = no_penalties && sp.temperature <= 0.0f;
-  bool on_device = argmax_only || (no_penalties && sp.top_k > 0 && sp.top_k < vocab &&
-                                   sp.top_k <= kDeviceTopKMax);
+  bool on_device = !opt.grammar && (argmax_only || (no_penalties && sp.top_k > 0 && sp.top_k < vocab &&
+                                   sp.top_k <= kDeviceTopKMax));
   TopKSampling device_sampling;
   device_sampling.top_k = sp.top_k;
   device_sampling.top_p = sp.top_p;
   device_sampling.min_p = sp.min_p;
   device_sampling.temperature = sp.temperature;
   device_sampling.seed = sp.seed;
+  // -1: the grammar allows no id (its match is complete and nothing may follow, or with
+  // ignore_eos only an end id could come).
   auto choose = [&] {
     const auto ts = clock::now();
     if (opt.logprobs > 0) raw.assign(logits.begin(), logits.end());
+    if (gstate) {
+      opt.masker->allowed_tokens(*gstate, mask.data(), mask_cache);
+      if (opt.ignore_eos)
+        for (int id : opt.masker->eos_ids()) mask[id >> 5] &= ~(1u << (id & 31));
+      bool any = false;
+      // Ids past the tokenizer's vocabulary (a model's padded embedding) are never text. A
+      // word at a time: inside a string most words allow all 32 ids, elsewhere most none.
+      const int known = std::min(vocab, opt.masker->vocab_size());
+      for (int w = 0; w * 32 < vocab; ++w) {
+        const int lo = w * 32, hi = std::min(lo + 32, vocab);
+        uint32_t bits = lo < known ? mask[w] : 0;
+        if (hi > known) bits &= known > lo ? (1u << (known - lo)) - 1 : 0;
+        any |= bits != 0;
+        if (bits == ~0u) continue;
+        for (int id = lo; id < hi; ++id)
+          if (!((bits >> (id - lo)) & 1)) logits[id] = -INFINITY;
+      }
+      if (!any) {
+        KESTREL_CHECK(gstate->is_accepting(),
+                      "the grammar allows no token of the vocabulary after the text generated "
+                      "so far (" + std::to_string(r.ids.size()) + " tokens): it needs bytes no token has");
+        r.sample_ms += ms_since(ts);
+        return -1;
+      }
+    }
     const int id = sampler.sample(logits.data(), vocab, history);
     if (opt.logprobs > 0) r.logprobs.push_back(logprobs_of(raw.data(), vocab, id, opt.logprobs));
     r.sample_ms += ms_since(ts);
@@ -258,6 +299,11 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
   // Takes a chosen id into the result: false when it ends generation (an end id, a stop
   // string or reverse prompt in the text).
   auto take = [&](int id) {
+    if (id < 0) {  // the grammar is complete (choose)
+      r.finish_reason = "stop";
+      return false;
+    }
+    if (gstate) KESTREL_CHECK(opt.masker->accept_token(*gstate, id), "a sampled token the grammar refuses");
     r.ids.push_back(id);
     history.push_back(id);
     ++pos;
@@ -267,6 +313,12 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     }
     emit(stop.push(detok.push(id)));
     if (stop.stopped()) {
+      r.finish_reason = "stop";
+      return false;
+    }
+    // A complete match nothing can extend: no id but an end id could follow, so end here
+    // rather than spend a step of the model on it.
+    if (gstate && gstate->is_finished()) {
       r.finish_reason = "stop";
       return false;
     }
@@ -313,6 +365,7 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     emit(stop.flush());
   }
   r.gen_ms = ms_since(t1);
+  r.grammar_complete = gstate && gstate->is_accepting() && r.finish_reason != "cancelled";
   return r;
 }
 
@@ -334,6 +387,16 @@ void note_cached(std::vector<int>& cache, const std::vector<int>& prompt_ids, in
 }
 
 }  // namespace
+
+std::shared_ptr<const grammar::TokenMasker> grammar_masker(const Tokenizer& tok,
+                                                           const std::vector<int>& end_ids) {
+  std::vector<int> ends = tok.eos_ids();
+  for (int id : end_ids)
+    if (id >= 0 && id < tok.vocab_size() && std::find(ends.begin(), ends.end(), id) == ends.end())
+      ends.push_back(id);
+  std::erase_if(ends, [&](int id) { return id < 0 || id >= tok.vocab_size(); });
+  return std::make_shared<const grammar::TokenMasker>(tok.all_token_bytes(), std::move(ends));
+}
 
 GenerateResult generate(Session& session, const Tokenizer& tok, const std::vector<int>& prompt_ids,
                         const GenerateOptions& opt,

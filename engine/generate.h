@@ -2,11 +2,14 @@
 #pragma once
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "models/model.h"
+#include "engine/grammar/grammar.h"
+#include "engine/grammar/token_masker.h"
 #include "engine/sampler.h"
 #include "engine/speculative.h"
 #include "tokenizer/tokenizer.h"
@@ -33,7 +36,21 @@ struct GenerateOptions {
   // drafter belongs to the caller and may serve many generations.
   Drafter* drafter = nullptr;
   int draft_max = 8;
+  // Structured output (docs/grammar.md): only ids the grammar allows are chosen, greedy or
+  // sampled, and an end id only where the text so far is a complete match. Generation ends
+  // when the text is a complete match that nothing can extend (finish_reason "stop"). The mask
+  // needs the logits on the host, so with a grammar every token's logits come back from the
+  // device (no device-side argmax or top-k). `masker` is the tokenizer's (grammar_masker()).
+  // Not with a drafter: refused.
+  std::shared_ptr<const grammar::Grammar> grammar;
+  std::shared_ptr<const grammar::TokenMasker> masker;
 };
+
+// The token masker of a tokenizer's vocabulary (Tokenizer::all_token_bytes), with its end ids
+// and `end_ids` (a chat template's end-of-turn ids) as the ids allowed at a complete match.
+// Building it walks the vocabulary once (about 0.2 s for 150k tokens): build once, share.
+std::shared_ptr<const grammar::TokenMasker> grammar_masker(const Tokenizer& tok,
+                                                           const std::vector<int>& end_ids = {});
 
 // The draft length when --draft-max is not given, and the longest one allowed.
 constexpr int kDefaultDraftMax = 8;
@@ -60,6 +77,9 @@ struct GenerateResult {
   int n_accepted = 0;
   int n_steps = 0;
   bool speculative = false;  // a drafter was given (its counts above may still be 0)
+  // With a grammar: whether the text is a complete match of it (false when -n, a stop string
+  // or a cancel ended it early).
+  bool grammar_complete = false;
 };
 
 // Holds back text that might be the start of a stop string or a reverse prompt. push()

@@ -21,7 +21,7 @@ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ "${cmake_common_args[@]}" \
   -DCMAKE_CUDA_ARCHITECTURES=90a -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
 all_targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja
-             fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http)
+             fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http fuzz_grammar)
 targets=("${all_targets[@]}")
 if [ "$mode" = run ] && [ $# -gt 2 ]; then targets=("${@:3}"); fi
 cmake --build build-fuzz -j"${FUZZ_JOBS:-$(nproc)}" --target "${all_targets[@]}"
@@ -93,6 +93,10 @@ lines = [
     {"prompt": "def fib(n):", "max_tokens": 64, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
      "seed": 42, "stop": "\n", "id": 7},
     {"prompt": "Caf\u00e9 \u2014 \U0001f600", "temperature": 0.7, "id": None},
+    {"prompt": "Yes or no?", "grammar": "root ::= (\"yes\" | \"no\") [.!]?"},
+    {"prompt": "A city", "json_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+     "required": ["city"]}},
+    {"prompt": "Anything", "json_object": True, "n_predict": 64},
 ]
 for i, l in enumerate(lines):
     open("%s/fuzz_batch_line/line%d" % (out, i), "w").write(json.dumps(l) + "\n")
@@ -149,6 +153,33 @@ http = {
 }
 for name, data in http.items():
     open("%s/fuzz_server_http/%s" % (out, name), "wb").write(data)
+PY
+# Grammars (first byte 0: GBNF, then after a 0x00 the bytes to match; 1: a JSON Schema): the
+# forms docs/grammar.md lists, and schemas with each supported keyword.
+python3 - "$seeds/fuzz_grammar" <<'PY'
+import json, sys
+out = sys.argv[1]
+gbnf = [
+    ('root ::= greeting " " name "!"\ngreeting ::= "hello" | "hi"\nname ::= [A-Z] [a-z]{1,5}\n', "hello Ada!"),
+    ('root ::= "[" ws (value ("," ws value)*)? "]"\nvalue ::= [0-9]+ | "\\"" [^"\\\\]* "\\""\nws ::= [ \\t\\n]*\n', '[1, "x\u00e9"]'),
+    ('# comment\nroot ::= ( "a" | [b-d] )* "\\x41" "\\u00e9" . [^\\n]{1,} \n', "abcA\u00e9z"),
+    ('root ::= x{2,4} y?\nx ::= "ab"\ny ::= [\\u4e00-\\u9fff]+\n', "abab\u4e2d"),
+]
+for i, (g, text) in enumerate(gbnf):
+    open("%s/gbnf%d" % (out, i), "wb").write(b"\x00" + g.encode() + b"\x00" + text.encode())
+schemas = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+     "age": {"type": "integer", "minimum": 0, "maximum": 150},
+     "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 3}},
+     "required": ["name"], "additionalProperties": False},
+    {"type": ["string", "null"], "pattern": "^[a-z]{2,4}(-\\d+)?$"},
+    {"anyOf": [{"type": "number"}, {"const": "x"}, {"type": "string", "format": "date-time"}]},
+    {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "boolean"},
+     "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"},
+    {"type": "object", "additionalProperties": {"type": "integer"}},
+]
+for i, s in enumerate(schemas):
+    open("%s/schema%d" % (out, i), "wb").write(b"\x01" + json.dumps(s).encode())
 PY
 
 status=0

@@ -450,6 +450,15 @@ std::string BpeTokenizer::piece(int id) const {
   return id >= 0 && id < vocab_size() ? tokens_[id] : std::string();
 }
 
+std::string BpeTokenizer::token_bytes(int id) const {
+  if (id < 0 || id >= vocab_size() || id == unk_id_) return "";
+  const uint8_t f = flags_[id];
+  if (!(f & kUsed) || (f & kSpecial)) return "";
+  // Not the first position: Metaspace's dropped leading space and the Strip of the text's
+  // start apply only there.
+  return std::string(decoder_.bytes(id, /*first=*/false));
+}
+
 bool BpeTokenizer::is_control(int id) const {
   return id >= 0 && id < vocab_size() && (flags_[id] & kSpecial);
 }

@@ -35,6 +35,7 @@ class BpeTokenizer final : public Tokenizer {
   std::string decode(const std::vector<int>& ids) const override;
   int vocab_size() const override { return static_cast<int>(tokens_.size()); }
   std::string piece(int id) const override;
+  std::string token_bytes(int id) const override;
   bool is_control(int id) const override;
   bool is_byte(int id) const override;
   bool is_unknown(int id) const override { return id >= 0 && id == unk_id_; }

@@ -202,6 +202,14 @@ std::string SentencePieceTokenizer::piece(int id) const {
   return sp_->IdToPiece(id);
 }
 
+std::string SentencePieceTokenizer::token_bytes(int id) const {
+  if (id < 0 || id >= vocab_size() || sp_->IsControl(id) || sp_->IsUnknown(id) || sp_->IsUnused(id))
+    return "";
+  if (sp_->IsByte(id)) return std::string(1, static_cast<char>(piece_byte(sp_->IdToPiece(id))));
+  // Mid-text, so the leading "▁" is a space (only a text's first piece may lose it).
+  return spaces_for_symbols(sp_->IdToPiece(id));
+}
+
 bool SentencePieceTokenizer::is_control(int id) const {
   return id >= 0 && id < vocab_size() && sp_->IsControl(id);
 }

@@ -22,6 +22,7 @@ class SentencePieceTokenizer final : public Tokenizer {
   std::string decode(const std::vector<int>& ids) const override;
   int vocab_size() const override;
   std::string piece(int id) const override;
+  std::string token_bytes(int id) const override;
   bool is_control(int id) const override;
   bool is_byte(int id) const override;
   bool is_unknown(int id) const override;

@@ -41,6 +41,12 @@ std::vector<int> Tokenizer::encode(const std::string& text, bool with_specials) 
   return ids;
 }
 
+std::vector<std::string> Tokenizer::all_token_bytes() const {
+  std::vector<std::string> out(static_cast<size_t>(vocab_size()));
+  for (int id = 0; id < vocab_size(); ++id) out[static_cast<size_t>(id)] = token_bytes(id);
+  return out;
+}
+
 bool Tokenizer::is_eos(int id) const {
   return std::find(eos_ids_.begin(), eos_ids_.end(), id) != eos_ids_.end();
 }

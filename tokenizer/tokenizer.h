@@ -56,6 +56,15 @@ class Tokenizer {
   // The token string of an id as the tokenizer file spells it ("▁the", "<0x0A>", "Ġthe",
   // "<|eot_id|>"); "" for ids past the vocabulary.
   virtual std::string piece(int id) const = 0;
+  // The bytes token `id` adds in the middle of a text, as a grammar matches them
+  // (engine/grammar/token_masker.h): byte-level BPE's bytes as the byte decoder gives them,
+  // SentencePiece's "▁" as a space and a byte-fallback piece "<0xNN>" as its byte. A token
+  // may hold part of a UTF-8 character: the raw bytes, never U+FFFD. "" for tokens that add
+  // no text of their own: control (special) tokens, <unk> (its surface is not text the
+  // model wrote), unused pieces and ids past the vocabulary.
+  virtual std::string token_bytes(int id) const = 0;
+  // token_bytes of every id, indexed by id.
+  std::vector<std::string> all_token_bytes() const;
   virtual bool is_control(int id) const = 0;  // <s>, </s>, special added tokens
   virtual bool is_byte(int id) const = 0;     // byte-fallback piece <0xNN>
   virtual bool is_unknown(int id) const = 0;  // <unk>

@@ -239,6 +239,62 @@ TEST_P(RealTokenizer, EncodeDecodeRoundTrip) {
   }
 }
 
+// The bytes a grammar matches per token (Tokenizer::token_bytes), against the independent
+// implementation's decodings: joined over a corpus text's ids they are its decoding exactly,
+// over random id sequences (characters split between tokens, special tokens between their
+// bytes) they are its decoding once invalid UTF-8 becomes U+FFFD, and each id alone decodes to
+// the reference's decoding of that id. Tokens holding part of a character keep raw bytes.
+TEST_P(RealTokenizer, TokenBytesJoinToTheIndependentDecoding) {
+  const auto tok = load(GetParam());
+  const std::vector<std::string> bytes = tok->all_token_bytes();
+  ASSERT_EQ(static_cast<int>(bytes.size()), tok->vocab_size());
+  auto join = [&](const std::vector<int>& ids) {
+    std::string out;
+    for (int id : ids) out += bytes[static_cast<size_t>(id)];
+    return out;
+  };
+  int wrong = 0;
+  for (const Case& c : read_cases(GetParam())) {
+    const std::string text = join(c.ids);
+    if (text != c.text && ++wrong <= 5)
+      ADD_FAILURE() << "token bytes of " << ids_str(c.ids) << "\n  kestrel:   " << show(text)
+                    << "\n  reference: " << show(c.text);
+  }
+  EXPECT_EQ(wrong, 0);
+  int split = 0;
+  for (const Sequence& s : read_sequences(GetParam())) {
+    const std::string text = join(s.ids);
+    split += !kestrel::utf8::valid(text);
+    EXPECT_EQ(kestrel::utf8::sanitize(text), s.text) << ids_str(s.ids);
+  }
+  EXPECT_GT(split, 100) << "the sequences should break characters";
+
+  const fs::path path = data_dir() / "reference" / (GetParam() + ".decode.json");
+  std::ifstream in(path);
+  ASSERT_TRUE(in) << missing_note(path);
+  const auto expected = nlohmann::json::parse(in).get<std::vector<std::string>>();
+  int partial = 0, control = 0;
+  for (int id = 0; id < tok->vocab_size(); ++id) {
+    const std::string& b = bytes[static_cast<size_t>(id)];
+    EXPECT_EQ(b, tok->token_bytes(id));
+    if (tok->is_control(id)) {
+      ++control;
+      EXPECT_EQ(b, "") << "id " << id;
+      continue;
+    }
+    EXPECT_FALSE(b.empty()) << "id " << id;
+    if (!kestrel::utf8::valid(b)) {
+      ++partial;
+      EXPECT_EQ(b.find("\xEF\xBF\xBD"), std::string::npos) << "id " << id;
+    }
+    EXPECT_EQ(kestrel::utf8::sanitize(b), expected[static_cast<size_t>(id)]) << "id " << id;
+  }
+  EXPECT_GT(partial, 100) << "byte-level vocabularies hold partial characters";
+  EXPECT_GT(control, 0);
+  EXPECT_EQ(tok->token_bytes(-1), "");
+  EXPECT_EQ(tok->token_bytes(tok->vocab_size()), "");
+}
+
 INSTANTIATE_TEST_SUITE_P(Files, RealTokenizer, ::testing::Values("llama3", "qwen3", "gpt2"));
 
 TEST(RealTokenizers, KnownIdsAndSpecialTokens) {

@@ -560,4 +560,32 @@ TEST_F(TokenizerTest, LeadingSpaceKeptWhenNotAtTextStart) {
   EXPECT_EQ(tok.decode(all), "the river and the mountain 🦊 café");
 }
 
+// The bytes a grammar matches per token: the ids come from the SentencePiece library, which
+// writes "▁" for each space (one before the text with add_dummy_prefix) and bytes it has no
+// piece for as <0xNN> pieces, so joined they must give the text's own bytes. Characters outside
+// the 400-piece vocabulary come out byte by byte, each byte piece its raw byte.
+TEST_F(TokenizerTest, TokenBytesJoinToTheText) {
+  const auto tok = plain();
+  const auto no_prefix = Tokenizer::from_model_file(no_prefix_model_.string());
+  const std::vector<std::string> bytes = tok->all_token_bytes();
+  int split = 0;
+  for (const auto& text : sample_texts()) {
+    std::string joined;
+    for (int id : tok->encode(text, false)) {
+      joined += bytes[static_cast<size_t>(id)];
+      split += tok->is_byte(id) && (bytes[static_cast<size_t>(id)][0] & 0x80);
+    }
+    EXPECT_EQ(joined, text.empty() ? text : " " + text);
+    joined.clear();
+    for (int id : no_prefix->encode(text, false)) joined += no_prefix->token_bytes(id);
+    EXPECT_EQ(joined, text);
+  }
+  EXPECT_GT(split, 20) << "the texts should split characters into byte pieces";
+  for (int b = 0; b < 256; ++b) EXPECT_EQ(tok->token_bytes(byte_id(*tok, b)), std::string(1, static_cast<char>(b)));
+  EXPECT_EQ(tok->token_bytes(tok->piece_to_id("\xE2\x96\x81the")), " the");
+  for (int id : {0, 1, 2, tok->piece_to_id("<|im_end|>"), -1, tok->vocab_size()}) {
+    EXPECT_EQ(tok->token_bytes(id), "") << id;
+  }
+}
+
 }  // namespace

@@ -33,6 +33,8 @@ struct ChatArgs {
   bool n_given = false;  // -n on the command line
   SamplingOptions sampling;
   SpecOptions spec;
+  GrammarOptions grammar_opts;
+  std::shared_ptr<const grammar::Grammar> grammar;  // read before the model loads
   std::string chat_template = "auto";
   std::optional<std::string> system;
   std::string template_kwargs_text;  // --chat-template-kwargs
@@ -80,6 +82,7 @@ class ChatSession {
     // One drafter for the whole conversation: a draft model's session follows each turn's
     // prompt by its longest shared prefix, as the model's own does.
     spec_ = open_speculation(a_.spec, m_, a_.model, base_, a_.quiet);
+    if (a_.grammar) masker_ = grammar_masker(*m_.tok, tmpl_->stop_ids());
     perf_.speculative = spec_.drafter != nullptr;
     if (a_.system) msgs_.push_back({"system", *a_.system});
     n_predict_ = a_.n_predict;
@@ -250,6 +253,8 @@ class ChatSession {
     opt.cancelled = [] { return interrupted(); };
     opt.drafter = spec_.drafter.get();
     opt.draft_max = a_.spec.draft_max;
+    opt.grammar = a_.grammar;  // each reply matches the grammar from its start
+    opt.masker = masker_;
 
     bool started = false;  // leading whitespace of a reply is not shown
     auto stream = [&](std::string_view s) {
@@ -269,6 +274,7 @@ class ChatSession {
     last_ = r;
     msgs_.push_back({"assistant", trim(r.text)});
     if (stopped) info("(reply stopped)");
+    if (const std::string n = grammar_note(a_.grammar_opts, r); !n.empty()) info(n);
     const int n_run = (int)r.prompt_ids.size() - r.n_cached;
     info(fmt::format("[prompt {} tokens, {:.1f} tok/s | reply {} tokens, {:.1f} tok/s | "
                      "context {}/{}]",
@@ -298,6 +304,7 @@ class ChatSession {
   bool interactive_ = false, color_ = false;
   LoadedModel m_;
   Speculation spec_;
+  std::shared_ptr<const grammar::TokenMasker> masker_;  // with a grammar
   std::optional<ChatTemplate> tmpl_;
   int ctx_ = 0;
   SamplingParams base_;
@@ -328,6 +335,7 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
                 ->check(token_count());
   add_sampling_options(cmd, a->sampling);
   add_spec_options(cmd, a->spec);
+  add_grammar_options(cmd, a->grammar_opts);
   cmd->add_flag("-e,--escape", a->escape,
                 "process escapes (\\n, \\t, \\xHH, ...) in --system, --stop and -r");
   auto* quiet =
@@ -338,7 +346,9 @@ void register_chat(CLI::App& app, std::function<int()>& action) {
     a->n_given = n->count() > 0;
     if (kwargs->count()) a->template_kwargs = parse_template_kwargs(a->template_kwargs_text);
     check_spec_options(a->spec);
+    check_grammar_options(a->grammar_opts, a->spec);
     action = [a] {
+      a->grammar = load_grammar(a->grammar_opts);
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);
       if (a->escape) {

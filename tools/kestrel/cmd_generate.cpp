@@ -33,6 +33,8 @@ struct GenerateArgs {
   int n_predict = 128;  // -1 = up to the end of the context
   SamplingOptions sampling;
   SpecOptions spec;
+  GrammarOptions grammar_opts;
+  std::shared_ptr<const grammar::Grammar> grammar;  // read before the model loads
   bool chat = false;
   std::string chat_template = "auto";
   std::optional<std::string> system;
@@ -128,7 +130,14 @@ GenerateOptions base_options(const GenerateArgs& a, const std::optional<ChatTemp
     for (const std::string& s : tmpl->stop_strings()) opt.stop.push_back(s);
     opt.stop_ids = tmpl->stop_ids();
   }
+  opt.grammar = a.grammar;
   return opt;
+}
+
+// With a grammar: the tokenizer's masker, its end ids and the chat template's allowed at a
+// complete match.
+void add_masker(const GenerateArgs& a, const LoadedModel& m, GenerateOptions& opt, bool lines_have_grammars = false) {
+  if (a.grammar || lines_have_grammars) opt.masker = grammar_masker(*m.tok, opt.stop_ids);
 }
 
 // --verbose: what the run is made of, on stderr.
@@ -175,6 +184,7 @@ int run_single(const GenerateArgs& a) {
   perf.load_ms = m.load_ms;
 
   GenerateOptions opt = base_options(a, tmpl);
+  add_masker(a, m, opt);
   const Speculation spec = open_speculation(a.spec, m, a.model, opt.sampling, a.quiet);
   opt.drafter = spec.drafter.get();
   opt.draft_max = a.spec.draft_max;
@@ -206,11 +216,13 @@ int run_single(const GenerateArgs& a) {
     j["temperature"] = opt.sampling.temperature;
     j["timings"] = timings_json(r, opt.drafter != nullptr);
     j["timings"]["load_ms"] = m.load_ms;
+    if (a.grammar) j["grammar_complete"] = r.grammar_complete;
     if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
     std::cout << dump(j) << "\n";
   } else {
     std::cout << "\n" << std::flush;
   }
+  if (const std::string n = grammar_note(a.grammar_opts, r); !n.empty()) std::cerr << n << "\n";
   if (!a.quiet || stopped) print_perf(perf, m.session->device_name());
   if (stopped) {
     std::cerr << fmt::format("kestrel: interrupted after {} generated token{}\n", r.ids.size(),
@@ -263,9 +275,13 @@ int run_batch(const GenerateArgs& a) {
   const std::optional<ChatTemplate> tmpl = chat_template(a, m);
   const int ctx = context_length(m, lo);
   int runnable = 0;
+  bool line_grammars = false;
   for (BatchItem& it : items) {
     if (!it.error.empty()) continue;
     try {
+      if (it.grammar && !a.spec.kind.empty())
+        throw Error("--spec does not go with a line's grammar (drafts are not checked against it)");
+      line_grammars |= it.grammar != nullptr;
       it.ids = prompt_ids(a, m, tmpl, it.prompt);
       check_fits((int)it.ids.size(), it.settings.value("n_predict", a.n_predict), ctx);
       ++runnable;
@@ -279,6 +295,7 @@ int run_batch(const GenerateArgs& a) {
     perf.load_ms = m.load_ms;
   }
   GenerateOptions base = base_options(a, tmpl);
+  if (runnable > 0) add_masker(a, m, base, line_grammars);
   Speculation spec;
   if (runnable > 0) spec = open_speculation(a.spec, m, a.model, base.sampling, a.quiet);
   base.drafter = spec.drafter.get();
@@ -301,6 +318,7 @@ int run_batch(const GenerateArgs& a) {
     if (it.error.empty()) {
       GenerateOptions opt = base;
       apply_batch_settings(it.settings, opt);
+      if (it.grammar) opt.grammar = it.grammar;
       if (it.settings.contains("stop")) {
         if (tmpl)
           for (const std::string& t : tmpl->stop_strings()) opt.stop.push_back(t);
@@ -313,6 +331,7 @@ int run_batch(const GenerateArgs& a) {
         j["prompt_tokens"] = r.prompt_ids.size();
         j["generated_tokens"] = r.ids.size();
         j["seed"] = opt.sampling.seed;
+        if (opt.grammar) j["grammar_complete"] = r.grammar_complete;
         j["timings"] = timings_json(r, opt.drafter != nullptr);
         if (a.logprobs > 0) j["logprobs"] = logprobs_json(*m.tok, r.logprobs);
         stopped = take_interrupt();
@@ -365,6 +384,7 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
       ->capture_default_str();
   add_sampling_options(cmd, a->sampling);
   add_spec_options(cmd, a->spec);
+  add_grammar_options(cmd, a->grammar_opts);
   auto* chat =
       cmd->add_flag("--chat", a->chat, "wrap the prompt as a user message in the chat template");
   auto* tmpl = cmd->add_option("--template", a->chat_template,
@@ -401,7 +421,9 @@ void register_generate(CLI::App& app, std::function<int()>& action) {
     if (no_display->count() && (json->count() || batch->count()))
       refuse("--no-display-prompt goes with streamed text, not --json or --batch-file");
     check_spec_options(a->spec);
+    check_grammar_options(a->grammar_opts, a->spec);
     action = [a] {
+      a->grammar = load_grammar(a->grammar_opts);
       if (!is_template_file(a->chat_template) && a->chat_template != "auto")
         parse_chat_format(a->chat_template);
       if (a->escape) {

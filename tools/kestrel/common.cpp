@@ -1,5 +1,6 @@
 #include "tools/kestrel/common.h"
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 
 #include "base/error.h"
 #include "base/files.h"
+#include "engine/grammar/json_schema.h"
 
 namespace kestrel::cli {
 
@@ -428,6 +430,65 @@ void print_perf(const Perf& p, const std::string& device) {
 }
 
 std::string read_text_file(const std::string& path) { return read_regular_file(path); }
+
+void add_grammar_options(CLI::App* cmd, GrammarOptions& g) {
+  auto* gr = cmd->add_option("--grammar", g.grammar_file,
+                             "constrain the output to a GBNF grammar (llama.cpp's format) in FILE")
+                 ->type_name("FILE");
+  auto* js = cmd->add_option("--json-schema", g.json_schema,
+                             "constrain the output to JSON matching a JSON Schema: a FILE, or "
+                             "inline JSON starting with '{'")
+                 ->type_name("FILE|JSON");
+  auto* jo = cmd->add_flag("--json-object", g.json_object, "constrain the output to a JSON object");
+  gr->excludes(js)->excludes(jo);
+  js->excludes(gr)->excludes(jo);
+  jo->excludes(gr)->excludes(js);
+}
+
+void check_grammar_options(const GrammarOptions& g, const SpecOptions& spec) {
+  if (g.given() && !spec.kind.empty())
+    throw CLI::ValidationError(
+        "--spec does not go with --grammar, --json-schema or --json-object (drafts are not "
+        "checked against the grammar)");
+}
+
+std::shared_ptr<const grammar::Grammar> load_grammar(const GrammarOptions& g) {
+  if (!g.given()) return nullptr;
+  if (!g.grammar_file.empty()) {
+    const std::string text = read_text_file(g.grammar_file);
+    try {
+      return grammar::Grammar::parse(text);
+    } catch (const Error& e) {
+      // "grammar:3:7: what" names the file instead; "grammar: no rule ..." keeps its word.
+      const std::string what = e.what();
+      if (what.starts_with("grammar:") && what.size() > 8 && std::isdigit((unsigned char)what[8]))
+        throw Error(g.grammar_file + ":" + what.substr(8));
+      throw Error(g.grammar_file + ": " + what);
+    }
+  }
+  std::string gbnf;
+  if (g.json_object) {
+    gbnf = grammar::json_object_gbnf();
+  } else {
+    const size_t first = g.json_schema.find_first_not_of(" \t\r\n");
+    const bool inline_json = first != std::string::npos && g.json_schema[first] == '{';
+    const std::string where = inline_json ? "--json-schema" : g.json_schema;
+    try {
+      gbnf = grammar::json_schema_to_gbnf(inline_json ? g.json_schema : read_text_file(g.json_schema));
+    } catch (const Error& e) {
+      // read_text_file names the file itself.
+      const std::string what = e.what();
+      throw Error(what.starts_with("json schema:") ? where + ": " + what : what);
+    }
+  }
+  return grammar::Grammar::parse(gbnf);
+}
+
+std::string grammar_note(const GrammarOptions& g, const GenerateResult& r) {
+  if (!g.given() || r.grammar_complete || r.finish_reason == "cancelled") return "";
+  const std::string why = r.finish_reason == "length" ? "the token limit (-n)" : "a stop string";
+  return "note: " + why + " ended the text before the grammar was complete; the output is incomplete";
+}
 
 CLI::Option* add_template_kwargs_option(CLI::App* cmd, std::string& text) {
   return cmd->add_option("--chat-template-kwargs", text,

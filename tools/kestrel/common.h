@@ -99,6 +99,25 @@ Speculation open_speculation(const SpecOptions& s, const LoadedModel& target,
                              const ModelOptions& target_opts, const SamplingParams& sampling,
                              bool quiet);
 
+// Structured output (docs/grammar.md): --grammar FILE (GBNF), --json-schema FILE|JSON (inline
+// JSON when it starts with '{'), --json-object; at most one of them, and not with --spec.
+struct GrammarOptions {
+  std::string grammar_file;
+  std::string json_schema;
+  bool json_object = false;
+  bool given() const { return !grammar_file.empty() || !json_schema.empty() || json_object; }
+};
+// Adds the options (mutually exclusive); check_grammar_options, from the command's callback,
+// refuses them with --spec (speculative decoding's drafts are not checked against a grammar).
+void add_grammar_options(CLI::App* cmd, GrammarOptions& g);
+void check_grammar_options(const GrammarOptions& g, const SpecOptions& spec);
+// The compiled grammar (null when none was asked for), read before the model loads so that a
+// mistake costs no loading: throws kestrel::Error in one line, "FILE:LINE:COL: what" for GBNF
+// that does not parse, "FILE: json schema: /POINTER: what" for a schema the converter refuses.
+std::shared_ptr<const grammar::Grammar> load_grammar(const GrammarOptions& g);
+// The note when a grammar's text was cut short ("" when it is complete or there is no grammar).
+std::string grammar_note(const GrammarOptions& g, const GenerateResult& r);
+
 // Totals of a run for the closing performance block (llama.cpp's llama_perf_context_print).
 struct Perf {
   double load_ms = 0;

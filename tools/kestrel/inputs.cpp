@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 
 #include "base/error.h"
+#include "engine/grammar/grammar.h"
+#include "engine/grammar/json_schema.h"
 #include "engine/server/messages.h"
 
 namespace kestrel::cli {
@@ -79,9 +81,40 @@ BatchItem parse_batch_line(const std::string& text, int line) {
         return it;
       }
       it.settings[key] = stops;
+    } else if (key == "grammar" || key == "json_schema" || key == "json_object") {
+      if (it.grammar) {
+        it.error = "at most one of \"grammar\", \"json_schema\" and \"json_object\"";
+        return it;
+      }
+      try {
+        if (key == "grammar") {
+          if (!v.is_string()) {
+            bad(key, "a string (GBNF)");
+            return it;
+          }
+          it.grammar = grammar::Grammar::parse(v.get<std::string>());
+        } else if (key == "json_schema") {
+          // A schema object, or its text.
+          if (!v.is_object() && !v.is_string() && !v.is_boolean()) {
+            bad(key, "a JSON Schema");
+            return it;
+          }
+          it.grammar = grammar::Grammar::parse(grammar::json_schema_to_gbnf(v.is_string() ? v.get<std::string>() : v.dump()));
+        } else {
+          if (v != true) {
+            bad(key, "true");
+            return it;
+          }
+          it.grammar = grammar::Grammar::parse(grammar::json_object_gbnf());
+        }
+      } catch (const Error& e) {
+        it.error = fmt::format("\"{}\": {}", key, e.what());
+        return it;
+      }
     } else {
       it.error = fmt::format("unknown key \"{}\" (known: prompt, n_predict, max_tokens, "
-                             "temperature, top_k, top_p, min_p, seed, stop, id)", key);
+                             "temperature, top_k, top_p, min_p, seed, stop, grammar, json_schema, "
+                             "json_object, id)", key);
       return it;
     }
   }

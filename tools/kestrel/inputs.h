@@ -4,6 +4,7 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,9 @@ struct BatchItem {
   std::string prompt;
   nlohmann::json settings = nlohmann::json::object();  // checked: n_predict, temperature, top_k,
                                                        // top_p, min_p, seed, stop (a list)
+  // The line's own grammar ("grammar": GBNF text, "json_schema": a schema, "json_object":
+  // true), compiled as the line is read; in place of the command line's.
+  std::shared_ptr<const grammar::Grammar> grammar;
   std::string error;
   std::vector<int> ids;
 };
