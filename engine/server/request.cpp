@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "base/error.h"
+#include "engine/grammar/json_schema.h"
 #include "engine/server/messages.h"
 
 namespace kestrel::server {
@@ -212,6 +213,40 @@ bool tools_not_called(const Fields& f) {
   return choice && *choice == "none";
 }
 
+// response_format: {"type": "text"}, {"type": "json_object"} (any JSON object), or
+// {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}: the schema converted to
+// a grammar (docs/grammar.md says which keywords are run and which refused). "strict" changes
+// nothing: the answer always matches the schema, as OpenAI's strict mode promises.
+// `body` is the request's text: the schema is read from it again in its own key order (json
+// sorts an object's keys), since the converter keeps the properties in the order the schema
+// gives them, as OpenAI's structured outputs write them.
+std::shared_ptr<const grammar::Grammar> parse_response_format(const json* v, const std::string& body) {
+  if (!v) return nullptr;
+  if (!v->is_object() || !v->contains("type") || !(*v)["type"].is_string())
+    throw bad("response_format", "'response_format' must be an object with a string \"type\"");
+  const std::string type = (*v)["type"].get<std::string>();
+  try {
+    if (type == "text") return nullptr;
+    if (type == "json_object")
+      return grammar::Grammar::parse(grammar::json_object_gbnf());
+    if (type == "json_schema") {
+      const json* js = v->contains("json_schema") ? &(*v)["json_schema"] : nullptr;
+      if (!js || !js->is_object() || !js->contains("schema") || !(*js)["schema"].is_object())
+        throw bad("response_format",
+                  "'response_format': json_schema needs \"json_schema\": {\"name\": ..., \"schema\": {...}}");
+      const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(body);
+      return grammar::Grammar::parse(
+          grammar::json_schema_to_gbnf(ordered["response_format"]["json_schema"]["schema"].dump()));
+    }
+  } catch (const ApiError&) {
+    throw;
+  } catch (const Error& e) {
+    throw bad("response_format", std::string("'response_format': ") + e.what());
+  }
+  throw bad("response_format", "'response_format': type '" + type +
+                                   "' is not one of text, json_object, json_schema");
+}
+
 }  // namespace
 
 json parse_body(const std::string& body, const JsonLimits& limits) {
@@ -270,10 +305,7 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
                   "function calls are not supported");
   const json* choice = f.get("tool_choice");
   f.refuse_unless("tool_choice", choice && *choice == "none", "tool calls are not supported");
-  const json* format = f.get("response_format");
-  f.refuse_unless("response_format",
-                  format && format->is_object() && format->value("type", json()) == "text",
-                  "only {\"type\": \"text\"} is supported");
+  r.grammar = parse_response_format(f.get("response_format"), body);
   const json* bias = f.get("logit_bias");
   f.refuse_unless("logit_bias", bias && bias->is_object() && bias->empty(), "logit_bias is not supported");
 
@@ -374,6 +406,7 @@ PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& t
   o.ignore_eos = req.ignore_eos;
   // The engine records the top-n with the chosen token; n >= 1 turns the recording on.
   o.logprobs = req.logprobs ? std::max(1, req.top_logprobs) : 0;
+  o.grammar = req.grammar;  // its masker is the server's, built once (grammar_masker)
   if (chat) {
     for (const std::string& s : tmpl->stop_strings()) o.stop.push_back(s);
     o.stop_ids = tmpl->stop_ids();

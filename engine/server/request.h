@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -69,6 +70,9 @@ struct CompletionRequest {
   bool logprobs = false;  // record the chosen token's log-probability ...
   int top_logprobs = 0;   // ... and this many of the most likely ones
   bool ignore_eos = false;  // llama-server's: generate max_tokens whatever the model says
+  // response_format json_object or json_schema: the grammar the answer must match
+  // (docs/grammar.md); null for text.
+  std::shared_ptr<const grammar::Grammar> grammar;
 };
 
 // Parses and checks a request body. `seed` is the seed used when the request gives none (the

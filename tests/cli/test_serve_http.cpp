@@ -553,3 +553,53 @@ TEST_F(ServeHttp, MetricsCountWhatWasServed) {
   EXPECT_EQ(value("kestrel:num_requests_waiting"), 0) << body;
   EXPECT_EQ(value("kestrel:num_slots"), 1) << body;
 }
+
+// response_format json_schema over the socket, whole and streamed, greedy and sampled: the
+// answer's text is JSON with the schema's keys in its order and values inside its enum and
+// range, whatever the random model would have written.
+TEST_F(ServeHttp, ResponseFormatConstrainsTheAnswer) {
+  Server s(args({}), "response-format");
+  const int port = s.wait_listening();
+  ASSERT_GT(port, 0) << s.log();
+  const std::string format = R"("response_format": {"type": "json_schema", "json_schema": {"name": "pick",
+      "schema": {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                 "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+                 "required": ["color", "n"], "additionalProperties": false}}})";
+  auto check = [](const std::string& text, const std::string& what) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    ASSERT_TRUE(j.is_object()) << what << ": " << text;
+    EXPECT_EQ(text.find("\"color\""), text.find_first_of('"')) << what << ": " << text;  // first key
+    ASSERT_TRUE(j.contains("color") && j.contains("n") && j.size() == 2) << what << ": " << text;
+    EXPECT_TRUE(j["color"] == "red" || j["color"] == "green") << what << ": " << text;
+    ASSERT_TRUE(j["n"].is_number_integer()) << what << ": " << text;
+    EXPECT_GE(j["n"].get<int>(), 0) << what;
+    EXPECT_LE(j["n"].get<int>(), 9) << what;
+  };
+  for (const std::string sampling : {R"("temperature": 0)", R"("temperature": 1.0, "seed": 3)",
+                                     R"("temperature": 1.0, "seed": 4)"}) {
+    const std::string whole = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json"},
+                                   R"({"prompt": "the river", "max_tokens": 40, )" + sampling + ", " + format + "}");
+    ASSERT_EQ(status_of(whole), 200) << whole;
+    const nlohmann::json w = nlohmann::json::parse(body_of(whole));
+    check(w["choices"][0]["text"].get<std::string>(), "whole, " + sampling);
+
+    const std::string streamed = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json"},
+                                      R"({"prompt": "the river", "max_tokens": 40, "stream": true, )" + sampling +
+                                          ", " + format + "}");
+    ASSERT_EQ(status_of(streamed), 200) << streamed;
+    std::string text;
+    for (size_t at = streamed.find("data: {"); at != std::string::npos; at = streamed.find("data: {", at + 1)) {
+      const size_t end = streamed.find('\n', at);
+      const nlohmann::json ev = nlohmann::json::parse(streamed.substr(at + 6, end - at - 6), nullptr, false);
+      if (ev.is_object() && ev.contains("choices") && !ev["choices"].empty())
+        text += ev["choices"][0].value("text", "");
+    }
+    check(text, "streamed, " + sampling);
+  }
+  // What the converter refuses is the client's 400, naming response_format.
+  const std::string bad = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json"},
+                               R"({"prompt": "x", "response_format": {"type": "json_schema", "json_schema":
+                                   {"name": "n", "schema": {"not": {}}}}})");
+  EXPECT_EQ(status_of(bad), 400) << bad;
+  EXPECT_NE(body_of(bad).find("response_format"), std::string::npos) << bad;
+}

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "base/error.h"
+#include "engine/grammar/grammar.h"
 #include "engine/server/request.h"
 #include "engine/server/response.h"
 #include "engine/server/scheduler.h"
@@ -246,13 +247,49 @@ TEST(ServerRequest, SeedOutOfRange) {
   EXPECT_EQ(chat({{"messages", kMessages}, {"seed", INT64_MIN}}).sampling.seed, (uint64_t)INT64_MIN);
 }
 
+// response_format: text is no grammar; json_object and json_schema compile one, which the
+// answer's text must match; what the converter refuses, and malformed formats, are 400s on
+// response_format with the converter's words.
+TEST(ServerRequest, ResponseFormatCompilesAGrammar) {
+  const std::string m = R"("messages": [{"role": "user", "content": "Hi"}])";
+  auto with = [&](const std::string& field) { return "{" + m + ", " + field + "}"; };
+  EXPECT_EQ(chat(json::parse(with(R"("response_format": {"type": "text"})"))).grammar, nullptr);
+  auto matches = [](const std::shared_ptr<const grammar::Grammar>& g, const std::string& text) {
+    grammar::GrammarState st(g);
+    return st.accept_bytes(text) && st.is_accepting();
+  };
+  const CompletionRequest obj = chat(json::parse(with(R"("response_format": {"type": "json_object"})")));
+  ASSERT_NE(obj.grammar, nullptr);
+  EXPECT_TRUE(matches(obj.grammar, R"({"a": [1, 2.5, "x"], "b": null})"));
+  EXPECT_FALSE(matches(obj.grammar, R"([1, 2])"));
+  // The body as a client writes it (a parsed json would sort the schema's keys).
+  const CompletionRequest sch = parse_completion_request(Endpoint::Chat, with(R"("response_format": {"type": "json_schema",
+      "json_schema": {"name": "p", "strict": true, "schema": {"type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": false}}})"), defaults(), 1);
+  ASSERT_NE(sch.grammar, nullptr);
+  EXPECT_TRUE(matches(sch.grammar, R"({"name": "Ada", "age": 36})"));
+  EXPECT_FALSE(matches(sch.grammar, R"({"name": "Ada"})"));
+  EXPECT_FALSE(matches(sch.grammar, R"({"name": "Ada", "age": 36, "x": 1})"));
+  // In the schema's order, not the alphabetical one a parsed object keeps.
+  EXPECT_FALSE(matches(sch.grammar, R"({"age": 36, "name": "Ada"})"));
+
+  expect_refused(Endpoint::Chat, with(R"("response_format": {"type": "xml"})"), "response_format");
+  expect_refused(Endpoint::Chat, with(R"("response_format": "json")"), "response_format");
+  expect_refused(Endpoint::Chat, with(R"("response_format": {"type": "json_schema"})"), "response_format");
+  const ApiError e = refusal([&] {
+    parse_completion_request(Endpoint::Chat, with(R"("response_format": {"type": "json_schema",
+        "json_schema": {"name": "n", "schema": {"not": {"type": "string"}}}})"), defaults(), 1);
+  });
+  EXPECT_NE(std::string(e.what()).find("unsupported keyword 'not'"), std::string::npos) << e.what();
+}
+
 TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
   const std::string m = R"("messages": [{"role": "user", "content": "Hi"}])";
   auto with = [&](const std::string& field) { return "{" + m + ", " + field + "}"; };
   expect_refused(Endpoint::Chat, with(R"("n": 2)"), "n");
   expect_refused(Endpoint::Chat, with(R"("tools": [{"type": "function"}])"), "tools");
   expect_refused(Endpoint::Chat, with(R"("tool_choice": "auto")"), "tool_choice");
-  expect_refused(Endpoint::Chat, with(R"("response_format": {"type": "json_object"})"), "response_format");
   expect_refused(Endpoint::Chat, with(R"("logit_bias": {"50256": -100})"), "logit_bias");
   // Their harmless values pass.
   EXPECT_NO_THROW(chat(json::parse(with(R"("n": 1, "tools": [], "tool_choice": "none",
@@ -436,6 +473,10 @@ TEST_F(ServerPrepare, PromptIdsAndOptions) {
   EXPECT_FALSE(p.options.ignore_eos);
   const CompletionRequest e = completion({{"prompt", "the river"}, {"ignore_eos", true}});
   EXPECT_TRUE(prepare_request(e, *tok_, nullptr, 64, tok_->vocab_size()).options.ignore_eos);
+  EXPECT_EQ(p.options.grammar, nullptr);
+  const CompletionRequest j = completion({{"prompt", "the river"}, {"response_format", {{"type", "json_object"}}}});
+  ASSERT_NE(j.grammar, nullptr);
+  EXPECT_EQ(prepare_request(j, *tok_, nullptr, 64, tok_->vocab_size()).options.grammar, j.grammar);
 
   const CompletionRequest r = chat({{"messages", kMessages}, {"stop", "y"}});
   const PreparedRequest q = prepare_request(r, *tok_, &*tmpl_, 256, tok_->vocab_size());

@@ -318,10 +318,14 @@ class Server {
       }
       Session& session = *sessions_[lease->slot()];
       const server::ResponseMeta rm = meta(endpoint);
+      // response_format's grammar: the token masker of this endpoint's end ids, built once.
+      // Drafts are not checked against a grammar, so such a request decodes without them.
+      const bool constrained = p->options.grammar != nullptr;
+      if (constrained) p->options.masker = masker(endpoint, p->options.stop_ids);
       // The request's drafter, drafting with its own sampling.
       std::unique_ptr<Drafter> drafter;
-      if (a_.spec.kind == "lookup") drafter = std::make_unique<NgramDrafter>();
-      if (a_.spec.kind == "draft")
+      if (a_.spec.kind == "lookup" && !constrained) drafter = std::make_unique<NgramDrafter>();
+      if (a_.spec.kind == "draft" && !constrained)
         drafter = std::make_unique<ModelDrafter>(*draft_sessions_[lease->slot()], p->options.sampling,
                                                  m_.spec->config.vocab);
       p->options.drafter = drafter.get();
@@ -400,6 +404,15 @@ class Server {
     for (size_t i = 0; i < after_first; ++i) metrics_.observe_token_latency(per);
   }
 
+  // The token masker of an endpoint's end ids (the chat template's for chat), built on first
+  // use: it walks the whole vocabulary (about 0.2 s at 150k tokens), so never per request.
+  std::shared_ptr<const grammar::TokenMasker> masker(Endpoint endpoint, const std::vector<int>& end_ids) {
+    std::lock_guard<std::mutex> lk(masker_mutex_);
+    auto& m = maskers_[endpoint == Endpoint::Chat ? 1 : 0];
+    if (!m) m = grammar_masker(*m_.tok, end_ids);
+    return m;
+  }
+
   static void note_result(server::AccessEntry& log, const GenerateResult& r) {
     log.completion_tokens = (int)r.ids.size();
     log.finish = server::finish_reason(r);
@@ -432,6 +445,8 @@ class Server {
   std::vector<std::unique_ptr<Session>> draft_sessions_;
   std::unique_ptr<server::Slots> slots_;
   server::Metrics metrics_;
+  std::mutex masker_mutex_;
+  std::shared_ptr<const grammar::TokenMasker> maskers_[2];  // completions, chat
   std::atomic<bool> stopping_{false};
   std::mutex rng_mutex_, log_mutex_;
   std::mt19937_64 rng_;
