@@ -35,6 +35,7 @@ struct LinearSpec {
   int group_size = 0;   // as configured; -1 = one group
   int zero_offset = 1;  // 1 = gptq (v1), 0 = gptq_v2
   bool act_order = false;  // g_idx is not k / group_size
+  bool sym = true;         // as configured for this linear (base config or its dynamic rule)
 };
 
 // The tensors a decoder layer of any family may have; those its family lacks stay null
@@ -66,6 +67,11 @@ struct ModelSpec {
 };
 
 ModelSpec load_model_spec(const std::string& dir);
+
+// The quantized linears of `s` in more than one format (bits, group size, zero convention),
+// as GPTQModel's `dynamic` rules make them: "" when they share one, else a line naming two
+// linears that differ. Unquantized (FP16) linears among quantized ones do not count.
+std::string mixed_formats(const ModelSpec& s);
 
 // Reads a 1-D or 2-D float tensor (F16, BF16 or F32) into fp32.
 std::vector<float> to_float(const TensorInfo& t);
