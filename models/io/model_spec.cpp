@@ -256,20 +256,16 @@ ModelSpec load_model_spec(const std::string& dir) {
 
   SpecReader r{c, f, spec.warnings};
   if (c.quant && !c.quant->dynamic.empty()) {
-    // Every linear's name as the quantizer saw it (and lm_head, which a "-:" rule may name).
-    std::vector<std::string> modules;
-    for (int i = 0; i < c.n_layers; ++i) {
-      const std::string p = fmt::format("{}{}.", n.layer, i);
-      for (const std::string* s : {&n.q, &n.k, &n.v, &n.o, &n.gate, &n.up, &n.down})
-        if (s != &n.gate || c.mlp == MlpKind::GatedSiLU) modules.push_back(p + *s);
-    }
-    modules.push_back(n.lm_head);
+    // Keyed by the checkpoint's names, which may lack the "model." prefix the rules were
+    // written against.
+    const bool bare = n.layer != family_of(c).names.layer;
+    const std::vector<std::string> modules = linear_modules(c);
     std::vector<int> deciding;
-    const std::vector<std::optional<LinearQuant>> formats =
-        resolve_modules(c.quant->base(), c.quant->dynamic, modules, dir, &deciding);
+    const std::vector<std::optional<LinearQuant>> formats = linear_formats(c, dir, &deciding);
     for (size_t i = 0; i < modules.size(); ++i) {
-      r.formats[modules[i]] = formats[i];
-      if (deciding[i] >= 0) r.deciding_rule[modules[i]] = c.quant->dynamic[deciding[i]].key;
+      const std::string name = bare && modules[i].starts_with("model.") ? modules[i].substr(6) : modules[i];
+      r.formats[name] = formats[i];
+      if (deciding[i] >= 0) r.deciding_rule[name] = c.quant->dynamic[deciding[i]].key;
     }
   }
   spec.layers.resize(c.n_layers);
@@ -299,6 +295,31 @@ ModelSpec load_model_spec(const std::string& dir) {
   refuse_unused(spec, std::move(accounted));
   check_finite(used);
   return spec;
+}
+
+std::vector<std::string> linear_modules(const ModelConfig& c) {
+  const TensorNames& n = family_of(c).names;
+  std::vector<std::string> modules;
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string p = fmt::format("{}{}.", n.layer, i);
+    for (const std::string* s : {&n.q, &n.k, &n.v, &n.o, &n.gate, &n.up, &n.down})
+      if (s != &n.gate || c.mlp == MlpKind::GatedSiLU) modules.push_back(p + *s);
+  }
+  modules.push_back(n.lm_head);
+  return modules;
+}
+
+std::vector<std::optional<LinearQuant>> linear_formats(const ModelConfig& c, const std::string& where,
+                                                       std::vector<int>* deciding) {
+  const std::vector<std::string> modules = linear_modules(c);
+  std::vector<std::optional<LinearQuant>> out(modules.size());
+  if (!c.quant) {
+    if (deciding) deciding->assign(modules.size(), -1);
+    return out;
+  }
+  out = resolve_modules(c.quant->base(), c.quant->dynamic, modules, where, deciding);
+  out.back() = std::nullopt;  // lm_head
+  return out;
 }
 
 std::string mixed_formats(const ModelSpec& s) {

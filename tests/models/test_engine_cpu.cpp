@@ -14,6 +14,8 @@
 #include "models/io/model_spec.h"
 #include "models/io/safetensors.h"
 #include "models/cpu/decoder.h"
+#include "base/error.h"
+#include "models/registry.h"
 #include "tests/support/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -247,6 +249,30 @@ TEST_P(EngineVsPlain, GreedyContinuationMatches) {
     den += std::pow(ref.back()[v], 2);
   }
   EXPECT_LT(std::sqrt(num / den), 1e-4);
+  fs::remove_all(dir);
+}
+
+// The CUDA engine does not run mixed quantized formats yet: refused in one line, before any
+// device work (so this runs without a GPU).
+TEST(EngineDynamic, CudaRefusesMixedFormats) {
+  kestrel::test::ModelFormat f{"dyn_refused", "gptq", 4, 32, false, false, "gptq"};
+  f.dynamic = R"({"-:.*o_proj": {}, ".*\\.0\\.mlp\\..*": {"bits": 8}})";
+  const fs::path dir = kestrel::test::write_tiny_model(f, 3, 2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  LoadOptions o;
+  o.device = Device::Cuda;
+  try {
+    load_model(spec, o);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("mixed per-module formats (dynamic) run on the CPU engine "
+                                         "only so far: --device cpu (model.layers.0.self_attn.q_proj "
+                                         "is 4-bit group 32, model.layers.0.mlp.gate_proj is 8-bit "
+                                         "group 32)"), 0u) << e.what();
+  }
+  // FP16 linears alone among one quantized format are what the CUDA engine has always run.
+  f.dynamic = R"({"-:.*o_proj": {}})";
+  EXPECT_EQ(mixed_formats(load_model_spec(kestrel::test::write_tiny_model(f, 3, 2).string())), "");
   fs::remove_all(dir);
 }
 
