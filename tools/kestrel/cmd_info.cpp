@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -122,8 +123,17 @@ int run_info(const InfoArgs& a) {
                              c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim,
                              c.n_kv_heads, c.vocab, c.tie_embeddings ? ", tied embeddings" : ""));
   line("format", format_text(c) + (groups.empty() ? "" : ", per-module overrides (dynamic):"));
-  for (const LinearFormatGroup& g : groups)
-    s += fmt::format("{:<11}{:<14}{:<48}{}\n", "", layers_text(g), fmt::join(g.modules, " "), g.format);
+  size_t format_width = 0;
+  for (const LinearFormatGroup& g : groups) format_width = std::max(format_width, g.format.size());
+  const size_t per_layer = c.mlp == MlpKind::GatedSiLU ? 7 : 6;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const LinearFormatGroup& g = groups[i];
+    const bool same_layers = i > 0 && groups[i - 1].first_layer == g.first_layer;  // one label a run
+    s += fmt::format("{:<11}{:<14}{:<{}}  {}\n", "", same_layers ? "" : layers_text(g), g.format,
+                     format_width,
+                     g.modules.size() == per_layer ? std::string("all linears")
+                                                   : fmt::format("{}", fmt::join(g.modules, " ")));
+  }
   line("size", fmt::format("{} of weights, {} parameters", size_text(bytes), params_text(params)));
   line("context", context);
   line("tokenizer", tokenizer);
