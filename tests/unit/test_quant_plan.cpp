@@ -10,7 +10,7 @@
 
 #include "base/error.h"
 
-namespace kestrel::quantize {
+namespace kestrel::quant {
 namespace {
 
 using ::testing::HasSubstr;
@@ -178,4 +178,4 @@ TEST(QuantPlan, RefusalsInOneLine) {
 }
 
 }  // namespace
-}  // namespace kestrel::quantize
+}  // namespace kestrel::quant

@@ -7,7 +7,7 @@
 
 #include "base/error.h"
 
-namespace kestrel::quantize {
+namespace kestrel::quant {
 
 uint64_t gptq_linear_bytes(int64_t N, int64_t K, int bits, int group_size, bool g_idx) {
   KESTREL_CHECK(N > 0 && K > 0 && K * bits % 32 == 0 && N * bits % 32 == 0,
@@ -82,4 +82,4 @@ MixedPlan plan_mixed_precision(const std::vector<PlanLinear>& linears, uint64_t 
   return plan;
 }
 
-}  // namespace kestrel::quantize
+}  // namespace kestrel::quant

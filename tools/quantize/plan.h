@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace kestrel::quantize {
+namespace kestrel::quant {
 
 // The bytes one GPTQ linear [N out, K in] occupies in a checkpoint at `bits` and `group_size`
 // (-1: one group per row): qweight [K*bits/32, N] int32, qzeros [G, N*bits/32] int32, scales
@@ -47,4 +47,4 @@ struct MixedPlan {
 MixedPlan plan_mixed_precision(const std::vector<PlanLinear>& linears, uint64_t budget,
                                int64_t resolution = int64_t(1) << 16);
 
-}  // namespace kestrel::quantize
+}  // namespace kestrel::quant
