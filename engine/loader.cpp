@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -207,6 +208,61 @@ std::string format_text(const ModelConfig& c) {
   return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
                      q.group_size > 0 ? fmt::format("g{}", q.group_size) : std::string("per-channel"),
                      q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
+}
+
+namespace {
+
+std::string quant_text(const LinearQuant& q) {
+  return fmt::format("GPTQ {}-bit {}{}{}", q.bits,
+                     q.group_size > 0 ? fmt::format("g{}", q.group_size) : std::string("per-channel"),
+                     q.desc_act ? " act-order" : "", q.sym ? "" : " asym");
+}
+
+}  // namespace
+
+std::vector<LinearFormatGroup> linear_format_groups(const ModelConfig& c, const std::string& where) {
+  std::vector<LinearFormatGroup> out;
+  if (!c.quant || c.quant->dynamic.empty()) return out;
+  const std::vector<std::string> names = linear_modules(c);
+  const std::vector<std::optional<LinearQuant>> formats = linear_formats(c, where);
+  const size_t per_layer = (names.size() - 1) / std::max(c.n_layers, 1);  // lm_head last
+  // One layer's groups: its linears by format, formats in order of first appearance.
+  auto layer_groups = [&](int l) {
+    std::vector<LinearFormatGroup> g;
+    for (size_t i = l * per_layer; i < (l + 1) * per_layer; ++i) {
+      const std::string shortname = names[i].substr(names[i].rfind('.') + 1);
+      auto it = std::find_if(g.begin(), g.end(), [&](const auto& x) { return x.quant == formats[i]; });
+      if (it == g.end()) {
+        LinearFormatGroup n;
+        n.first_layer = n.last_layer = l;
+        n.quant = formats[i];
+        n.format = formats[i] ? quant_text(*formats[i])
+                              : fmt::format("{} (unquantized)", dtype_name(c.dtype));
+        g.push_back(n);
+        it = g.end() - 1;
+      }
+      it->modules.push_back(shortname);
+    }
+    return g;
+  };
+  auto same = [](const std::vector<LinearFormatGroup>& a, const std::vector<LinearFormatGroup>& b) {
+    if (a.size() != b.size()) return false;
+    for (size_t i = 0; i < a.size(); ++i)
+      if (a[i].quant != b[i].quant || a[i].modules != b[i].modules) return false;
+    return true;
+  };
+  std::vector<LinearFormatGroup> run;  // the groups of the current run of alike layers
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::vector<LinearFormatGroup> g = layer_groups(l);
+    if (!run.empty() && same(run, g)) {
+      for (LinearFormatGroup& x : run) x.last_layer = l;
+      continue;
+    }
+    out.insert(out.end(), run.begin(), run.end());
+    run = std::move(g);
+  }
+  out.insert(out.end(), run.begin(), run.end());
+  return out;
 }
 
 int64_t count_params(const ModelConfig& c) {

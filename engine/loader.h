@@ -6,7 +6,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "engine/sampler.h"
 #include "models/io/model_spec.h"
@@ -95,6 +97,16 @@ SamplingParams default_sampling(const std::string& dir);
 
 // A model's weight format: "GPTQ 4-bit g128 act-order", "F16".
 std::string format_text(const ModelConfig& c);
+// A model's linears grouped by format for display, where dynamic rules give them several:
+// runs of consecutive layers whose linears have the same formats, and within a run the
+// linears of each format, in layer order. Empty when the config has no dynamic rules.
+struct LinearFormatGroup {
+  int first_layer = 0, last_layer = 0;
+  std::vector<std::string> modules;  // short names: q_proj, k_proj, ...
+  std::optional<LinearQuant> quant;  // nullopt: unquantized
+  std::string format;                // e.g. "GPTQ 8-bit g32", "float16 (unquantized)"
+};
+std::vector<LinearFormatGroup> linear_format_groups(const ModelConfig& c, const std::string& where);
 // Its parameters, from the shapes of config.json (norms and biases left out).
 int64_t count_params(const ModelConfig& c);
 

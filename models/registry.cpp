@@ -22,7 +22,15 @@ const char* device_key(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 
 std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o) {
   // Every architecture load_model_spec accepts is the Llama family's layer.
-  if (o.device == Device::Cuda) return std::make_unique<DecoderCuda>(spec, o.quiet, o.tuning);
+  if (o.device == Device::Cuda) {
+    // The CUDA path (its prefill GEMMs, act-order permutations and graphs) is built and
+    // tested for one quantized format per model; FP16 linears among them it has always run.
+    // Mixed formats are refused before any device work rather than half-supported.
+    const std::string mixed = mixed_formats(spec);
+    KESTREL_CHECK(mixed.empty(), "mixed per-module formats (dynamic) run on the CPU engine only so "
+                                 "far: --device cpu (" + mixed + ")");
+    return std::make_unique<DecoderCuda>(spec, o.quiet, o.tuning);
+  }
   return std::make_unique<DecoderCpu>(spec);
 }
 

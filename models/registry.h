@@ -25,7 +25,8 @@ struct LoadOptions {
   DecodeTuning tuning;   // the CUDA decode path's choices (models/tuning.h)
 };
 
-// Loads the weights of `spec` (which must outlive the call only) on the chosen device.
+// Loads the weights of `spec` (which must outlive the call only) on the chosen device. CUDA
+// refuses quantized linears of more than one format (mixed_formats) in one line.
 std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o);
 
 }  // namespace kestrel

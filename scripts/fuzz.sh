@@ -45,6 +45,19 @@ for f in tests/data/families/*-gptq/config.json; do
   prefixed 00 "$seeds/q.json" "$seeds/fuzz_config/quant-$n"
 done
 rm -f "$seeds/q.json"
+# GPTQModel's per-module dynamic rules: alone, and in the tiny GPTQ Llama's config.json, where
+# the checkpoint checks resolve them against its linears (the rules keep its one format).
+python3 - "$seeds/fuzz_config" tests/data/families/llama-gptq/config.json <<'PY'
+import json, sys
+out, src = sys.argv[1], sys.argv[2]
+dyn = {"-:lm_head": {}, "+:model\\.layers\\.(?P<n>1)\\..*": {"bits": 4, "sym": True},
+       ".*\\.0\\.mlp\\.[a-z]{,4}_proj\\Z": {"group_size": 32, "desc_act": True}}
+q = {"quant_method": "gptq", "bits": 8, "group_size": 64, "dynamic": dyn}
+open(out + "/quant-dynamic", "wb").write(b"\x00" + json.dumps(q).encode())
+c = json.load(open(src))
+c["quantization_config"]["dynamic"] = dyn
+open(out + "/config-llama-gptq-dynamic", "wb").write(b"\x01" + json.dumps(c).encode())
+PY
 head -c 4096 tests/data/families/opt/model.safetensors > "$seeds/st-head"  # a cut file
 prefixed 01 "$seeds/st-head" "$seeds/fuzz_safetensors/truncated"
 python3 - "$seeds/fuzz_safetensors" <<'PY'

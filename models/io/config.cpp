@@ -13,11 +13,53 @@
 namespace kestrel {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
 
 namespace {
 
 using namespace json_fields;
+
+// The override values a dynamic rule may hold, each checked as the base config's field is.
+void read_override(DynamicRule& r, const std::string& key, const json& v, const std::string& where) {
+  const std::string at = fmt::format("{}: dynamic rule \"{}\"", where, r.key);
+  if (key == "bits") {
+    const int b = to_int(v, "bits", at);
+    KESTREL_CHECK(b == 2 || b == 3 || b == 4 || b == 8,
+                  fmt::format("{}: unsupported bits {} (supported: 2, 3, 4, 8)", at, b));
+    r.bits = b;
+  } else if (key == "group_size") {
+    const int g = to_int(v, "group_size", at);
+    KESTREL_CHECK(g == -1 || g > 0, fmt::format("{}: group_size {} must be -1 or positive", at, g));
+    r.group_size = g;
+  } else if (key == "desc_act" || key == "sym" || key == "static_groups") {
+    KESTREL_CHECK(v.is_boolean(), fmt::format("{}: {} must be true or false, found {}", at, key,
+                                              v.dump()));
+    if (key == "desc_act") r.desc_act = v.get<bool>();
+    if (key == "sym") r.sym = v.get<bool>();
+  } else if (key == "damp_percent") {  // the quantizer's setting: informative, as at the top level
+    KESTREL_CHECK(v.is_number(), fmt::format("{}: damp_percent must be a number, found {}", at,
+                                             v.dump()));
+  } else {
+    throw Error(fmt::format("{}: unknown override {} (supported: bits, group_size, desc_act, sym)",
+                            at, key));
+  }
+}
+
+// GPTQModel's `dynamic`: an object from rule keys to override objects, in the file's order.
+std::vector<DynamicRule> parse_dynamic(const json& dyn, const std::string& where) {
+  KESTREL_CHECK(dyn.is_object(), fmt::format("{}: dynamic must be an object of module regexes, "
+                                             "found {}", where, dyn.type_name()));
+  std::vector<DynamicRule> rules;
+  for (const auto& [key, overrides] : dyn.items()) {
+    DynamicRule r = dynamic_rule(key, where);
+    KESTREL_CHECK(overrides.is_object(),
+                  fmt::format("{}: dynamic rule \"{}\": overrides must be an object, found {}",
+                              where, key, overrides.dump()));
+    for (const auto& [name, v] : overrides.items())
+      if (!v.is_null()) read_override(r, name, v, where);
+    rules.push_back(std::move(r));
+  }
+  return rules;
+}
 
 QuantConfig parse_quant_json(const json& j, const std::string& where, QuantConfigSource source) {
   KESTREL_CHECK(j.is_object(), fmt::format("{}: not a JSON object", where));
@@ -60,10 +102,7 @@ QuantConfig parse_quant_json(const json& j, const std::string& where, QuantConfi
   q.damp_percent = opt_float(j, "damp_percent", where, 0.01f);
   q.model_file_base_name = opt_string(j, "model_file_base_name", where, "");
 
-  if (const json* dyn = field(j, "dynamic")) {
-    KESTREL_CHECK(dyn->empty(), fmt::format("{}: per-module overrides (dynamic, {} entries) are not "
-                                            "supported", where, dyn->size()));
-  }
+  if (const json* dyn = field(j, "dynamic")) q.dynamic = parse_dynamic(*dyn, where);
   KESTREL_CHECK(!opt_bool(j, "lm_head", where, false),
                 fmt::format("{}: a quantized lm_head (lm_head: true) is not supported", where));
   return q;
@@ -73,7 +112,7 @@ const char* format_name(GptqFormat f) { return f == GptqFormat::V1 ? "gptq" : "g
 
 // Both files describe one checkpoint: a disagreement means one of them is stale.
 void check_agree(const std::string& dir, const QuantConfig& a, const QuantConfig& b) {
-  auto fail = [&](const char* what, const std::string& x, const std::string& y) {
+  auto fail = [&](const std::string& what, const std::string& x, const std::string& y) {
     throw Error(fmt::format("{}: quantize_config.json and config.json quantization_config disagree "
                             "on {}: {} vs {}", dir, what, x, y));
   };
@@ -84,6 +123,14 @@ void check_agree(const std::string& dir, const QuantConfig& a, const QuantConfig
   if (a.desc_act != b.desc_act) fail("desc_act", str(a.desc_act), str(b.desc_act));
   if (a.sym != b.sym) fail("sym", str(a.sym), str(b.sym));
   if (a.format != b.format) fail("checkpoint_format", format_name(a.format), format_name(b.format));
+  if (a.dynamic != b.dynamic) {
+    size_t i = 0;  // the first rule that differs
+    while (i < a.dynamic.size() && i < b.dynamic.size() && a.dynamic[i] == b.dynamic[i]) ++i;
+    auto rule = [&](const std::vector<DynamicRule>& d) {
+      return i < d.size() ? fmt::format("\"{}\"", d[i].key) : std::string("none");
+    };
+    fail(fmt::format("dynamic rule {}", i + 1), rule(a.dynamic), rule(b.dynamic));
+  }
 }
 
 }  // namespace

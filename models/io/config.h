@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "base/dtype.h"
+#include "models/io/dynamic.h"
 #include "kernels/rope/rope.h"
 
 namespace kestrel {
@@ -25,6 +26,11 @@ struct QuantConfig {
   bool static_groups = false;  // informative
   float damp_percent = 0.01f;  // informative
   std::string model_file_base_name;  // AutoGPTQ: weights in <base>.safetensors; empty = model
+  // GPTQModel's per-module overrides, in the file's order (models/io/dynamic.h); empty = every
+  // quantized linear has the format above.
+  std::vector<DynamicRule> dynamic;
+  // The format the fields above give a linear that no dynamic rule matches.
+  LinearQuant base() const { return {bits, group_size, desc_act, sym}; }
   // Zero offset added to the stored zero: 1 for gptq (v1), 0 for gptq_v2.
   int zero_offset() const { return format == GptqFormat::V1 ? 1 : 0; }
 };

@@ -8,7 +8,8 @@
 
 namespace kestrel::json_fields {
 
-using json = nlohmann::json;
+// Objects keep the file's key order: a quantization config's `dynamic` rules apply in order.
+using json = nlohmann::ordered_json;
 
 // Parses JSON text; `where` names it in the one-line error.
 json parse_json(const std::string& text, const std::string& where);
@@ -29,5 +30,5 @@ std::string opt_string(const json& j, const char* key, const std::string& where,
 namespace kestrel {
 struct ModelConfig;
 // config.json's architectures, shape and blocks, read by the family it names (families.cpp).
-void read_family_config(const nlohmann::json& j, const std::string& where, ModelConfig& c);
+void read_family_config(const json_fields::json& j, const std::string& where, ModelConfig& c);
 }  // namespace kestrel

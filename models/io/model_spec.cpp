@@ -1,6 +1,8 @@
 #include "models/io/model_spec.h"
 
 #include <algorithm>
+#include <map>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -37,6 +39,11 @@ struct SpecReader {
   std::vector<const TensorInfo*> ignored{};  // present, known, and left unused (with a warning)
   int quantized_linears = 0;
   std::vector<std::string> v2_zero_linears{};  // labelled gptq but holding gptq_v2 zeros
+  int v2_zero_bits = 0;                        // the first of those linears' bits
+  // Each linear's format under the config's dynamic rules, nullopt where a "-:" rule leaves it
+  // unquantized, and the key of the rule that decided it ("" = none, the base format).
+  std::map<std::string, std::optional<LinearQuant>> formats{};
+  std::map<std::string, std::string> deciding_rule{};
 
   // Symmetric gptq (v1) files store zero 2^(bits-1) - 1 in every field; files that hold
   // 2^(bits-1) everywhere were written with v2 zeros and would dequantize off by one step.
@@ -54,7 +61,12 @@ struct SpecReader {
     KESTREL_CHECK(c.quant, fmt::format("{} in {}: GPTQ tensors, but {} has no quantization config "
                                        "(quantize_config.json or config.json quantization_config)",
                                        l.qweight->name, l.qweight->file, files.dir()));
-    const QuantConfig& q = *c.quant;
+    auto it = formats.find(prefix);
+    const std::optional<LinearQuant> f = it == formats.end() ? c.quant->base() : it->second;
+    KESTREL_CHECK(f, fmt::format("{}: holds {}.qweight, but the dynamic rule \"{}\" leaves {} "
+                                 "unquantized (a \"-:\" rule: its weight is a plain .weight)",
+                                 files.dir(), prefix, deciding_rule[prefix], prefix));
+    const LinearQuant& q = *f;
     const int b = q.bits;
     KESTREL_CHECK(l.K * b % 32 == 0,
                   fmt::format("{}: K = {} input features cannot be packed at {} bits (K*{} must be a "
@@ -66,7 +78,8 @@ struct SpecReader {
     l.quantized = true;
     l.bits = b;
     l.group_size = q.group_size;
-    l.zero_offset = q.zero_offset();
+    l.zero_offset = c.quant->zero_offset();
+    l.sym = q.sym;
 
     expect(*l.qweight, {l.K * b / 32, l.N}, l.qweight->dtype == DType::I32, "I32");
     l.qzeros = &files.get(prefix + ".qzeros");
@@ -92,8 +105,9 @@ struct SpecReader {
     }
 
     ++quantized_linears;
-    if (q.sym && q.format == GptqFormat::V1 && holds_v2_zeros(*l.qzeros, G, l.N, b)) {
+    if (q.sym && c.quant->format == GptqFormat::V1 && holds_v2_zeros(*l.qzeros, G, l.N, b)) {
       l.zero_offset = 0;
+      if (v2_zero_linears.empty()) v2_zero_bits = b;
       v2_zero_linears.push_back(prefix);
     }
   }
@@ -131,7 +145,7 @@ struct SpecReader {
 
   void finish() {
     if (v2_zero_linears.empty()) return;
-    const int b = c.quant->bits;
+    const int b = v2_zero_bits;
     warnings.push_back(fmt::format(
         "{}: checkpoint_format is gptq, but {} of {} quantized linears (first {}) hold gptq_v2 "
         "zeros ({}-bit zero fields all {}, where symmetric gptq stores {}); reading them as gptq_v2",
@@ -241,6 +255,19 @@ ModelSpec load_model_spec(const std::string& dir) {
   }
 
   SpecReader r{c, f, spec.warnings};
+  if (c.quant && !c.quant->dynamic.empty()) {
+    // Keyed by the checkpoint's names, which may lack the "model." prefix the rules were
+    // written against.
+    const bool bare = n.layer != family_of(c).names.layer;
+    const std::vector<std::string> modules = linear_modules(c);
+    std::vector<int> deciding;
+    const std::vector<std::optional<LinearQuant>> formats = linear_formats(c, dir, &deciding);
+    for (size_t i = 0; i < modules.size(); ++i) {
+      const std::string name = bare && modules[i].starts_with("model.") ? modules[i].substr(6) : modules[i];
+      r.formats[name] = formats[i];
+      if (deciding[i] >= 0) r.deciding_rule[name] = c.quant->dynamic[deciding[i]].key;
+    }
+  }
   spec.layers.resize(c.n_layers);
   for (int i = 0; i < c.n_layers; ++i) {
     const std::string p = fmt::format("{}{}.", n.layer, i);
@@ -268,6 +295,49 @@ ModelSpec load_model_spec(const std::string& dir) {
   refuse_unused(spec, std::move(accounted));
   check_finite(used);
   return spec;
+}
+
+std::vector<std::string> linear_modules(const ModelConfig& c) {
+  const TensorNames& n = family_of(c).names;
+  std::vector<std::string> modules;
+  for (int i = 0; i < c.n_layers; ++i) {
+    const std::string p = fmt::format("{}{}.", n.layer, i);
+    for (const std::string* s : {&n.q, &n.k, &n.v, &n.o, &n.gate, &n.up, &n.down})
+      if (s != &n.gate || c.mlp == MlpKind::GatedSiLU) modules.push_back(p + *s);
+  }
+  modules.push_back(n.lm_head);
+  return modules;
+}
+
+std::vector<std::optional<LinearQuant>> linear_formats(const ModelConfig& c, const std::string& where,
+                                                       std::vector<int>* deciding) {
+  const std::vector<std::string> modules = linear_modules(c);
+  std::vector<std::optional<LinearQuant>> out(modules.size());
+  if (!c.quant) {
+    if (deciding) deciding->assign(modules.size(), -1);
+    return out;
+  }
+  out = resolve_modules(c.quant->base(), c.quant->dynamic, modules, where, deciding);
+  out.back() = std::nullopt;  // lm_head
+  return out;
+}
+
+std::string mixed_formats(const ModelSpec& s) {
+  const LinearSpec* first = nullptr;
+  for (const LayerSpec& L : s.layers)
+    for (const LinearSpec* l : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) {
+      if (!l->quantized) continue;
+      if (!first) {
+        first = l;
+      } else if (l->bits != first->bits || l->group_size != first->group_size ||
+                 l->zero_offset != first->zero_offset || l->sym != first->sym) {
+        auto text = [](const LinearSpec& x) {
+          return fmt::format("{}-bit group {}{}", x.bits, x.group_size, x.sym ? "" : " asym");
+        };
+        return fmt::format("{} is {}, {} is {}", first->name, text(*first), l->name, text(*l));
+      }
+    }
+  return "";
 }
 
 std::vector<float> to_float(const TensorInfo& t) {

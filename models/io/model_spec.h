@@ -35,6 +35,7 @@ struct LinearSpec {
   int group_size = 0;   // as configured; -1 = one group
   int zero_offset = 1;  // 1 = gptq (v1), 0 = gptq_v2
   bool act_order = false;  // g_idx is not k / group_size
+  bool sym = true;         // as configured for this linear (base config or its dynamic rule)
 };
 
 // The tensors a decoder layer of any family may have; those its family lacks stay null
@@ -66,6 +67,22 @@ struct ModelSpec {
 };
 
 ModelSpec load_model_spec(const std::string& dir);
+
+// The names of a model's linears as a quantizer names them (the family's, "model." prefix
+// included, whatever prefix the checkpoint's tensors have): layer by layer q, k, v, o, gate
+// (gated MLPs), up, down, then lm_head. The names `dynamic` rules are matched against.
+std::vector<std::string> linear_modules(const ModelConfig& c);
+// The format of each of linear_modules(c) under c's quantization config and its dynamic rules
+// (nullopt: unquantized, by a "-:" rule or with no quantization config); `deciding` as
+// resolve_modules gives it. lm_head is unquantized whatever a rule says (a quantized lm_head is
+// refused). Throws kestrel::Error naming `where` for a rule that matches no linear.
+std::vector<std::optional<LinearQuant>> linear_formats(const ModelConfig& c, const std::string& where,
+                                                       std::vector<int>* deciding = nullptr);
+
+// The quantized linears of `s` in more than one format (bits, group size, zero convention),
+// as GPTQModel's `dynamic` rules make them: "" when they share one, else a line naming two
+// linears that differ. Unquantized (FP16) linears among quantized ones do not count.
+std::string mixed_formats(const ModelSpec& s);
 
 // Reads a 1-D or 2-D float tensor (F16, BF16 or F32) into fp32.
 std::vector<float> to_float(const TensorInfo& t);

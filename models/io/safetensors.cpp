@@ -253,7 +253,7 @@ ModelFiles ModelFiles::open(const std::string& dir, const std::string& base_name
   mf.dir_ = dir;
   if (path_exists(index_path.string())) {
     const std::string ip = index_path.string();
-    const json index = json_fields::parse_json(read_regular_file(ip), ip);
+    const json_fields::json index = json_fields::parse_json(read_regular_file(ip), ip);
     KESTREL_CHECK(index.is_object() && index.contains("weight_map") &&
                       index["weight_map"].is_object(),
                   fmt::format("{}: missing weight_map object", ip));

@@ -14,6 +14,8 @@
 #include "models/io/model_spec.h"
 #include "models/io/safetensors.h"
 #include "models/cpu/decoder.h"
+#include "base/error.h"
+#include "models/registry.h"
 #include "tests/support/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -58,10 +60,12 @@ struct Plain {
   std::vector<float> linear(const ModelFiles& f, const std::string& name, int64_t N, int64_t K,
                             const nlohmann::json& q) {
     if (const TensorInfo* dense = f.find(name + ".weight")) return floats(*dense);
-    const int bits = q["bits"];
+    // Each linear's own width from its qweight's shape ([K*bits/32, N]): the linears of a
+    // checkpoint with dynamic rules differ, and this reader need not know the rules.
+    const TensorInfo& qw = f.get(name + ".qweight");
+    const int bits = (int)(qw.shape[0] * 32 / K);
     const int gs = q["group_size"];
     const bool v2 = q.value("checkpoint_format", "gptq") == "gptq_v2";
-    const TensorInfo& qw = f.get(name + ".qweight");
     const TensorInfo& qz = f.get(name + ".qzeros");
     const std::vector<float> scales = floats(f.get(name + ".scales"));
     const TensorInfo* gi = f.find(name + ".g_idx");
@@ -215,6 +219,10 @@ TEST_P(EngineVsPlain, GreedyContinuationMatches) {
   const fs::path dir = kestrel::test::write_tiny_model(c, /*seed=*/7, /*n_layers=*/2);  // 2: quick plain loops
 
   const ModelSpec spec = load_model_spec(dir.string());
+  if (!c.dynamic.empty()) {  // the rules did make the linears differ, FP16 ones included
+    EXPECT_NE(mixed_formats(spec), "");
+    EXPECT_TRUE(!spec.layers[1].down.quantized || !spec.layers[0].o.quantized);
+  }
   DecoderCpu engine_model(spec);
   auto engine = engine_model.new_cpu_session(64);
   Plain plain(dir.string());
@@ -244,6 +252,30 @@ TEST_P(EngineVsPlain, GreedyContinuationMatches) {
   fs::remove_all(dir);
 }
 
+// The CUDA engine does not run mixed quantized formats yet: refused in one line, before any
+// device work (so this runs without a GPU).
+TEST(EngineDynamic, CudaRefusesMixedFormats) {
+  kestrel::test::ModelFormat f{"dyn_refused", "gptq", 4, 32, false, false, "gptq"};
+  f.dynamic = R"({"-:.*o_proj": {}, ".*\\.0\\.mlp\\..*": {"bits": 8}})";
+  const fs::path dir = kestrel::test::write_tiny_model(f, 3, 2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  LoadOptions o;
+  o.device = Device::Cuda;
+  try {
+    load_model(spec, o);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()).find("mixed per-module formats (dynamic) run on the CPU engine "
+                                         "only so far: --device cpu (model.layers.0.self_attn.q_proj "
+                                         "is 4-bit group 32, model.layers.0.mlp.gate_proj is 8-bit "
+                                         "group 32)"), 0u) << e.what();
+  }
+  // FP16 linears alone among one quantized format are what the CUDA engine has always run.
+  f.dynamic = R"({"-:.*o_proj": {}})";
+  EXPECT_EQ(mixed_formats(load_model_spec(kestrel::test::write_tiny_model(f, 3, 2).string())), "");
+  fs::remove_all(dir);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Formats, EngineVsPlain,
     ::testing::Values(Case{"fp16", "fp16", 16, 0, false, false, "gptq"},
@@ -251,7 +283,17 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"q4_g128_act_v2_asym", "gptq", 4, 128, true, true, "gptq_v2"},
                       Case{"q3_g64_act", "gptq", 3, 64, true, false, "gptq"},
                       Case{"q2_g32_v2", "gptq", 2, 32, false, false, "gptq_v2"},
-                      Case{"q8_perchannel_asym", "gptq", 8, -1, false, true, "gptq_v2"}),
+                      Case{"q8_perchannel_asym", "gptq", 8, -1, false, true, "gptq_v2"},
+                      // GPTQModel's dynamic rules: every bit width, group sizes, act-order on
+                      // and off, FP16 linears, and q/k/v, gate/up of one layer in different
+                      // formats. The plain reader takes each linear's format from its tensors.
+                      Case{"dynamic_mixed", "gptq", 4, 32, true, false, "gptq", 4, 2, false,
+                           R"({"-:.*\\.1\\.mlp\\.down_proj": {},
+                               "model\\.layers\\.0\\.self_attn\\.[qk]_proj": {"bits": 8, "group_size": -1},
+                               ".*\\.1\\.self_attn\\..*": {"bits": 3, "group_size": 64, "desc_act": false},
+                               ".*gate_proj": {"bits": 2, "group_size": 128}})"},
+                      Case{"dynamic_v2_asym", "gptq", 4, 128, false, false, "gptq_v2", 4, 2, false,
+                           R"({"-:.*o_proj": {}, "+:.*mlp\\.(up|down)_proj": {"bits": 8, "sym": false}})"}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -19,6 +19,7 @@ struct ModelFormat {
   std::string format;  // gptq | gptq_v2
   int heads = 4, kv_heads = 2;
   bool g_idx_per_linear = false;  // act-order: q, k, v (and gate, up) each their own order
+  std::string dynamic = "";       // GPTQModel per-module rules (SynthOptions::dynamic)
 };
 
 // Writes the `tiny` shape in format f (n_layers 0 = the shape's; arch "" = the shape's family)
@@ -38,6 +39,7 @@ inline std::filesystem::path write_tiny_model(const ModelFormat& f, uint64_t see
   o.asym = f.asym;
   o.g_idx_per_linear = f.g_idx_per_linear;
   o.format = f.format;
+  o.dynamic = f.dynamic;
   o.n_heads = f.heads;
   o.n_kv_heads = f.kv_heads;
   o.seed = seed;

@@ -499,15 +499,131 @@ TEST(QuantConfig, UnsupportedMethodsAndFormatsNamed) {
   EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "group_size": 0})"), HasSubstr("group_size 0"));
 }
 
-TEST(QuantConfig, DynamicAndLmHeadRejected) {
-  EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "dynamic": {"-:.*mlp.*": {}}})"),
-              HasSubstr("dynamic"));
+TEST(QuantConfig, LmHeadRejectedAndEmptyDynamicAccepted) {
   EXPECT_THAT(quant_error(R"({"quant_method": "gptq", "lm_head": true})"), HasSubstr("lm_head"));
   // Empty or null overrides and lm_head false are what most writers emit.
   const QuantConfig q = parse_quant_config(
       R"({"quant_method": "gptq", "dynamic": {}, "lm_head": false, "bits": 8})", "x");
   EXPECT_EQ(q.bits, 8);
+  EXPECT_TRUE(q.dynamic.empty());
   EXPECT_EQ(parse_quant_config(R"({"quant_method": "gptq", "dynamic": null})", "x").bits, 4);
+}
+
+// ---- dynamic (GPTQModel's per-module overrides) ----------------------------------------------
+
+// The linears of a Llama of `layers` layers, named as the quantizer saw them.
+std::vector<std::string> llama_modules(int layers) {
+  std::vector<std::string> m;
+  for (int i = 0; i < layers; ++i)
+    for (const char* l : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+      m.push_back("model.layers." + std::to_string(i) + "." + l);
+  return m;
+}
+
+std::vector<std::optional<LinearQuant>> resolve(const std::string& qc_text, int layers) {
+  const QuantConfig q = parse_quant_config(qc_text, "quantize_config.json");
+  return resolve_modules(q.base(), q.dynamic, llama_modules(layers), "m");
+}
+
+TEST(Dynamic, TinyLlamaExampleOfTheIssue) {
+  // ModelCloud's TinyLlama-1.1B-Chat-v1.0-GPTQ-4bits-dynamic-cfg: layers 2 and up stay FP16,
+  // layer 1 is 8-bit g32, layer 0 has the base 4-bit g128 act-order format.
+  const auto f = resolve(R"({"bits": 4, "group_size": 128, "desc_act": true, "sym": true,
+      "dynamic": {"-:model\\.layers\\.([2-9]\\d*|[1-9]\\d+)\\..*": {},
+                  ".*\\.1\\..*": {"bits": 8, "group_size": 32, "desc_act": false}}})", 12);
+  ASSERT_EQ(f.size(), 12u * 7);
+  for (int i = 0; i < 7; ++i) {
+    ASSERT_TRUE(f[i]) << i;
+    EXPECT_EQ(*f[i], (LinearQuant{4, 128, true, true})) << i;
+    ASSERT_TRUE(f[7 + i]) << i;
+    EXPECT_EQ(*f[7 + i], (LinearQuant{8, 32, false, true})) << i;
+  }
+  for (size_t i = 14; i < f.size(); ++i) EXPECT_FALSE(f[i]) << i;  // layers 2 .. 11, 10 and 11 too
+}
+
+TEST(Dynamic, FirstMatchDecidesInFileOrder) {
+  // The file's order, not the keys' sorted order: "z" sorts after "+:", yet comes first here.
+  const std::string qc = R"({"bits": 4, "group_size": 64, "dynamic": {
+      "z?model\\.layers\\.0\\.mlp\\..*": {"bits": 2},
+      "+:model\\.layers\\.0\\..*": {"bits": 8, "sym": false},
+      "-:.*down_proj": {}}})";
+  const auto f = resolve(qc, 2);
+  EXPECT_EQ(f[4]->bits, 2);   // layer 0 gate: the first rule
+  EXPECT_TRUE(f[4]->sym);
+  EXPECT_EQ(f[6]->bits, 2);   // layer 0 down: the "-:" rule matches too, but comes later
+  EXPECT_EQ(f[0]->bits, 8);   // layer 0 q: the second rule
+  EXPECT_FALSE(f[0]->sym);
+  EXPECT_EQ(f[0]->group_size, 64);  // what the rule leaves alone comes from the base
+  EXPECT_EQ(f[7]->bits, 4);   // layer 1 q: no rule
+  EXPECT_FALSE(f[13]);        // layer 1 down: the "-:" rule
+}
+
+TEST(Dynamic, MatchIsAnchoredAtTheStartOnly) {
+  // re.match: "layers\\.0" does not match "model.layers.0..." (not at the start), while
+  // "model\\.layers\\.1" matches "model.layers.1.self_attn..." (no end anchor), and so does
+  // "model\\.layers\\.1" on layer 10: Python would match it too.
+  const auto f = resolve(R"({"bits": 4, "dynamic": {"model\\.layers\\.1": {"bits": 8},
+                                                     ".*layers\\.0\\.": {"bits": 2}}})", 11);
+  EXPECT_EQ(f[0]->bits, 2);
+  EXPECT_EQ(f[7]->bits, 8);
+  EXPECT_EQ(f[70]->bits, 8);  // layer 10
+  EXPECT_EQ(f[14]->bits, 4);
+  EXPECT_THAT(error_of([&] { resolve(R"({"dynamic": {"layers\\.0": {"bits": 8}}})", 2); }),
+              HasSubstr("m: dynamic rule \"layers\\.0\" matches no module of this model"));
+}
+
+TEST(Dynamic, PythonSyntax) {
+  // Named groups (?P<name>...) and (?P=name) are Python's; PCRE2 reads them alike.
+  auto f = resolve(R"({"dynamic": {"model\\.layers\\.(?P<n>\\d)\\.mlp\\.(?P<p>up)_proj\\Z": {"bits": 3}}})", 2);
+  EXPECT_EQ(f[5]->bits, 3);
+  EXPECT_EQ(f[4]->bits, 4);
+  // \Z is the end of the name (Python), not PCRE2's "before a final newline".
+  f = resolve(R"({"dynamic": {".*q_proj\\Z": {"bits": 8}}})", 1);
+  EXPECT_EQ(f[0]->bits, 8);
+  EXPECT_EQ(python_regex_to_pcre2("a\\Zb[\\Z]"), "a\\zb[\\Z]");
+  // {,n} is {0,n} in Python; PCRE2 10.42 would read it as text.
+  EXPECT_EQ(python_regex_to_pcre2("x{,2}y{3}z{,}"), "x{0,2}y{3}z{,}");
+  f = resolve(R"({"dynamic": {"model\\.layers\\.0\\.self_attn\\.[qk]{,1}_proj": {"bits": 2}}})", 1);
+  EXPECT_EQ(f[0]->bits, 2);
+  EXPECT_EQ(f[2]->bits, 4);  // v_proj
+}
+
+TEST(Dynamic, RefusalsNameTheRuleAndTheField) {
+  auto err = [](const std::string& dyn) {
+    return quant_error(R"({"quant_method": "gptq", "dynamic": )" + dyn + "}");
+  };
+  EXPECT_THAT(err(R"({"+:.*(q_proj": {}})"),
+              HasSubstr("dynamic rule \"+:.*(q_proj\": malformed regex: missing closing parenthesis "
+                        "at offset 11"));
+  EXPECT_THAT(err(R"({".*": {"bits": 5}})"), HasSubstr("dynamic rule \".*\": unsupported bits 5"));
+  EXPECT_THAT(err(R"({".*": {"group_size": 0}})"),
+              HasSubstr("dynamic rule \".*\": group_size 0 must be -1 or positive"));
+  EXPECT_THAT(err(R"({".*": {"bits": "8"}})"), HasSubstr("bits must be an integer"));
+  EXPECT_THAT(err(R"({".*": {"sym": 1}})"), HasSubstr("sym must be true or false"));
+  EXPECT_THAT(err(R"({".*": {"act_order": true}})"),
+              HasSubstr("dynamic rule \".*\": unknown override act_order"));
+  EXPECT_THAT(err(R"({".*": 8})"), HasSubstr("dynamic rule \".*\": overrides must be an object"));
+  EXPECT_THAT(err(R"(["-:.*"])"), HasSubstr("dynamic must be an object"));
+  // The quantizer's own settings are informative, as at the top level.
+  const QuantConfig q = parse_quant_config(
+      R"({"dynamic": {".*": {"damp_percent": 0.05, "static_groups": true}}})", "quantize_config.json");
+  ASSERT_EQ(q.dynamic.size(), 1u);
+  EXPECT_FALSE(q.dynamic[0].bits);
+}
+
+TEST(Dynamic, BothFilesMustAgreeOnTheRules) {
+  Dir d;
+  json j = llama_config();
+  j["num_hidden_layers"] = 2;
+  j["quantization_config"] = gptq_qc();
+  j["quantization_config"]["dynamic"] = {{"-:.*down_proj", json::object()}};
+  json qc = gptq_qc();
+  qc["dynamic"] = {{"-:.*down_proj", json::object()}};
+  EXPECT_EQ(d.load(j, qc).quant->dynamic.size(), 1u);
+  qc["dynamic"] = {{"-:.*up_proj", json::object()}};
+  EXPECT_THAT(d.error(j, qc),
+              HasSubstr("disagree on dynamic rule 1: \"-:.*up_proj\" vs \"-:.*down_proj\""));
 }
 
 TEST(QuantConfig, AwqInConfigJsonRejectedOnLoad) {

@@ -327,6 +327,98 @@ TEST(ModelSpecGptq, DenseLinearInsideGptqModel) {
   EXPECT_TRUE(s.layers[1].k.quantized);
 }
 
+// GPTQModel's dynamic rules: layer 1 at 8 bits g64, every down_proj left FP16, the rest at the
+// base 4-bit g32. Each linear's tensors are written in its own format.
+TinyModel dynamic_model() {
+  TinyModel m(4, 32);
+  for (int i = 0; i < m.layers; ++i) {
+    const std::string p = "model.layers." + std::to_string(i) + ".";
+    for (const char* t : {".qweight", ".qzeros", ".scales", ".g_idx"}) m.tensors.erase(p + "mlp.down_proj" + t);
+    m.add_f16(p + "mlp.down_proj.weight", {m.hidden, m.inter});
+  }
+  for (const char* l : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"}) {
+    const std::string p = std::string("model.layers.1.") + l;
+    const int64_t N = m.tensors[p + ".scales"].shape[1];
+    const int64_t K = m.tensors[p + ".g_idx"].shape[0];
+    m.add_gptq(p, N, K, 8, 64);
+  }
+  m.config["quantization_config"]["dynamic"] = {
+      {"-:.*down_proj", json::object()},
+      {"model\\.layers\\.1\\.", {{"bits", 8}, {"group_size", 64}}}};
+  return m;
+}
+
+TEST(ModelSpecDynamic, EachLinearTakesItsResolvedFormat) {
+  TempDir tmp;
+  dynamic_model().write(tmp.str());
+  const ModelSpec s = load_model_spec(tmp.str());
+  EXPECT_EQ(s.layers[0].q.bits, 4);
+  EXPECT_EQ(s.layers[0].q.group_size, 32);
+  EXPECT_EQ(s.layers[1].q.bits, 8);
+  EXPECT_EQ(s.layers[1].q.group_size, 64);
+  EXPECT_EQ(s.layers[1].q.qweight->shape, (std::vector<int64_t>{64 * 8 / 32, 64}));
+  EXPECT_EQ(s.layers[1].up.scales->shape, (std::vector<int64_t>{1, 128}));
+  for (const LayerSpec& L : s.layers) {
+    EXPECT_FALSE(L.down.quantized);
+    EXPECT_NE(L.down.weight, nullptr);
+  }
+  EXPECT_TRUE(s.warnings.empty());
+  EXPECT_THAT(mixed_formats(s), HasSubstr("model.layers.0.self_attn.q_proj is 4-bit group 32, "
+                                          "model.layers.1.self_attn.q_proj is 8-bit group 64"));
+}
+
+TEST(ModelSpecDynamic, FormatsDecideTheExpectedShapes) {
+  TempDir tmp;
+  TinyModel m = dynamic_model();
+  m.add_gptq("model.layers.1.self_attn.k_proj", 32, 64, 4, 32);  // the base format, not the rule's
+  m.write(tmp.str());
+  EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+              HasSubstr("model.layers.1.self_attn.k_proj.qweight in "));
+  EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }), HasSubstr("expected [16, 32] I32, found [8, 32] I32"));
+}
+
+TEST(ModelSpecDynamic, SkippedModuleHoldingGptqTensorsRefused) {
+  TempDir tmp;
+  TinyModel m = dynamic_model();
+  m.tensors.erase("model.layers.0.mlp.down_proj.weight");
+  m.add_gptq("model.layers.0.mlp.down_proj", 64, 128, 4, 32);
+  m.write(tmp.str());
+  EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+              HasSubstr("holds model.layers.0.mlp.down_proj.qweight, but the dynamic rule "
+                        "\"-:.*down_proj\" leaves model.layers.0.mlp.down_proj unquantized"));
+}
+
+TEST(ModelSpecDynamic, RuleMatchingNoModuleRefused) {
+  TempDir tmp;
+  TinyModel m(4, 32);
+  m.config["quantization_config"]["dynamic"] = {{"-:model\\.layers\\.2\\..*", json::object()}};
+  m.write(tmp.str());
+  EXPECT_THAT(error_of([&] { load_model_spec(tmp.str()); }),
+              HasSubstr(": dynamic rule \"-:model\\.layers\\.2\\..*\" matches no module of this model"));
+  // lm_head is a module a "-:" rule may name (it is FP16 anyway).
+  m.config["quantization_config"]["dynamic"] = {{"-:lm_head", json::object()}};
+  m.write(tmp.str());
+  EXPECT_TRUE(mixed_formats(load_model_spec(tmp.str())).empty());
+}
+
+TEST(ModelSpecDynamic, Fp16ModulesDoNotMakeFormatsMixed) {
+  TempDir tmp;
+  TinyModel m = dynamic_model();
+  m.config["quantization_config"]["dynamic"] = {{"-:.*down_proj", json::object()}};
+  for (const char* l : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj"}) {
+    const std::string p = std::string("model.layers.1.") + l;
+    const int64_t N = m.tensors[p + ".scales"].shape[1];
+    const int64_t K = m.tensors[p + ".g_idx"].shape[0];
+    m.add_gptq(p, N, K, 4, 32);
+  }
+  m.write(tmp.str());
+  const ModelSpec s = load_model_spec(tmp.str());
+  EXPECT_FALSE(s.layers[1].down.quantized);
+  EXPECT_EQ(mixed_formats(s), "");
+}
+
 TEST(ModelSpecGptq, V2ZerosLabelledV1AreDetected) {
   TempDir tmp;
   TinyModel m(4, 32);

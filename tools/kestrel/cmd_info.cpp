@@ -2,7 +2,9 @@
 // format, size, context and tokenizer. Only config.json (with its quantization config), the
 // safetensors headers and the tokenizer files are read: no weights, no device.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -60,6 +62,12 @@ int run_info(const InfoArgs& a) {
       tokenizer_file(a.dir), tok->vocab_size(), tok->bos_id(), tok->add_bos() ? " (added)" : "",
       eos.empty() ? "none" : eos);
   const std::string chat = why.empty() ? tmpl.describe() : "none (raw: plain text turns)";
+  // Per-module formats (GPTQModel's dynamic rules), resolved from the config alone.
+  const std::vector<LinearFormatGroup> groups = linear_format_groups(c, a.dir);
+  auto layers_text = [](const LinearFormatGroup& g) {
+    return g.first_layer == g.last_layer ? fmt::format("layer {}", g.first_layer)
+                                         : fmt::format("layers {}-{}", g.first_layer, g.last_layer);
+  };
 
   if (a.json) {
     nlohmann::json j;
@@ -77,6 +85,21 @@ int run_info(const InfoArgs& a) {
     j["bits"] = c.quant ? c.quant->bits : (int)dtype_size(c.dtype) * 8;
     j["group_size"] = c.quant ? c.quant->group_size : 0;
     j["act_order"] = c.quant && c.quant->desc_act;
+    if (!groups.empty()) {
+      nlohmann::json rows = nlohmann::json::array();
+      for (const LinearFormatGroup& g : groups) {
+        nlohmann::json r{{"layers", {g.first_layer, g.last_layer}}, {"modules", g.modules},
+                         {"format", g.format}, {"quantized", g.quant.has_value()}};
+        if (g.quant) {
+          r["bits"] = g.quant->bits;
+          r["group_size"] = g.quant->group_size;
+          r["act_order"] = g.quant->desc_act;
+          r["sym"] = g.quant->sym;
+        }
+        rows.push_back(r);
+      }
+      j["linear_formats"] = rows;
+    }
     j["size_bytes"] = bytes;
     j["params"] = params;
     j["context"] = c.max_pos;
@@ -99,7 +122,18 @@ int run_info(const InfoArgs& a) {
                              "heads), vocabulary {}{}",
                              c.n_layers, c.hidden, c.intermediate, c.n_heads, c.head_dim,
                              c.n_kv_heads, c.vocab, c.tie_embeddings ? ", tied embeddings" : ""));
-  line("format", format_text(c));
+  line("format", format_text(c) + (groups.empty() ? "" : ", per-module overrides (dynamic):"));
+  size_t format_width = 0;
+  for (const LinearFormatGroup& g : groups) format_width = std::max(format_width, g.format.size());
+  const size_t per_layer = c.mlp == MlpKind::GatedSiLU ? 7 : 6;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const LinearFormatGroup& g = groups[i];
+    const bool same_layers = i > 0 && groups[i - 1].first_layer == g.first_layer;  // one label a run
+    s += fmt::format("{:<11}{:<14}{:<{}}  {}\n", "", same_layers ? "" : layers_text(g), g.format,
+                     format_width,
+                     g.modules.size() == per_layer ? std::string("all linears")
+                                                   : fmt::format("{}", fmt::join(g.modules, " ")));
+  }
   line("size", fmt::format("{} of weights, {} parameters", size_text(bytes), params_text(params)));
   line("context", context);
   line("tokenizer", tokenizer);

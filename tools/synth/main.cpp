@@ -41,6 +41,10 @@ int main(int argc, char** argv) {
                "gate/up as GPTQ writes them (such linears cannot be fused)");
   app.add_flag("--asym", o.asym, "Asymmetric GPTQ zero points");
   app.add_option("--format", o.format, "GPTQ checkpoint format: gptq | gptq_v2")->capture_default_str();
+  app.add_option("--dynamic", o.dynamic,
+                 "GPTQModel per-module overrides: a JSON object from module-name regexes to "
+                 "{bits, group_size, desc_act, sym} (key prefix -: = FP16); each linear is written "
+                 "in the format of the first rule matching its name");
   app.add_flag("--tie-embeddings", o.tie_embeddings, "Share embed_tokens with the output head");
   app.add_option("--seed", o.seed, "Random seed")->capture_default_str();
   app.add_option("--tokenizer", o.tokenizer,
@@ -60,7 +64,7 @@ int main(int argc, char** argv) {
   // they were not given): refused in one line, naming what they go with, before anything is
   // written.
   if (o.dtype == "fp16")
-    for (const char* name : {"--bits", "--group-size", "--act-order", "--asym", "--format"})
+    for (const char* name : {"--bits", "--group-size", "--act-order", "--asym", "--format", "--dynamic"})
       if (app.count(name) > 0) {
         std::cerr << "kestrel-synth: " << name << " goes with --dtype gptq (the default, fp16, "
                   << "is not quantized)\n";

@@ -30,8 +30,10 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -43,6 +45,7 @@
 #include "base/dtype.h"
 #include "base/error.h"
 #include "base/staged_output.h"
+#include "models/io/config.h"
 #include "models/io/family.h"
 #include "models/io/safetensors.h"
 #include "kernels/gptq/gptq_format.h"
@@ -393,6 +396,8 @@ void fill_scales(uint8_t* dst, const QuantLinear& q) {
 
 struct Plan {
   SynthOptions opt;
+  // --dynamic: each linear's format by name, nullopt = FP16; empty = all in opt's format.
+  std::map<std::string, std::optional<LinearQuant>> formats;
   Dims d;
   Arch arch;
   bool tied = false;     // embedding shared with the output head
@@ -416,18 +421,23 @@ void add_dense(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const
 // draws one permutation per linear instead.
 void add_linear(SafetensorsWriter& w, const std::shared_ptr<const Plan>& p, const std::string& name,
                 const std::string& input, int64_t N, int64_t K, float std) {
+  LinearQuant f{p->opt.bits, p->opt.group_size, p->opt.act_order, !p->opt.asym};
+  if (auto it = p->formats.find(name); it != p->formats.end()) {
+    if (!it->second) return add_dense(w, p, name + ".weight", {N, K}, {0.0f, std});
+    f = *it->second;
+  }
   if (p->opt.dtype == "fp16") {
     add_dense(w, p, name + ".weight", {N, K}, {0.0f, std});
     return;
   }
   QuantLinear q;
-  q.bits = p->opt.bits;
+  q.bits = f.bits;
   q.K = K;
   q.N = N;
-  q.group_size = p->opt.group_size;
+  q.group_size = f.group_size;
   q.G = q.group_size <= 0 ? 1 : (K + q.group_size - 1) / q.group_size;
-  q.act_order = p->opt.act_order;
-  q.asym = p->opt.asym;
+  q.act_order = f.desc_act;
+  q.asym = !f.sym;
   q.zero_offset = p->opt.format == "gptq" ? 1 : 0;
   q.std = std;
   q.seed = derive_seed(p->opt.seed, name_hash(name));
@@ -515,7 +525,7 @@ std::string read_file(const fs::path& path) {
 }
 
 ojson quant_json(const SynthOptions& o) {
-  return ojson{{"bits", o.bits},
+  ojson q{{"bits", o.bits},
                {"group_size", o.group_size},
                {"desc_act", o.act_order},
                {"sym", !o.asym},
@@ -524,6 +534,39 @@ ojson quant_json(const SynthOptions& o) {
                {"damp_percent", 0.01},
                {"static_groups", false},
                {"true_sequential", true}};
+  if (!o.dynamic.empty()) q["dynamic"] = ojson::parse(o.dynamic);
+  return q;
+}
+
+// --dynamic: every linear's format under the rules, as the loader resolves them (a rule that
+// matches no linear, or a value Kestrel does not run, is refused here, before any work).
+std::map<std::string, std::optional<LinearQuant>> resolve_dynamic(const SynthOptions& o,
+                                                                  const Dims& d, const Arch& arch) {
+  KESTREL_CHECK(o.dtype == "gptq", "--dynamic goes with --dtype gptq");
+  ojson rules;
+  try {
+    rules = ojson::parse(o.dynamic);
+  } catch (const ojson::exception&) {
+    throw Error(fmt::format("--dynamic: not valid JSON: {}", o.dynamic));
+  }
+  KESTREL_CHECK(rules.is_object(), "--dynamic must be a JSON object of module regexes");
+  const QuantConfig q = parse_quant_config(quant_json(o).dump(), "--dynamic");
+  const TensorNames& n = arch.family->names;
+  std::vector<std::string> modules;
+  for (int l = 0; l < d.n_layers; ++l) {
+    const std::string pre = fmt::format("{}{}.", n.layer, l);
+    for (const std::string* s : {&n.q, &n.k, &n.v, &n.o, &n.gate, &n.up, &n.down})
+      if (s != &n.gate || arch.family->blocks.mlp == MlpKind::GatedSiLU) modules.push_back(pre + *s);
+  }
+  modules.push_back(n.lm_head);
+  const std::vector<std::optional<LinearQuant>> f =
+      resolve_modules(q.base(), q.dynamic, modules, "--dynamic");
+  std::map<std::string, std::optional<LinearQuant>> out;
+  for (size_t i = 0; i + 1 < modules.size(); ++i) {  // lm_head stays FP16 whatever a rule says
+    out[modules[i]] = f[i];
+    if (f[i]) validate_packing(d, f[i]->bits);
+  }
+  return out;
 }
 
 ojson config_json(const Plan& p, int bos, int eos) {
@@ -684,6 +727,7 @@ void write_model(const SynthOptions& opt) {
   KESTREL_CHECK(!opt_keys || plan->d.head_dim * plan->d.n_heads == plan->d.hidden,
                 fmt::format("--arch {} needs heads * head_dim = hidden", arch.name));
   if (opt.dtype == "gptq") validate_packing(plan->d, opt.bits);
+  if (!opt.dynamic.empty()) plan->formats = resolve_dynamic(opt, plan->d, plan->arch);
   plan->threads = opt.threads > 0 ? opt.threads : (int)std::max(1u, std::thread::hardware_concurrency());
   const Dims& d = plan->d;
 
@@ -726,8 +770,9 @@ void write_model(const SynthOptions& opt) {
   const std::string quant =
       opt.dtype == "fp16"
           ? "fp16"
-          : fmt::format("gptq {}-bit group {} {}{} {}", opt.bits, opt.group_size,
-                        opt.asym ? "asym" : "sym", opt.act_order ? " act-order" : "", opt.format);
+          : fmt::format("gptq {}-bit group {} {}{} {}{}", opt.bits, opt.group_size,
+                        opt.asym ? "asym" : "sym", opt.act_order ? " act-order" : "", opt.format,
+                        opt.dynamic.empty() ? "" : " with dynamic overrides");
   std::cout << fmt::format("kestrel-synth: {} {} {} (hidden {}, {} layers, vocab {}): {} params, {} "
                            "-> {} in {:.1f} s\n",
                            opt.shape, arch.name, quant, d.hidden, d.n_layers, d.vocab,

@@ -28,6 +28,11 @@ struct SynthOptions {
   bool g_idx_per_linear = false;
   bool asym = false;
   std::string format = "gptq"; // gptq | gptq_v2
+  // GPTQModel's per-module overrides as JSON text, e.g. {"-:.*down_proj": {}, ".*\\.1\\..*":
+  // {"bits": 8}} (models/io/dynamic.h): written into the quantization config as is, and each
+  // linear is written in the format its rule gives it, FP16 where a "-:" rule matches it.
+  // Empty = every linear in the format above.
+  std::string dynamic;
   bool tie_embeddings = false;
   uint64_t seed = 0;
   std::string out;             // output directory (created; written whole or not at all)
