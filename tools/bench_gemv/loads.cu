@@ -19,14 +19,14 @@
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/pdl.cuh"
-#include "kernels/gemv/weight_decode.cuh"  // ld_stream: the GEMV's own weight load
+#include "kernels/gemv/weight_decode.cuh"
 
 namespace kestrel::bench {
 namespace {
 
 constexpr int kWarps = 16;
 
-using cuda::gemv_detail::ld_stream;
+using cuda::ld_stream;  // the GEMV's own weight load (kernels/common/cp_async.cuh)
 
 template <int DEPTH, bool ROUND_ROBIN>
 __global__ void __launch_bounds__(32 * kWarps, 1)
