@@ -234,9 +234,14 @@ std::shared_ptr<const grammar::Grammar> parse_response_format(const json* v, con
       if (!js || !js->is_object() || !js->contains("schema") || !(*js)["schema"].is_object())
         throw bad("response_format",
                   "'response_format': json_schema needs \"json_schema\": {\"name\": ..., \"schema\": {...}}");
-      const nlohmann::ordered_json ordered = nlohmann::ordered_json::parse(body);
-      return grammar::Grammar::parse(
-          grammar::json_schema_to_gbnf(ordered["response_format"]["json_schema"]["schema"].dump()));
+      // The body passed the bounded parse already: this second one is of the same bytes.
+      std::string schema;
+      try {
+        schema = nlohmann::ordered_json::parse(body)["response_format"]["json_schema"]["schema"].dump();
+      } catch (const nlohmann::json::exception&) {
+        throw bad("response_format", "'response_format': the schema could not be read again in its order");
+      }
+      return grammar::Grammar::parse(grammar::json_schema_to_gbnf(schema));
     }
   } catch (const ApiError&) {
     throw;

@@ -197,6 +197,8 @@ Plan make_plan(const GemvWeight& w, int64_t M, GemmSmallLaunch launch,
   p.threads = 32 * p.warps;
   p.stages = l.stages > 0 ? l.stages : pipeline_stages(p.nt);
   p.x_once = l.x_once || p.stream;
+  if (l.k_slices < 0)
+    throw Error("gemm_small: k_slices=" + std::to_string(l.k_slices) + " is negative");
   if (p.stream) {
     p.k_slices = l.k_slices > 0 ? l.k_slices : 2;
     if (p.k_slices > p.warps || p.warps % p.k_slices != 0 || p.k_slices > kMaxSlices)

@@ -42,8 +42,8 @@ struct GemmSmallLaunch {
   bool pdl = true;      // programmatic dependent launch (the weight loads start before the
                         // previous kernel in the stream ends)
   bool stream = false;  // the streaming kernel (gemm_stream_kernel.cuh): each warp loads its
-                        // rows' weights straight into registers, no shared-memory ring; 2-, 4-
-                        // and 8-bit weights, M <= 16; x is staged once (x_once), `stages` unused
+                        // rows' weights straight into registers, no shared-memory ring; 2- and
+                        // 4-bit weights, M <= 16; x is staged once (x_once), `stages` unused
   int k_slices = 0;     // with stream: warps of a block that share one m-tile, each a slice of
                         // the block's stages (1, 2, 4, 8; at most warps); 0 = 2
 };

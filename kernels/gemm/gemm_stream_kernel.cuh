@@ -25,7 +25,8 @@
 //   | x stage s0 | x stage s0 + 1 | ... | x stage s1 - 1 |      then: | slice partials |
 //     NT x 8 KB each                                               R x (S - 1) x 32 x NT float4
 //
-// 2-, 4- and 8-bit codes (one load slot per piece t); 3-bit codes keep the ring kernel.
+// 2- and 4-bit codes (one load slot per piece t). 8-bit's stage of 8 units does not fit two
+// register buffers (gemm_small_b8.cu); 3-bit codes keep the ring kernel.
 #pragma once
 
 #include "kernels/gemm/gemm_small_kernel.cuh"
@@ -45,7 +46,7 @@ constexpr size_t stream_smem_bytes(int nt, int warps, int slices, int x_slots) {
 
 template <int BITS, int GS, int NT>
 __global__ void __launch_bounds__(32 * kMaxWarps, 2) gemm_stream_kernel(const Params p) {
-  static_assert(BITS == 2 || BITS == 4 || BITS == 8, "3-bit codes take the ring kernel");
+  static_assert(BITS == 2 || BITS == 4, "3- and 8-bit codes take the ring kernel");
   using F = Piece<BITS>;
   constexpr int kS = stage_units(BITS), kE = F::kGroups, kQ = F::kSlots;
   constexpr int kUC = F::kUnitCodes, kPC = F::kPieceCodes;

@@ -190,7 +190,7 @@ class Server {
     };
     svr.on_done = [this](const server::AccessEntry& e) {
       log(e);
-      metrics_.observe_request(e.path, e.status, e.ms / 1000.0);
+      metrics_.observe_request(metrics_endpoint(e.path), e.status, e.ms / 1000.0);
       if (e.prompt_tokens >= 0 && e.completion_tokens >= 0) metrics_.add_tokens(e.prompt_tokens, e.completion_tokens);
     };
     svr.after_request = [](size_t body_bytes) {
@@ -402,6 +402,18 @@ class Server {
     if (after_first == 0) return;
     const double per = r.gen_ms / 1000.0 / (double)after_first;
     for (size_t i = 0; i < after_first; ++i) metrics_.observe_token_latency(per);
+  }
+
+  // The endpoint label of a request's path: the server's routes, "/v1/models/{model}" for any
+  // model, and "other" for every path it does not serve, so that requests for made-up paths
+  // (with or without a key) cannot take up the registry's labels before the real ones are used.
+  static std::string metrics_endpoint(const std::string& path) {
+    static const char* const kRoutes[] = {"/health", "/metrics", "/v1/models", "/v1/chat/completions",
+                                          "/v1/completions", "/tokenize", "/detokenize"};
+    for (const char* r : kRoutes)
+      if (path == r) return path;
+    if (path.rfind("/v1/models/", 0) == 0 && path.size() > 11) return "/v1/models/{model}";
+    return "other";
   }
 
   // The token masker of an endpoint's end ids (the chat template's for chat), built on first
