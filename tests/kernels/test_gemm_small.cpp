@@ -230,6 +230,17 @@ std::vector<float> ref_rows(const Case& c, int64_t N, int M) {
   return std::vector<float>(c.ref.begin(), c.ref.begin() + size_t(M) * N);
 }
 
+// The reference of the residual + bias + ReLU epilogue: relu(x W^T + residual + bias).
+std::vector<float> plus_residual_bias_relu(std::vector<float> ref, const std::vector<uint16_t>& res,
+                                           const std::vector<uint16_t>& bias, int M, int64_t N) {
+  for (int m = 0; m < M; ++m)
+    for (int64_t i = 0; i < N; ++i) {
+      const size_t k = size_t(m) * N + i;
+      ref[k] = std::max(ref[k] + half_to_float(res[k]) + half_to_float(bias[i]), 0.f);
+    }
+  return ref;
+}
+
 // ---- Formats x M x K ------------------------------------------------------------------------------
 
 std::vector<Format> all_formats() {
@@ -567,12 +578,7 @@ TEST_P(GpuGemmSmallPlans, MatchReference) {
       const int M = 40;
       const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
       const std::vector<uint16_t> bias = random_halves(N, 0.5f, rng);
-      std::vector<float> ref = ref_rows(c, N, M);
-      for (int m = 0; m < M; ++m)
-        for (int64_t i = 0; i < N; ++i) {
-          const size_t k = size_t(m) * N + i;
-          ref[k] = std::max(ref[k] + half_to_float(res[k]) + half_to_float(bias[i]), 0.f);
-        }
+      const std::vector<float> ref = plus_residual_bias_relu(ref_rows(c, N, M), res, bias, M, N);
       RunOpts o;
       o.launch = plan;
       o.launch.splits = 2;
@@ -671,12 +677,7 @@ TEST_P(GpuGemmStream, MatchReference) {
       const int M = 9;
       const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
       const std::vector<uint16_t> bias = random_halves(N, 0.5f, rng);
-      std::vector<float> ref = ref_rows(c, N, M);
-      for (int m = 0; m < M; ++m)
-        for (int64_t i = 0; i < N; ++i) {
-          const size_t k = size_t(m) * N + i;
-          ref[k] = std::max(ref[k] + half_to_float(res[k]) + half_to_float(bias[i]), 0.f);
-        }
+      const std::vector<float> ref = plus_residual_bias_relu(ref_rows(c, N, M), res, bias, M, N);
       RunOpts o;
       o.launch = plan;
       o.launch.splits = 2;
