@@ -5,8 +5,7 @@
 set -euo pipefail
 pkgs=(cmake ninja-build g++ pkg-config libsentencepiece-dev libpcre2-dev libutf8proc-dev
       nlohmann-json3-dev libfmt-dev libcli11-dev libgtest-dev libgmock-dev libopenblas-dev
-      liblapacke-dev libedit-dev libboost-dev curl ccache python3-jsonschema
-      python3-rfc3339-validator)
+      liblapacke-dev libedit-dev libboost-dev curl ccache python3-jsonschema)
 [ "${1:-}" = --fuzz ] && pkgs+=(clang libclang-rt-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
