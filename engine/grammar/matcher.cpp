@@ -127,7 +127,7 @@ class Expander {
   }
 
   void insert(uint32_t off) {
-    size_t h = stack_hash(&out_.words[off + 1], out_.words[off]) & kTableMask;
+    size_t h = stack_hash(out_.words.data() + off + 1, out_.words[off]) & kTableMask;
     while (table_->stamps[h] == table_->stamp) h = (h + 1) & kTableMask;
     table_->stamps[h] = table_->stamp;
     table_->offsets[h] = off;
@@ -194,7 +194,7 @@ bool StackSet::same_as(const StackSet& o) const {
     size_t oo = 0;
     for (uint32_t j = 0; j < o.count && !found; ++j) {
       const uint32_t ol = o.words[oo];
-      found = ol == len && std::memcmp(&words[off + 1], &o.words[oo + 1], len * sizeof(uint32_t)) == 0;
+      found = ol == len && std::memcmp(words.data() + off + 1, o.words.data() + oo + 1, len * sizeof(uint32_t)) == 0;
       oo += ol + 1;
     }
     if (!found) return false;
@@ -203,11 +203,13 @@ bool StackSet::same_as(const StackSet& o) const {
   return true;
 }
 
+// (A stack's words are reached as data() + offset, not &words[offset]: an empty stack last in
+// the set starts one past the end, which a pointer may name and operator[] may not.)
 size_t StackSet::hash() const {
   uint64_t h = 0;  // a sum, so that the order of the stacks does not matter
   size_t off = 0;
   for (uint32_t i = 0; i < count; ++i) {
-    h += stack_hash(&words[off + 1], words[off]);
+    h += stack_hash(words.data() + off + 1, words[off]);
     off += words[off] + 1;
   }
   return static_cast<size_t>(h ^ (uint64_t{partial.value} << 8) ^ partial.remaining);
