@@ -32,8 +32,9 @@
 #   generate   kestrel-synth tiny GPTQ models (4-bit g128 act-order; 3-bit asymmetric g64), then
 #              `kestrel generate` of a 107-token prompt (dequantize + cuBLASLt path) and 24
 #              tokens (decode graphs), greedy and sampled
-# racecheck, initcheck and synccheck take the smaller sets (gemv and sessions reduced, no
-# families) as they run slower; initcheck only the runs that read no cuBLASLt output (below).
+# racecheck, initcheck and synccheck take the smaller sets (gemv, sessions and the chunked
+# prefill's formats reduced, no families) as they run slower; initcheck only the runs that read
+# no cuBLASLt output (below).
 #   RUNS="sessions prefill"   limits any tool to those runs
 #   FILTER='gtest filter'     replaces the runs' own filters (with RUNS naming one test binary)
 #   PARALLEL=1                runs a tool's runs at once (the memory run still alone, last)
@@ -81,6 +82,7 @@ f_ops='*'
 f_gemv_full='GemvEpilogue.*:GemvFused.*:GemvInputOps.*:GemvResidual.*:GemvSpecialized.*:GemvShapes.*:GemvPrepare.*:GemvF16.*:*GemvFormats.*/b*_g128_sym:*GemvFormats.*/b*_g32_asym_act:*GemvFormats.*/b*_grow_sym_act'
 f_gemv_small='GemvEpilogue.*:GemvInputOps.*:GemvSpecialized.*:GemvShapes.LaunchShapesAgree:*GemvFormats.*/b4_g128_sym:*GemvFormats.*/b3_g64_asym_act:*GemvFormats.*/b8_grow_sym'
 f_prefill='*GemmFormats.*:GemmSlices.*:DenseLinear.*:*AttnPrefill.*:RopeRows.*:Nll.*:*Prefill.*'
+f_prefill_small='*GemmFormats.*:GemmSlices.*:DenseLinear.*:*AttnPrefill.*:RopeRows.*:Nll.*:PrefillChunk.*:Formats/Prefill.*/q4_g128_act:Formats/Prefill.*/q3_g128:Formats/Prefill.*/q4_g128_hd128'
 f_families='*Families.Gpu*'
 f_gemm_small_full='*GpuGemmSmall*:GemmSmall*.Gpu*'
 f_gemm_small_small='*GpuGemmSmallPlans*:GemmSmall*.Gpu*'
@@ -133,9 +135,9 @@ one_run() {  # one_run TOOL RUN
   local tool=$1 run=$2
   local opts=(--tool "$tool" --error-exitcode 86 --report-api-errors no --print-limit 50)
   [ "$tool" = memcheck ] && opts+=(--leak-check full)
-  local gemv="$f_gemv_small" sessions="$f_sessions_small" prefill="$f_prefill"
+  local gemv="$f_gemv_small" sessions="$f_sessions_small" prefill="$f_prefill_small"
   local gemm_small="$f_gemm_small_small" spec="$f_spec"
-  [ "$tool" = memcheck ] && { gemv="$f_gemv_full"; sessions="$f_sessions"; gemm_small="$f_gemm_small_full"; }
+  [ "$tool" = memcheck ] && { gemv="$f_gemv_full"; sessions="$f_sessions"; prefill="$f_prefill"; gemm_small="$f_gemm_small_full"; }
   if [ -n "${FILTER:-}" ]; then
     gemv="$FILTER"; sessions="$FILTER"; prefill="$FILTER"; gemm_small="$FILTER"; spec="$FILTER"
   fi
