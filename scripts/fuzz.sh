@@ -17,9 +17,12 @@ mode="${1:-replay}"
 seconds="${2:-60}"
 command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (apt-get install clang)" >&2; exit 1; }
 source scripts/cmake-common.sh
+# -gline-tables-only: a report's stack needs file and line, not the variables (full debug
+# information slows every compile).
 cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ "${cmake_common_args[@]}" \
-  -DCMAKE_CUDA_ARCHITECTURES=90a -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
+  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
 all_targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja
              fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http fuzz_grammar)
 targets=("${all_targets[@]}")

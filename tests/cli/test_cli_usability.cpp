@@ -14,6 +14,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/support/gpu.h"
 #include "tests/support/test_util.h"
@@ -148,9 +149,12 @@ TEST_F(Usability, BatchLineJsonErrorsSayWhere) {
 }
 
 TEST(Version, EveryProgramAnswers) {
-  for (const std::string bin : {KESTREL_BIN, KESTREL_SYNTH_BIN, KESTREL_QUANTIZE_BIN,
-                                KESTREL_BENCH_GEMM_BIN, KESTREL_BENCH_GEMV_BIN,
-                                KESTREL_BENCH_SAMPLING_BIN, KESTREL_BENCH_TOKENIZER_BIN}) {
+  std::vector<std::string> bins = {KESTREL_BIN, KESTREL_SYNTH_BIN, KESTREL_QUANTIZE_BIN};
+#ifdef KESTREL_BENCH_GEMM_BIN
+  bins.insert(bins.end(), {KESTREL_BENCH_GEMM_BIN, KESTREL_BENCH_GEMV_BIN,
+                           KESTREL_BENCH_SAMPLING_BIN, KESTREL_BENCH_TOKENIZER_BIN});
+#endif
+  for (const std::string& bin : bins) {
     const Result r = run(bin + " --version");
     EXPECT_EQ(r.code, 0) << bin << ": " << r.err;
     EXPECT_EQ(r.out, fs::path(bin).filename().string() + " " + KESTREL_VERSION + "\n") << bin;
@@ -179,6 +183,9 @@ TEST(Devices, ListsTheCpuAlwaysAndTheGpuOrWhyNot) {
 
 // The GPU benchmarks without a GPU say why as `kestrel devices` does.
 TEST(Version, GpuBenchmarksWithoutAGpuSayItAsKestrelDoes) {
+#ifndef KESTREL_BENCH_GEMM_BIN
+  GTEST_SKIP() << "the benchmarks are not built (KESTREL_TEST_BENCHMARKS off)";
+#else
   if (kestrel::test::gpu().usable) GTEST_SKIP() << "a GPU is present";
   const Result devices = run(kKestrel + " devices");
   ASSERT_EQ(devices.code, 0);
@@ -195,6 +202,7 @@ TEST(Version, GpuBenchmarksWithoutAGpuSayItAsKestrelDoes) {
     EXPECT_EQ(r.err, fs::path(bin).filename().string() + ": " + problem +
                          "; this benchmark measures GPU kernels\n");
   }
+#endif
 }
 
 // ---- llama.cpp's habits ------------------------------------------------------------------
