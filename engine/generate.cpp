@@ -3,9 +3,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <random>
+#include <thread>
+#include <utility>
 
 #include "base/error.h"
 #include "engine/speculative.h"
@@ -181,6 +187,63 @@ void speculate(Session& model, const GenerateOptions& opt, std::vector<int>& his
   }
 }
 
+// One background thread that runs one job at a time: start() hands it a job, wait() blocks
+// until the job is done and rethrows what it threw. The destructor waits for a running job.
+class Worker {
+ public:
+  Worker() : thread_([this] { loop(); }) {}
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+  void start(std::function<void()> job) {
+    {
+      std::lock_guard<std::mutex> l(m_);
+      job_ = std::move(job);
+      busy_ = true;
+    }
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> l(m_);
+    cv_.wait(l, [&] { return !busy_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void loop() {
+    std::unique_lock<std::mutex> l(m_);
+    for (;;) {
+      cv_.wait(l, [&] { return quit_ || job_ != nullptr; });
+      if (job_ == nullptr) return;  // quit, with no job left to run
+      std::function<void()> job = std::exchange(job_, nullptr);
+      l.unlock();
+      std::exception_ptr e;
+      try {
+        job();
+      } catch (...) {
+        e = std::current_exception();
+      }
+      l.lock();
+      error_ = e;
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::function<void()> job_;
+  bool busy_ = false, quit_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;  // last: it starts with the members above constructed
+};
+
 // Runs prompt_ids[first..] at positions first.. and generates.
 GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>& prompt_ids,
                    int first, int pos0, const GenerateOptions& opt,
@@ -225,10 +288,6 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
                                                       opt.stop_ids.end());
   };
 
-  const auto t0 = clock::now();
-  model.forward(prompt_ids.data() + first, n_run, pos0, logits.data());
-  const auto t1 = clock::now();
-  r.prompt_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
 
   // Without penalties and logprobs the token can be picked on the backend's device, which then
   // hands back one id per token instead of the logits: greedy decoding (the argmax), and
@@ -248,6 +307,44 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     gstate.emplace(opt.grammar);
     mask.resize(opt.masker->mask_words());
   }
+  // The ids the grammar allows after the text so far, end ids cleared where they may not end it.
+  auto compute_mask = [&] {
+    opt.masker->allowed_tokens(*gstate, mask.data(), mask_cache);
+    if (opt.ignore_eos)
+      for (int id : opt.masker->eos_ids()) mask[id >> 5] &= ~(1u << (id & 31));
+  };
+  // The mask computed beside the model's pass (GenerateOptions::mask_ahead). Declared after
+  // what its jobs use, so that its destructor, which waits for a running job, comes first.
+  const bool ahead_on = gstate && (opt.mask_ahead == GenerateOptions::MaskAhead::On ||
+                                   (opt.mask_ahead == GenerateOptions::MaskAhead::Auto &&
+                                    !model.model().computes_on_host()));
+  std::optional<Worker> ahead;
+  if (ahead_on) ahead.emplace();
+  bool mask_ready = false;
+  // Runs a pass of the model, with the next step's mask computed beside it where asked.
+  auto forward = [&](const int* tokens, int n, int pos) {
+    if (!ahead) {
+      model.forward(tokens, n, pos, logits.data());
+      return;
+    }
+    ahead->start(compute_mask);
+    try {
+      model.forward(tokens, n, pos, logits.data());
+    } catch (...) {
+      try {
+        ahead->wait();
+      } catch (...) {  // the pass's error is the one to report
+      }
+      throw;
+    }
+    ahead->wait();
+    mask_ready = true;
+  };
+
+  const auto t0 = clock::now();
+  forward(prompt_ids.data() + first, n_run, pos0);
+  const auto t1 = clock::now();
+  r.prompt_ms = std::chrono::duration<double, std::milli>(t1 - t0).count();
   const bool no_penalties = sp.repeat_penalty == 1.0f && sp.frequency_penalty == 0.0f &&
                             sp.presence_penalty == 0.0f && opt.logprobs <= 0;
   const bool argmax_only = no_penalties && sp.temperature <= 0.0f;
@@ -265,9 +362,8 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
     const auto ts = clock::now();
     if (opt.logprobs > 0) raw.assign(logits.begin(), logits.end());
     if (gstate) {
-      opt.masker->allowed_tokens(*gstate, mask.data(), mask_cache);
-      if (opt.ignore_eos)
-        for (int id : opt.masker->eos_ids()) mask[id >> 5] &= ~(1u << (id & 31));
+      if (!mask_ready) compute_mask();
+      mask_ready = false;
       bool any = false;
       // Ids past the tokenizer's vocabulary (a model's padded embedding) are never text. A
       // word at a time: inside a string most words allow all 32 ids, elsewhere most none.
@@ -353,7 +449,7 @@ GenerateResult run(Session& model, const Tokenizer& tok, const std::vector<int>&
         ++r.n_eval;
         ++r.n_device;
       } else {
-        model.forward(&r.ids.back(), 1, pos - 1, logits.data());
+        forward(&r.ids.back(), 1, pos - 1);
         ++r.n_eval;
         id = choose();
       }

@@ -44,6 +44,12 @@ struct GenerateOptions {
   // Not with a drafter: refused.
   std::shared_ptr<const grammar::Grammar> grammar;
   std::shared_ptr<const grammar::TokenMasker> masker;
+  // With a grammar, each step's mask is computed on a second thread while the model runs the
+  // step (it depends only on the ids taken so far), so that a device's forward pass hides it.
+  // Auto: where the model does not compute on the host's cores (Model::computes_on_host).
+  // The ids are the same either way.
+  enum class MaskAhead { Auto, On, Off };
+  MaskAhead mask_ahead = MaskAhead::Auto;
 };
 
 // The token masker of a tokenizer's vocabulary (Tokenizer::all_token_bytes), with its end ids

@@ -49,6 +49,10 @@ class Model {
   virtual const ModelConfig& config() const = 0;
   // A human-readable device description for messages and tables ("CPU (reference, fp32)").
   virtual std::string device_name() const = 0;
+  // Whether a forward pass computes on the calling process's cores (the CPU engine), or waits
+  // on a device while they idle: host work overlapped with a device's pass is free, with the
+  // CPU engine's it takes cores from the pass.
+  virtual bool computes_on_host() const { return false; }
   // A new sequence at position 0 with a KV cache of `context` positions (0 = the model's
   // max_position_embeddings), allocated now. A GPU model shortens the context to what fits,
   // with a note on stderr unless `quiet`; throws DeviceError where not even a short one does.

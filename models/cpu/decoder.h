@@ -122,6 +122,7 @@ class DecoderCpu final : public Model {
 
   const ModelConfig& config() const override { return cfg_; }
   std::string device_name() const override { return "CPU (reference, fp32)"; }
+  bool computes_on_host() const override { return true; }
   std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
   // The same, as the CPU session type (for the quantizer and the tests, which run layers).
   std::unique_ptr<DecoderCpuSession> new_cpu_session(int context = 0);

@@ -278,6 +278,37 @@ void expect_refused(const std::string& args, const std::string& what) {
   EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
+// kestrel bench --json-object: greedy generation under the grammar after a random prompt, a
+// row beside tg's and its cost against a plain step, in every output format.
+TEST_P(GrammarCli, BenchTimesConstrainedDecoding) {
+  // The bench's code is the same over any vocabulary; Qwen3's would add half a minute.
+  if (GetParam() != "sentencepiece") GTEST_SKIP() << "timed on the SentencePiece vocabulary";
+  const std::string args = " bench --device cpu -m " + model().string() + " -p 4 -n 24 -r 2 --json-object";
+  const Result jr = run(kKestrel + args + " -o json");
+  ASSERT_EQ(jr.code, 0) << jr.err;
+  const json j = json::parse(jr.out);
+  ASSERT_TRUE(j.contains("grammar")) << j.dump();
+  const json& g = j["grammar"];
+  EXPECT_EQ(g["kind"], "json-object");
+  const auto samples = g["gen_tokens_per_s"]["samples"].get<std::vector<double>>();
+  ASSERT_EQ(samples.size(), 2u);
+  for (double x : samples) EXPECT_GT(x, 0.0);
+  EXPECT_GE(g["generated_tokens"].get<int64_t>(), 4);  // at least two of each repetition's ids
+  EXPECT_LE(g["generated_tokens"].get<int64_t>(), 2 * 24);
+  const double step = g["step_ms"], plain = g["plain_step_ms"];
+  EXPECT_NEAR(step, 1000.0 / g["gen_tokens_per_s"]["mean"].get<double>(), 1e-9 * step);
+  EXPECT_NEAR(plain, 1000.0 / j["gen_tokens_per_s"]["mean"].get<double>(), 1e-9 * plain);
+  EXPECT_NEAR(g["overhead"].get<double>(), step / plain - 1, 1e-9);
+
+  const Result md = run(kKestrel + args);
+  ASSERT_EQ(md.code, 0) << md.err;
+  EXPECT_NE(md.out.find("| tg24+json-object |"), std::string::npos) << md.out;
+  EXPECT_NE(md.out.find("constrained decoding (json-object): "), std::string::npos) << md.out;
+  const Result csv = run(kKestrel + args + " -o csv");
+  ASSERT_EQ(csv.code, 0) << csv.err;
+  EXPECT_NE(csv.out.find(",tg24+json-object,"), std::string::npos) << csv.out;
+}
+
 TEST(GrammarCliRefusals, OneLineBeforeTheModelLoads) {
   const fs::path bad = scratch() / "bad.gbnf";
   write_file(bad, "root ::= \"a\" item\nitem ::= \"x\" ) \"y\"\n");
@@ -297,6 +328,11 @@ TEST(GrammarCliRefusals, OneLineBeforeTheModelLoads) {
     expect_refused(base + "--json-object --json-schema '{}'", "cannot be used together");
     expect_refused(base + "--json-object --spec lookup", "--spec does not go with");
   }
+  // bench: the same refusals, and a grammar needs steps to time.
+  const std::string bench = "bench --device cpu -m /no/such/model ";
+  expect_refused(bench + "--grammar " + bad.string(), bad.string() + ":2:");
+  expect_refused(bench + "--json-object --spec lookup --prompt hi", "--spec does not go with");
+  expect_refused(bench + "--json-object -n 1", "-n must be at least 2");
   // The error's line and column, exactly: the stray ')' of line 2.
   const Result r = run(kKestrel + " generate" + m + "--grammar " + bad.string());
   EXPECT_EQ(r.err, "kestrel: " + bad.string() + ":2:14: unexpected ')'\n");

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <filesystem>
 #include <memory>
+#include <random>
+#include <string>
 
 #include "base/error.h"
 #include "engine/generate.h"
@@ -395,3 +397,75 @@ TEST_F(Generate, ContextOverflowIsAnError) {
 }
 
 }  // namespace
+
+namespace {
+
+// A session whose logits are a fixed pseudo-random function of the call's position: a grammar
+// always has ids to choose among. `fail_at`: the forward call that throws, as a device's
+// failed pass would.
+class NoiseBackend : private HoldsScriptModel, public Session {
+ public:
+  explicit NoiseBackend(int vocab, int fail_at = -1)
+      : HoldsScriptModel(vocab), Session(script_model), fail_at_(fail_at) {}
+  int context_length() const override { return 256; }
+  void forward(const int*, int n, int pos, float* logits, float*) override {
+    if (calls++ == fail_at_) throw Error("the pass failed at position " + std::to_string(pos));
+    std::mt19937 g(static_cast<uint32_t>(pos + n) * 7919u);
+    std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+    for (int i = 0; i < config().vocab; ++i) logits[i] = u(g);
+  }
+  int calls = 0;
+
+ private:
+  int fail_at_;
+};
+
+}  // namespace
+
+// The mask of the next step is computed on a second thread while the pass runs (by default
+// where the model does not compute on the host's cores, as here): the same ids, greedy and
+// sampled, as the mask computed after the pass.
+TEST_F(Generate, GrammarMaskBesideThePassChangesNoId) {
+  GenerateOptions o = greedy(48);
+  o.grammar = grammar::Grammar::parse("root ::= \"{\" ( [a-z] | \" \" ){1,60} \"}\"\n");
+  o.masker = grammar_masker(*tok_);
+  const std::vector<int> prompt = tok_->encode("x");
+  for (float temperature : {0.0f, 0.9f}) {
+    o.sampling.temperature = temperature;
+    o.sampling.seed = 77;
+    std::vector<GenerateResult> r;
+    for (auto ahead : {GenerateOptions::MaskAhead::Off, GenerateOptions::MaskAhead::On,
+                       GenerateOptions::MaskAhead::Auto}) {
+      o.mask_ahead = ahead;
+      NoiseBackend b(tok_->vocab_size());
+      r.push_back(generate(b, *tok_, prompt, o));
+    }
+    ASSERT_GT(r[0].ids.size(), 3u) << temperature;
+    EXPECT_EQ(r[0].text.front(), '{') << r[0].text;
+    for (size_t i = 1; i < r.size(); ++i) {
+      EXPECT_EQ(r[i].ids, r[0].ids) << "temperature " << temperature << ", variant " << i;
+      EXPECT_EQ(r[i].text, r[0].text);
+      EXPECT_EQ(r[i].finish_reason, r[0].finish_reason);
+      EXPECT_EQ(r[i].grammar_complete, r[0].grammar_complete);
+    }
+  }
+}
+
+// A pass that fails while the mask is computed beside it: its error reaches the caller, after
+// the mask's thread is done (no hang, nothing left running).
+TEST_F(Generate, AFailedPassBesideTheMaskIsThePassesError) {
+  GenerateOptions o = greedy(16);
+  o.grammar = grammar::Grammar::parse("root ::= [a-z ]+\n");
+  o.masker = grammar_masker(*tok_);
+  o.mask_ahead = GenerateOptions::MaskAhead::On;
+  for (int fail_at : {0, 3}) {
+    NoiseBackend b(tok_->vocab_size(), fail_at);
+    try {
+      generate(b, *tok_, tok_->encode("x"), o);
+      ADD_FAILURE() << "no error at pass " << fail_at;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the pass failed at position"), std::string::npos)
+          << e.what();
+    }
+  }
+}

@@ -36,7 +36,43 @@ struct BenchArgs {
   int verify_rows = 0;  // --verify N: also time verify passes of N tokens
   SpecOptions spec;
   std::string prompt_file, prompt_text;  // a text prompt instead of random tokens (--spec)
+  GrammarOptions grammar_opts;  // --grammar, --json-schema, --json-object
 };
+
+// --grammar, --json-schema or --json-object: greedy generation through the engine's generate()
+// under the grammar, after the same kind of random prompt as the tg row, whose steps it is
+// compared with. Each token's logits come to the host to be masked (docs/grammar.md).
+struct GrammarBench {
+  std::string kind;  // "json-object", "json-schema" or "grammar"
+  std::vector<double> tg;
+  int64_t tokens = 0;    // generated over the repetitions (a complete match may end one early)
+  int64_t complete = 0;  // repetitions whose text is a complete match of the grammar
+};
+
+GrammarBench run_grammar_bench(const BenchArgs& a, LoadedModel& m,
+                               std::shared_ptr<const grammar::Grammar> g, std::mt19937_64& rng) {
+  GrammarBench b;
+  b.kind = a.grammar_opts.json_object ? "json-object"
+           : !a.grammar_opts.json_schema.empty() ? "json-schema"
+                                                  : "grammar";
+  GenerateOptions o;
+  o.max_new_tokens = a.n_gen;
+  o.sampling.temperature = 0.0f;
+  o.ignore_eos = true;
+  o.grammar = std::move(g);
+  o.masker = grammar_masker(*m.tok);
+  std::uniform_int_distribution<int> tok(0, std::min(m.session->config().vocab, m.tok->vocab_size()) - 1);
+  for (int rep = -1; rep < a.reps; ++rep) {  // rep -1 is the warm-up
+    std::vector<int> prompt(std::max(a.n_prompt, 1));
+    for (int& t : prompt) t = tok(rng);
+    const GenerateResult r = generate(*m.session, *m.tok, prompt, o);
+    if (rep < 0) continue;
+    if (r.n_eval > 0) b.tg.push_back(r.n_eval * 1000.0 / r.gen_ms);
+    b.tokens += (int64_t)r.ids.size();
+    b.complete += r.grammar_complete ? 1 : 0;
+  }
+  return b;
+}
 
 // --spec: plain and speculative greedy generation through the engine's generate(), the way
 // `kestrel generate --temp 0 --ignore-eos` runs, on the same text prompt.
@@ -135,7 +171,14 @@ int run_bench(BenchArgs a) {
   }
   if (a.n_prompt == 0 && a.n_gen == 0 && a.verify_rows == 0)
     throw Error("nothing to measure: -p and -n are both 0");
-  if (a.model.context == 0) a.model.context = a.n_prompt + std::max(a.n_gen, a.verify_rows);
+  if (a.grammar_opts.given() && a.n_gen < 2)
+    throw Error("--grammar, --json-schema and --json-object measure generation: -n must be at "
+                "least 2");
+  // Read before the model loads: a grammar that does not parse costs no loading.
+  std::shared_ptr<const grammar::Grammar> grammar = load_grammar(a.grammar_opts);
+  // (generate() starts from at least one prompt token, where -p 0 times the steps alone.)
+  if (a.model.context == 0)
+    a.model.context = std::max(a.n_prompt, grammar ? 1 : 0) + std::max(a.n_gen, a.verify_rows);
   a.tuning.gemv_specialized = !a.gemv_generic;
   a.tuning.graph_ranges = !a.no_graph_ranges;
   a.tuning.verify_graphs = !a.no_verify_graphs;
@@ -207,6 +250,9 @@ int run_bench(BenchArgs a) {
     }
   }
 
+  std::optional<GrammarBench> gb;
+  if (grammar) gb = run_grammar_bench(a, m, grammar, rng);
+
   const ModelConfig& c = b.config();
   const uint64_t size_bytes = m.spec->files.total_bytes();
   const int64_t params = count_params(c);
@@ -215,6 +261,10 @@ int run_bench(BenchArgs a) {
   const double verify_median = bench::median(verify_ms);
   const double step_ms = g.mean > 0 ? 1000.0 / g.mean : 0.0;
   const std::string spec_test = fmt::format("tg{}+{}", a.n_gen, a.spec.kind);
+  const Stat gg = gb ? stats(gb->tg) : Stat{};
+  const std::string grammar_test = gb ? fmt::format("tg{}+{}", a.n_gen, gb->kind) : "";
+  // A constrained step against a plain one (tg): what the grammar costs a token.
+  const double grammar_step_ms = gg.mean > 0 ? 1000.0 / gg.mean : 0.0;
   const double acceptance = sb && sb->drafted ? (double)sb->accepted / sb->drafted : 0.0;
   const double per_step = sb && sb->steps ? (double)sb->step_tokens / sb->steps : 0.0;
   const std::string backend = m.device == "cuda" ? "CUDA" : "CPU";
@@ -243,6 +293,16 @@ int run_bench(BenchArgs a) {
                           {"acceptance_rate", acceptance},
                           {"tokens_per_step", per_step},
                           {"same_tokens_as_plain", sb->same}};
+    if (gb) {
+      j["grammar"] = {{"kind", gb->kind},
+                      {"gen_tokens_per_s", {{"mean", gg.mean}, {"sd", gg.sd}, {"samples", gb->tg}}},
+                      // Totals over the -r repetitions (the warm-up left out).
+                      {"generated_tokens", gb->tokens},
+                      {"complete_matches", gb->complete},
+                      {"step_ms", grammar_step_ms},
+                      {"plain_step_ms", step_ms},
+                      {"overhead", step_ms > 0 ? grammar_step_ms / step_ms - 1 : 0.0}};
+    }
     if (a.verify_rows > 0) {
       j["verify"] = {{"tokens", a.verify_rows},
                      {"position", a.n_prompt},
@@ -281,6 +341,7 @@ int run_bench(BenchArgs a) {
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
     if (sb) row(spec_test, gs);
+    if (gb) row(grammar_test, gg);
     // A verify pass as tokens/s through it: N tokens over the median pass (sd 0: a median,
     // where the other rows are means).
     if (a.verify_rows > 0 && verify_median > 0)
@@ -290,7 +351,8 @@ int run_bench(BenchArgs a) {
     // The model by its directory's name, as llama-bench names it by its file.
     const std::string name = model_name(a.model.dir), type = format_text(c);
     const size_t w = std::max<size_t>(name.size(), 5), wt = std::max<size_t>(type.size(), 4);
-    const size_t wtest = std::max<size_t>(sb ? spec_test.size() : 0, 7);  // "tg128+lookup"
+    const size_t wtest =  // "tg128+lookup", "tg128+json-object"
+        std::max({sb ? spec_test.size() : 0, grammar_test.size(), size_t(7)});
     if (a.n_prompt > 0 || a.n_gen > 0 || sb) {  // (--verify alone has no row)
       std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>18} |\n",
                                "model", w, "type", wt, "size", "params", "device", "test", wtest,
@@ -313,6 +375,14 @@ int run_bench(BenchArgs a) {
           "step; the same tokens as plain greedy decoding: {}\n",
           a.spec.kind, a.spec.draft_max, sb->drafted, sb->accepted, 100 * acceptance, per_step,
           sb->same ? "yes" : "NO");
+    }
+    if (gb) {
+      row(grammar_test, gg);
+      std::cout << fmt::format(
+          "\nconstrained decoding ({}): {:.4f} ms a step against {:.4f} ms plain ({:+.1f}%); {} "
+          "tokens, {} of {} texts a complete match\n",
+          gb->kind, grammar_step_ms, step_ms, step_ms > 0 ? 100 * (grammar_step_ms / step_ms - 1) : 0.0,
+          gb->tokens, gb->complete, a.reps);
     }
     if (a.verify_rows > 0) {
       std::cout << fmt::format("\nverify pass of {} tokens at position {}: {:.4f} ms (median of {})",
@@ -398,12 +468,14 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                   "against a decode step")
       ->check(whole(2, 65));
   add_spec_options(cmd, a->spec);
+  add_grammar_options(cmd, a->grammar_opts);
   auto* file = cmd->add_option("-f,--file", a->prompt_file,
                                "with --spec: the prompt, from a file (instead of random tokens)");
   auto* text = cmd->add_option("--prompt", a->prompt_text, "with --spec: the prompt text")
                    ->excludes(file);
   cmd->callback([a, file, text, cmd, tuning, &action] {
     check_spec_options(a->spec);
+    check_grammar_options(a->grammar_opts, a->spec);
     // The modes that exclude --spec first: their conflict is the mistake, not a missing prompt.
     if (a->profile && !a->spec.kind.empty())
       throw CLI::ValidationError("--profile goes without --spec");
