@@ -97,6 +97,8 @@ class DecoderCuda final : public Model {
   size_t device_bytes_after_load() const override { return after_load_bytes_; }
   size_t device_bytes_in_use() const override;
   const DecodeTuning& tuning() const { return tuning_; }
+  // The weights as loaded: which linears fused, each one's format and bytes (for tests).
+  const GpuWeights& weights() const { return w_; }
 
   // Tokens per prefill chunk (default 2048; tests shrink it to cross chunk boundaries).
   void set_prefill_chunk(int tokens);
