@@ -15,7 +15,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <string>
 #include <vector>
 
 #include "kernels/gptq/gptq_format.h"
@@ -94,12 +93,6 @@ GemvWeight gemv_prepare(const std::vector<gptq::GptqView>& parts, cudaStream_t s
 // as a constant. Reads the views' format fields and qzeros only; false for a view without
 // qzeros or of bits other than 2, 3, 4, 8.
 bool gemv_zero_points_uniform(const std::vector<gptq::GptqView>& parts);
-
-// Why gemv_prepare refuses a linear of this format, "" when it takes it: bits other than 2, 3,
-// 4, 8, a K that does not fill whole 32-bit words, or groups of a size that is not a multiple
-// of 32 columns (one group per row always runs). Lets a loader refuse a checkpoint in one line
-// that names the linear, before any device work.
-std::string gemv_format_problem(int bits, int group_size, int64_t K);
 
 // An upper bound of GemvWeight::device_bytes for a weight of these parts (N their summed
 // outputs), from the format: exact but for the permutation under act_order, counted as if

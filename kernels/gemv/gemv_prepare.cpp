@@ -11,6 +11,7 @@
 
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
+#include "kernels/gemv/gemv_format.h"
 #include "kernels/gemv/gemv_layout.h"
 
 namespace kestrel::cuda {

@@ -11,6 +11,7 @@
 #include "kernels/attention/attention_cuda.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/gemv/gemv_format.h"
 #include "kernels/sampling/sample_cuda.h"
 #include "models/gpu/act_order.h"
 

@@ -73,7 +73,7 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most);
 // families it does not run yet, named for the user.
 std::string cuda_unsupported(const ModelConfig& c);
 // The same for the formats of its linears ("" when the GEMVs take every one): a GPTQ linear
-// whose format the kernels do not run (kernels/gemv/gemv.h, gemv_format_problem), named. Any
+// whose format the kernels do not run (kernels/gemv/gemv_format.h), named. Any
 // mix of the formats they do run loads, one per linear (GPTQModel's `dynamic` rules).
 std::string cuda_unsupported_formats(const ModelSpec& spec);
 
