@@ -1,5 +1,7 @@
 #include "models/registry.h"
 
+#include <fmt/format.h>
+
 #include "base/device.h"
 #include "base/error.h"
 #include "models/cpu/decoder.h"
@@ -23,12 +25,10 @@ const char* device_key(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o) {
   // Every architecture load_model_spec accepts is the Llama family's layer.
   if (o.device == Device::Cuda) {
-    // The CUDA path (its prefill GEMMs, act-order permutations and graphs) is built and
-    // tested for one quantized format per model; FP16 linears among them it has always run.
-    // Mixed formats are refused before any device work rather than half-supported.
-    const std::string mixed = mixed_formats(spec);
-    KESTREL_CHECK(mixed.empty(), "mixed per-module formats (dynamic) run on the CPU engine only so "
-                                 "far: --device cpu (" + mixed + ")");
+    // Each linear runs in its own format (GPTQModel's `dynamic` mixes them): a format the
+    // kernels do not take is refused here, before any device work, naming the linear.
+    const std::string why = cuda_unsupported_formats(spec);
+    KESTREL_CHECK(why.empty(), fmt::format("{}: {}", spec.dir, why));
     return std::make_unique<DecoderCuda>(spec, o.quiet, o.tuning);
   }
   return std::make_unique<DecoderCpu>(spec);

@@ -25,8 +25,9 @@ struct LoadOptions {
   DecodeTuning tuning;   // the CUDA decode path's choices (models/tuning.h)
 };
 
-// Loads the weights of `spec` (which must outlive the call only) on the chosen device. CUDA
-// refuses quantized linears of more than one format (mixed_formats) in one line.
+// Loads the weights of `spec` (which must outlive the call only) on the chosen device, each
+// linear in its own format. CUDA refuses a linear whose format its kernels do not run
+// (cuda_unsupported_formats) in one line, before any device work.
 std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o);
 
 }  // namespace kestrel

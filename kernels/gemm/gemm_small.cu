@@ -295,8 +295,12 @@ size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunc
 
 void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
                 const __half* residual, void* workspace, size_t workspace_bytes, cudaStream_t s,
-                GemvEpilogue out, GemmSmallLaunch launch) {
+                GemvEpilogue out, GemmSmallLaunch launch, int64_t ldy) {
   check_args(w, x, M, y, residual, out);
+  const int64_t cols = out.silu_mul ? w.N / 2 : w.N;
+  if (ldy != 0 && ldy < cols)
+    throw Error("gemm_small: ldy=" + std::to_string(ldy) + " is less than the output's " +
+                std::to_string(cols) + " columns");
   if (workspace && (reinterpret_cast<uintptr_t>(workspace) & 15u))
     throw Error("gemm_small: the workspace must be 16-byte aligned");
   const Plan plan = make_plan(w, M, launch, out);
@@ -324,6 +328,7 @@ void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
   p.N = static_cast<int>(w.N);
   p.silu_half = out.silu_mul ? static_cast<int>(w.N / 2) : 0;
   p.rows = static_cast<int>(out.silu_mul ? w.N / 2 : w.N);
+  p.ldy = ldy ? ldy : p.rows;
   p.y = y;
   p.residual = residual;
   p.bias = out.bias;

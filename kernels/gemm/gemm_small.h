@@ -65,7 +65,10 @@ size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunc
 // weight y [M, N/2] = silu(gate) * up, each output as the GEMV computes it (gemv.h's
 // GemvEpilogue: the same rounding of gate and up, the same order of residual and bias).
 //   x [M, K], y [M, N] (or [M, N/2]), residual [M, N] or nullptr (may alias y, not x),
-//   row-major and contiguous; device pointers, x 16-byte aligned. M in 1 .. kGemmSmallMaxRows.
+//   row-major, x contiguous; device pointers, x 16-byte aligned. M in 1 .. kGemmSmallMaxRows.
+//   ldy: elements between rows of y and of residual (0 = their columns, N or N/2; larger when
+//        y is a column slice of a wider matrix, as for the parts of a linear that could not be
+//        fused, each of which runs into its columns of the layer's output).
 //   out: silu_mul, bias and relu as in GemvEpilogue (silu_mul without residual, bias or relu);
 //        out_index and residual_index are not supported.
 //   workspace: gemm_small_workspace_bytes(w, M, launch, out) bytes, 16-byte aligned
@@ -77,6 +80,6 @@ size_t gemm_small_workspace_bytes(const GemvWeight& w, int64_t M, GemmSmallLaunc
 // size of the workspace is checked once the launch is planned (that queries the device).
 void gemm_small(const GemvWeight& w, const __half* x, int64_t M, __half* y,
                 const __half* residual, void* workspace, size_t workspace_bytes, cudaStream_t s,
-                GemvEpilogue out = {}, GemmSmallLaunch launch = {});
+                GemvEpilogue out = {}, GemmSmallLaunch launch = {}, int64_t ldy = 0);
 
 }  // namespace kestrel::cuda

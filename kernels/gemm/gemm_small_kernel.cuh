@@ -98,8 +98,9 @@ struct Params {
   int M, N;
   int silu_half;          // N / 2 with the SiLU epilogue ([gate | up] rows), else 0
   int rows;               // output columns: N, or N / 2 with SiLU
-  __half* y;              // [M][rows]
-  const __half* residual; // [M][rows] or nullptr; may alias y
+  __half* y;              // [M][rows], rows ldy apart
+  const __half* residual; // [M][rows] or nullptr, rows ldy apart; may alias y
+  int64_t ldy;            // elements between rows of y and residual: rows, or more (a slice)
   const __half* bias;     // [rows] or nullptr
   bool relu;
   int n_stages;           // stages of kStageCodes along the padded K
@@ -317,7 +318,7 @@ __device__ __forceinline__ void store_outputs(const Params& p, int tile, int m0,
         // As the GEMV's SiLU epilogue: gate and up rounded to fp16, fp32 math, one rounding.
         const int pr = tile * 8 + g;
         if (pr < p.silu_half)
-          p.y[int64_t(m) * p.rows + pr] = __float2half_rn(
+          p.y[int64_t(m) * p.ldy + pr] = __float2half_rn(
               silu_times(__half2float(__float2half_rn(acc[nt][j])),
                          __half2float(__float2half_rn(acc[nt][2 + j]))));
       } else {
@@ -325,7 +326,7 @@ __device__ __forceinline__ void store_outputs(const Params& p, int tile, int m0,
         for (int h = 0; h < 2; ++h) {
           const int row = tile * 16 + g + 8 * h;
           if (row >= p.N) continue;
-          const int64_t o = int64_t(m) * p.rows + row;
+          const int64_t o = int64_t(m) * p.ldy + row;
           float v = acc[nt][2 * h + j];
           float r = 0.f;
           if (p.residual) r = __half2float(__ldcg(p.residual + o));

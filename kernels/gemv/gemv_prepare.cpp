@@ -11,6 +11,7 @@
 
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemv/gemv.h"
+#include "kernels/gemv/gemv_format.h"
 #include "kernels/gemv/gemv_layout.h"
 
 namespace kestrel::cuda {
@@ -307,6 +308,20 @@ bool gemv_zero_points_uniform(const std::vector<gptq::GptqView>& parts) {
       }
   }
   return true;
+}
+
+std::string gemv_format_problem(int bits, int group_size, int64_t K) {
+  // The format checks of repack(), which come with the parts' names of the call instead.
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 8)
+    return std::to_string(bits) + "-bit weights (the kernels take 2, 3, 4 or 8 bits)";
+  if (K <= 0 || (K * bits) % 32 != 0)
+    return "K=" + std::to_string(K) + ", which does not fill whole 32-bit words at " +
+           std::to_string(bits) + " bits";
+  const bool per_row = group_size <= 0 || group_size >= K;
+  if (!per_row && group_size % 32 != 0)
+    return "groups of " + std::to_string(group_size) +
+           " columns (the kernels take multiples of 32, or one group per row)";
+  return "";
 }
 
 size_t gemv_device_bytes_bound(int bits, int group_size, int64_t N, int64_t K, bool act_order,

@@ -11,6 +11,7 @@
 #include "kernels/attention/attention_cuda.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/gemv/gemv_format.h"
 #include "kernels/sampling/sample_cuda.h"
 #include "models/gpu/act_order.h"
 
@@ -29,14 +30,25 @@ std::string cuda_unsupported(const ModelConfig& c) {
   return fmt::format("the CUDA engine does not run {} ({}); use --device cpu", c.architecture, why);
 }
 
+std::string cuda_unsupported_formats(const ModelSpec& spec) {
+  for (const LayerSpec& L : spec.layers)
+    for (const LinearSpec* l : {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down}) {
+      if (!l->quantized) continue;  // FP16 linears (and a ReLU MLP's absent gate) always run
+      const std::string why = cuda::gemv_format_problem(l->bits, l->group_size, l->K);
+      if (!why.empty())
+        return fmt::format("the CUDA engine does not run {}'s {}; use --device cpu", l->name, why);
+    }
+  return "";
+}
+
 DecoderCuda::DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
     : cfg_(spec.config), tuning_(tuning) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   device_name_ = st.name;
   const ModelConfig& c = cfg_;
-  if (const std::string why = cuda_unsupported(c); !why.empty())
-    throw Error(fmt::format("{}: {}", spec.dir, why));
+  for (const std::string& why : {cuda_unsupported(c), cuda_unsupported_formats(spec)})
+    if (!why.empty()) throw Error(fmt::format("{}: {}", spec.dir, why));
   // The first call that needs device memory: where even that fails, say so as any shortage.
   const cudaError_t stream_err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
   if (stream_err == cudaErrorMemoryAllocation) {

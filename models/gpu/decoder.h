@@ -72,6 +72,10 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most);
 // Why the CUDA engine cannot run a model of this config ("" when it can): the blocks of the
 // families it does not run yet, named for the user.
 std::string cuda_unsupported(const ModelConfig& c);
+// The same for the formats of its linears ("" when the GEMVs take every one): a GPTQ linear
+// whose format the kernels do not run (kernels/gemv/gemv_format.h), named. Any
+// mix of the formats they do run loads, one per linear (GPTQModel's `dynamic` rules).
+std::string cuda_unsupported_formats(const ModelSpec& spec);
 
 class DecoderCudaSession;
 
@@ -93,6 +97,8 @@ class DecoderCuda final : public Model {
   size_t device_bytes_after_load() const override { return after_load_bytes_; }
   size_t device_bytes_in_use() const override;
   const DecodeTuning& tuning() const { return tuning_; }
+  // The weights as loaded: which linears fused, each one's format and bytes (for tests).
+  const GpuWeights& weights() const { return w_; }
 
   // Tokens per prefill chunk (default 2048; tests shrink it to cross chunk boundaries).
   void set_prefill_chunk(int tokens);

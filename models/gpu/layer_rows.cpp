@@ -4,9 +4,9 @@
 //   -> causal tensor-core attention over the cache -> [tap O] o GEMM (+ residual) -> norm
 //   -> [tap GateUp] gate|up GEMM -> SiLU*up -> [tap Down] down GEMM (+ residual)
 //   [OPT: fc1 GEMM + bias -> ReLU -> fc2 GEMM + residual + bias]
-// GPTQ linears over 3 .. 64 rows run the fused small-M GEMM (kernels/gemm/gemm_small.h,
-// DecodeTuning::small_gemm_max_rows); over more they dequantize into an FP16 scratch and run
-// cuBLASLt; over 1 or 2 rows they run batch-1 GEMVs.
+// GPTQ linears (each part of an unfused one in its own format) over 3 .. 64 rows run the fused
+// small-M GEMM (kernels/gemm/gemm_small.h, DecodeTuning::small_gemm_max_rows); over more they
+// dequantize into an FP16 scratch and run cuBLASLt; over 1 or 2 rows they run batch-1 GEMVs.
 #include "models/gpu/layer.h"
 
 #include "kernels/activation/activation_cuda.h"
@@ -22,18 +22,18 @@ namespace {
 
 void run_linear(cuda::GemmRunner& g, const GpuLinear& L, const __half* x, int T, __half* y,
                 const __half* residual, const LayerRowsScratch& b, cudaStream_t s) {
-  // A whole quantized linear over a few tokens: one fused pass over its codes. (Its parts,
-  // when it could not be fused, write column slices of y, which gemm_small does not.)
-  if (T >= kSmallGemmMinRows && T <= b.small_max_rows && L.quantized) {
-    cuda::gemm_small(L.q, x, T, y, residual, b.small_ws, b.small_ws_bytes, s);
-    return;
-  }
+  // Over a few tokens a quantized weight runs the fused small-M GEMM (one pass over its codes);
+  // a linear that could not be fused (siblings of different formats) runs each part in its own
+  // format into its columns of y [T, L.N], FP16 parts as GEMVs or a GEMM.
+  const bool small = T >= kSmallGemmMinRows && T <= b.small_max_rows;
   __half* scratch = b.weights;
-  int64_t n0 = 0;  // unfused parts: each into its columns of y [T, L.N]
+  int64_t n0 = 0;
   for (const GpuLinear* p : L.leaves()) {
     __half* yp = y + n0;
     const __half* rp = residual ? residual + n0 : nullptr;
-    if (p->quantized)
+    if (p->quantized && small)
+      cuda::gemm_small(p->q, x, T, yp, rp, b.small_ws, b.small_ws_bytes, s, {}, {}, L.N);
+    else if (p->quantized)
       cuda::quant_linear_rows(g, p->q, x, T, yp, rp, scratch, s, L.N);
     else
       cuda::dense_linear_rows(g, p->dense, p->N, p->K, x, T, yp, rp, s, L.N);

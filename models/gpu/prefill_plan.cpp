@@ -127,9 +127,10 @@ DecoderCuda::PrefillState& DecoderCuda::prefill_state(const GpuSequence& q, bool
           size_t ws = 0;
           for (const GpuLayer& L : w_.layers)
             for (const GpuLinear* lin : {&L.qkv, &L.o, &L.gate_up, &L.down})
-              if (lin->quantized)
-                for (int m = kSmallGemmMinRows; m <= st->small_max_rows; ++m)
-                  ws = std::max(ws, cuda::gemm_small_workspace_bytes(lin->q, m));
+              for (const GpuLinear* leaf : lin->leaves())  // unfused parts run it one by one
+                if (leaf->quantized)
+                  for (int m = kSmallGemmMinRows; m <= st->small_max_rows; ++m)
+                    ws = std::max(ws, cuda::gemm_small_workspace_bytes(leaf->q, m));
           if (ws > 0) {
             st->small_ws = st->take(ws);
             KESTREL_CUDA_CHECK(cudaMemsetAsync(st->small_ws, 0, ws, stream_));

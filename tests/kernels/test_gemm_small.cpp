@@ -503,6 +503,69 @@ TEST(GemmSmallEpilogues, GpuSiluOfGateUpMatchesReference) {
   }
 }
 
+// The output as a column slice of a wider matrix (ldy), as the parts of a linear that could not
+// be fused write their columns of the layer's output: y[m][c0 + i] = (x W^T)[m][i] + the
+// residual read from the same place (aliasing y, as the q|k|v biases are laid down first), and
+// nothing written outside the slice; at split-K 1 and 2 and through the streaming kernel
+// (whose epilogue is the same store).
+TEST(GemmSmallEpilogues, GpuColumnSliceOfAWiderOutput) {
+  KESTREL_REQUIRE_GPU();
+  const int64_t N = 160, K = 800, c0 = 48, ldy = N + 112;  // columns [48, 208) of 272
+  for (const Format& f : kEpilogueFormats) {
+    Linear L = random_linear(f, N, K, 71);
+    GemvWeight w = cuda::gemv_prepare({L.view}, nullptr);
+    const Case c = make_case(L, 17);
+    std::mt19937 rng(5);
+    for (int M : {3, 16, 64})
+      for (int variant = 0; variant < 3; ++variant) {
+        GemmSmallLaunch launch;
+        if (variant < 2)
+          launch.splits = variant + 1;
+        else
+          launch.stream = true;  // 2 and 4 bits, M <= 16: others are refused, and skipped here
+        size_t ws_bytes = 0;
+        try {
+          ws_bytes = cuda::gemm_small_workspace_bytes(w, M, launch);
+        } catch (const Error&) {
+          if (launch.stream) continue;
+          throw;
+        }
+        const std::string what = describe(f, N, K) + " M=" + std::to_string(M) +
+                                 (launch.stream ? " stream" : " splits=" + std::to_string(launch.splits));
+        const std::vector<uint16_t> res = random_halves(size_t(M) * N, 1.0f, rng);
+        std::vector<uint16_t> init(size_t(M + 1) * ldy, 0xFFFF);  // fp16 NaN outside the slice
+        for (int m = 0; m < M; ++m)
+          for (int64_t i = 0; i < N; ++i) init[size_t(m) * ldy + c0 + i] = res[size_t(m) * N + i];
+        DeviceBuffer dx = upload(std::vector<uint16_t>(c.xh.begin(), c.xh.begin() + size_t(M) * K));
+        DeviceBuffer dy = upload(init);
+        DeviceBuffer ws(std::max<size_t>(ws_bytes, 16));
+        KESTREL_CUDA_CHECK(cudaMemset(ws.get(), 0, std::max<size_t>(ws_bytes, 16)));
+        __half* y = dy.as<__half>() + c0;
+        Stream st;
+        cuda::gemm_small(w, dx.as<__half>(), M, y, y, ws_bytes ? ws.get() : nullptr, ws_bytes,
+                         st.s, {}, launch, ldy);
+        KESTREL_CUDA_CHECK(cudaStreamSynchronize(st.s));
+        KESTREL_CUDA_CHECK(cudaGetLastError());
+        const std::vector<uint16_t> got = download(dy, init.size());
+        std::vector<float> slice(size_t(M) * N), ref(size_t(M) * N);
+        for (int m = 0; m < M; ++m)
+          for (int64_t i = 0; i < N; ++i) {
+            const size_t k = size_t(m) * N + i;
+            slice[k] = half_to_float(got[size_t(m) * ldy + c0 + i]);
+            ref[k] = c.ref[k] + half_to_float(res[k]);
+          }
+        EXPECT_LT(test::rel_err(slice, ref), kTol) << what;
+        int64_t outside = 0;
+        for (size_t j = 0; j < got.size(); ++j) {
+          const int64_t row = int64_t(j) / ldy, col = int64_t(j) % ldy;
+          if (row >= M || col < c0 || col >= c0 + N) outside += got[j] != 0xFFFF;
+        }
+        EXPECT_EQ(outside, 0) << what << ": written outside the slice";
+      }
+    cuda::gemv_free(w);
+  }
+}
+
 // ---- Launch plans ------------------------------------------------------------------------------------
 
 // Every combination of the plan's knobs (GemmSmallLaunch) but split-K, which each test varies
@@ -844,6 +907,22 @@ TEST(GemmSmallChecks, RefusesEpiloguesItDoesNotHave) {
   idx.out_index = reinterpret_cast<const int32_t*>(uintptr_t(0x30000));
   EXPECT_THAT(message_of(fake_gemv_weight(), kX, 4, kY, nullptr, idx),
               HasSubstr("out_index and residual_index are not supported"));
+}
+
+TEST(GemmSmallChecks, RefusesAnLdyNarrowerThanTheOutput) {
+  auto message = [](int64_t ldy, GemvEpilogue out) -> std::string {
+    try {
+      cuda::gemm_small(fake_gemv_weight(), kX, 4, kY, nullptr, nullptr, 0, nullptr, out, {}, ldy);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_EQ(message(255, {}), "gemm_small: ldy=255 is less than the output's 256 columns");
+  EXPECT_EQ(message(-1, {}), "gemm_small: ldy=-1 is less than the output's 256 columns");
+  GemvEpilogue silu;
+  silu.silu_mul = true;  // [gate | up] writes N/2 columns
+  EXPECT_EQ(message(127, silu), "gemm_small: ldy=127 is less than the output's 128 columns");
 }
 
 std::string plan_message(const GemmSmallLaunch& l) {

@@ -361,6 +361,118 @@ TEST(GpuMemory, ShortMemoryRefusesOrShortensTheContext) {
   fs::remove_all(dir);
 }
 
+// A GPTQModel `dynamic` model as the GPU loads it: siblings of one input (q, k, v; gate, up)
+// fused where their formats agree and run as parts in their own formats where not, each
+// linear quantized in its own bits and groups (or FP16 where a "-:" rule says so), the act-order
+// plans taken per layer where the weights allow them, and every linear's device bytes about
+// its checkpoint tensors' bytes (a linear placed in another format, or dequantized to FP16,
+// would take a multiple or a fraction of them).
+TEST(GpuDynamic, FusesLikeWithLikeAndPlacesEachLinearInItsOwnFormat) {
+  KESTREL_REQUIRE_GPU();
+  auto file_bytes = [](std::initializer_list<const LinearSpec*> ls) {
+    double b = 0;
+    for (const LinearSpec* l : ls)
+      for (const TensorInfo* t : {l->weight, l->qweight, l->qzeros, l->scales, l->g_idx})
+        if (t) b += (double)t->nbytes;
+    return b;
+  };
+  // Every linear of every layer: its bytes against its checkpoint's (the GEMV layout pads
+  // groups to 8 scales a row and drops uniform zero points: within 0.75 .. 1.35 of them).
+  auto check_bytes = [&](const ModelSpec& spec, const GpuWeights& w, const std::string& name) {
+    for (size_t l = 0; l < w.layers.size(); ++l) {
+      const GpuLayer& g = w.layers[l];
+      const LayerSpec& s = spec.layers[l];
+      const std::pair<const GpuLinear*, double> lins[] = {
+          {&g.qkv, file_bytes({&s.q, &s.k, &s.v})}, {&g.o, file_bytes({&s.o})},
+          {&g.gate_up, file_bytes({&s.gate, &s.up})}, {&g.down, file_bytes({&s.down})}};
+      for (const auto& [lin, want] : lins) {
+        EXPECT_GT(lin->bytes, 0.75 * want) << name << " layer " << l << " N=" << lin->N;
+        EXPECT_LT(lin->bytes, 1.35 * want) << name << " layer " << l << " N=" << lin->N;
+      }
+    }
+  };
+  auto load = [](const Case& c, std::unique_ptr<DecoderCuda>& m) {
+    ModelSpec spec = load_model_spec(kestrel::test::write_tiny_model(c, 11).string());
+    m = std::make_unique<DecoderCuda>(spec, /*quiet=*/true);
+    EXPECT_LE(m->weight_bytes(), gpu_weights_bound(spec)) << c.name;
+    return spec;
+  };
+  std::unique_ptr<DecoderCuda> m;
+  {
+    // q, k 8-bit per row beside v 4-bit g32 act-order (layer 0); layer 1's attention 3-bit g64;
+    // every gate 2-bit g128 act-order beside its up; layer 1's down FP16.
+    const ModelSpec spec = load(kestrel::test::dynamic_mixed(), m);
+    const GpuWeights& w = m->weights();
+    ASSERT_EQ(w.layers.size(), 4u);
+    const GpuLinear& qkv0 = w.layers[0].qkv;
+    ASSERT_EQ(qkv0.parts.size(), 3u);
+    EXPECT_EQ(qkv0.parts[0].q.bits, 8);
+    EXPECT_EQ(qkv0.parts[0].q.group_size, 0);
+    EXPECT_EQ(qkv0.parts[1].q.bits, 8);
+    EXPECT_EQ(qkv0.parts[2].q.bits, 4);
+    EXPECT_EQ(qkv0.parts[2].q.group_size, 32);
+    EXPECT_TRUE(qkv0.parts[2].q.has_perm);
+    for (size_t l = 1; l < 4; ++l) {
+      const GpuLinear& qkv = w.layers[l].qkv;
+      EXPECT_TRUE(qkv.quantized && qkv.parts.empty()) << "layer " << l << ": q|k|v agree";
+      EXPECT_EQ(qkv.q.bits, l == 1 ? 3 : 4) << "layer " << l;
+      EXPECT_EQ(qkv.q.has_perm, l != 1) << "layer " << l;
+    }
+    for (size_t l = 0; l < 4; ++l) {
+      const GpuLayer& g = w.layers[l];
+      ASSERT_EQ(g.gate_up.parts.size(), 2u) << "layer " << l;
+      EXPECT_EQ(g.gate_up.parts[0].q.bits, 2);
+      EXPECT_EQ(g.gate_up.parts[0].q.group_size, 128);
+      EXPECT_EQ(g.gate_up.parts[1].q.bits, 4);
+      EXPECT_EQ(g.down.quantized, l != 1) << "layer " << l;
+      EXPECT_EQ(g.down.dense != nullptr, l == 1) << "layer " << l;
+      EXPECT_EQ(g.down_x_index, nullptr) << "an unfused gate|up has no SiLU epilogue to permute";
+      EXPECT_FALSE(g.order.on) << "unfused layers keep the residual stream in natural order";
+    }
+    EXPECT_EQ(w.embed_perm, nullptr);
+    check_bytes(spec, w, "dynamic_mixed");
+  }
+  {
+    // 4-bit g128 act-order but layer 1 (8-bit g64, no act-order) and layer 3 (3-bit g32
+    // act-order); layer 2's o FP16. Everything fuses; the stream plan is off (layer 1 has no
+    // permutation), down's input order is each act-order layer's own.
+    const ModelSpec spec = load(kestrel::test::dynamic_fused(), m);
+    const GpuWeights& w = m->weights();
+    const int bits[] = {4, 8, 4, 3}, group[] = {128, 64, 128, 32};
+    for (size_t l = 0; l < 4; ++l) {
+      const GpuLayer& g = w.layers[l];
+      for (const GpuLinear* lin : {&g.qkv, &g.gate_up, &g.down}) {
+        ASSERT_TRUE(lin->quantized && lin->parts.empty()) << "layer " << l << " N=" << lin->N;
+        EXPECT_EQ(lin->q.bits, bits[l]) << "layer " << l;
+        EXPECT_EQ(lin->q.group_size, group[l]) << "layer " << l;
+        EXPECT_EQ(lin->q.has_perm, l != 1) << "layer " << l;
+      }
+      EXPECT_EQ(g.o.quantized, l != 2) << "layer " << l;
+      EXPECT_EQ(g.down_x_index != nullptr, l != 1) << "layer " << l;
+      EXPECT_FALSE(g.order.on) << "layer " << l;
+    }
+    check_bytes(spec, w, "dynamic_fused");
+  }
+  {
+    // Every linear act-order and fused, in a format per layer (per block in layer 2): the
+    // residual stream is kept in each next GEMV's permutation across the formats.
+    const ModelSpec spec = load(kestrel::test::dynamic_act_stream(), m);
+    const GpuWeights& w = m->weights();
+    const int qkv_bits[] = {4, 3, 4, 3}, mlp_bits[] = {4, 3, 8, 3};
+    for (size_t l = 0; l < 4; ++l) {
+      const GpuLayer& g = w.layers[l];
+      EXPECT_EQ(g.qkv.q.bits, qkv_bits[l]) << "layer " << l;
+      EXPECT_EQ(g.gate_up.q.bits, mlp_bits[l]) << "layer " << l;
+      EXPECT_EQ(g.down.q.bits, mlp_bits[l]) << "layer " << l;
+      EXPECT_TRUE(g.order.on) << "layer " << l;
+      EXPECT_NE(g.down_x_index, nullptr) << "layer " << l;
+    }
+    EXPECT_NE(w.embed_perm, nullptr);
+    check_bytes(spec, w, "dynamic_act_stream");
+  }
+  m.reset();
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Formats, GpuVsCpu,
     ::testing::Values(Case{"fp16", "fp16", 16, 0, false, false, "gptq"},
@@ -372,7 +484,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"q4_g128_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true},
                       Case{"q2_g64", "gptq", 2, 64, false, false, "gptq"},
                       Case{"q8_perchannel", "gptq", 8, -1, false, false, "gptq"},
-                      Case{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}),
+                      Case{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1},
+                      // GPTQModel `dynamic` models: each linear in its own format
+                      // (tests/support/synth_model.h says which)
+                      kestrel::test::dynamic_mixed(), kestrel::test::dynamic_fused(),
+                      kestrel::test::dynamic_act_stream(), kestrel::test::dynamic_v2_asym()),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "models/io/model_spec.h"
 #include "models/io/safetensors.h"
 #include "models/cpu/decoder.h"
+#include "models/gpu/decoder.h"
 #include "base/error.h"
 #include "models/registry.h"
 #include "tests/support/synth_model.h"
@@ -252,28 +253,46 @@ TEST_P(EngineVsPlain, GreedyContinuationMatches) {
   fs::remove_all(dir);
 }
 
-// The CUDA engine does not run mixed quantized formats yet: refused in one line, before any
-// device work (so this runs without a GPU).
-TEST(EngineDynamic, CudaRefusesMixedFormats) {
-  kestrel::test::ModelFormat f{"dyn_refused", "gptq", 4, 32, false, false, "gptq"};
-  f.dynamic = R"({"-:.*o_proj": {}, ".*\\.0\\.mlp\\..*": {"bits": 8}})";
+// The CUDA engine runs each linear in its own format: load_model no longer refuses mixed
+// formats for --device cuda. It refuses, in one line naming the linear and before any device
+// work (so this runs without a GPU), a format its kernels do not take. Whether the mixed model
+// loads is left to the device: without a usable GPU, the one refusal is that there is none.
+TEST(EngineDynamic, CudaTakesMixedFormatsAndRefusesWhatItCannotRun) {
+  const kestrel::test::ModelFormat f = kestrel::test::dynamic_mixed();
   const fs::path dir = kestrel::test::write_tiny_model(f, 3, 2);
   const ModelSpec spec = load_model_spec(dir.string());
+  ASSERT_NE(mixed_formats(spec), "");
+  EXPECT_EQ(cuda_unsupported_formats(spec), "");
   LoadOptions o;
   o.device = Device::Cuda;
   try {
-    load_model(spec, o);
-    ADD_FAILURE() << "expected a refusal";
-  } catch (const Error& e) {
-    EXPECT_EQ(std::string(e.what()).find("mixed per-module formats (dynamic) run on the CPU engine "
-                                         "only so far: --device cpu (model.layers.0.self_attn.q_proj "
-                                         "is 4-bit group 32, model.layers.0.mlp.gate_proj is 8-bit "
-                                         "group 32)"), 0u) << e.what();
+    EXPECT_NE(load_model(spec, o), nullptr);
+  } catch (const DeviceError&) {  // no usable GPU here
   }
-  // FP16 linears alone among one quantized format are what the CUDA engine has always run.
-  f.dynamic = R"({"-:.*o_proj": {}})";
-  EXPECT_EQ(mixed_formats(load_model_spec(kestrel::test::write_tiny_model(f, 3, 2).string())), "");
+
+  // Groups of 16 columns run on the CPU engine only (the GEMVs take multiples of 32).
+  kestrel::test::ModelFormat g16 = f;
+  g16.name = "dyn_g16";
+  g16.dynamic = R"({".*\\.0\\.mlp\\.down_proj": {"group_size": 16}})";
+  const fs::path dir16 = kestrel::test::write_tiny_model(g16, 3, 2);
+  const ModelSpec spec16 = load_model_spec(dir16.string());
+  const std::string why = "the CUDA engine does not run model.layers.0.mlp.down_proj's groups of "
+                          "16 columns (the kernels take multiples of 32, or one group per row); "
+                          "use --device cpu";
+  EXPECT_EQ(cuda_unsupported_formats(spec16), why);
+  try {
+    load_model(spec16, o);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const DeviceError& e) {
+    ADD_FAILURE() << "refused for the device, not the format: " << e.what();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), spec16.dir + ": " + why);
+  }
+  // The CPU engine runs it.
+  LoadOptions cpu;
+  EXPECT_NE(load_model(spec16, cpu), nullptr);
   fs::remove_all(dir);
+  fs::remove_all(dir16);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -287,13 +306,7 @@ INSTANTIATE_TEST_SUITE_P(
                       // GPTQModel's dynamic rules: every bit width, group sizes, act-order on
                       // and off, FP16 linears, and q/k/v, gate/up of one layer in different
                       // formats. The plain reader takes each linear's format from its tensors.
-                      Case{"dynamic_mixed", "gptq", 4, 32, true, false, "gptq", 4, 2, false,
-                           R"({"-:.*\\.1\\.mlp\\.down_proj": {},
-                               "model\\.layers\\.0\\.self_attn\\.[qk]_proj": {"bits": 8, "group_size": -1},
-                               ".*\\.1\\.self_attn\\..*": {"bits": 3, "group_size": 64, "desc_act": false},
-                               ".*gate_proj": {"bits": 2, "group_size": 128}})"},
-                      Case{"dynamic_v2_asym", "gptq", 4, 128, false, false, "gptq_v2", 4, 2, false,
-                           R"({"-:.*o_proj": {}, "+:.*mlp\\.(up|down)_proj": {"bits": 8, "sym": false}})"}),
+                      kestrel::test::dynamic_mixed(), kestrel::test::dynamic_v2_asym()),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -650,7 +650,11 @@ INSTANTIATE_TEST_SUITE_P(
                       ModelCase{"q3_g128", "gptq", 3, 128, false, false, "gptq"},
                       ModelCase{"q2_g64_act", "gptq", 2, 64, true, false, "gptq"},
                       ModelCase{"q8_perchannel", "gptq", 8, -1, false, false, "gptq"},
-                      ModelCase{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}),
+                      ModelCase{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1},
+                      // GPTQModel `dynamic` models: each linear's GEMMs in its own format, the
+                      // parts of unfused siblings into their columns (tests/support/synth_model.h)
+                      kestrel::test::dynamic_mixed(), kestrel::test::dynamic_fused(),
+                      kestrel::test::dynamic_act_stream(), kestrel::test::dynamic_v2_asym()),
     [](const auto& info) { return info.param.name; });
 
 // The chunk length the prefill takes within the memory target (no GPU needed).

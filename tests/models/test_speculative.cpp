@@ -347,6 +347,9 @@ TEST(SpecCuda, GpuVerifyGraphsEqualUncapturedPasses) {
       {"llama", {"q3_g64", "gptq", 3, 64, false, false, "gptq"}},
       {"llama", {"q2_g32_v2", "gptq", 2, 32, false, false, "gptq_v2"}},
       {"llama", {"q8_perchannel_asym", "gptq", 8, -1, false, true, "gptq_v2"}},
+      // GPTQModel `dynamic`: formats per linear, unfused siblings (tests/support/synth_model.h)
+      {"llama", kestrel::test::dynamic_mixed()},
+      {"llama", kestrel::test::dynamic_v2_asym()},
       {"mistral", {"mistral_q4", "gptq", 4, 128, false, false, "gptq"}},
       {"qwen2", {"qwen2_q4_asym", "gptq", 4, 32, false, true, "gptq_v2"}},
       {"qwen3", {"qwen3_fp16", "fp16", 16, 0, false, false, "gptq"}},
