@@ -45,6 +45,8 @@ Model Model::load(const std::string& dir, const LoadOptions& o) {
     lo.device = o.device;
     lo.threads = o.threads;
     lo.quiet = o.quiet;
+    lo.cache = {kestrel::parse_kv_type(o.cache_type_k, "cache_type_k"),
+                kestrel::parse_kv_type(o.cache_type_v, "cache_type_v")};
     lo.open_session = false;  // new_session opens them, of the caller's context
     return Model(std::make_shared<Impl>(Impl{kestrel::load_model(lo)}));
   });

@@ -55,8 +55,10 @@ int checked_context(const LoadedModel& m, const ModelLoadOptions& o) {
   const ModelConfig& c = m.spec->config;
   const int ctx = o.context > 0 ? o.context : c.max_pos;
   const bool cpu = m.device == "cpu";
-  // The CPU engine's cache is fp32, the GPU engine's fp16: K and V per layer and position.
-  const double per_pos = 2.0 * c.n_layers * c.kv_dim() * (cpu ? 4 : 2);
+  // K and V per layer and position in the cache types: the CPU engine keeps f16 as fp32, the
+  // GPU engine as fp16; q8_0 and fp8 take about half of that fp16.
+  const double per_pos =
+      (double)cache_bytes_per_position(cpu ? Device::Cpu : Device::Cuda, c, o.cache);
   const double weights = (double)m.spec->files.total_bytes();
   double room = 0;  // bytes the cache may take
   std::string memory;
@@ -149,6 +151,9 @@ LoadedModel open_model(const ModelLoadOptions& o) {
   for (const std::string& w : m.spec->warnings) note(o.quiet, "warning: " + w);
   const ModelConfig& c = m.spec->config;
   m.tok->check_fits(c.vocab, o.dir);
+  // Cache types the device or the model's heads cannot take: refused before the weights load.
+  const std::string cache = cache_types_unsupported(m.device == "cuda" ? Device::Cuda : Device::Cpu, c, o.cache);
+  if (!cache.empty()) throw Error(cache);
   if (o.context > c.max_pos)
     note(o.quiet, "warning: context " + std::to_string(o.context) +
                       " is longer than the model was trained for (" + std::to_string(c.max_pos) +
@@ -159,6 +164,14 @@ LoadedModel open_model(const ModelLoadOptions& o) {
   m.load_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return m;
+}
+
+std::string cache_types_text(KvCacheTypes kv, size_t bytes) {
+  if (!kv.quantized()) return "";
+  const std::string types = kv.k == kv.v ? std::string(kv_type_name(kv.k))
+                                         : fmt::format("{} K, {} V", kv_type_name(kv.k), kv_type_name(kv.v));
+  return bytes > 0 ? fmt::format(", {} KV cache of {}", types, bytes_text((double)bytes))
+                   : fmt::format(", {} KV cache", types);
 }
 
 int context_length(const LoadedModel& m, const ModelLoadOptions& o) {
@@ -172,16 +185,18 @@ void load_weights(LoadedModel& m, const ModelLoadOptions& o) {
   lo.device = m.device == "cuda" ? Device::Cuda : Device::Cpu;
   lo.quiet = o.quiet;
   lo.tuning = o.tuning;
+  lo.cache = o.cache;
   m.model = kestrel::load_model(*m.spec, lo);
   if (o.open_session) m.session = m.model->new_session(context_length(m, o), o.quiet);
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   m.load_ms += ms;
   if (m.device != "cuda" && o.open_session)
-    note(o.quiet, fmt::format("loaded {:.1f} MiB of weights from {} on {} in {:.0f} ms, context {}",
+    note(o.quiet, fmt::format("loaded {:.1f} MiB of weights from {} on {} in {:.0f} ms, context {}{}",
                               m.spec->files.total_bytes() / 1048576.0, o.dir,
                               m.model->device_name(), ms,
-                              m.session ? m.session->context_length() : context_length(m, o)));
+                              m.session ? m.session->context_length() : context_length(m, o),
+                              cache_types_text(o.cache, m.session ? m.session->cache_bytes() : 0)));
 }
 
 LoadedModel load_model(const ModelLoadOptions& o) {

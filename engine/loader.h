@@ -25,6 +25,7 @@ struct ModelLoadOptions {
   int threads = 0;              // CPU engine: threads (0 = the idle cores; engine/cpu_threads.h)
   bool quiet = true;            // false: notes and the progress bar on stderr
   DecodeTuning tuning;          // the CUDA decode path's (kestrel bench sets it)
+  KvCacheTypes cache;           // -ctk / -ctv: the K and V cache types (f16, q8_0, fp8)
   // load_weights opens a session of the context: a program's load. false: the library's, which
   // opens sessions later (new_session checks each one's memory) and keeps the CPU threads as
   // they are unless threads > 0.
@@ -58,6 +59,11 @@ void load_weights(LoadedModel& m, const ModelLoadOptions& o);
 // The context the session will have: -c, or the model's max_position_embeddings (shortened
 // where the host's memory is short, see open_model).
 int context_length(const LoadedModel& m, const ModelLoadOptions& o);
+
+// ", q8_0 KV cache of 4.2 MiB" (", q8_0 K, fp8 V KV cache ..." where they differ) for a
+// note, where the cache is quantized; "" for f16 (the default, whose notes stay as they were).
+// bytes 0: no size.
+std::string cache_types_text(KvCacheTypes kv, size_t bytes);
 
 // The share of the host memory left beside the weights that the CPU engine's default context
 // may take for its KV cache. Not all of it: host memory is shared with every other program, and

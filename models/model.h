@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "models/io/config.h"
+#include "kernels/attention/kv_quant.h"
 #include "kernels/sampling/sample.h"
 
 namespace kestrel {
@@ -47,6 +48,8 @@ class Model {
   virtual ~Model() = default;
 
   virtual const ModelConfig& config() const = 0;
+  // The types of its sessions' K and V caches (--cache-type-k/-v; kernels/attention/kv_quant.h).
+  virtual KvCacheTypes cache_types() const { return {}; }
   // A human-readable device description for messages and tables ("CPU (reference, fp32)").
   virtual std::string device_name() const = 0;
   // Whether a forward pass computes on the calling process's cores (the CPU engine), or waits

@@ -22,7 +22,29 @@ Device resolve_device(const std::string& name) {
 
 const char* device_key(Device d) { return d == Device::Cuda ? "cuda" : "cpu"; }
 
+std::string cache_types_unsupported(Device device, const ModelConfig& c, KvCacheTypes kv) {
+  const std::pair<const char*, KvType> options[] = {{"--cache-type-k", kv.k}, {"--cache-type-v", kv.v}};
+  for (const auto& [option, t] : options) {
+    const std::string why = kv_type_unsupported(t, c.head_dim);
+    if (!why.empty()) return std::string(option) + " " + kv_type_name(t) + ": " + why;
+  }
+  // The CUDA kernels read an FP16 cache only so far (the 8-bit cache issue's second half).
+  if (device == Device::Cuda && kv.quantized())
+    return std::string(kv.k != KvType::F16 ? "--cache-type-k " : "--cache-type-v ") +
+           kv_type_name(kv.k != KvType::F16 ? kv.k : kv.v) +
+           ": the CUDA engine runs an f16 cache only so far; use --device cpu";
+  return "";
+}
+
+size_t cache_bytes_per_position(Device device, const ModelConfig& c, KvCacheTypes kv) {
+  const size_t f16 = device == Device::Cpu ? sizeof(float) : 2;
+  return (size_t)c.n_layers * (kv_row_bytes(kv.k, c.n_kv_heads, c.head_dim, f16) +
+                               kv_row_bytes(kv.v, c.n_kv_heads, c.head_dim, f16));
+}
+
 std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o) {
+  const std::string cache = cache_types_unsupported(o.device, spec.config, o.cache);
+  KESTREL_CHECK(cache.empty(), cache);
   // Every architecture load_model_spec accepts is the Llama family's layer.
   if (o.device == Device::Cuda) {
     // Each linear runs in its own format (GPTQModel's `dynamic` mixes them): a format the
@@ -31,7 +53,7 @@ std::unique_ptr<Model> load_model(const ModelSpec& spec, const LoadOptions& o) {
     KESTREL_CHECK(why.empty(), fmt::format("{}: {}", spec.dir, why));
     return std::make_unique<DecoderCuda>(spec, o.quiet, o.tuning);
   }
-  return std::make_unique<DecoderCpu>(spec);
+  return std::make_unique<DecoderCpu>(spec, o.cache);
 }
 
 }  // namespace kestrel

@@ -23,7 +23,15 @@ struct LoadOptions {
   Device device = Device::Cpu;
   bool quiet = true;     // no progress bar or notes on stderr
   DecodeTuning tuning;   // the CUDA decode path's choices (models/tuning.h)
+  KvCacheTypes cache;    // the sessions' K and V cache types (kernels/attention/kv_quant.h)
 };
+
+// Why `device` cannot run caches of types `kv` on a model of config c ("" where it can), as
+// one line naming the option: a type the heads cannot take, or one the device does not run.
+std::string cache_types_unsupported(Device device, const ModelConfig& c, KvCacheTypes kv);
+// Bytes of one position's K and V over every layer on `device`: the CPU reference keeps f16
+// as fp32, the GPU as fp16; q8_0 and fp8 are the same bytes on both.
+size_t cache_bytes_per_position(Device device, const ModelConfig& c, KvCacheTypes kv);
 
 // Loads the weights of `spec` (which must outlive the call only) on the chosen device, each
 // linear in its own format. CUDA refuses a linear whose format its kernels do not run

@@ -20,6 +20,7 @@
 #include "base/error.h"
 #include "kernels/activation/activation.h"
 #include "kernels/attention/attention.h"
+#include "kernels/attention/kv_quant.h"
 #include "kernels/norm/norm.h"
 #include "kernels/rope/rope.h"
 
@@ -34,56 +35,89 @@ constexpr int kQueryChunk = 128;
 // Causal attention of T queries at positions pos0 .. pos0+T-1 over the cache through BLAS, every
 // query head reading KV head h / (n_heads / n_kv_heads), scale 1/sqrt(head_dim):
 //   q       [T, ldq]  query heads at columns 0 .. n_heads*head_dim
-//   k_cache [ctx, kv_dim], v_cache likewise (positions 0 .. pos0+T-1 written)
+//   k, v    the layer's caches (positions 0 .. pos0+T-1 written)
 //   out     [T, n_heads*head_dim]
 // Each query's softmax runs over its visible keys only (softmax_ref), the rest get weight 0.
-void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const float* k_cache,
-                    const float* v_cache, int T, int pos0, float* out) {
+// An fp32 (f16) cache is multiplied where it lies; a quantized one is dequantized a KV head
+// and a query chunk's keys at a time ([keys, head_dim]), never as a whole second cache.
+void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const KvLayerRef& k,
+                    const KvLayerRef& v, int T, int pos0, float* out) {
   const int hd = c.head_dim, kv_dim = c.kv_dim(), q_dim = c.q_dim();
   const int group = c.n_heads / c.n_kv_heads;
   const float scale = 1.0f / std::sqrt((float)hd);
   auto first_key = [&](int p) {
     return c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
   };
-  std::vector<float> s;  // [rows, keys] scores, then probabilities
+  std::vector<float> s;           // [rows, keys] scores, then probabilities
+  std::vector<float> kbuf, vbuf;  // [keys, hd] one KV head's dequantized rows
+  // The rows [k0, k1) of KV head g in fp32, and their stride.
+  auto rows_of = [&](const KvLayerRef& cache, std::vector<float>& buf, int g, int k0, int k1,
+                     int64_t& ld) -> const float* {
+    if (cache.type == KvType::F16) {
+      ld = kv_dim;
+      return cache.values + (int64_t)k0 * kv_dim + (int64_t)g * hd;
+    }
+    buf.resize((size_t)(k1 - k0) * hd);
+    cache.read(k0, k1, g, buf.data());
+    ld = hd;
+    return buf.data();
+  };
   for (int i0 = 0; i0 < T; i0 += kQueryChunk) {
     const int i1 = std::min(T, i0 + kQueryChunk), rows = i1 - i0;
     const int k0 = first_key(pos0 + i0), k1 = pos0 + i1;  // keys [k0, k1) cover every row
     const int keys = k1 - k0;
     s.resize((size_t)rows * keys);
-    for (int h = 0; h < c.n_heads; ++h) {
-      const int64_t kv_off = (int64_t)(h / group) * hd;
-      // s [rows, keys] = scale * q_h [rows, hd] k_h^T
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, scale,
-                  q + (int64_t)i0 * ldq + (int64_t)h * hd, ldq, k_cache + (int64_t)k0 * kv_dim + kv_off,
-                  kv_dim, 0.0f, s.data(), keys);
-      for (int r = 0; r < rows; ++r) {
-        const int p = pos0 + i0 + r;
-        const int lo = first_key(p) - k0, hi = p - k0 + 1;  // visible keys [lo, hi)
-        float* sr = s.data() + (size_t)r * keys;
-        softmax_ref(sr + lo, hi - lo);
-        std::fill(sr, sr + lo, 0.0f);
-        std::fill(sr + hi, sr + keys, 0.0f);
+    for (int g = 0; g < c.n_kv_heads; ++g) {
+      int64_t ldk = 0, ldv = 0;
+      const float* kg = rows_of(k, kbuf, g, k0, k1, ldk);  // [keys, hd]
+      const float* vg = rows_of(v, vbuf, g, k0, k1, ldv);
+      for (int h = g * group; h < (g + 1) * group; ++h) {
+        // s [rows, keys] = scale * q_h [rows, hd] k_h^T
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hd, scale,
+                    q + (int64_t)i0 * ldq + (int64_t)h * hd, ldq, kg, ldk, 0.0f, s.data(), keys);
+        for (int r = 0; r < rows; ++r) {
+          const int p = pos0 + i0 + r;
+          const int lo = first_key(p) - k0, hi = p - k0 + 1;  // visible keys [lo, hi)
+          float* sr = s.data() + (size_t)r * keys;
+          softmax_ref(sr + lo, hi - lo);
+          std::fill(sr, sr + lo, 0.0f);
+          std::fill(sr + hi, sr + keys, 0.0f);
+        }
+        // out_h [rows, hd] = s [rows, keys] v_h [keys, hd]
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, s.data(),
+                    keys, vg, ldv, 0.0f, out + (int64_t)i0 * q_dim + (int64_t)h * hd, q_dim);
       }
-      // out_h [rows, hd] = s [rows, keys] v_h [keys, hd]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hd, keys, 1.0f, s.data(), keys,
-                  v_cache + (int64_t)k0 * kv_dim + kv_off, kv_dim, 0.0f,
-                  out + (int64_t)i0 * q_dim + (int64_t)h * hd, q_dim);
     }
   }
 }
 
-// The same attention row by row with attention_ref, each row as a decode step computes it.
-void attention_exact(const ModelConfig& c, const float* q, int64_t ldq, const float* k_cache,
-                     const float* v_cache, int T, int pos0, float* out) {
-  const int kv_dim = c.kv_dim(), q_dim = c.q_dim();
+// The same attention row by row with attention_ref_kv (attention_ref on an fp32 cache), each
+// row as a decode step computes it.
+void attention_exact(const ModelConfig& c, const float* q, int64_t ldq, const KvLayerRef& k,
+                     const KvLayerRef& v, int T, int pos0, float* out) {
+  const int q_dim = c.q_dim();
   for (int i = 0; i < T; ++i) {
     const int p = pos0 + i;
     const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
-    attention_ref(q + (int64_t)i * ldq, k_cache + (size_t)first * kv_dim,
-                  v_cache + (size_t)first * kv_dim, c.n_heads, c.n_kv_heads, c.head_dim,
-                  p - first + 1, out + (int64_t)i * q_dim);
+    attention_ref_kv(q + (int64_t)i * ldq, k, v, c.n_heads, first, p, out + (int64_t)i * q_dim);
   }
+}
+
+// Layer l's part of a K or V cache of ctx positions.
+KvLayerRef cache_layer(CpuKvCache& kc, const ModelConfig& c, int l, int ctx) {
+  KvLayerRef r;
+  r.type = kc.type;
+  r.n_kv_heads = c.n_kv_heads;
+  r.head_dim = c.head_dim;
+  const size_t rows = (size_t)l * ctx;  // positions of the layers before l
+  if (kc.type == KvType::F16) {
+    r.values = reinterpret_cast<float*>(kc.data.data()) + rows * c.kv_dim();
+  } else {
+    r.codes = kc.data.data() + rows * c.kv_dim();
+    r.scales = kc.scales.data() +
+               rows * kv_scales_per_row(kc.type, c.n_kv_heads, c.head_dim) * kv_scale_bytes(kc.type);
+  }
+  return r;
 }
 
 // y [T, N], rows ldy floats apart, = x [T, K] W^T + b, by `math`.
@@ -97,8 +131,12 @@ void linear(const CpuLinear& L, const float* x, int T, float* y, int64_t ldy, Ro
 
 }  // namespace
 
-DecoderCpu::DecoderCpu(const ModelSpec& spec) : cfg_(spec.config) {
+DecoderCpu::DecoderCpu(const ModelSpec& spec, KvCacheTypes kv) : cfg_(spec.config), kv_(kv) {
   const ModelConfig& c = cfg_;
+  for (KvType t : {kv.k, kv.v}) {
+    const std::string why = kv_type_unsupported(t, c.head_dim);
+    KESTREL_CHECK(why.empty(), std::string("cache type ") + kv_type_name(t) + ": " + why);
+  }
   w_.embed = to_float(*spec.embed);
   if (spec.positions) w_.positions = to_float(*spec.positions);
   w_.final_norm = to_float(*spec.final_norm);
@@ -146,10 +184,25 @@ CpuRunState DecoderCpu::run_state(int context) const {
   CpuRunState s;
   s.ctx = context > 0 ? context : cfg_.max_pos;
   cfg_.check_context(s.ctx);
-  const size_t cache = (size_t)cfg_.n_layers * s.ctx * cfg_.kv_dim();
-  s.key_cache = CacheFloats(cache);
-  s.value_cache = CacheFloats(cache);
+  const ModelConfig& c = cfg_;
+  const size_t rows = (size_t)c.n_layers * s.ctx;  // positions of every layer
+  auto make = [&](KvType t) {
+    CpuKvCache kc;
+    kc.type = t;
+    const size_t scale_bytes = kv_scales_per_row(t, c.n_kv_heads, c.head_dim) * kv_scale_bytes(t);
+    kc.data = CacheBytes(rows * c.kv_dim() * (t == KvType::F16 ? sizeof(float) : 1));
+    kc.scales = CacheBytes(rows * scale_bytes);
+    return kc;
+  };
+  s.key_cache = make(kv_.k);
+  s.value_cache = make(kv_.v);
   return s;
+}
+
+size_t DecoderCpu::cache_bytes_per_position() const {
+  const ModelConfig& c = cfg_;
+  return (size_t)c.n_layers * (kv_row_bytes(kv_.k, c.n_kv_heads, c.head_dim, sizeof(float)) +
+                               kv_row_bytes(kv_.v, c.n_kv_heads, c.head_dim, sizeof(float)));
 }
 
 std::unique_ptr<DecoderCpuSession> DecoderCpu::new_cpu_session(int context) {
@@ -193,8 +246,8 @@ bool DecoderCpu::attention_block(CpuRunState& st, int l, float* x, int T, int po
   const CpuLayer& L = w_.layers[l];
   const int hidden = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
   const int qkv_dim = q_dim + 2 * kv_dim;
-  float* k_cache = &st.key_cache[(size_t)l * st.ctx * kv_dim];    // [ctx, kv_dim]
-  float* v_cache = &st.value_cache[(size_t)l * st.ctx * kv_dim];  // [ctx, kv_dim]
+  const KvLayerRef k_cache = cache_layer(st.key_cache, c, l, st.ctx);    // [ctx, kv_dim]
+  const KvLayerRef v_cache = cache_layer(st.value_cache, c, l, st.ctx);  // [ctx, kv_dim]
   std::vector<float> xb((size_t)T * hidden);    // [T, hidden] normalised input
   std::vector<float> qkv((size_t)T * qkv_dim);  // [T, q_dim | kv_dim | kv_dim]
   std::vector<float> att((size_t)T * q_dim);    // [T, q_dim] attention output
@@ -210,8 +263,8 @@ bool DecoderCpu::attention_block(CpuRunState& st, int l, float* x, int T, int po
   for (int i = 0; i < T; ++i) {
     float* row = qkv.data() + (size_t)i * qkv_dim;
     position_qk(L, row, row + q_dim, pos0 + i);
-    std::copy_n(row + q_dim, kv_dim, k_cache + (size_t)(pos0 + i) * kv_dim);
-    std::copy_n(row + q_dim + kv_dim, kv_dim, v_cache + (size_t)(pos0 + i) * kv_dim);
+    k_cache.write(pos0 + i, row + q_dim);  // rounded to the cache's type here, once
+    v_cache.write(pos0 + i, row + q_dim + kv_dim);
   }
   // Causal attention of the row at position p over [first, p]; Mistral's window limits first.
   (math == RowsMath::Blas ? attention_blas : attention_exact)(c, qkv.data(), qkv_dim, k_cache,

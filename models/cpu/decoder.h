@@ -16,6 +16,7 @@
 #include "models/model.h"
 #include "models/io/config.h"
 #include "models/io/model_spec.h"
+#include "kernels/attention/kv_quant.h"
 #include "kernels/gptq/gptq_format.h"
 
 namespace kestrel {
@@ -85,42 +86,54 @@ struct CpuWeights {
   std::vector<CpuLayer> layers;
 };
 
-// A KV cache's floats, zero. From calloc, not a vector: a large one comes as fresh pages that
+// A KV cache's bytes, zero. From calloc, not a vector: a large one comes as fresh pages that
 // the kernel commits only as positions are written, so a long context costs what its used
 // positions hold, not seconds of page faults before the first token (a vector writes every
-// float; 22 GB took 100 s on a busy 2-core machine).
-class CacheFloats {
+// byte; 22 GB took 100 s on a busy 2-core machine).
+class CacheBytes {
  public:
-  CacheFloats() = default;
-  explicit CacheFloats(size_t n) : p_(static_cast<float*>(std::calloc(n ? n : 1, sizeof(float)))), n_(n) {
+  CacheBytes() = default;
+  explicit CacheBytes(size_t n) : p_(static_cast<uint8_t*>(std::calloc(n ? n : 1, 1))), n_(n) {
     if (!p_) throw std::bad_alloc();
   }
-  float& operator[](size_t i) { return p_.get()[i]; }
+  uint8_t* data() { return p_.get(); }
   size_t size() const { return n_; }
 
  private:
   struct Free {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(uint8_t* p) const { std::free(p); }
   };
-  std::unique_ptr<float, Free> p_;
+  std::unique_ptr<uint8_t, Free> p_;
   size_t n_ = 0;
+};
+
+// The K or the V cache of every layer, in its type (kernels/attention/kv_quant.h): f16 keeps
+// fp32 values (the reference's arithmetic; only the GPU's cache is fp16), q8_0 and fp8 their
+// codes and scales, rounded when a position is written and dequantized to fp32 when read.
+struct CpuKvCache {
+  KvType type = KvType::F16;
+  CacheBytes data;    // f16: float [n_layers, ctx, kv_dim]; else codes [n_layers, ctx, kv_dim]
+  CacheBytes scales;  // [n_layers, ctx, kv_scales_per_row]; empty for f16
+  size_t bytes() const { return data.size() + scales.size(); }
 };
 
 // Activations of one token, and the KV cache: one sequence's state (DecoderCpuSession).
 struct CpuRunState {
-  int ctx = 0;                 // positions the cache holds
-  CacheFloats key_cache;    // [n_layers, ctx, n_kv_heads * head_dim]
-  CacheFloats value_cache;  // [n_layers, ctx, n_kv_heads * head_dim]
+  int ctx = 0;              // positions the cache holds
+  CpuKvCache key_cache;
+  CpuKvCache value_cache;
 };
 
 class DecoderCpuSession;
 
 class DecoderCpu final : public Model {
  public:
-  // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed).
-  explicit DecoderCpu(const ModelSpec& spec);
+  // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed). Its sessions'
+  // KV caches are of the types `kv` (a type the model's heads cannot take is a kestrel::Error).
+  explicit DecoderCpu(const ModelSpec& spec, KvCacheTypes kv = {});
 
   const ModelConfig& config() const override { return cfg_; }
+  KvCacheTypes cache_types() const override { return kv_; }
   std::string device_name() const override { return "CPU (reference, fp32)"; }
   bool computes_on_host() const override { return true; }
   std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
@@ -128,6 +141,8 @@ class DecoderCpu final : public Model {
   std::unique_ptr<DecoderCpuSession> new_cpu_session(int context = 0);
   // Activations and a zeroed KV cache of `context` positions (0 = max_position_embeddings).
   CpuRunState run_state(int context) const;
+  // Bytes of one position's K and V over every layer, in the model's cache types.
+  size_t cache_bytes_per_position() const;
 
   // One token at one position (a decode step). Writes logits [vocab].
   void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
@@ -172,6 +187,7 @@ class DecoderCpu final : public Model {
   bool mlp_block(const CpuLayer& L, float* x, int T, const LayerTaps* taps, RowsMath math) const;
 
   ModelConfig cfg_;
+  KvCacheTypes kv_;
   CpuWeights w_;
   std::vector<float> inv_freq_;  // RoPE's frequencies [head_dim / 2] (rope_inv_freq)
 };
@@ -183,7 +199,7 @@ class DecoderCpuSession final : public Session {
 
   int context_length() const override { return s_.ctx; }
   size_t cache_bytes() const override {
-    return (s_.key_cache.size() + s_.value_cache.size()) * sizeof(float);
+    return s_.key_cache.bytes() + s_.value_cache.bytes();
   }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
     m_.forward(s_, tokens, n, pos, logits, all_logits);

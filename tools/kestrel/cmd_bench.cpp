@@ -276,6 +276,8 @@ int run_bench(BenchArgs a) {
     j["params"] = params;
     j["backend"] = backend;
     j["device"] = b.device_name();
+    j["type_k"] = a.model.cache_type_k;  // llama-bench's names for the KV cache's types
+    j["type_v"] = a.model.cache_type_v;
     j["n_prompt"] = a.n_prompt;
     j["n_gen"] = a.n_gen;
     j["reps"] = a.reps;

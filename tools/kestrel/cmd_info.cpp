@@ -24,6 +24,7 @@ namespace fs = std::filesystem;
 struct InfoArgs {
   std::string dir;
   bool json = false;
+  ModelOptions cache;  // -ctk / -ctv only
 };
 
 // The tokenizer file Tokenizer::load reads, in its order of preference.
@@ -41,6 +42,19 @@ int run_info(const InfoArgs& a) {
   const std::unique_ptr<Tokenizer> tok = Tokenizer::load(a.dir);
   std::string why;
   const ChatTemplate tmpl = ChatTemplate::load(a.dir, "auto", *tok, &why);
+
+  // The KV cache a position takes in the cache types asked for (-ctk / -ctv), on each engine,
+  // and the positions a GiB of free memory holds: what a context that fits scales with.
+  const KvCacheTypes kv = cache_types(a.cache);
+  {
+    const std::string why = cache_types_unsupported(Device::Cpu, c, kv);
+    if (!why.empty()) throw Error(why);
+  }
+  const size_t gpu_pos = cache_bytes_per_position(Device::Cuda, c, kv);
+  const size_t cpu_pos = cache_bytes_per_position(Device::Cpu, c, kv);
+  const double gib = 1073741824.0;
+  const std::string kv_names = kv.k == kv.v ? std::string(kv_type_name(kv.k))
+                                            : fmt::format("{} K, {} V", kv_type_name(kv.k), kv_type_name(kv.v));
 
   const uint64_t bytes = info.weight_bytes;
   const int64_t params = count_params(c);
@@ -103,6 +117,12 @@ int run_info(const InfoArgs& a) {
     j["size_bytes"] = bytes;
     j["params"] = params;
     j["context"] = c.max_pos;
+    j["kv_cache"] = {{"type_k", kv_type_name(kv.k)},
+                     {"type_v", kv_type_name(kv.v)},
+                     {"gpu_bytes_per_position", gpu_pos},
+                     {"cpu_bytes_per_position", cpu_pos},
+                     {"gpu_bytes_at_context", (uint64_t)gpu_pos * c.max_pos},
+                     {"gpu_positions_per_gib", (int64_t)(gib / gpu_pos)}};
     j["tokenizer"] = tok->kind();
     j["tokenizer_file"] = tokenizer_file(a.dir);
     j["tokenizer_vocab"] = tok->vocab_size();
@@ -136,6 +156,10 @@ int run_info(const InfoArgs& a) {
   }
   line("size", fmt::format("{} of weights, {} parameters", size_text(bytes), params_text(params)));
   line("context", context);
+  line("kv cache", fmt::format("{}: {} KiB per position on the GPU ({} positions per GiB, {} "
+                               "at the whole context), {} KiB on the CPU",
+                               kv_names, gpu_pos / 1024.0, (int64_t)(gib / gpu_pos),
+                               size_text((uint64_t)gpu_pos * c.max_pos), cpu_pos / 1024.0));
   line("tokenizer", tokenizer);
   line("chat", chat);
   std::cout << s;
@@ -150,6 +174,7 @@ void register_info(CLI::App& app, std::function<int()>& action) {
       "info", "show a model's family, shapes, format, size, context and tokenizer (no weights read)");
   cmd->add_option("-m,--model", a->dir, "model directory (Hugging Face layout)")->required();
   cmd->add_flag("--json", a->json, "print one JSON object");
+  add_cache_type_options(cmd, a->cache);
   cmd->callback([a, &action] { action = [a] { return run_info(*a); }; });
 }
 

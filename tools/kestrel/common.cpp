@@ -170,6 +170,50 @@ void add_model_options(CLI::App* cmd, ModelOptions& o) {
                   "OMP_NUM_THREADS)")
       ->check(whole(0, 4096))
       ->capture_default_str();
+  add_cache_type_options(cmd, o);
+}
+
+void add_cache_type_options(CLI::App* cmd, ModelOptions& o) {
+  // The type's own message ("unknown cache type 'q4_0' (f16, q8_0 or fp8)"), which CLI11
+  // prefixes with the option.
+  const CLI::Validator type(
+      [](std::string& v) -> std::string {
+        try {
+          parse_kv_type(v, "");
+        } catch (const Error& e) {
+          return std::string(e.what()).substr(2);  // past parse_kv_type's ": "
+        }
+        return "";
+      },
+      "f16|q8_0|fp8");
+  cmd->add_option("--cache-type-k", o.cache_type_k,
+                  "-ctk: the KV cache's type for K: f16, q8_0 (int8, a scale per 32 values) or "
+                  "fp8 (E4M3, a scale per head and position)")
+      ->check(type)
+      ->capture_default_str();
+  cmd->add_option("--cache-type-v", o.cache_type_v, "-ctv: the KV cache's type for V, as -ctk")
+      ->check(type)
+      ->capture_default_str();
+}
+
+KvCacheTypes cache_types(const ModelOptions& o) {
+  return {parse_kv_type(o.cache_type_k, "--cache-type-k"), parse_kv_type(o.cache_type_v, "--cache-type-v")};
+}
+
+void rewrite_long_short_options(int argc, char** argv) {
+  static std::string names[] = {"--cache-type-k", "--cache-type-v"};
+  static std::vector<std::string> glued;  // "--cache-type-k=X": argv points into these
+  glued.reserve(argc);
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--") break;
+    for (int n = 0; n < 2; ++n) {
+      const std::string_view shrt = n == 0 ? "-ctk" : "-ctv";
+      if (a == shrt) argv[i] = names[n].data();
+      else if (a.starts_with(shrt) && a.size() > 4 && a[4] == '=')
+        argv[i] = glued.emplace_back(names[n] + std::string(a.substr(4))).data();
+    }
+  }
 }
 
 ModelLoadOptions load_options(const ModelOptions& o, bool quiet, const DecodeTuning& tuning) {
@@ -180,6 +224,7 @@ ModelLoadOptions load_options(const ModelOptions& o, bool quiet, const DecodeTun
   lo.threads = o.threads;
   lo.quiet = quiet;
   lo.tuning = tuning;
+  lo.cache = cache_types(o);
   return lo;
 }
 

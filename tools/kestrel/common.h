@@ -41,15 +41,23 @@ std::string unknown_option_message(const std::string& opt);
 // "-ngl". Empty when there is none.
 std::string unknown_short_option(const CLI::App& cmd, int argc, char** argv, int first);
 
-// The model options every command takes (-m, --device, -c, -t).
+// The model options every command takes (-m, --device, -c, -t, -ctk, -ctv).
 struct ModelOptions {
   std::string dir;
   std::string device = "auto";  // auto | cpu | cuda
   int context = 0;              // 0 = the model's max_position_embeddings
   int threads = 0;              // CPU engine: threads (0 = default_cpu_threads)
+  std::string cache_type_k = "f16", cache_type_v = "f16";  // f16 | q8_0 | fp8
 };
 
 void add_model_options(CLI::App* cmd, ModelOptions& o);
+// The cache-type options alone (kestrel info takes them without the rest).
+void add_cache_type_options(CLI::App* cmd, ModelOptions& o);
+KvCacheTypes cache_types(const ModelOptions& o);
+// llama.cpp spells the cache types' options -ctk and -ctv, which CLI11 cannot name (one letter
+// after a single dash): argv's -ctk / -ctv (and -ctk=X) become --cache-type-k / -v, up to a
+// "--". The strings live as long as the program (argv's do).
+void rewrite_long_short_options(int argc, char** argv);
 
 // The loader's options (engine/loader.h) for the command's: its notes and progress bar unless
 // quiet; `tuning` is the CUDA decode path's (kestrel bench sets it).

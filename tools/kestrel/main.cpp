@@ -69,6 +69,7 @@ int main(int argc, char** argv) {
               << "); kestrel --help\n";
     return 1;
   }
+  kestrel::cli::rewrite_long_short_options(argc, argv);
   if (argv[1][0] != '-') {
     CLI::App* cmd = nullptr;
     try {

@@ -43,6 +43,10 @@ struct LoadOptions {
   // on one thread each. The setting belongs to one thread: loading another model with threads
   // from another thread moves it there.
   int threads = 0;
+  // The KV cache's types for K and V: "f16" (the default), "q8_0" (int8, an fp16 scale per 32
+  // values) or "fp8" (E4M3, a scale per head and position); anything else is an Error.
+  std::string cache_type_k = "f16";
+  std::string cache_type_v = "f16";
 };
 
 struct GenerateOptions {
