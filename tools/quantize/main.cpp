@@ -44,6 +44,10 @@ int main(int argc, char** argv) {
   auto* cands = app.add_option("--candidates", candidates,
                                "Mixed precision: the formats to choose from, BITSgGROUP "
                                "comma-separated (default: 2, 3, 4, 8 bits x groups 32, 64, 128)");
+  app.add_option("--loss", o.loss,
+                 "Mixed precision: a linear's estimated loss, output (tr((W-Q) H (W-Q)^T)) or "
+                 "relative (divided by tr(W H W^T))")
+      ->capture_default_str();
   app.add_flag("--dry-run", o.dry_run,
                "Mixed precision: measure and print the plan (per linear and totals), write nothing");
   app.add_flag("--act-order", o.gptq.act_order, "Quantize columns in decreasing Hessian order (desc_act)");
@@ -88,6 +92,9 @@ int main(int argc, char** argv) {
     if (target->count() > 0 && !(o.target_size_gb > 0))
       throw kestrel::Error(fmt::format("--target-size must be a positive number of GB, got {}",
                                        o.target_size_gb));
+    if (mixed && device == "cuda")
+      throw kestrel::Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so "
+                           "far: --device cpu");
     if (cands->count() > 0) o.candidates = kestrel::quant::parse_candidates(candidates);
     if (o.model_dir.empty() || o.calib_file.empty() || (o.out_dir.empty() && !o.dry_run))
       throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required (--out not "

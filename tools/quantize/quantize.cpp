@@ -215,6 +215,8 @@ void check_options(const QuantizeOptions& o) {
                             o.target_size_gb));
   if (!o.mixed() && (o.dry_run || !o.candidates.empty()))
     throw Error("--candidates and --dry-run go with a budget: --bits-avg or --target-size");
+  if (o.loss != "output" && o.loss != "relative")
+    throw Error(fmt::format("--loss must be output or relative, got {}", o.loss));
   if (o.mixed() && o.device == "cuda")
     throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
                 "--device cpu");
@@ -448,6 +450,13 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
         p.name = s.name;
         p.N = s.N;
         p.K = s.K;
+        // --loss relative divides by tr(W H W^T), the energy of the linear's outputs.
+        double scale = 1.0;
+        if (o.loss == "relative") {
+          const std::vector<float> zero((size_t)s.N * s.K, 0.0f);
+          const double energy = output_error(lin.w.data(), zero.data(), s.N, s.K, H.data());
+          scale = energy > 0 ? 1.0 / energy : 1.0;
+        }
         for (const QuantSetting& c : candidates) {
           if ((s.K * c.bits) % 32 != 0 || (s.N * c.bits) % 32 != 0) continue;  // cannot pack
           GptqOptions g = o.gptq;
@@ -460,7 +469,7 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
           pc.bits = c.bits;
           pc.group_size = c.group_size;
           pc.bytes = gptq_linear_bytes(s.N, s.K, c.bits, c.group_size);
-          pc.error = output_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data());
+          pc.error = scale * output_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data());
           p.measured.emplace_back(c, pc);
         }
         if (p.measured.empty())
@@ -493,8 +502,9 @@ uint64_t fixed_bytes(const ModelSpec& spec, const std::vector<PlannedLinear>& li
 // The plan: q/k/v and gate/up each one choice (vLLM fuses them and needs one format for the
 // fused layer; sharing one input, they also share one Hessian), every other linear its own.
 MixedPlanReport make_plan(const ModelSpec& spec, const QuantizeOptions& o,
-                          const std::vector<QuantSetting>& candidates,
                           std::vector<PlannedLinear> linears) {
+  const std::vector<QuantSetting> candidates =
+      o.candidates.empty() ? default_candidates() : o.candidates;
   MixedPlanReport plan;
   for (const PlannedLinear& p : linears) plan.weights += (uint64_t)(p.N * p.K);
   plan.fixed_bytes = fixed_bytes(spec, linears);
@@ -615,7 +625,9 @@ ojson plan_json(const MixedPlanReport& plan, const QuantizeOptions& o) {
              {"weights", plan.weights},
              {"bits_per_weight", plan.bits_per_weight()},
              {"estimated_loss", plan.loss},
-             {"loss", "tr((W-Q) H (W-Q)^T) on the FP16 model's calibration inputs"},
+             {"loss", o.loss == "relative"
+                          ? "tr((W-Q) H (W-Q)^T) / tr(W H W^T) on the FP16 model's calibration inputs"
+                          : "tr((W-Q) H (W-Q)^T) on the FP16 model's calibration inputs"},
              {"measure_seconds", plan.measure_seconds}};
   if (o.bits_avg > 0) j["bits_avg"] = o.bits_avg;
   if (o.target_size_gb > 0) j["target_size_gb"] = o.target_size_gb;
@@ -651,6 +663,11 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
     w.assign(ids.begin() + s, ids.begin() + s + seqlen);
   }
   return out;
+}
+
+MixedPlanReport plan_from_measurements(const ModelSpec& spec, const QuantizeOptions& o,
+                                       std::vector<PlannedLinear> measured) {
+  return make_plan(spec, o, std::move(measured));
 }
 
 namespace {
@@ -774,7 +791,7 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
     const std::vector<QuantSetting> cands =
         o.candidates.empty() ? default_candidates() : o.candidates;
     const auto t_measure = Clock::now();
-    plan = make_plan(spec, o, cands, measure_candidates_cpu(spec, o, cands, windows));
+    plan = make_plan(spec, o, measure_candidates_cpu(spec, o, cands, windows));
     plan->measure_seconds = seconds_since(t_measure);
     if (o.dry_run) {
       QuantizeReport r;

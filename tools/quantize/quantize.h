@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "models/io/model_spec.h"
 #include "models/model.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/plan.h"
@@ -64,6 +65,9 @@ struct QuantizeOptions {
   double target_size_gb = 0;  // > 0: bytes of every tensor written (FP16 ones too), 1e9 a GB
   std::vector<QuantSetting> candidates;  // empty: default_candidates()
   bool dry_run = false;       // measure and plan, write nothing (out_dir may be empty)
+  // The estimated loss of a linear at a candidate: "output", tr((W-Q) H (W-Q)^T), or
+  // "relative", that divided by tr(W H W^T) (the share of the output's energy lost).
+  std::string loss = "output";
   bool mixed() const { return bits_avg > 0 || target_size_gb > 0; }
 };
 
@@ -112,6 +116,12 @@ struct QuantizeReport {
   std::string device;        // where it ran: cpu or cuda (--device auto chooses)
   std::optional<MixedPlanReport> plan;  // mixed precision: the plan written (or, dry run, not)
 };
+
+// The plan for o's budget (o.bits_avg or o.target_size_gb, o.candidates) over linears measured
+// as a mixed run measures them (a dry run's report.plan->linears, their `measured` filled in):
+// re-planning at other budgets without measuring again.
+MixedPlanReport plan_from_measurements(const ModelSpec& spec, const QuantizeOptions& o,
+                                       std::vector<PlannedLinear> measured);
 
 // The plan as a table (per linear: bits, group, bytes, estimated loss; then the totals), for
 // --dry-run and the log.
