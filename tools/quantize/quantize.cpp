@@ -215,8 +215,8 @@ void check_options(const QuantizeOptions& o) {
                             o.target_size_gb));
   if (!o.mixed() && (o.dry_run || !o.candidates.empty()))
     throw Error("--candidates and --dry-run go with a budget: --bits-avg or --target-size");
-  if (o.loss != "output" && o.loss != "relative")
-    throw Error(fmt::format("--loss must be output or relative, got {}", o.loss));
+  if (o.loss != "output" && o.loss != "relative" && o.loss != "residual")
+    throw Error(fmt::format("--loss must be output, relative or residual, got {}", o.loss));
   if (o.mixed() && o.device == "cuda")
     throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
                 "--device cpu");
@@ -439,7 +439,29 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
       for (size_t i = 0; i < groups().size(); ++i)
         if (groups()[i].id == id) hessians[i].add(in, T);
     };
+    // Mean squared norm of the residual stream's rows, entering and leaving the layer.
+    auto energy = [&] {
+      double e = 0;
+      for (float v : X) e += (double)v * v;
+      return e / ((double)o.nsamples * o.seqlen);
+    };
+    const double e_in = o.loss == "residual" ? energy() : 0;
     for (int s = 0; s < o.nsamples; ++s) seq->layer_forward(0, &X[s * win], o.seqlen, 0, &taps);
+    const double e_out = o.loss == "residual" ? energy() : 0;
+    // --loss residual: each block's share of the residual stream, mean ||block output||^2 (half
+    // of tr(W H W^T) for its last linear, o or down) over the residual's mean ||x||^2.
+    std::vector<double> block_share(groups().size(), 1.0);
+    if (o.loss == "residual") {
+      auto share = [&](size_t last, double e_res) {
+        const LinearSpec& s = ls.*(groups()[last].members.back().spec);
+        const CpuLinear& lin = engine.layer(0).*(groups()[last].members.back().linear);
+        const std::vector<float> H = hessians[last].matrix();
+        const std::vector<float> zero((size_t)s.N * s.K, 0.0f);
+        return 0.5 * output_error(lin.w.data(), zero.data(), s.N, s.K, H.data()) / e_res;
+      };
+      block_share[0] = block_share[1] = share(1, e_in);                      // q/k/v, o
+      block_share[2] = block_share[3] = share(3, 0.5 * (e_in + e_out));      // gate/up, down
+    }
     for (size_t gi = 0; gi < groups().size(); ++gi) {
       const std::vector<float> H = hessians[gi].matrix();
       for (const Member& m : groups()[gi].members) {
@@ -451,11 +473,12 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
         p.N = s.N;
         p.K = s.K;
         // --loss relative divides by tr(W H W^T), the energy of the linear's outputs.
+        // --loss residual also weights it by the block's share of the residual stream.
         double scale = 1.0;
-        if (o.loss == "relative") {
+        if (o.loss == "relative" || o.loss == "residual") {
           const std::vector<float> zero((size_t)s.N * s.K, 0.0f);
-          const double energy = output_error(lin.w.data(), zero.data(), s.N, s.K, H.data());
-          scale = energy > 0 ? 1.0 / energy : 1.0;
+          const double e = output_error(lin.w.data(), zero.data(), s.N, s.K, H.data());
+          scale = (e > 0 ? 1.0 / e : 1.0) * block_share[gi];
         }
         for (const QuantSetting& c : candidates) {
           if ((s.K * c.bits) % 32 != 0 || (s.N * c.bits) % 32 != 0) continue;  // cannot pack
@@ -625,9 +648,7 @@ ojson plan_json(const MixedPlanReport& plan, const QuantizeOptions& o) {
              {"weights", plan.weights},
              {"bits_per_weight", plan.bits_per_weight()},
              {"estimated_loss", plan.loss},
-             {"loss", o.loss == "relative"
-                          ? "tr((W-Q) H (W-Q)^T) / tr(W H W^T) on the FP16 model's calibration inputs"
-                          : "tr((W-Q) H (W-Q)^T) on the FP16 model's calibration inputs"},
+             {"loss", o.loss},
              {"measure_seconds", plan.measure_seconds}};
   if (o.bits_avg > 0) j["bits_avg"] = o.bits_avg;
   if (o.target_size_gb > 0) j["target_size_gb"] = o.target_size_gb;
