@@ -401,6 +401,7 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --target-size 0.01 --group-size 64", "--bits and --group-size fix one format");
   expect_error(base + " --candidates 4g128", "go with a budget");
   expect_error(base + " --dry-run", "go with a budget");
+  expect_error(base + " --loss relative", "go with a budget");
   expect_error(base + " --bits-avg 0", "--bits-avg must be");
   expect_error(base + " --bits-avg -2", "--bits-avg must be");
   expect_error(base + " --target-size 0", "--target-size must be");
@@ -410,6 +411,7 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --bits-avg 3 --candidates 4g0", "group size must be positive or -1");
   expect_error(base + " --bits-avg 3 --candidates 4g64,4g64", "listed twice");
   expect_error(base + " --bits-avg 3 --device cuda", "runs on the CPU only so far");
+  expect_error(base + " --bits-avg 3 --loss kl", "--loss must be output, relative or residual");
   // Budgets no plan fits, after measuring: in bits per weight and in GB.
   expect_error(base + " --bits-avg 1.5", "--bits-avg 1.5 is below the smallest plan");
   expect_error(base + " --target-size 0.0001", "--target-size 0.0001 GB is below the smallest plan");

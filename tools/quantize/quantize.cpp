@@ -214,7 +214,7 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--target-size must be a positive number of GB, got {}",
                             o.target_size_gb));
   if (!o.mixed() && (o.dry_run || !o.candidates.empty()))
-    throw Error("--candidates and --dry-run go with a budget: --bits-avg or --target-size");
+    throw Error("--candidates, --loss and --dry-run go with a budget: --bits-avg or --target-size");
   if (o.loss != "output" && o.loss != "relative" && o.loss != "residual")
     throw Error(fmt::format("--loss must be output, relative or residual, got {}", o.loss));
   if (o.mixed() && o.device == "cuda")

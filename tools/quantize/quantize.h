@@ -65,8 +65,12 @@ struct QuantizeOptions {
   double target_size_gb = 0;  // > 0: bytes of every tensor written (FP16 ones too), 1e9 a GB
   std::vector<QuantSetting> candidates;  // empty: default_candidates()
   bool dry_run = false;       // measure and plan, write nothing (out_dir may be empty)
-  // The estimated loss of a linear at a candidate: "output", tr((W-Q) H (W-Q)^T), or
-  // "relative", that divided by tr(W H W^T) (the share of the output's energy lost).
+  // The estimated loss of a linear at a candidate: "output", tr((W-Q) H (W-Q)^T); "relative",
+  // that divided by tr(W H W^T) (the share of the output's energy lost); "residual", the
+  // relative loss times the linear's block's share of the residual stream (mean ||attention or
+  // MLP output||^2 over mean ||residual||^2): what a block adds is read downstream through
+  // RMSNorm, relative to the stream, so the same relative damage costs more where a block's
+  // output is a larger part of the stream.
   std::string loss = "output";
   bool mixed() const { return bits_avg > 0 || target_size_gb > 0; }
 };
