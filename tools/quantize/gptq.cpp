@@ -260,20 +260,29 @@ QuantizedLinear rtn_quantize(const float* W, int64_t N, int64_t K, const GptqOpt
   return r;
 }
 
-double relative_error(const float* W, const float* Q, int64_t N, int64_t K, const float* H) {
-  // tr(A H A^T) = sum over rows a of a H a^T, for A = W - Q and A = W.
-  auto quadratic = [&](const std::vector<float>& A) {
-    std::vector<float> AH((size_t)N * K);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, K, K, 1.0f, A.data(), K, H, K, 0.0f,
-                AH.data(), K);
-    double s = 0.0;
-    for (size_t i = 0; i < AH.size(); ++i) s += (double)AH[i] * A[i];
-    return s;
-  };
+namespace {
+
+// tr(A H A^T) = sum over rows a of a H a^T.
+double quadratic(const float* A, int64_t N, int64_t K, const float* H) {
+  std::vector<float> AH((size_t)N * K);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, K, K, 1.0f, A, K, H, K, 0.0f,
+              AH.data(), K);
+  double s = 0.0;
+  for (size_t i = 0; i < AH.size(); ++i) s += (double)AH[i] * A[i];
+  return s;
+}
+
+}  // namespace
+
+double output_error(const float* W, const float* Q, int64_t N, int64_t K, const float* H) {
   std::vector<float> D((size_t)N * K);
   for (size_t i = 0; i < D.size(); ++i) D[i] = W[i] - Q[i];
-  const double den = quadratic(std::vector<float>(W, W + N * K));
-  return den > 0.0 ? quadratic(D) / den : 0.0;
+  return quadratic(D.data(), N, K, H);
+}
+
+double relative_error(const float* W, const float* Q, int64_t N, int64_t K, const float* H) {
+  const double den = quadratic(W, N, K, H);
+  return den > 0.0 ? output_error(W, Q, N, K, H) / den : 0.0;
 }
 
 }  // namespace kestrel::quant

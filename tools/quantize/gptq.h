@@ -84,6 +84,10 @@ QuantizedLinear rtn_quantize(const float* W, int64_t N, int64_t K, const GptqOpt
 // tr((W-Q) H (W-Q)^T) / tr(W H W^T). 0 when W X is 0.
 double relative_error(const float* W, const float* Q, int64_t N, int64_t K, const float* H);
 
+// tr((W-Q) H (W-Q)^T): with H = (2/n) X^T X, twice the mean over the n inputs of the squared
+// error of the linear's outputs. GPTQ minimises it; the mixed-precision plan sums it.
+double output_error(const float* W, const float* Q, int64_t N, int64_t K, const float* H);
+
 inline float quantize_code(float w, float scale, float zero, float maxq) {
   const float q = std::rint(w / scale) + zero;  // rint: round half to even, as torch.round
   return q < 0.0f ? 0.0f : (q > maxq ? maxq : q);

@@ -17,6 +17,7 @@
 int main(int argc, char** argv) {
   kestrel::quant::QuantizeOptions o;
   std::string device = "auto";
+  std::string candidates;
   bool quiet = false;
   CLI::App app{"kestrel-quantize: GPTQ quantization of an FP16 Hugging Face model of any "
                 "supported family (Llama, Mistral, Qwen2, Qwen3, OPT)"};
@@ -26,9 +27,30 @@ int main(int argc, char** argv) {
   app.add_option("--out", o.out_dir, "Output directory for the GPTQ model (created)");
   app.add_flag("--force", o.force,
                "Replace a non-empty --out (only once the new checkpoint is complete)");
-  app.add_option("--bits", o.gptq.bits, "Bits per weight: 2, 3, 4 or 8")->capture_default_str();
-  app.add_option("--group-size", o.gptq.group_size, "Columns per group; -1 = one group per row")
-      ->capture_default_str();
+  auto* bits = app.add_option("--bits", o.gptq.bits, "Bits per weight: 2, 3, 4 or 8")
+                   ->capture_default_str();
+  auto* group = app.add_option("--group-size", o.gptq.group_size,
+                               "Columns per group; -1 = one group per row")
+                    ->capture_default_str();
+  auto* bits_avg = app.add_option(
+      "--bits-avg", o.bits_avg,
+      "Mixed precision: choose each linear's bits and group size from --candidates, by its "
+      "measured error, for this average of bits per weight (qweight, qzeros, scales and g_idx "
+      "of the quantized linears counted), e.g. 3.5");
+  auto* target = app.add_option(
+      "--target-size", o.target_size_gb,
+      "Mixed precision as --bits-avg, to this size in GB (1e9 bytes) of all tensors written, "
+      "the FP16 embeddings, norms and lm_head included");
+  auto* cands = app.add_option("--candidates", candidates,
+                               "Mixed precision: the formats to choose from, BITSgGROUP "
+                               "comma-separated (default: 2, 3, 4, 8 bits x groups 32, 64, 128)");
+  auto* loss = app.add_option("--loss", o.loss,
+                              "Mixed precision: a linear's estimated loss: output "
+                              "(tr((W-Q) H (W-Q)^T)), relative (over tr(W H W^T)) or residual "
+                              "(relative, times its block's share of the residual stream)")
+                   ->capture_default_str();
+  app.add_flag("--dry-run", o.dry_run,
+               "Mixed precision: measure and print the plan (per linear and totals), write nothing");
   app.add_flag("--act-order", o.gptq.act_order, "Quantize columns in decreasing Hessian order (desc_act)");
   app.add_flag("--sym,!--asym", o.gptq.sym, "Symmetric (default) or asymmetric zero points");
   app.add_option("--damp", o.gptq.damp, "Damping, fraction of the mean Hessian diagonal")
@@ -57,8 +79,28 @@ int main(int argc, char** argv) {
   try {
     if (device != "cpu" && device != "cuda" && device != "auto")
       throw kestrel::Error(fmt::format("--device must be cpu, cuda or auto, got {}", device));
-    if (o.model_dir.empty() || o.calib_file.empty() || o.out_dir.empty())
-      throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required");
+    const bool mixed = bits_avg->count() > 0 || target->count() > 0;
+    if (bits_avg->count() > 0 && target->count() > 0)
+      throw kestrel::Error("--bits-avg and --target-size are exclusive: give one budget");
+    if (mixed && (bits->count() > 0 || group->count() > 0))
+      throw kestrel::Error("--bits and --group-size fix one format; with --bits-avg or "
+                           "--target-size the formats come from --candidates");
+    if (!mixed && (cands->count() > 0 || loss->count() > 0 || o.dry_run))
+      throw kestrel::Error("--candidates, --loss and --dry-run go with a budget: --bits-avg or "
+                           "--target-size");
+    if (bits_avg->count() > 0 && !(o.bits_avg > 0))
+      throw kestrel::Error(fmt::format("--bits-avg must be a number of bits per weight in (0, "
+                                       "32], got {}", o.bits_avg));
+    if (target->count() > 0 && !(o.target_size_gb > 0))
+      throw kestrel::Error(fmt::format("--target-size must be a positive number of GB, got {}",
+                                       o.target_size_gb));
+    if (mixed && device == "cuda")
+      throw kestrel::Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so "
+                           "far: --device cpu");
+    if (cands->count() > 0) o.candidates = kestrel::quant::parse_candidates(candidates);
+    if (o.model_dir.empty() || o.calib_file.empty() || (o.out_dir.empty() && !o.dry_run))
+      throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required (--out not "
+                           "with --dry-run)");
     // The default window is no longer than the model's context.
     if (seqlen->count() == 0)
       o.seqlen = std::min(o.seqlen, kestrel::load_model_config(o.model_dir).max_pos);
@@ -69,6 +111,11 @@ int main(int argc, char** argv) {
     o.device = device;  // auto: chosen once the model is read (quantize_model)
     o.progress = !quiet;
     const kestrel::quant::QuantizeReport r = kestrel::quant::quantize_model(o);
+    if (o.dry_run) {  // the plan is the output
+      std::cout << kestrel::quant::format_plan(*r.plan);
+      return 0;
+    }
+    if (!quiet && r.plan) std::cerr << kestrel::quant::format_plan(*r.plan);
     if (!quiet) {
       double mean = 0;
       for (const auto& l : r.linears) mean += l.rel_error;

@@ -11,10 +11,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -139,17 +143,56 @@ class PackedParts {
   std::map<std::string, PackedShape> shapes_;
 };
 
-ojson quant_json(const QuantizeOptions& o) {
-  return ojson{{"bits", o.gptq.bits},
-               {"group_size", o.gptq.group_size},
-               {"damp_percent", std::stod(fmt::format("{:g}", o.gptq.damp))},  // 0.01, not 0.0099999998
-               {"desc_act", o.method == "gptq" && o.gptq.act_order},
-               {"static_groups", o.gptq.static_groups},
-               {"sym", o.gptq.sym},
-               {"true_sequential", true},
-               {"quant_method", "gptq"},
-               {"checkpoint_format", o.gptq.sym ? "gptq" : "gptq_v2"},
-               {"model_file_base_name", "model"}};
+// The regex of a dynamic rule for one true-sequential group's linears: the escaped full
+// name of a lone linear, or for siblings (q/k/v, gate/up) their common prefix and an
+// alternation of their last components plus the name vLLM gives them fused (qkv_proj,
+// gate_up_proj): vLLM looks a fused layer's format up by its fused name (recent versions try
+// each shard's name too), GPTQModel and Kestrel by each linear's name, and one rule serves all.
+std::string rule_key(const std::vector<std::string>& names) {
+  auto escape = [](const std::string& t) {
+    std::string e;
+    for (char c : t) {
+      if (std::string_view(".^$*+?{}[]()|\\").find(c) != std::string_view::npos) e += '\\';
+      e += c;
+    }
+    return e;
+  };
+  if (names.size() == 1) return escape(names[0]);
+  const size_t dot = names[0].rfind('.') + 1;
+  const std::string prefix = names[0].substr(0, dot);
+  std::vector<std::string> leaves;
+  for (const std::string& n : names) {
+    KESTREL_CHECK(n.starts_with(prefix), fmt::format("{} and {} are not siblings", names[0], n));
+    leaves.push_back(n.substr(dot));
+  }
+  using L = std::vector<std::string>;
+  if (leaves == L{"q_proj", "k_proj", "v_proj"}) leaves.push_back("qkv_proj");
+  if (leaves == L{"gate_proj", "up_proj"}) leaves.push_back("gate_up_proj");
+  std::string key = escape(prefix) + "(?:";
+  for (size_t i = 0; i < leaves.size(); ++i) key += (i ? "|" : "") + escape(leaves[i]);
+  return key + ")";
+}
+
+// The quantization config: o's format, or for a mixed plan its base format and a `dynamic`
+// rule for each group of linears planned otherwise.
+ojson quant_json(const QuantizeOptions& o, const MixedPlanReport* plan = nullptr) {
+  ojson j{{"bits", plan ? plan->base.bits : o.gptq.bits},
+          {"group_size", plan ? plan->base.group_size : o.gptq.group_size},
+          {"damp_percent", std::stod(fmt::format("{:g}", o.gptq.damp))},  // 0.01, not 0.0099999998
+          {"desc_act", o.method == "gptq" && o.gptq.act_order},
+          {"static_groups", o.gptq.static_groups},
+          {"sym", o.gptq.sym},
+          {"true_sequential", true},
+          {"quant_method", "gptq"},
+          {"checkpoint_format", o.gptq.sym ? "gptq" : "gptq_v2"},
+          {"model_file_base_name", "model"}};
+  if (plan && !plan->rules.empty()) {
+    ojson dyn = ojson::object();
+    for (const auto& [key, q] : plan->rules)
+      dyn[key] = ojson{{"bits", q.bits}, {"group_size", q.group_size}};
+    j["dynamic"] = std::move(dyn);
+  }
+  return j;
 }
 
 void check_options(const QuantizeOptions& o) {
@@ -162,6 +205,28 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--device must be cpu, cuda or auto, got {}", o.device));
   if (o.nsamples <= 0) throw Error(fmt::format("--nsamples must be positive, got {}", o.nsamples));
   if (o.seqlen <= 0) throw Error(fmt::format("--seqlen must be positive, got {}", o.seqlen));
+  if (o.bits_avg != 0 && o.target_size_gb != 0)
+    throw Error("--bits-avg and --target-size are exclusive: give one budget");
+  if (o.bits_avg != 0 && !(o.bits_avg > 0 && o.bits_avg <= 32))
+    throw Error(fmt::format("--bits-avg must be a number of bits per weight in (0, 32], got {}",
+                            o.bits_avg));
+  if (o.target_size_gb != 0 && !(o.target_size_gb > 0 && std::isfinite(o.target_size_gb)))
+    throw Error(fmt::format("--target-size must be a positive number of GB, got {}",
+                            o.target_size_gb));
+  if (!o.mixed() && (o.dry_run || !o.candidates.empty()))
+    throw Error("--candidates, --loss and --dry-run go with a budget: --bits-avg or --target-size");
+  if (o.loss != "output" && o.loss != "relative" && o.loss != "residual")
+    throw Error(fmt::format("--loss must be output, relative or residual, got {}", o.loss));
+  if (o.mixed() && o.device == "cuda")
+    throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
+                "--device cpu");
+  for (const QuantSetting& c : o.candidates) {
+    GptqOptions g = o.gptq;
+    g.bits = c.bits;
+    g.group_size = c.group_size;
+    validate(g);
+  }
+  if (o.dry_run) return;  // nothing is written: --out is not needed
   if (o.out_dir.empty()) throw Error("--out is required");
   if (fs::exists(o.out_dir) && fs::exists(o.model_dir)) {
     const fs::path out = fs::canonical(o.out_dir), model = fs::canonical(o.model_dir);
@@ -180,7 +245,7 @@ void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
   if (o.seqlen > spec.config.max_pos)
     throw Error(fmt::format("--seqlen {} is longer than the model's max_position_embeddings {}",
                             o.seqlen, spec.config.max_pos));
-  const int bits = o.gptq.bits;
+  const int bits = o.gptq.bits;  // mixed: each candidate is checked as the plan is made
   for (const LayerSpec& ls : spec.layers)
     for (const Group& g : groups())
       for (const Member& m : g.members) {
@@ -188,7 +253,7 @@ void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
         if (s.name.empty()) continue;  // not in this family (OPT has no gate)
         if (s.quantized)
           throw Error(fmt::format("{}: {} is already quantized", spec.dir, s.name));
-        if ((s.K * bits) % 32 != 0 || (s.N * bits) % 32 != 0)
+        if (!o.mixed() && ((s.K * bits) % 32 != 0 || (s.N * bits) % 32 != 0))
           throw Error(fmt::format("{}: [{}, {}] cannot be packed at {} bits (in and out features "
                                   "times bits must be multiples of 32)",
                                   s.name, s.N, s.K, bits));
@@ -196,7 +261,7 @@ void check_model(const ModelSpec& spec, const QuantizeOptions& o) {
 }
 
 // config.json of the output: the input's, with the quantization config and fp16 dtype.
-void write_config(const QuantizeOptions& o, const fs::path& out_dir) {
+void write_config(const QuantizeOptions& o, const MixedPlanReport* plan, const fs::path& out_dir) {
   const fs::path in = fs::path(o.model_dir) / "config.json";
   ojson c;
   try {
@@ -206,9 +271,9 @@ void write_config(const QuantizeOptions& o, const fs::path& out_dir) {
   }
   if (c.contains("dtype")) c["dtype"] = "float16";
   if (c.contains("torch_dtype") || !c.contains("dtype")) c["torch_dtype"] = "float16";
-  c["quantization_config"] = quant_json(o);
+  c["quantization_config"] = quant_json(o, plan);
   write_file(out_dir / "config.json", c.dump(2) + "\n");
-  write_file(out_dir / "quantize_config.json", quant_json(o).dump(2) + "\n");
+  write_file(out_dir / "quantize_config.json", quant_json(o, plan).dump(2) + "\n");
 }
 
 void copy_tokenizer_files(const QuantizeOptions& o, const fs::path& out_dir) {
@@ -274,8 +339,10 @@ std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lin
 }
 
 // The layer loop on the CPU: a one-layer DecoderCpu engine takes each decoder layer in turn.
+// `gptq_for` gives each linear's options (o.gptq, or its planned format).
 void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
                          const std::vector<std::vector<int>>& windows, PackedParts& parts,
+                         const std::function<GptqOptions(const LinearSpec&)>& gptq_for,
                          const LayerDone& done) {
   const ModelConfig& cfg = spec.config;
   ModelSpec one = spec;
@@ -320,9 +387,10 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
         const LinearSpec& s = ls.*m.spec;
         if (s.name.empty()) continue;
         CpuLinear& lin = engine.layer(0).*m.linear;
+        const GptqOptions go = gptq_for(s);
         const QuantizedLinear q =
-            o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), o.gptq, s.name.c_str())
-                               : rtn_quantize(lin.w.data(), s.N, s.K, o.gptq);
+            o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), go, s.name.c_str())
+                               : rtn_quantize(lin.w.data(), s.N, s.K, go);
         LinearReport r{s.name, s.N, s.K, relative_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data()), 0};
         std::vector<float> bias = std::move(lin.bias);  // kept as it is (not quantized)
         lin = to_cpu_linear(parts.add(s, q));  // later groups and layers see the quantized linear
@@ -339,6 +407,264 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
     times.total = seconds_since(t_layer);
     done(l, lines, times);
   }
+}
+
+// Pass 1 of mixed precision: every linear of every layer quantized at every candidate that can
+// pack it, on the Hessian of its FP16 layer's inputs (one forward per window and layer, taps
+// at all four groups), its loss tr((W-Q) H (W-Q)^T) kept. The next layer gets the FP16 layer's
+// outputs: which format each linear ends up with is not known until every layer is measured.
+std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const QuantizeOptions& o,
+                                                  const std::vector<QuantSetting>& candidates,
+                                                  const std::vector<std::vector<int>>& windows) {
+  const ModelConfig& cfg = spec.config;
+  ModelSpec one = spec;
+  one.config.n_layers = 1;
+  one.layers = {spec.layers[0]};
+  DecoderCpu engine(one);
+  const std::unique_ptr<DecoderCpuSession> seq = engine.new_cpu_session(o.seqlen);
+  const size_t win = (size_t)o.seqlen * cfg.hidden;
+  std::vector<float> X(win * o.nsamples);
+  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, 0, &X[s * win]);
+
+  std::vector<PlannedLinear> out;
+  Progress bar(fmt::format("measuring {} candidates", candidates.size()), cfg.n_layers, "layers",
+               o.progress);
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    const LayerSpec& ls = spec.layers[l];
+    engine.layer(0) = DecoderCpu::load_layer(ls);
+    std::vector<Hessian> hessians;
+    for (const Group& g : groups()) hessians.emplace_back((ls.*(g.members.back().spec)).K);
+    LayerTaps taps;
+    taps.input = [&](LinearGroup id, const float* in, int T, int) {
+      for (size_t i = 0; i < groups().size(); ++i)
+        if (groups()[i].id == id) hessians[i].add(in, T);
+    };
+    // Mean squared norm of the residual stream's rows, entering and leaving the layer.
+    auto energy = [&] {
+      double e = 0;
+      for (float v : X) e += (double)v * v;
+      return e / ((double)o.nsamples * o.seqlen);
+    };
+    const double e_in = o.loss == "residual" ? energy() : 0;
+    for (int s = 0; s < o.nsamples; ++s) seq->layer_forward(0, &X[s * win], o.seqlen, 0, &taps);
+    const double e_out = o.loss == "residual" ? energy() : 0;
+    // --loss residual: each block's share of the residual stream, mean ||block output||^2 (half
+    // of tr(W H W^T) for its last linear, o or down) over the residual's mean ||x||^2.
+    std::vector<double> block_share(groups().size(), 1.0);
+    if (o.loss == "residual") {
+      auto share = [&](size_t last, double e_res) {
+        const LinearSpec& s = ls.*(groups()[last].members.back().spec);
+        const CpuLinear& lin = engine.layer(0).*(groups()[last].members.back().linear);
+        const std::vector<float> H = hessians[last].matrix();
+        const std::vector<float> zero((size_t)s.N * s.K, 0.0f);
+        return 0.5 * output_error(lin.w.data(), zero.data(), s.N, s.K, H.data()) / e_res;
+      };
+      block_share[0] = block_share[1] = share(1, e_in);                      // q/k/v, o
+      block_share[2] = block_share[3] = share(3, 0.5 * (e_in + e_out));      // gate/up, down
+    }
+    for (size_t gi = 0; gi < groups().size(); ++gi) {
+      const std::vector<float> H = hessians[gi].matrix();
+      for (const Member& m : groups()[gi].members) {
+        const LinearSpec& s = ls.*m.spec;
+        if (s.name.empty()) continue;
+        const CpuLinear& lin = engine.layer(0).*m.linear;
+        PlannedLinear p;
+        p.name = s.name;
+        p.N = s.N;
+        p.K = s.K;
+        // --loss relative divides by tr(W H W^T), the energy of the linear's outputs.
+        // --loss residual also weights it by the block's share of the residual stream.
+        double scale = 1.0;
+        if (o.loss == "relative" || o.loss == "residual") {
+          const std::vector<float> zero((size_t)s.N * s.K, 0.0f);
+          const double e = output_error(lin.w.data(), zero.data(), s.N, s.K, H.data());
+          scale = (e > 0 ? 1.0 / e : 1.0) * block_share[gi];
+        }
+        for (const QuantSetting& c : candidates) {
+          if ((s.K * c.bits) % 32 != 0 || (s.N * c.bits) % 32 != 0) continue;  // cannot pack
+          GptqOptions g = o.gptq;
+          g.bits = c.bits;
+          g.group_size = c.group_size;
+          const QuantizedLinear q =
+              o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), g, s.name.c_str())
+                                 : rtn_quantize(lin.w.data(), s.N, s.K, g);
+          PlanCandidate pc;
+          pc.bits = c.bits;
+          pc.group_size = c.group_size;
+          pc.bytes = gptq_linear_bytes(s.N, s.K, c.bits, c.group_size);
+          pc.error = scale * output_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data());
+          p.measured.emplace_back(c, pc);
+        }
+        if (p.measured.empty())
+          throw Error(fmt::format("{}: [{}, {}] cannot be packed at any of the candidates' bit "
+                                  "widths (in and out features times bits must be multiples of "
+                                  "32)", s.name, s.N, s.K));
+        out.push_back(std::move(p));
+      }
+    }
+    bar.update(l + 1);
+  }
+  bar.finish();
+  return out;
+}
+
+// Bytes of the tensors written as they are (embeddings, norms, lm_head, biases: FP16, or I32
+// as read), i.e. everything but the quantized linears' weights.
+uint64_t fixed_bytes(const ModelSpec& spec, const std::vector<PlannedLinear>& linears) {
+  std::set<std::string> quantized;
+  for (const PlannedLinear& p : linears) quantized.insert(p.name + ".weight");
+  uint64_t total = 0;
+  for (const std::string& name : spec.files.names()) {
+    if (quantized.count(name)) continue;
+    const TensorInfo& t = spec.files.get(name);
+    total += (uint64_t)t.numel() * (t.dtype == DType::I32 ? 4 : 2);
+  }
+  return total;
+}
+
+// The plan: q/k/v and gate/up each one choice (vLLM fuses them and needs one format for the
+// fused layer; sharing one input, they also share one Hessian), every other linear its own.
+MixedPlanReport make_plan(const ModelSpec& spec, const QuantizeOptions& o,
+                          std::vector<PlannedLinear> linears) {
+  const std::vector<QuantSetting> candidates =
+      o.candidates.empty() ? default_candidates() : o.candidates;
+  MixedPlanReport plan;
+  for (const PlannedLinear& p : linears) plan.weights += (uint64_t)(p.N * p.K);
+  plan.fixed_bytes = fixed_bytes(spec, linears);
+
+  // Units of choice: runs of consecutive linears of one layer's group (measure order).
+  std::vector<std::vector<size_t>> units;
+  {
+    std::map<std::string, std::pair<int, size_t>> where;  // name -> (layer, group)
+    for (size_t l = 0; l < spec.layers.size(); ++l)
+      for (size_t g = 0; g < groups().size(); ++g)
+        for (const Member& m : groups()[g].members)
+          if (!(spec.layers[l].*m.spec).name.empty())
+            where[(spec.layers[l].*m.spec).name] = {(int)l, g};
+    for (size_t i = 0; i < linears.size(); ++i) {
+      if (i > 0 && where.at(linears[i].name) == where.at(linears[i - 1].name))
+        units.back().push_back(i);
+      else
+        units.push_back({i});
+    }
+  }
+  std::vector<PlanLinear> plan_units;
+  std::vector<std::vector<QuantSetting>> unit_settings;
+  for (const std::vector<size_t>& u : units) {
+    PlanLinear pl;
+    for (size_t i : u) pl.name += (pl.name.empty() ? "" : "+") + linears[i].name;
+    std::vector<QuantSetting> settings;
+    for (const QuantSetting& c : candidates) {
+      PlanCandidate pc{c.bits, c.group_size, 0, 0.0};
+      bool all = true;
+      for (size_t i : u) {
+        auto it = std::find_if(linears[i].measured.begin(), linears[i].measured.end(),
+                               [&](const auto& m) { return m.first == c; });
+        if (it == linears[i].measured.end()) {
+          all = false;
+          break;
+        }
+        pc.bytes += it->second.bytes;
+        pc.error += it->second.error;
+      }
+      if (!all) continue;
+      pl.candidates.push_back(pc);
+      settings.push_back(c);
+    }
+    if (pl.candidates.empty())
+      throw Error(fmt::format("{}: no candidate packs all of these linears (they share one "
+                              "format)", pl.name));
+    plan_units.push_back(std::move(pl));
+    unit_settings.push_back(std::move(settings));
+  }
+
+  uint64_t smallest = 0;
+  for (const PlanLinear& u : plan_units) {
+    uint64_t lo = UINT64_MAX;
+    for (const PlanCandidate& c : u.candidates) lo = std::min(lo, c.bytes);
+    smallest += lo;
+  }
+  if (o.bits_avg > 0) {
+    plan.budget = (uint64_t)std::floor(o.bits_avg * (double)plan.weights / 8.0);
+    if (plan.budget < smallest)
+      throw Error(fmt::format("--bits-avg {} is below the smallest plan: {:.3f} bits per weight "
+                              "(every linear at its smallest candidate)",
+                              o.bits_avg, 8.0 * (double)smallest / (double)plan.weights));
+  } else {
+    const double total = std::floor(o.target_size_gb * 1e9);
+    if (total < (double)(plan.fixed_bytes + smallest))
+      throw Error(fmt::format("--target-size {} GB is below the smallest plan: {:.6f} GB ({} "
+                              "bytes unquantized, {} for the linears at their smallest "
+                              "candidates)",
+                              o.target_size_gb, (double)(plan.fixed_bytes + smallest) / 1e9,
+                              plan.fixed_bytes, smallest));
+    plan.budget = (uint64_t)total - plan.fixed_bytes;
+  }
+  const MixedPlan mp = plan_mixed_precision(plan_units, plan.budget);
+
+  std::map<QuantSetting, int> count;
+  for (size_t u = 0; u < units.size(); ++u) {
+    const QuantSetting chosen = unit_settings[u][mp.choice[u]];
+    for (size_t i : units[u]) {
+      PlannedLinear& p = linears[i];
+      p.setting = chosen;
+      for (const auto& [c, pc] : p.measured)
+        if (c == chosen) {
+          p.bytes = pc.bytes;
+          p.loss = pc.error;
+        }
+      plan.bytes += p.bytes;
+      plan.loss += p.loss;
+      ++count[chosen];
+    }
+  }
+  // The base format: the most common choice (ties: the earlier candidate), so that the rules
+  // name only the groups planned otherwise.
+  int most = -1;
+  for (const QuantSetting& c : candidates)
+    if (count[c] > most) {
+      most = count[c];
+      plan.base = c;
+    }
+  for (size_t u = 0; u < units.size(); ++u) {
+    const QuantSetting chosen = linears[units[u][0]].setting;
+    if (chosen == plan.base) continue;
+    std::vector<std::string> names;
+    for (size_t i : units[u]) names.push_back(linears[i].name);
+    plan.rules.emplace_back(rule_key(names), chosen);
+  }
+  plan.linears = std::move(linears);
+  return plan;
+}
+
+std::string setting_name(const QuantSetting& q) {
+  return fmt::format("{}g{}", q.bits, q.group_size);
+}
+
+ojson plan_json(const MixedPlanReport& plan, const QuantizeOptions& o) {
+  ojson j = {{"budget_bytes", plan.budget},
+             {"bytes", plan.bytes},
+             {"unquantized_bytes", plan.fixed_bytes},
+             {"weights", plan.weights},
+             {"bits_per_weight", plan.bits_per_weight()},
+             {"estimated_loss", plan.loss},
+             {"loss", o.loss},
+             {"measure_seconds", plan.measure_seconds}};
+  if (o.bits_avg > 0) j["bits_avg"] = o.bits_avg;
+  if (o.target_size_gb > 0) j["target_size_gb"] = o.target_size_gb;
+  j["linears"] = ojson::array();
+  for (const PlannedLinear& p : plan.linears) {
+    ojson c = ojson::object();
+    for (const auto& [q, pc] : p.measured)
+      c[setting_name(q)] = {{"bytes", pc.bytes}, {"estimated_loss", pc.error}};
+    j["linears"].push_back({{"name", p.name},
+                            {"bits", p.setting.bits},
+                            {"group_size", p.setting.group_size},
+                            {"bytes", p.bytes},
+                            {"estimated_loss", p.loss},
+                            {"candidates", std::move(c)}});
+  }
+  return j;
 }
 
 }  // namespace
@@ -360,12 +686,18 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
   return out;
 }
 
+MixedPlanReport plan_from_measurements(const ModelSpec& spec, const QuantizeOptions& o,
+                                       std::vector<PlannedLinear> measured) {
+  return make_plan(spec, o, std::move(measured));
+}
+
 namespace {
 
 // The layer loop and the checkpoint, written into `dir` (the staged output directory).
 QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
                              const std::vector<std::vector<int>>& windows, int64_t calib_tokens,
-                             const fs::path& dir, Clock::time_point t_start) {
+                             const std::optional<MixedPlanReport>& plan, const fs::path& dir,
+                             Clock::time_point t_start) {
   const ModelConfig& cfg = spec.config;
   const int zero_offset = o.gptq.sym ? 1 : 0;  // asymmetric zeros may be 0: gptq_v2
   Scratch scratch(dir / ".kestrel-quantize-scratch");
@@ -374,9 +706,24 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
   QuantizeReport report;
   report.device = o.device;
   report.calib_tokens = calib_tokens;
+  report.plan = plan;
+  std::map<std::string, QuantSetting> planned;
+  if (plan)
+    for (const PlannedLinear& p : plan->linears) planned[p.name] = p.setting;
+  const std::function<GptqOptions(const LinearSpec&)> gptq_for = [&](const LinearSpec& s) {
+    GptqOptions g = o.gptq;
+    if (plan) {
+      const QuantSetting& q = planned.at(s.name);
+      g.bits = q.bits;
+      g.group_size = q.group_size;
+    }
+    return g;
+  };
   const bool tty = isatty(fileno(stderr)) != 0;
-  Progress bar(fmt::format("{} {}-bit ({})", o.method, o.gptq.bits, o.device), cfg.n_layers,
-               "layers", o.progress);
+  Progress bar(plan ? fmt::format("{} mixed {:.2f} bits ({})", o.method,
+                                  plan->bits_per_weight(), o.device)
+                    : fmt::format("{} {}-bit ({})", o.method, o.gptq.bits, o.device),
+               cfg.n_layers, "layers", o.progress);
   const LayerDone done = [&](int l, const std::vector<LinearReport>& lines, const LayerTimes& t) {
     if (o.progress)
       std::fprintf(stderr, "%s%s\n", tty ? "\r\033[K" : "",
@@ -399,19 +746,19 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
     quantize_layers_cuda(spec, o, windows, save, done);
     if (pending.valid()) pending.get();
   } else {
-    quantize_layers_cpu(spec, o, windows, parts, done);
+    quantize_layers_cpu(spec, o, windows, parts, gptq_for, done);
   }
   bar.finish();
 
   const auto t_write = Clock::now();
   write_weights(spec, parts.shapes(), scratch, dir);
-  write_config(o, dir);
+  write_config(o, plan ? &*plan : nullptr, dir);
   copy_tokenizer_files(o, dir);
   report.write_seconds = seconds_since(t_write);
   report.seconds = seconds_since(t_start);
 
   ojson j = {{"method", o.method},
-             {"quantization_config", quant_json(o)},
+             {"quantization_config", quant_json(o, plan ? &*plan : nullptr)},
              {"calibration", {{"file", o.calib_file},
                               {"tokens", report.calib_tokens},
                               {"nsamples", o.nsamples},
@@ -424,12 +771,19 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
                                   {"quantize", report.quantize_seconds},
                                   {"write", report.write_seconds}}}};
   j["linears"] = ojson::array();
-  for (const LinearReport& r : report.linears)
-    j["linears"].push_back({{"name", r.name},
-                            {"out_features", r.N},
-                            {"in_features", r.K},
-                            {"relative_error", r.rel_error},
-                            {"seconds", r.seconds}});
+  for (const LinearReport& r : report.linears) {
+    ojson l = {{"name", r.name},
+               {"out_features", r.N},
+               {"in_features", r.K},
+               {"relative_error", r.rel_error},
+               {"seconds", r.seconds}};
+    if (plan) {
+      l["bits"] = planned.at(r.name).bits;
+      l["group_size"] = planned.at(r.name).group_size;
+    }
+    j["linears"].push_back(std::move(l));
+  }
+  if (plan) j["mixed_precision"] = plan_json(*plan, o);
   write_file(dir / "quantize_report.json", j.dump(2) + "\n");
   return report;  // the scratch folder goes with `scratch`, before the directory is renamed
 }
@@ -442,6 +796,7 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   check_options(o);
   const ModelSpec spec = load_model_spec(o.model_dir);
   check_model(spec, o);
+  if (o.device == "auto" && o.mixed()) o.device = "cpu";  // the measuring pass is CPU-only
   if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
     const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
     o.device = why.empty() ? "cuda" : "cpu";
@@ -452,10 +807,27 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   const std::vector<int> ids = tok->encode(read_file(o.calib_file, "calibration text"));
   const auto windows = calibration_windows(ids, o.nsamples, o.seqlen, o.seed, o.calib_file);
 
+  std::optional<MixedPlanReport> plan;
+  if (o.mixed()) {
+    const std::vector<QuantSetting> cands =
+        o.candidates.empty() ? default_candidates() : o.candidates;
+    const auto t_measure = Clock::now();
+    plan = make_plan(spec, o, measure_candidates_cpu(spec, o, cands, windows));
+    plan->measure_seconds = seconds_since(t_measure);
+    if (o.dry_run) {
+      QuantizeReport r;
+      r.device = o.device;
+      r.calib_tokens = (int64_t)ids.size();
+      r.plan = std::move(plan);
+      r.seconds = seconds_since(t_start);
+      return r;
+    }
+  }
+
   StagedDir out(o.out_dir, o.force);
   try {
     const QuantizeReport report =
-        quantize_into(spec, o, windows, (int64_t)ids.size(), out.path(), t_start);
+        quantize_into(spec, o, windows, (int64_t)ids.size(), plan, out.path(), t_start);
     out.commit();
     return report;
   } catch (const DeviceError& e) {
@@ -463,6 +835,71 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   } catch (const std::exception& e) {
     throw Error(fmt::format("{}; nothing written to {}", e.what(), o.out_dir));
   }
+}
+
+std::vector<QuantSetting> default_candidates() {
+  std::vector<QuantSetting> c;
+  for (int bits : {2, 3, 4, 8})
+    for (int group : {32, 64, 128}) c.push_back({bits, group});
+  return c;
+}
+
+std::vector<QuantSetting> parse_candidates(const std::string& text) {
+  std::vector<QuantSetting> out;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    QuantSetting q;
+    const size_t g = item.find('g');
+    size_t used_b = 0, used_g = 0;
+    bool ok = g != std::string::npos && g > 0 && g + 1 < item.size();
+    if (ok) {
+      try {
+        q.bits = std::stoi(item.substr(0, g), &used_b);
+        q.group_size = std::stoi(item.substr(g + 1), &used_g);
+      } catch (const std::exception&) {
+        ok = false;
+      }
+    }
+    if (!ok || used_b != g || used_g != item.size() - g - 1)
+      throw Error(fmt::format("--candidates: \"{}\" is not BITSgGROUP (e.g. 4g128, 8g-1 for one "
+                              "group per row)", item));
+    if (q.bits != 2 && q.bits != 3 && q.bits != 4 && q.bits != 8)
+      throw Error(fmt::format("--candidates: \"{}\": bits must be 2, 3, 4 or 8", item));
+    if (q.group_size == 0 || q.group_size < -1)
+      throw Error(fmt::format("--candidates: \"{}\": the group size must be positive or -1", item));
+    if (std::find(out.begin(), out.end(), q) != out.end())
+      throw Error(fmt::format("--candidates: \"{}\" is listed twice", item));
+    out.push_back(q);
+    at = comma + 1;
+  }
+  return out;
+}
+
+std::string format_plan(const MixedPlanReport& plan) {
+  std::string s = fmt::format("{:<44} {:>4} {:>5} {:>10} {:>12}\n", "linear", "bits", "group",
+                              "bytes", "est. loss");
+  std::map<std::string, std::pair<int, uint64_t>> mix;  // setting -> (linears, weights)
+  for (const PlannedLinear& p : plan.linears) {
+    s += fmt::format("{:<44} {:>4} {:>5} {:>10} {:>12.4e}\n", p.name, p.setting.bits,
+                     p.setting.group_size, p.bytes, p.loss);
+    auto& m = mix[fmt::format("{}-bit g{}", p.setting.bits, p.setting.group_size)];
+    ++m.first;
+    m.second += (uint64_t)(p.N * p.K);
+  }
+  s += "mix:";
+  for (const auto& [name, m] : mix)
+    s += fmt::format(" {} {} linears ({:.1f}% of weights);", name, m.first,
+                     100.0 * (double)m.second / (double)plan.weights);
+  s.back() = '\n';
+  s += fmt::format("total: {} bytes of quantized linears (budget {}), {:.4f} bits per weight over "
+                   "{} weights; {} bytes with the unquantized tensors ({:.6f} GB); estimated "
+                   "loss {:.6e}\n",
+                   plan.bytes, plan.budget, plan.bits_per_weight(), plan.weights,
+                   plan.bytes + plan.fixed_bytes, (double)(plan.bytes + plan.fixed_bytes) / 1e9,
+                   plan.loss);
+  return s;
 }
 
 }  // namespace kestrel::quant

@@ -1,0 +1,421 @@
+// kestrel-quantize's mixed precision (--bits-avg, --target-size; issue #46) on a kestrel-synth
+// model:
+// - the plan keeps to its budget (bytes, as bits per weight or as the whole checkpoint's
+//   tensors), q/k/v and gate/up share one choice, and a larger budget never gives a larger
+//   estimated loss;
+// - the checkpoint written holds the plan: its `dynamic` rules give, through Kestrel's loader,
+//   each linear the format the plan chose, its tensors take the planned bytes, it runs on the
+//   CPU engine with a perplexity near the FP16 model's, and kestrel generate runs it;
+// - a plan of one format is the ordinary quantizer's checkpoint, tensor for tensor (pass 2 is
+//   the usual sequential pass);
+// - the rule keys match vLLM's fused names (qkv_proj, gate_up_proj) as well as each linear's;
+// - --dry-run prints the plan and writes nothing; bad options are refused in one line.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "base/error.h"
+#include "engine/perplexity.h"
+#include "models/cpu/decoder.h"
+#include "models/io/dynamic.h"
+#include "models/io/model_spec.h"
+#include "tests/support/test_util.h"
+#include "tokenizer/tokenizer.h"
+#include "tools/quantize/plan.h"
+#include "tools/quantize/quantize.h"
+#include "tools/synth/synth.h"
+
+namespace fs = std::filesystem;
+using namespace kestrel;
+using namespace kestrel::quant;
+
+namespace {
+
+using Result = kestrel::test::CommandResult;
+Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
+
+int lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n + (!s.empty() && s.back() != '\n');
+}
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d =
+      fs::temp_directory_path() / ("kestrel_qmixed_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  return d;
+}
+
+constexpr LinearSpec LayerSpec::*kLinears[] = {&LayerSpec::q,    &LayerSpec::k,  &LayerSpec::v,
+                                               &LayerSpec::o,    &LayerSpec::gate,
+                                               &LayerSpec::up,   &LayerSpec::down};
+
+// Text the FP16 model finds likely (sampled from it; as test_quantize.cpp's EndToEnd does), so
+// that quantization damage shows in the perplexity even for random weights.
+std::vector<int> sample_windows(const fs::path& dir, int windows, uint32_t seed) {
+  const ModelSpec spec = load_model_spec(dir.string());
+  DecoderCpu model(spec);
+  auto m = model.new_cpu_session(128);
+  const int vocab = spec.config.vocab;
+  std::mt19937 rng(seed);
+  std::vector<int> ids;
+  std::vector<float> logits(vocab);
+  std::vector<double> p(vocab);
+  for (int w = 0; w < windows; ++w) {
+    int token = 1;
+    for (int pos = 0; pos < 128; ++pos) {
+      ids.push_back(token);
+      m->forward_token(token, pos, logits.data());
+      const float mx = *std::max_element(logits.begin(), logits.end());
+      for (int v = 0; v < vocab; ++v) p[v] = std::exp((double)logits[v] - mx);
+      token = std::discrete_distribution<int>(p.begin(), p.end())(rng);
+    }
+  }
+  return ids;
+}
+
+double ppl(const fs::path& dir, const std::vector<int>& ids) {
+  DecoderCpu model(load_model_spec(dir.string()));
+  auto m = model.new_cpu_session(128);
+  return kestrel::perplexity(*m, ids, 128, 0, false).ppl;
+}
+
+class Mixed : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    fp16_ = new fs::path(temp_dir("fp16"));
+    synth::SynthOptions o;
+    o.shape = "tiny";
+    o.n_layers = 2;
+    o.dtype = "fp16";
+    o.seed = 5;
+    o.out = fp16_->string();
+    o.quiet = true;
+    synth::write_model(o);
+    sampled_ = new std::vector<int>(sample_windows(*fp16_, 24, 1));
+    calib_ = new fs::path(temp_dir("calib.txt"));
+    std::ofstream(*calib_) << Tokenizer::load(fp16_->string())->decode(*sampled_);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*fp16_);
+    fs::remove(*calib_);
+    delete fp16_;
+    delete calib_;
+    delete sampled_;
+  }
+  static QuantizeOptions options(const std::string& out) {
+    QuantizeOptions o;
+    o.model_dir = fp16_->string();
+    o.calib_file = calib_->string();
+    o.out_dir = out;
+    o.gptq.act_order = true;
+    o.nsamples = 32;
+    o.seqlen = 128;
+    o.progress = false;
+    o.device = "cpu";
+    return o;
+  }
+  static QuantizeOptions dry(double bits_avg) {
+    QuantizeOptions o = options("");
+    o.bits_avg = bits_avg;
+    o.dry_run = true;
+    return o;
+  }
+  static uint64_t weights() {  // N * K summed over the decoder linears
+    const ModelSpec spec = load_model_spec(fp16_->string());
+    uint64_t n = 0;
+    for (const LayerSpec& ls : spec.layers)
+      for (auto lin : kLinears) n += (uint64_t)((ls.*lin).N * (ls.*lin).K);
+    return n;
+  }
+  static fs::path* fp16_;
+  static fs::path* calib_;
+  static std::vector<int>* sampled_;
+};
+fs::path* Mixed::fp16_ = nullptr;
+fs::path* Mixed::calib_ = nullptr;
+std::vector<int>* Mixed::sampled_ = nullptr;
+
+// Siblings (same layer, q/k/v or gate/up) have one setting.
+void expect_siblings_share(const MixedPlanReport& p) {
+  std::map<std::string, QuantSetting> by_group;
+  for (const PlannedLinear& l : p.linears) {
+    std::string group = l.name.substr(0, l.name.rfind('.') + 1);
+    const std::string leaf = l.name.substr(group.size());
+    if (leaf == "q_proj" || leaf == "k_proj" || leaf == "v_proj") group += "qkv";
+    else if (leaf == "gate_proj" || leaf == "up_proj") group += "gate_up";
+    else continue;
+    auto [it, fresh] = by_group.emplace(group, l.setting);
+    if (!fresh) {
+      EXPECT_EQ(it->second, l.setting) << l.name;
+    }
+  }
+  EXPECT_EQ(by_group.size(), 4u);  // 2 layers x (qkv, gate_up)
+}
+
+// Measured once (a dry run), planned at many budgets.
+TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
+  const uint64_t W = weights();
+  const ModelSpec spec = load_model_spec(fp16_->string());
+  const QuantizeReport measured = quantize_model(dry(3.5));
+  ASSERT_TRUE(measured.plan.has_value());
+  for (const PlannedLinear& l : measured.plan->linears) EXPECT_EQ(l.measured.size(), 12u) << l.name;
+  double last_loss = std::numeric_limits<double>::infinity();
+  std::set<std::pair<int, int>> seen;  // settings chosen over all budgets
+  for (double bits : {2.3, 2.45, 2.6, 2.8, 3.0, 3.25, 3.5, 3.75, 4.0, 4.5, 5.0, 6.0, 7.0, 8.6}) {
+    QuantizeOptions o = dry(bits);
+    const MixedPlanReport p = plan_from_measurements(spec, o, measured.plan->linears);
+    EXPECT_EQ(p.weights, W);
+    EXPECT_EQ(p.budget, (uint64_t)std::floor(bits * (double)W / 8.0));
+    EXPECT_LE(p.bytes, p.budget) << bits;
+    EXPECT_LE(p.bits_per_weight(), bits);
+    // The plan's totals are its linears' exact sizes and losses at their settings.
+    uint64_t bytes = 0;
+    double loss = 0;
+    for (const PlannedLinear& l : p.linears) {
+      EXPECT_EQ(l.bytes, gptq_linear_bytes(l.N, l.K, l.setting.bits, l.setting.group_size));
+      bool measured_there = false;
+      for (const auto& [c, pc] : l.measured)
+        if (c == l.setting) measured_there = pc.error == l.loss;
+      EXPECT_TRUE(measured_there) << l.name;
+      bytes += l.bytes;
+      loss += l.loss;
+      seen.insert({l.setting.bits, l.setting.group_size});
+    }
+    EXPECT_EQ(bytes, p.bytes);
+    EXPECT_NEAR(loss, p.loss, 1e-9 * loss);
+    EXPECT_EQ(p.linears.size(), 14u);
+    expect_siblings_share(p);
+    // A larger budget never gives a larger estimated loss.
+    EXPECT_LE(p.loss, last_loss * (1 + 1e-12)) << bits;
+    last_loss = p.loss;
+    // Budgets are spent: what is left could not move any linear group up a step. (Checked
+    // loosely: within the largest single step between two candidates of one group.)
+    if (bits >= 2.6 && bits <= 7.0) EXPECT_GT(p.bits_per_weight(), bits - 0.25) << bits;
+  }
+  // The budgets span the candidates: 2-bit plans at the low end, 8-bit g32 at the high end.
+  EXPECT_TRUE(seen.count({2, 128}) || seen.count({2, 64}) || seen.count({2, 32}));
+  EXPECT_TRUE(seen.count({8, 32}));
+  // The dry run's own plan is the plan at its budget.
+  const MixedPlanReport again = plan_from_measurements(spec, dry(3.5), measured.plan->linears);
+  EXPECT_EQ(again.bytes, measured.plan->bytes);
+  EXPECT_EQ(again.loss, measured.plan->loss);
+}
+
+TEST_F(Mixed, TargetSizeCountsEveryTensorWritten) {
+  const fs::path out = temp_dir("target");
+  QuantizeOptions o = options(out.string());
+  // The FP16 tensors (embeddings, norms, lm_head) plus ~3.5 bits per weight.
+  const ModelSpec in = load_model_spec(fp16_->string());
+  const uint64_t fixed = in.files.total_bytes() - 2 * weights();
+  const double gb = (double)(fixed + weights() * 35 / 80) / 1e9;
+  o.target_size_gb = gb;
+  const QuantizeReport r = quantize_model(o);
+  const MixedPlanReport& p = *r.plan;
+  EXPECT_EQ(p.fixed_bytes, fixed);
+  EXPECT_EQ(p.budget, (uint64_t)std::floor(gb * 1e9) - p.fixed_bytes);
+  EXPECT_LE(p.bytes, p.budget);
+  // What was written: every tensor's bytes, as counted.
+  const ModelSpec spec = load_model_spec(out.string());
+  EXPECT_EQ(spec.files.total_bytes(), p.bytes + p.fixed_bytes);
+  EXPECT_LE((double)spec.files.total_bytes(), gb * 1e9);
+  fs::remove_all(out);
+}
+
+TEST_F(Mixed, CheckpointHoldsThePlanAndRuns) {
+  const fs::path out = temp_dir("ckpt");
+  QuantizeOptions o = options(out.string());
+  o.bits_avg = 3.5;
+  const QuantizeReport r = quantize_model(o);
+  ASSERT_TRUE(r.plan.has_value());
+  const MixedPlanReport& p = *r.plan;
+  std::set<std::pair<int, int>> settings;
+  for (const PlannedLinear& l : p.linears) settings.insert({l.setting.bits, l.setting.group_size});
+  ASSERT_GE(settings.size(), 2u) << "the plan should mix formats at 3.5 bits";
+  ASSERT_FALSE(p.rules.empty());
+
+  // The configs carry the base format and the rules, the same in both files.
+  const nlohmann::ordered_json qc =
+      nlohmann::ordered_json::parse(std::ifstream(out / "quantize_config.json"));
+  const nlohmann::ordered_json cc = nlohmann::ordered_json::parse(std::ifstream(out / "config.json"));
+  EXPECT_EQ(qc, cc["quantization_config"]);
+  EXPECT_EQ(qc["bits"], p.base.bits);
+  EXPECT_EQ(qc["group_size"], p.base.group_size);
+  EXPECT_EQ(qc["desc_act"], true);
+  ASSERT_EQ(qc["dynamic"].size(), p.rules.size());
+  size_t i = 0;
+  for (const auto& [key, value] : qc["dynamic"].items()) {
+    EXPECT_EQ(key, p.rules[i].first);
+    EXPECT_EQ(value, (nlohmann::ordered_json{{"bits", p.rules[i].second.bits},
+                                             {"group_size", p.rules[i].second.group_size}}));
+    ++i;
+  }
+
+  // Kestrel's loader gives every linear its planned format.
+  const ModelSpec spec = load_model_spec(out.string());
+  std::map<std::string, const LinearSpec*> loaded;
+  for (const LayerSpec& ls : spec.layers)
+    for (auto lin : kLinears) loaded[(ls.*lin).name] = &(ls.*lin);
+  uint64_t bytes = 0;
+  for (const PlannedLinear& l : p.linears) {
+    ASSERT_TRUE(loaded.count(l.name)) << l.name;
+    const LinearSpec& s = *loaded[l.name];
+    EXPECT_TRUE(s.quantized) << l.name;
+    EXPECT_EQ(s.bits, l.setting.bits) << l.name;
+    EXPECT_EQ(s.group_size, l.setting.group_size) << l.name;
+    EXPECT_EQ(s.scales->shape[0], (l.K + l.setting.group_size - 1) / l.setting.group_size);
+    EXPECT_EQ(s.qweight->shape[0], l.K * l.setting.bits / 32);
+    bytes += s.qweight->nbytes + s.qzeros->nbytes + s.scales->nbytes + s.g_idx->nbytes;
+  }
+  EXPECT_EQ(bytes, p.bytes);  // the plan counted exactly what was written
+
+  // The report records each linear's format and the plan.
+  const nlohmann::json rep = nlohmann::json::parse(std::ifstream(out / "quantize_report.json"));
+  EXPECT_EQ(rep["mixed_precision"]["bytes"], p.bytes);
+  EXPECT_EQ(rep["linears"][0]["bits"], p.linears[0].setting.bits);
+
+  // It runs on the CPU engine, close to the FP16 model and no worse than all-2-bit. (Measured:
+  // FP16 1.479, this plan ~1.53; uniform 2-bit g128 far above.)
+  const double p16 = ppl(*fp16_, *sampled_), pm = ppl(out, *sampled_);
+  EXPECT_TRUE(std::isfinite(pm));
+  EXPECT_LT(pm, 1.15 * p16) << p16 << " " << pm;
+  const fs::path two = temp_dir("two");
+  QuantizeOptions o2 = options(two.string());
+  o2.gptq.bits = 2;
+  o2.gptq.group_size = 128;
+  quantize_model(o2);
+  const double p2 = ppl(two, *sampled_);
+  EXPECT_LT(pm, p2) << p16 << " " << pm << " " << p2;
+
+  const Result g = run(std::string(KESTREL_BIN) + " generate -m " + out.string() +
+                       " --device cpu -p 'The river' -n 8 --temp 0 --ignore-eos --json -q");
+  ASSERT_EQ(g.code, 0) << g.err;
+  EXPECT_EQ(nlohmann::json::parse(g.out)["ids"].size(), 8u);
+  fs::remove_all(out);
+  fs::remove_all(two);
+}
+
+// A plan with a single candidate is uniform: pass 2 must then be exactly the ordinary quantizer.
+TEST_F(Mixed, OneCandidatePlanIsTheUniformCheckpoint) {
+  const fs::path mixed = temp_dir("one_mixed"), uniform = temp_dir("one_uniform");
+  QuantizeOptions om = options(mixed.string());
+  om.bits_avg = 8;
+  om.candidates = {{3, 64}};
+  const QuantizeReport r = quantize_model(om);
+  EXPECT_TRUE(r.plan->rules.empty());
+  QuantizeOptions ou = options(uniform.string());
+  ou.gptq.bits = 3;
+  ou.gptq.group_size = 64;
+  quantize_model(ou);
+  const ModelSpec a = load_model_spec(mixed.string()), b = load_model_spec(uniform.string());
+  const std::vector<std::string> names = a.files.names();
+  ASSERT_EQ(names, b.files.names());
+  for (const std::string& n : names) {
+    const TensorInfo &ta = a.files.get(n), &tb = b.files.get(n);
+    EXPECT_EQ(std::vector<uint8_t>(ta.data, ta.data + ta.nbytes),
+              std::vector<uint8_t>(tb.data, tb.data + tb.nbytes)) << n;
+  }
+  const nlohmann::json qc = nlohmann::json::parse(std::ifstream(mixed / "quantize_config.json"));
+  EXPECT_FALSE(qc.contains("dynamic"));
+  EXPECT_EQ(qc["bits"], 3);
+  fs::remove_all(mixed);
+  fs::remove_all(uniform);
+}
+
+// One rule per sibling group serves GPTQModel and Kestrel (each linear's name) and vLLM (which
+// looks a fused layer up by its fused name), and matches nothing else.
+TEST_F(Mixed, RuleKeysMatchSiblingsAndFusedNames) {
+  QuantizeOptions o = dry(3.0);
+  const MixedPlanReport p = *quantize_model(o).plan;
+  ASSERT_FALSE(p.rules.empty());
+  std::vector<std::string> modules;
+  const ModelSpec spec = load_model_spec(fp16_->string());
+  for (const LayerSpec& ls : spec.layers)
+    for (auto lin : kLinears) modules.push_back((ls.*lin).name);
+  for (const auto& [key, q] : p.rules) {
+    const DynamicRule rule = dynamic_rule(key, "test");
+    std::vector<std::string> hit;
+    for (const std::string& m : modules)
+      if (rule.matches(m)) hit.push_back(m);
+    ASSERT_FALSE(hit.empty()) << key;
+    // Every module it matches has the rule's setting in the plan.
+    for (const PlannedLinear& l : p.linears)
+      if (rule.matches(l.name)) {
+        EXPECT_EQ(l.setting, q) << key << " " << l.name;
+      }
+    const std::string prefix = hit[0].substr(0, hit[0].rfind('.') + 1);
+    if (hit.size() == 3) {
+      EXPECT_TRUE(rule.matches(prefix + "qkv_proj")) << key;
+    }
+    if (hit.size() == 2) {
+      EXPECT_TRUE(rule.matches(prefix + "gate_up_proj")) << key;
+    }
+    if (hit.size() == 1) {
+      EXPECT_FALSE(rule.matches(prefix + "qkv_proj")) << key;
+      EXPECT_FALSE(rule.matches(prefix + "gate_up_proj")) << key;
+    }
+  }
+}
+
+TEST_F(Mixed, DryRunPrintsThePlanAndWritesNothing) {
+  const fs::path out = temp_dir("dry");
+  const std::string cmd = std::string(KESTREL_QUANTIZE_BIN) + " -m " + fp16_->string() +
+                          " --calib " + calib_->string() +
+                          " --nsamples 16 --seqlen 128 --device cpu -q --act-order";
+  const Result r = run(cmd + " --bits-avg 3.5 --dry-run --out " + out.string());
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(out));
+  EXPECT_EQ(lines(r.out), 1 + 14 + 2) << r.out;  // header, 14 linears, mix, total
+  EXPECT_NE(r.out.find("model.layers.1.mlp.down_proj"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("bits per weight"), std::string::npos) << r.out;
+  // Without --out too.
+  const Result r2 = run(cmd + " --bits-avg 3.5 --dry-run --candidates 3g128,4g128");
+  ASSERT_EQ(r2.code, 0) << r2.err;
+  EXPECT_EQ(r2.out.find("g64"), std::string::npos) << r2.out;
+}
+
+TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
+  const fs::path out = temp_dir("bad");
+  const std::string base = std::string(KESTREL_QUANTIZE_BIN) + " -m " + fp16_->string() +
+                           " --calib " + calib_->string() + " --out " + out.string() +
+                           " --nsamples 8 --seqlen 128 -q";
+  auto expect_error = [](const std::string& cmd, const std::string& what) {
+    const Result r = run(cmd);
+    EXPECT_EQ(r.code, 1) << cmd << "\n" << r.err;
+    EXPECT_EQ(lines(r.err), 1) << r.err;
+    EXPECT_NE(r.err.find(what), std::string::npos) << r.err;
+  };
+  expect_error(base + " --bits-avg 3.5 --target-size 0.01", "are exclusive");
+  expect_error(base + " --bits-avg 3.5 --bits 4", "--bits and --group-size fix one format");
+  expect_error(base + " --target-size 0.01 --group-size 64", "--bits and --group-size fix one format");
+  expect_error(base + " --candidates 4g128", "go with a budget");
+  expect_error(base + " --dry-run", "go with a budget");
+  expect_error(base + " --loss relative", "go with a budget");
+  expect_error(base + " --bits-avg 0", "--bits-avg must be");
+  expect_error(base + " --bits-avg -2", "--bits-avg must be");
+  expect_error(base + " --target-size 0", "--target-size must be");
+  expect_error(base + " --bits-avg 3 --candidates 5g128", "bits must be 2, 3, 4 or 8");
+  expect_error(base + " --bits-avg 3 --candidates 4x128", "is not BITSgGROUP");
+  expect_error(base + " --bits-avg 3 --candidates 4g128,", "is not BITSgGROUP");
+  expect_error(base + " --bits-avg 3 --candidates 4g0", "group size must be positive or -1");
+  expect_error(base + " --bits-avg 3 --candidates 4g64,4g64", "listed twice");
+  expect_error(base + " --bits-avg 3 --device cuda", "runs on the CPU only so far");
+  expect_error(base + " --bits-avg 3 --loss kl", "--loss must be output, relative or residual");
+  // Budgets no plan fits, after measuring: in bits per weight and in GB.
+  expect_error(base + " --bits-avg 1.5", "--bits-avg 1.5 is below the smallest plan");
+  expect_error(base + " --target-size 0.0001", "--target-size 0.0001 GB is below the smallest plan");
+  EXPECT_FALSE(fs::exists(out));
+}
+
+}  // namespace
