@@ -146,7 +146,9 @@ TEST(ServerRequest, ChatMessages) {
   expect_refused(Endpoint::Chat, R"({"messages": []})", "messages");
   expect_refused(Endpoint::Chat, R"({"messages": "Hi"})", "messages");
   expect_refused(Endpoint::Chat, R"({"messages": [{"content": "Hi"}]})", "messages[0].role");
-  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "tool", "content": "x"}]})", "messages[0].role");
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "function", "content": "x"}]})", "messages[0].role");
+  // A tool's result names the call it answers (test_tool_calls has the rest).
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "tool", "content": "x"}]})", "messages[0].tool_call_id");
   expect_refused(Endpoint::Chat, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content");
   expect_refused(Endpoint::Chat, R"({"messages": [{"role": "user"}]})", "messages[0].content");
   expect_refused(Endpoint::Chat,
@@ -288,19 +290,18 @@ TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
   const std::string m = R"("messages": [{"role": "user", "content": "Hi"}])";
   auto with = [&](const std::string& field) { return "{" + m + ", " + field + "}"; };
   expect_refused(Endpoint::Chat, with(R"("n": 2)"), "n");
-  expect_refused(Endpoint::Chat, with(R"("tools": [{"type": "function"}])"), "tools");
-  expect_refused(Endpoint::Chat, with(R"("tool_choice": "auto")"), "tool_choice");
   expect_refused(Endpoint::Chat, with(R"("logit_bias": {"50256": -100})"), "logit_bias");
   // Their harmless values pass.
   EXPECT_NO_THROW(chat(json::parse(with(R"("n": 1, "tools": [], "tool_choice": "none",
                                            "response_format": {"type": "text"}, "logit_bias": {})"))));
-  // Tools the model is told not to call (tool_choice "none") pass, rendered without them.
+  // Tools the model is told not to call (tool_choice "none") pass, rendered without them;
+  // tools themselves are test_tool_calls' (engine/server/tool_calls.h).
   const std::string tools = R"("tools": [{"type": "function", "function": {"name": "f"}}])";
   const CompletionRequest none = chat(json::parse(with(tools + R"(, "tool_choice": "none")")));
   EXPECT_EQ(none.messages.size(), 1u);
-  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": "auto")"), "tools");
+  EXPECT_EQ(none.tools, nullptr);
+  EXPECT_NE(chat(json::parse(with(tools + R"(, "tool_choice": "auto")"))).tools, nullptr);
   expect_refused(Endpoint::Chat, with(R"("tools": [], "tool_choice": "required")"), "tool_choice");
-  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": null)"), "tools");
   expect_refused(Endpoint::Chat, with(R"("tools": {"type": "function"}, "tool_choice": "none")"), "tools");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "best_of": 2})", "best_of");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "echo": true})", "echo");
@@ -449,8 +450,8 @@ TEST(ServerJsonLimits, DefaultsPassALongConversationWithTools) {
                      {"function", {{"name", fmt::format("f{}", t)},
                                    {"parameters", {{"type", "object"}, {"properties", props}, {"required", {"p0", "p1"}}}}}}});
   }
-  // (tools themselves this engine refuses, after parsing; the body's size is what is tested)
   EXPECT_NO_THROW(parse_body(json{{"messages", messages}, {"tools", tools}}.dump()));
+  EXPECT_EQ(chat({{"messages", messages}, {"tools", tools}}).tools->defs.size(), 100u);
 }
 
 class ServerPrepare : public ::testing::Test {

@@ -450,7 +450,9 @@ TEST(ToolCallGrammar, EveryWalkParsesIntoValidCalls) {
           EXPECT_EQ(p.calls.size(), 1u);
           EXPECT_EQ(p.calls[0].name, "get_weather");
         }
-        if (!r.tools->parallel || f == ToolFormat::llama3) EXPECT_EQ(p.calls.size(), 1u) << text;
+        if (!r.tools->parallel || f == ToolFormat::llama3) {
+          EXPECT_EQ(p.calls.size(), 1u) << text;
+        }
         multi += p.calls.size() > 1;
         for (const ToolCall& c : p.calls) {
           ASSERT_TRUE(schemas.count(c.name)) << c.name;
@@ -461,8 +463,9 @@ TEST(ToolCallGrammar, EveryWalkParsesIntoValidCalls) {
         }
       }
       EXPECT_GE(walks, 40);
-      if (r.tools->choice.kind == ToolChoice::Required && r.tools->parallel && f != ToolFormat::llama3)
+      if (r.tools->choice.kind == ToolChoice::Required && r.tools->parallel && f != ToolFormat::llama3) {
         EXPECT_GT(multi, 0) << "no walk made parallel calls";
+      }
     }
   }
   cases.close();
