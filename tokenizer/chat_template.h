@@ -47,9 +47,10 @@ struct ChatMessage {
   // for the keys themselves (Llama 3.1's `'tool_calls' in message`): an assistant message's
   // tool_calls ([{"id", "type": "function", "function": {"name", "arguments"}}], null when
   // none), a tool message's tool_call_id and name.
-  nlohmann::ordered_json tool_calls;
-  std::string tool_call_id;
-  std::string name;
+  // (Initialized here so that {role, content} stays a complete initializer under -Wextra.)
+  nlohmann::ordered_json tool_calls = nullptr;
+  std::string tool_call_id = {};
+  std::string name = {};
 };
 
 // A piece of a rendered conversation: text, or a special token named by its text ("<s>",

@@ -90,6 +90,7 @@ Scan scan_string(const std::string& s, size_t i, size_t& end) {
       end = j + 1;
       return Scan::Done;
     } else if (c < 0x20) {
+      end = j;  // where it breaks
       return Scan::Bad;
     } else {
       ++j;
@@ -98,8 +99,9 @@ Scan scan_string(const std::string& s, size_t i, size_t& end) {
   return Scan::More;
 }
 
-// A value at s[i] (not space): its end. Objects and arrays are matched bracket for bracket;
-// numbers and literals run to the next delimiter. nlohmann's parser checks the whole at the end.
+// A value at s[i] (not space): its end, or (Bad) where it breaks. Objects and arrays are matched
+// bracket for bracket; numbers and literals run to the next delimiter. nlohmann's parser checks
+// the whole at the end.
 Scan scan_value(const std::string& s, size_t i, size_t& end) {
   const char c = s[i];
   if (c == '"') return scan_string(s, i, end);
@@ -116,7 +118,10 @@ Scan scan_value(const std::string& s, size_t i, size_t& end) {
       }
       if (d == '{' || d == '[') open += d;
       if (d == '}' || d == ']') {
-        if (open.empty() || open.back() != (d == '}' ? '{' : '[')) return Scan::Bad;
+        if (open.empty() || open.back() != (d == '}' ? '{' : '[')) {
+          end = j;
+          return Scan::Bad;
+        }
         open.pop_back();
         if (open.empty()) {
           end = j + 1;
@@ -129,7 +134,10 @@ Scan scan_value(const std::string& s, size_t i, size_t& end) {
   }
   size_t j = i;
   while (j < s.size() && (std::isalnum((unsigned char)s[j]) || s[j] == '-' || s[j] == '+' || s[j] == '.')) ++j;
-  if (j == i) return Scan::Bad;
+  if (j == i) {
+    end = i;
+    return Scan::Bad;
+  }
   if (j == s.size()) return Scan::More;
   end = j;
   return Scan::Done;
@@ -148,6 +156,7 @@ struct CallScan {
   size_t end = 0;  // Done: past the '}'
   std::optional<std::string> name;
   size_t args_begin = std::string::npos, args_end = std::string::npos;
+  size_t bad_at = std::string::npos;  // Bad inside the arguments: where they break
 };
 
 CallScan scan_call(const std::string& s, size_t i, ToolFormat f) {
@@ -181,6 +190,7 @@ CallScan scan_call(const std::string& s, size_t i, ToolFormat f) {
     }
     size_t value_end = 0;
     st = scan_value(s, j, value_end);
+    if (st == Scan::Bad && is_args) r.bad_at = value_end;
     if (st != Scan::Done) return r.state = st, r;
     if (key == "name") {
       const ojson name = ojson::parse(s.begin() + j, s.begin() + value_end, nullptr, false);
@@ -189,8 +199,8 @@ CallScan scan_call(const std::string& s, size_t i, ToolFormat f) {
       r.name = name.get<std::string>();
     }
     if (is_args) {
+      r.args_end = value_end;  // as written, even where it is not JSON
       if (!nlohmann::json::accept(s.begin() + j, s.begin() + value_end)) return r.state = Scan::Bad, r;
-      r.args_end = value_end;
     }
     j = skip_space(s, value_end);
     if (j >= s.size()) return r;
@@ -416,9 +426,29 @@ void ToolCallParser::step(Out& out, bool at_end) {
       if (!read_call(out, at_end)) return;
       continue;
     }
-    // Space after a call is no one's text: it separates calls, or a call from the text after.
+    // A call broken off after it was announced: the rest of it is dropped, up to the end of
+    // its block (hermes) or of the reply (the others, whose calls are the whole reply).
+    if (broken_) {
+      if (format_ != ToolFormat::hermes) {
+        pos_ = buf_.size();
+        return;
+      }
+      static const std::string close = "</tool_call>";
+      const size_t end = buf_.find(close, pos_);
+      if (end == std::string::npos) {
+        pos_ = at_end ? buf_.size() : buf_.size() - held_back(buf_, pos_, close);
+        return;
+      }
+      pos_ = end + close.size();
+      broken_ = false;
+      after_call_ = true;
+      continue;
+    }
+    // Space after a call is no one's text: it separates calls, or a call from the text after
+    // (llama3 joins its calls with ';').
     if (after_call_) {
-      const size_t j = skip_space(buf_, pos_);
+      size_t j = pos_;
+      while (j < buf_.size() && (space(buf_[j]) || (format_ == ToolFormat::llama3 && buf_[j] == ';'))) ++j;
       if (j >= buf_.size()) {
         if (at_end) pos_ = buf_.size();
         return;
@@ -435,8 +465,12 @@ void ToolCallParser::step(Out& out, bool at_end) {
         if (at_end) emit_content(out, buf_.size());
         return;  // only space yet
       }
+      // Mistral's marker opens with the '[' of a bare list: which one it is, is known later.
+      const size_t have = std::min(buf_.size() - j, m.size());
+      if (!at_end && have < m.size() && m.compare(0, have, buf_, j, have) == 0) return;
       started_ = true;
-      if (buf_[j] == (format_ == ToolFormat::llama3 ? '{' : '[')) {
+      const char bare = format_ == ToolFormat::llama3 ? '{' : '[';
+      if (buf_[j] == bare && buf_.compare(j, m.size(), m) != 0) {
         in_call_ = true;
         region_ = body_ = j;
         region_calls_ = 0;
@@ -466,7 +500,7 @@ bool ToolCallParser::read_call(Out& out, bool at_end) {
   // dropped: what comes after is text.
   const auto give_up = [&] {
     if (current_ >= 0) {
-      pos_ = buf_.size();
+      broken_ = true;
     } else if (region_calls_ == 0) {
       pos_ = region_;
       emit_content(out, body_ > region_ ? body_ : region_ + 1);
@@ -494,6 +528,7 @@ bool ToolCallParser::read_call(Out& out, bool at_end) {
     pos_ = j;
     body_ = std::max(body_, j);
   }
+  if (format_ == ToolFormat::mistral && j < buf_.size() && buf_[j] == ',') j = skip_space(buf_, j + 1);
   if (format_ == ToolFormat::mistral && j < buf_.size() && buf_[j] == ']') {
     pos_ = j + 1;
     in_call_ = in_list_ = false;
@@ -503,15 +538,18 @@ bool ToolCallParser::read_call(Out& out, bool at_end) {
   if (j >= buf_.size()) return at_end ? give_up() : false;
   if (buf_[j] != '{') return give_up();
   const CallScan c = scan_call(buf_, j, format_);
-  if (c.state == Scan::Bad) return give_up();
-  if (c.name && current_ < 0) {  // announced once the name is read
+  // A call is announced once its name is read and its arguments have begun (or it ended
+  // without them). Whatever breaks after that, at whatever piece of text it shows, leaves the
+  // same call: its arguments as written up to where they broke.
+  if (c.name && current_ < 0 && (c.args_begin != std::string::npos || c.state == Scan::Done)) {
     current_ = (int)calls_.size();
     ++region_calls_;
     calls_.push_back({make_id_(current_), *c.name, ""});
     out.calls.push_back({current_, true, calls_.back().id, *c.name, ""});
   }
   if (current_ >= 0 && c.args_begin != std::string::npos) {
-    const size_t end = c.args_end != std::string::npos ? c.args_end : buf_.size();
+    size_t end = c.args_end != std::string::npos ? c.args_end : buf_.size();
+    if (c.bad_at != std::string::npos) end = std::min(end, c.bad_at);
     const size_t from = c.args_begin + args_sent_;
     if (end > from) {
       const std::string piece = buf_.substr(from, end - from);
@@ -520,6 +558,7 @@ bool ToolCallParser::read_call(Out& out, bool at_end) {
       args_sent_ += piece.size();
     }
   }
+  if (c.state == Scan::Bad) return give_up();
   if (c.state == Scan::More) return at_end ? give_up() : false;
   // Done: a call without arguments has none.
   if (c.args_begin == std::string::npos) {
@@ -535,16 +574,14 @@ bool ToolCallParser::read_call(Out& out, bool at_end) {
       closing_ = true;
       break;
     case ToolFormat::llama3:
-      // Several calls joined by ';'; what follows the last is the reply's text.
-      if (k < buf_.size() && buf_[k] == ';') k = skip_space(buf_, k + 1);
-      pos_ = k;
+      // Several calls joined by ';' (after_call_ skips it); what follows the last is text.
+      pos_ = c.end;
       in_call_ = false;
       started_ = false;  // a '{' next is the next call
       after_call_ = true;
       break;
     case ToolFormat::mistral:
-      if (k < buf_.size() && buf_[k] == ',') ++k;
-      pos_ = body_ = k;
+      pos_ = body_ = k;  // a ',' next is skipped by the next read
       break;
   }
   return true;

@@ -131,6 +131,7 @@ class ToolCallParser {
   int region_calls_ = 0;  // calls announced since region_
   bool closing_ = false;  // hermes: a call read, its </tool_call> next
   bool after_call_ = false;  // space next is dropped
+  bool broken_ = false;      // a call announced and broken off: the rest of it is dropped
   std::string content_;
   std::vector<ToolCall> calls_;
 };
