@@ -162,13 +162,17 @@ TEST(ServerRequest, ChatMessages) {
 TEST(ServerRequest, TokenizeMessagesReadAsTheServerReadsThem) {
   const std::string taken =
       R"([{"role": "developer", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "a"}]},
-          {"role": "assistant", "content": "b", "tool_calls": null}])";
+          {"role": "assistant", "content": "b", "tool_calls": null},
+          {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "c1", "content": "d"}])";
   const std::vector<ChatMessage> cli_msgs = cli::parse_messages(taken, "m.json");
   const CompletionRequest r = chat({{"messages", json::parse(taken)}});
   ASSERT_EQ(cli_msgs.size(), r.messages.size());
   for (size_t i = 0; i < cli_msgs.size(); ++i) {
     EXPECT_EQ(cli_msgs[i].role, r.messages[i].role);
     EXPECT_EQ(cli_msgs[i].content, r.messages[i].content);
+    EXPECT_EQ(cli_msgs[i].tool_calls, r.messages[i].tool_calls);
+    EXPECT_EQ(cli_msgs[i].tool_call_id, r.messages[i].tool_call_id);
   }
   EXPECT_EQ(cli_msgs[0].role, "system");
 
@@ -189,7 +193,7 @@ TEST(ServerRequest, TokenizeMessagesReadAsTheServerReadsThem) {
   const ApiError second = refusal([&] {
     chat({{"messages", json::parse(R"([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])")}});
   });
-  EXPECT_EQ(second.param(), "messages[1].role");
+  EXPECT_EQ(second.param(), "messages[1].tool_call_id");  // a tool's result names its call
 }
 
 TEST(ServerRequest, MalformedBodies) {
