@@ -402,8 +402,9 @@ PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& t
       p.tool_format = detect_tool_format(tmpl->jinja_source());
       if (!p.tool_format)
         throw ApiError(400,
-                       "'tools': the model's chat template (" + tmpl->describe() +
-                           ") has no tool-call syntax Kestrel reads (Hermes <tool_call>, Llama 3.1's JSON "
+                       "'tools': " +
+                           (tmpl->is_jinja() ? std::string("the model's chat template") : "the " + tmpl->describe()) +
+                           " has no tool-call syntax Kestrel reads (Hermes <tool_call>, Llama 3.1's JSON "
                            "calls, Mistral's [TOOL_CALLS]); pass tool_choice \"none\" or no tools",
                        "tools", "tools_unsupported");
       if (req.tools->choice.kind == ToolChoice::Required || req.tools->choice.kind == ToolChoice::Named) {
