@@ -184,14 +184,75 @@ const TOOL_CONVERSATIONS = {
   ],
 };
 
+// The same conversations as OpenAI's clients send them to /v1/chat/completions: arguments as
+// JSON text, content null beside tool_calls, results in `tool` messages with their
+// tool_call_id. Each is rendered (and recorded with its "request") in the form transformers'
+// users pass it, which is how kestrel serve reads a request (engine/server/messages.cpp, as
+// vLLM reads them): arguments that are a JSON object's text become that object, a null content
+// "". tests/unit/test_tool_calls.cpp reads the request with the server's parser and renders it
+// with the model's template through ChatTemplate, to the bytes recorded here.
+const OPENAI_CONVERSATIONS = {
+  "openai request, tools offered": [weatherQuestion],
+  "openai request, a call and its result": [
+    weatherQuestion,
+    {
+      role: "assistant",
+      content: null,
+      tool_calls: [{
+        id: "call12345",
+        type: "function",
+        function: { name: "get_weather", arguments: "{\"city\": \"Paris\", \"unit\": \"celsius\"}" },
+      }],
+    },
+    { role: "tool", tool_call_id: "call12345", content: "{\"temperature\": 21, \"condition\": \"sunny\"}" },
+  ],
+  "openai request, a call, its result and the answer": [
+    { role: "system", content: "Use the tools when they help." },
+    weatherQuestion,
+    {
+      role: "assistant",
+      content: null,
+      tool_calls: [{
+        id: "callABCDE",
+        type: "function",
+        function: { name: "get_time", arguments: "{\"city\": \"Paris\"}" },
+      }],
+    },
+    { role: "tool", tool_call_id: "callABCDE", content: "09:26" },
+    { role: "assistant", content: "It is 09:26 in Paris." },
+    { role: "user", content: "Thanks. And the weather?" },
+  ],
+};
+
+// A request's messages as kestrel serve passes them to the template.
+function asServerReads(messages) {
+  return messages.map((m) => {
+    const out = { role: m.role, content: m.content ?? "" };
+    if (m.tool_calls) {
+      out.tool_calls = m.tool_calls.map((c) => {
+        let args = c.function.arguments;
+        try {
+          const parsed = JSON.parse(args);
+          if (parsed !== null && typeof parsed === "object" && !Array.isArray(parsed)) args = parsed;
+        } catch { /* not JSON: stays text */ }
+        return { id: c.id, type: "function", function: { name: c.function.name, arguments: args } };
+      });
+    }
+    if (m.tool_call_id !== undefined) out.tool_call_id = m.tool_call_id;
+    if (m.name !== undefined) out.name = m.name;
+    return out;
+  });
+}
+
 // ---- the cases ----
 
 const cases = [];
-function add(templateName, name, context) {
+function add(templateName, name, context, request) {
   const spec = TEMPLATES[templateName];
   const file = fs.readFileSync(path.join(dataDir, templateName), "utf8");
   const source = spec.hfSource ? spec.hfSource(file) : file;
   const entry = { template: templateName, name, context };
+  if (request) entry.request = request;
   try {
     entry.expected = render(source, context);
   } catch (e) {
@@ -211,6 +272,13 @@ for (const [templateName, spec] of Object.entries(TEMPLATES)) {
   if (spec.tools) {
     for (const [name, messages] of Object.entries(TOOL_CONVERSATIONS)) {
       add(templateName, name, { messages, tools: TOOLS, add_generation_prompt: true, ...spec.tokens });
+    }
+    // date_string: Llama 3.2's template writes today's date without it.
+    const kwargs = { date_string: "14 Mar 2025" };
+    for (const [name, messages] of Object.entries(OPENAI_CONVERSATIONS)) {
+      add(templateName, name,
+          { messages: asServerReads(messages), tools: TOOLS, add_generation_prompt: true, ...spec.tokens, ...kwargs },
+          { messages, tools: TOOLS, tool_choice: "auto", chat_template_kwargs: kwargs });
     }
   }
   if (spec.dates) {

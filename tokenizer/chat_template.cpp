@@ -274,19 +274,34 @@ void check_template_kwargs(const jinja::Json& kwargs) {
 }
 
 std::string ChatTemplate::render(const std::vector<ChatMessage>& messages,
-                                 bool add_generation_prompt, const jinja::Json& kwargs) const {
+                                 bool add_generation_prompt, const jinja::Json& kwargs,
+                                 const jinja::Json& tools) const {
   if (!kwargs.is_null()) check_template_kwargs(kwargs);
-  if (!jinja_) return segments_text(render_chat(format_, messages, add_generation_prompt));
+  if (!jinja_) {
+    // The built-in formats have no tool syntax: a tool's turn or call cannot be written.
+    KESTREL_CHECK(tools.is_null() || tools.empty(), "the " + describe() + " has no tool-call syntax");
+    for (const ChatMessage& m : messages)
+      KESTREL_CHECK(m.role != "tool" && m.tool_calls.is_null(),
+                    "the " + describe() + " cannot write tool calls or tool results");
+    return segments_text(render_chat(format_, messages, add_generation_prompt));
+  }
   jinja::Json msgs = jinja::Json::array();
-  for (const ChatMessage& m : messages) msgs.push_back({{"role", m.role}, {"content", m.content}});
+  for (const ChatMessage& m : messages) {
+    jinja::Json j = {{"role", m.role}, {"content", m.content}};
+    // Only the keys a message has: templates ask `'tool_calls' in message` or `is defined`.
+    if (!m.tool_calls.is_null()) j["tool_calls"] = m.tool_calls;
+    if (!m.tool_call_id.empty()) j["tool_call_id"] = m.tool_call_id;
+    if (!m.name.empty()) j["name"] = m.name;
+    msgs.push_back(std::move(j));
+  }
   // What transformers passes: the messages, the generation prompt flag, the special tokens'
-  // text; tools none (their parts stay inert), thinking left to the template's default.
+  // text; tools (none: their parts stay inert), thinking left to the template's default.
   // chat_template_kwargs follow, as transformers passes its **kwargs.
   jinja::Json context = {{"messages", msgs},
                          {"add_generation_prompt", add_generation_prompt},
                          {"bos_token", bos_text_},
                          {"eos_token", eos_text_},
-                         {"tools", nullptr}};
+                         {"tools", tools.is_array() && !tools.empty() ? tools : jinja::Json()}};
   if (kwargs.is_object())
     for (const auto& [key, value] : kwargs.items()) context[key] = value;
   try {
@@ -376,11 +391,12 @@ std::string ChatTemplate::describe() const {
 
 std::vector<int> ChatTemplate::tokenize(const std::vector<ChatMessage>& messages,
                                         bool add_generation_prompt,
-                                        const jinja::Json& kwargs) const {
+                                        const jinja::Json& kwargs, const jinja::Json& tools) const {
   // A model's own template writes its BOS itself where it has one: nothing is added, as
   // transformers' apply_chat_template(tokenize=True) adds nothing.
-  if (jinja_) return encode(split_specials(render(messages, add_generation_prompt, kwargs)), false);
-  if (!kwargs.is_null()) check_template_kwargs(kwargs);
+  if (jinja_)
+    return encode(split_specials(render(messages, add_generation_prompt, kwargs, tools)), false);
+  render(messages, add_generation_prompt, kwargs, tools);  // its refusals
   return tokenize(render_chat(format_, messages, add_generation_prompt));
 }
 

@@ -41,8 +41,16 @@ namespace kestrel {
 enum class ChatFormat { llama2, mistral, zephyr, chatml, vicuna, raw };
 
 struct ChatMessage {
-  std::string role;  // "system", "user" or "assistant"
+  std::string role;  // "system", "user", "assistant", or "tool" (a tool's result)
   std::string content;
+  // OpenAI's tool-call fields, passed to a Jinja template only where set, since templates test
+  // for the keys themselves (Llama 3.1's `'tool_calls' in message`): an assistant message's
+  // tool_calls ([{"id", "type": "function", "function": {"name", "arguments"}}], null when
+  // none), a tool message's tool_call_id and name.
+  // (Initialized here so that {role, content} stays a complete initializer under -Wextra.)
+  nlohmann::ordered_json tool_calls = nullptr;
+  std::string tool_call_id = {};
+  std::string name = {};
 };
 
 // A piece of a rendered conversation: text, or a special token named by its text ("<s>",
@@ -100,10 +108,17 @@ class ChatTemplate {
   // template refuses the conversation (its raise_exception message). `kwargs` (an object, or
   // null for none; check_template_kwargs) are extra variables of a Jinja template; a built-in
   // format has none to set.
+  // `tools` (an array, or null for none) is the template's `tools` variable: OpenAI's tool
+  // definitions as the request gave them.
   std::string render(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                     const jinja::Json& kwargs = jinja::Json()) const;
+                     const jinja::Json& kwargs = jinja::Json(),
+                     const jinja::Json& tools = jinja::Json()) const;
   std::vector<int> tokenize(const std::vector<ChatMessage>& messages, bool add_generation_prompt,
-                            const jinja::Json& kwargs = jinja::Json()) const;
+                            const jinja::Json& kwargs = jinja::Json(),
+                            const jinja::Json& tools = jinja::Json()) const;
+  // The Jinja template's text (empty for a built-in format): the server reads its tool-call
+  // format from it (engine/server/tool_calls.h).
+  const std::string& jinja_source() const { return jinja_source_; }
   // "the model's own template" or "<name> format", for messages.
   std::string describe() const;
   std::vector<int> tokenize(const std::vector<ChatSegment>& segments) const;

@@ -38,6 +38,58 @@ std::string shown_json(const json& v) {
   return s;
 }
 
+namespace {
+
+// An assistant message's tool_calls: [{"id", "type": "function", "function": {"name",
+// "arguments"}}], as OpenAI's clients send back what the model called. `arguments` is JSON text
+// in OpenAI's API; the templates of Qwen, Llama 3.1 and Mistral write it with `| tojson` (or
+// test `is string`), which expects the object transformers' users pass. A text that parses as a
+// JSON object is passed as that object (keys in their order), as vLLM does; any other text
+// stays a string.
+nlohmann::ordered_json parse_tool_calls(const json& v, const std::string& at) {
+  const std::string param = at + ".tool_calls";
+  if (!v.is_array())
+    throw bad(param, param + " must be a list of {\"id\", \"type\": \"function\", \"function\"} objects");
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (size_t k = 0; k < v.size(); ++k) {
+    const json& c = v[k];
+    const std::string here = fmt::format("{}[{}]", param, k);
+    if (!c.is_object()) throw bad(here, here + " must be an object, got " + shown_json(c));
+    if (c.contains("type") && !c["type"].is_null() && c["type"] != "function")
+      throw bad(here + ".type", here + ".type must be \"function\"");
+    const auto fn = c.find("function");
+    if (fn == c.end() || !fn->is_object() || !fn->contains("name") || !(*fn)["name"].is_string())
+      throw bad(here + ".function", here + ".function must be an object with a \"name\" string");
+    nlohmann::ordered_json args = "{}";
+    if (fn->contains("arguments") && !(*fn)["arguments"].is_null()) {
+      const json& a = (*fn)["arguments"];
+      if (a.is_string()) {
+        args = a.get<std::string>();
+        const auto parsed = nlohmann::ordered_json::parse(a.get<std::string>(), nullptr, false);
+        if (!parsed.is_discarded() && parsed.is_object()) args = parsed;
+      } else if (a.is_object()) {
+        args = nlohmann::ordered_json(a);
+      } else {
+        throw bad(here + ".function.arguments",
+                  here + ".function.arguments must be a string of JSON (or an object)");
+      }
+    } else {
+      args = nlohmann::ordered_json::object();
+    }
+    std::string id;
+    if (c.contains("id") && !c["id"].is_null()) {
+      if (!c["id"].is_string()) throw bad(here + ".id", here + ".id must be a string");
+      id = c["id"].get<std::string>();
+    }
+    out.push_back({{"id", id},
+                   {"type", "function"},
+                   {"function", {{"name", (*fn)["name"].get<std::string>()}, {"arguments", args}}}});
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<ChatMessage> parse_chat_messages(const json* v) {
   if (!v) throw ApiError(400, "'messages' is required", "messages", "missing_required_parameter");
   if (!v->is_array() || v->empty())
@@ -52,13 +104,38 @@ std::vector<ChatMessage> parse_chat_messages(const json* v) {
     std::string role = m["role"].get<std::string>();
     // OpenAI's newer name for the system role.
     if (role == "developer") role = "system";
-    if (role != "system" && role != "user" && role != "assistant")
-      throw ApiError(400, fmt::format("{}.role: '{}' is not supported (system, developer, user, assistant)",
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool")
+      throw ApiError(400, fmt::format("{}.role: '{}' is not supported (system, developer, user, assistant, tool)",
                                       at, role),
                      at + ".role", "unsupported_value");
-    if (!m.contains("content") || m["content"].is_null())
-      throw bad(at + ".content", at + ".content is required (tool calls are not supported)");
-    out.push_back({role, message_content(m["content"], i)});
+    ChatMessage msg;
+    msg.role = role;
+    const bool calls = role == "assistant" && m.contains("tool_calls") && !m["tool_calls"].is_null();
+    if (calls) {
+      msg.tool_calls = parse_tool_calls(m["tool_calls"], at);
+      if (msg.tool_calls.empty()) msg.tool_calls = nullptr;  // [] is no call, as OpenAI reads it
+    }
+    // An assistant message that calls tools may have no content (OpenAI's clients send null):
+    // the templates are given "", which they all read as no text.
+    if (!m.contains("content") || m["content"].is_null()) {
+      if (msg.tool_calls.is_null())
+        throw bad(at + ".content", at + ".content is required" +
+                                       std::string(role == "assistant" ? " (or tool_calls)" : ""));
+    } else {
+      msg.content = message_content(m["content"], i);
+    }
+    if (role == "tool") {
+      // The call this result answers. OpenAI requires it; the templates of Qwen and Llama 3.1
+      // do not write it, Mistral's does.
+      if (!m.contains("tool_call_id") || !m["tool_call_id"].is_string())
+        throw bad(at + ".tool_call_id", at + ".tool_call_id is required (the id of the call this answers)");
+      msg.tool_call_id = m["tool_call_id"].get<std::string>();
+    }
+    if (m.contains("name") && !m["name"].is_null()) {
+      if (!m["name"].is_string()) throw bad(at + ".name", at + ".name must be a string");
+      msg.name = m["name"].get<std::string>();
+    }
+    out.push_back(std::move(msg));
   }
   return out;
 }

@@ -3,12 +3,12 @@
 // request and `kestrel tokenize --messages FILE`, so that a conversation the command line
 // tokenizes is the one the server would run, and a mistake is reported in the same words.
 //
-// The rules: a non-empty list of objects; role system, user or assistant, with OpenAI's newer
-// `developer` read as system; content a string or a list of text parts ({"type": "text",
-// "text": ...}, joined), anything else in it (images, audio) refused; content required, so an
-// assistant message carrying only tool_calls, and the `tool` role, are refused (the engine
-// does not call tools). Messages are counted from 0, as the request's JSON indexes them
-// (messages[2].role).
+// The rules: a non-empty list of objects; role system, user, assistant or tool, with OpenAI's
+// newer `developer` read as system; content a string or a list of text parts ({"type": "text",
+// "text": ...}, joined), anything else in it (images, audio) refused; content required but for
+// an assistant message that carries tool_calls ([{"id", "type": "function", "function":
+// {"name", "arguments"}}]); a tool message needs its tool_call_id. Messages are counted from
+// 0, as the request's JSON indexes them (messages[2].role).
 #pragma once
 
 #include <nlohmann/json.hpp>

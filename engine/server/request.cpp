@@ -206,11 +206,26 @@ json parse_template_kwargs(const json* v, const json& defaults) {
   return out;
 }
 
-// tool_choice "none": the model is not to call the tools, so they can be left out of the
-// prompt (the template renders without tools, as it always does here).
-bool tools_not_called(const Fields& f) {
-  const json* choice = f.get("tool_choice");
-  return choice && *choice == "none";
+// tools, tool_choice and parallel_tool_calls (tool_calls.h), read from the body again with
+// their keys in order: the tools are rendered into the prompt with tojson as the client gave
+// them, as transformers renders the dicts it is given (json sorts an object's keys). Null where
+// no tools are given or tool_choice is "none": the model is not to call them, so they are left
+// out of the prompt, as OpenAI's "none" promises no call.
+std::shared_ptr<const ToolsRequest> parse_tools_fields(const std::string& body) {
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(body);  // passed the bounded parse already
+  } catch (const nlohmann::json::exception&) {
+    throw bad("tools", "'tools' could not be read again in its order");
+  }
+  const auto field = [&](const char* key) -> const nlohmann::ordered_json* {
+    const auto it = j.find(key);
+    return it == j.end() || it->is_null() ? nullptr : &*it;
+  };
+  auto t = std::make_shared<ToolsRequest>(
+      parse_tools(field("tools"), field("tool_choice"), field("parallel_tool_calls")));
+  if (t->defs.empty() || t->choice.kind == ToolChoice::None) return nullptr;
+  return t;
 }
 
 // response_format: {"type": "text"}, {"type": "json_object"} (any JSON object), or
@@ -302,15 +317,23 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
     f.refuse_unless("echo", !f.boolean("echo").value_or(false), "echoing the prompt is not supported");
     f.refuse_unless("suffix", f.string("suffix").value_or("").empty(), "insertion (suffix) is not supported");
   }
-  const json* tools = f.get("tools");
-  f.refuse_unless("tools", tools && tools->is_array() && (tools->empty() || tools_not_called(f)),
-                  "tool calls are not supported (tools pass only with \"tool_choice\": \"none\")");
+  if (chat && (f.get("tools") || f.get("tool_choice") || f.get("parallel_tool_calls")))
+    r.tools = parse_tools_fields(body);
+  else if (!chat)
+    for (const char* key : {"tools", "tool_choice", "parallel_tool_calls"})
+      f.refuse_unless(key, false, "tools are a chat completions parameter (/v1/chat/completions)");
+  // The legacy form of tools (OpenAI deprecated it for tools/tool_choice): refused by name.
   const json* functions = f.get("functions");
   f.refuse_unless("functions", functions && functions->is_array() && functions->empty(),
-                  "function calls are not supported");
-  const json* choice = f.get("tool_choice");
-  f.refuse_unless("tool_choice", choice && *choice == "none", "tool calls are not supported");
+                  "the legacy 'functions' are not supported; use 'tools'");
+  f.refuse_unless("function_call", false, "the legacy 'function_call' is not supported; use 'tool_choice'");
   r.grammar = parse_response_format(f.get("response_format"), body);
+  // One grammar per request: a response_format's JSON and tool calls cannot both be required
+  // of one reply.
+  if (r.grammar && r.tools)
+    throw ApiError(400, "'response_format' (json_object or json_schema) cannot be combined with 'tools'; "
+                        "pass one, or tool_choice \"none\"",
+                   "response_format", "unsupported_parameter");
   const json* bias = f.get("logit_bias");
   f.refuse_unless("logit_bias", bias && bias->is_object() && bias->empty(), "logit_bias is not supported");
 
@@ -375,8 +398,26 @@ PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& t
   const std::string what = chat ? "messages" : "prompt";
   if (chat) {
     KESTREL_CHECK(tmpl != nullptr, "a chat request needs the model's chat template");
+    if (req.tools) {
+      p.tool_format = detect_tool_format(tmpl->jinja_source());
+      if (!p.tool_format)
+        throw ApiError(400,
+                       "'tools': " +
+                           (tmpl->is_jinja() ? std::string("the model's chat template") : "the " + tmpl->describe()) +
+                           " has no tool-call syntax Kestrel reads (Hermes <tool_call>, Llama 3.1's JSON "
+                           "calls, Mistral's [TOOL_CALLS]); pass tool_choice \"none\" or no tools",
+                       "tools", "tools_unsupported");
+      if (req.tools->choice.kind == ToolChoice::Required || req.tools->choice.kind == ToolChoice::Named) {
+        try {
+          p.options.grammar = grammar::Grammar::parse(tool_call_gbnf(*p.tool_format, *req.tools));
+        } catch (const Error& e) {  // the schemas were converted already: not expected
+          throw bad("tools", std::string("'tools': the calls' grammar: ") + e.what());
+        }
+      }
+    }
     try {
-      p.prompt_ids = tmpl->tokenize(req.messages, /*add_generation_prompt=*/true, req.chat_template_kwargs);
+      p.prompt_ids = tmpl->tokenize(req.messages, /*add_generation_prompt=*/true, req.chat_template_kwargs,
+                                    req.tools ? req.tools->tools : jinja::Json());
     } catch (const Error& e) {  // an order of roles the template refuses, its raise_exception
       throw ApiError(400, std::string("the chat template refused the messages: ") + e.what(),
                      "messages", "invalid_value");
@@ -411,7 +452,7 @@ PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& t
   o.ignore_eos = req.ignore_eos;
   // The engine records the top-n with the chosen token; n >= 1 turns the recording on.
   o.logprobs = req.logprobs ? std::max(1, req.top_logprobs) : 0;
-  o.grammar = req.grammar;  // its masker is the server's, built once (grammar_masker)
+  if (!o.grammar) o.grammar = req.grammar;  // its masker is the server's, built once (grammar_masker)
   if (chat) {
     for (const std::string& s : tmpl->stop_strings()) o.stop.push_back(s);
     o.stop_ids = tmpl->stop_ids();

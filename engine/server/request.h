@@ -1,8 +1,8 @@
 // The bodies of `kestrel serve`'s requests read into engine options, with no socket in sight:
 // OpenAI's /v1/chat/completions and /v1/completions, and llama-server's /tokenize and
 // /detokenize. Every field is checked for its type and range here, and anything the engine
-// cannot honour is refused (ApiError, 400) rather than silently ignored: n above 1, tools,
-// logit_bias, a response_format other than text. Fields this server has no use for and that do
+// cannot honour is refused (ApiError, 400) rather than silently ignored: n above 1, the
+// legacy functions, logit_bias, a response_format other than text and json. Fields this server has no use for and that do
 // not change the answer (user, metadata, store) are ignored, as OpenAI-compatible servers do.
 #pragma once
 
@@ -17,6 +17,7 @@
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "engine/server/api_error.h"
+#include "engine/server/tool_calls.h"
 
 namespace kestrel::server {
 
@@ -73,6 +74,9 @@ struct CompletionRequest {
   // response_format json_object or json_schema: the grammar the answer must match
   // (docs/grammar.md); null for text.
   std::shared_ptr<const grammar::Grammar> grammar;
+  // chat: the tools (tool_calls.h), null where none are given or tool_choice is "none" (the
+  // prompt is then rendered without them and the reply is text).
+  std::shared_ptr<const ToolsRequest> tools;
 };
 
 // Parses and checks a request body. `seed` is the seed used when the request gives none (the
@@ -86,12 +90,16 @@ CompletionRequest parse_completion_request(Endpoint endpoint, const std::string&
 struct PreparedRequest {
   std::vector<int> prompt_ids;
   GenerateOptions options;
+  // With tools: the syntax of the model's calls, which the reply is parsed for; with
+  // tool_choice required or a named function, options.grammar holds the calls to it.
+  std::optional<ToolFormat> tool_format;
 };
 
 // Tokenizes the prompt and checks it against the context: a prompt that leaves no room for
 // max_tokens (or for one token when it is -1) is refused (400, code
 // "context_length_exceeded"), as are an empty prompt and ids outside the vocabulary. `tmpl` is
-// the model's chat template (chat requests need it).
+// the model's chat template (chat requests need it). Tools with a template that has no
+// tool-call syntax Kestrel reads get 400 (code "tools_unsupported") naming that.
 PreparedRequest prepare_request(const CompletionRequest& req, const Tokenizer& tok,
                                 const ChatTemplate* tmpl, int context, int vocab);
 

@@ -17,6 +17,11 @@ std::string finish_reason(const GenerateResult& r) {
   return r.finish_reason;  // "length", "cancelled"
 }
 
+std::string finish_reason(const GenerateResult& r, bool has_tool_calls) {
+  const std::string f = finish_reason(r);
+  return has_tool_calls && f == "stop" ? "tool_calls" : f;
+}
+
 json usage_json(const GenerateResult& r) {
   const int prompt = (int)r.prompt_ids.size(), completion = (int)r.ids.size();
   json u = {{"prompt_tokens", prompt},
@@ -118,10 +123,25 @@ json chunk(const CompletionRequest& req, const ResponseMeta& meta, json choice) 
 }  // namespace
 
 json completion_response(const CompletionRequest& req, const ResponseMeta& meta,
-                         const GenerateResult& r, const Tokenizer& tok) {
+                         const GenerateResult& r, const Tokenizer& tok, const ToolCallParser* calls) {
   json j = head(req, meta, false);
-  json choice = {{"index", 0}, {"logprobs", logprobs_of(req, r, tok)}, {"finish_reason", finish_reason(r)}};
-  if (chat(req))
+  const bool has_calls = calls && !calls->calls().empty();
+  json choice = {{"index", 0}, {"logprobs", logprobs_of(req, r, tok)},
+                 {"finish_reason", finish_reason(r, has_calls)}};
+  if (chat(req) && calls) {
+    const std::string& text = calls->content();
+    const bool blank = text.find_first_not_of(" \t\r\n") == std::string::npos;
+    choice["message"] = {{"role", "assistant"},
+                         {"content", has_calls && blank ? json(nullptr) : json(text)},
+                         {"refusal", nullptr}};
+    if (has_calls) {
+      json list = json::array();
+      for (const ToolCall& c : calls->calls())
+        list.push_back({{"id", c.id}, {"type", "function"},
+                        {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
+      choice["message"]["tool_calls"] = list;
+    }
+  } else if (chat(req))
     choice["message"] = {{"role", "assistant"}, {"content", r.text}, {"refusal", nullptr}};
   else
     choice["text"] = r.text;
@@ -139,9 +159,21 @@ json text_chunk(const CompletionRequest& req, const ResponseMeta& meta, std::str
   return chunk(req, meta, {{"text", text}});
 }
 
+json tool_call_chunk(const CompletionRequest& req, const ResponseMeta& meta, const ToolCallDelta& d) {
+  json call = {{"index", d.index}};
+  if (d.first) {
+    call["id"] = d.id;
+    call["type"] = "function";
+    call["function"] = {{"name", d.name}, {"arguments", ""}};
+  } else {
+    call["function"] = {{"arguments", d.arguments}};
+  }
+  return chunk(req, meta, {{"delta", {{"tool_calls", json::array({call})}}}});
+}
+
 json finish_chunk(const CompletionRequest& req, const ResponseMeta& meta, const GenerateResult& r,
-                  const Tokenizer& tok) {
-  json choice = {{"logprobs", logprobs_of(req, r, tok)}, {"finish_reason", finish_reason(r)}};
+                  const Tokenizer& tok, bool has_tool_calls) {
+  json choice = {{"logprobs", logprobs_of(req, r, tok)}, {"finish_reason", finish_reason(r, has_tool_calls)}};
   if (chat(req)) choice["delta"] = json::object();
   else choice["text"] = "";
   return chunk(req, meta, choice);

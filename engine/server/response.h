@@ -45,9 +45,16 @@ nlohmann::json chat_logprobs_json(const Tokenizer& tok, const std::vector<Logpro
 nlohmann::json completion_logprobs_json(const Tokenizer& tok, const std::vector<Logprobs>& lps,
                                         int top);
 
-// The whole answer to a request that did not stream.
+// finish_reason where the reply was parsed for tool calls: "tool_calls" where it holds one and
+// ended as the model chose ("stop"); "length" stays "length", as OpenAI's does.
+std::string finish_reason(const GenerateResult& r, bool has_tool_calls);
+
+// The whole answer to a request that did not stream. `calls` (the reply fed whole and
+// finished; null without tools) gives the message its tool_calls and its content: null where
+// the reply was only calls, as OpenAI's.
 nlohmann::json completion_response(const CompletionRequest& req, const ResponseMeta& meta,
-                                   const GenerateResult& r, const Tokenizer& tok);
+                                   const GenerateResult& r, const Tokenizer& tok,
+                                   const ToolCallParser* calls = nullptr);
 
 // The chunks of a streamed answer. The first chat chunk carries the role; each text chunk a
 // piece of the text; the last one the finish_reason (and the logprobs of every token, which
@@ -57,7 +64,12 @@ nlohmann::json role_chunk(const CompletionRequest& req, const ResponseMeta& meta
 nlohmann::json text_chunk(const CompletionRequest& req, const ResponseMeta& meta,
                           std::string_view text);
 nlohmann::json finish_chunk(const CompletionRequest& req, const ResponseMeta& meta,
-                            const GenerateResult& r, const Tokenizer& tok);
+                            const GenerateResult& r, const Tokenizer& tok, bool has_tool_calls = false);
+// A piece of a call: {"delta": {"tool_calls": [{"index", "id", "type": "function", "function":
+// {"name", "arguments": ""}}]}} first, then {"index", "function": {"arguments": FRAGMENT}}, which
+// OpenAI's clients join by index.
+nlohmann::json tool_call_chunk(const CompletionRequest& req, const ResponseMeta& meta,
+                               const ToolCallDelta& d);
 nlohmann::json usage_chunk(const CompletionRequest& req, const ResponseMeta& meta,
                            const GenerateResult& r);
 

@@ -8,7 +8,7 @@ import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
 import { spawn, execFile, execFileSync } from 'node:child_process';
 import { connect } from 'node:net';
-import { mkdtempSync, writeFileSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, writeFileSync, readFileSync, rmSync, existsSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
@@ -16,6 +16,9 @@ import OpenAI from 'openai';
 
 const kestrel = process.env.KESTREL_BIN;
 const synth = process.env.KESTREL_SYNTH_BIN;
+// Qwen3's tokenizer.json and tokenizer_config.json (its chat template) as Qwen ships them
+// (scripts/fetch-test-tokenizers.sh), for the tools test.
+const qwen3Tokenizer = process.env.KESTREL_TEST_TOKENIZERS && join(process.env.KESTREL_TEST_TOKENIZERS, 'qwen3');
 const execFileP = promisify(execFile);
 const KEY = 'test-key-5f2c9a';
 const tmp = mkdtempSync(join(tmpdir(), 'kestrel_serve_'));
@@ -25,10 +28,10 @@ const CONTEXT = 256;
 
 // A `kestrel serve` child: its stderr (the access log) kept, its address once listening.
 class Server {
-  constructor(args) {
+  constructor(args, dir = model) {
     this.log = '';
     const port = args.includes('--port') ? [] : ['--port', '0'];
-    this.proc = spawn(kestrel, ['serve', '--device', 'cpu', '-m', model, ...port, '-t', '1', ...args],
+    this.proc = spawn(kestrel, ['serve', '--device', 'cpu', '-m', dir, ...port, '-t', '1', ...args],
                       { stdio: ['ignore', 'ignore', 'pipe'] });
     this.exited = new Promise((resolve) => this.proc.on('exit', (code, signal) => resolve({ code, signal })));
     this.ready = new Promise((resolve, reject) => {
@@ -547,6 +550,137 @@ test('--spec: the text of kestrel generate --spec, concurrent slots, drafts coun
   const { code } = await bad.exited;
   assert.equal(code, 1);
   assert.match(bad.log, /--draft-max goes with --spec/);
+});
+
+// OpenAI's tools API with the official client, on a tiny random model with Qwen3's real
+// tokenizer and chat template (Hermes <tool_call> calls). A random model calls no tool of its
+// own accord, so the calls are required (tool_choice "required" or a named function): the
+// grammar built from the tools' schemas makes the reply a call that parses, and greedy
+// decoding makes it the same call streamed or not. Enums and bounded integers keep it short.
+test('tools: required and named calls, streamed and not, and the tool result sent back', async () => {
+  assert.ok(qwen3Tokenizer && existsSync(join(qwen3Tokenizer, 'tokenizer.json')),
+            'Qwen3 tokenizer missing: run scripts/fetch-test-tokenizers.sh into KESTREL_TEST_TOKENIZERS');
+  const qwen = join(tmp, 'qwen3-tiny');
+  execFileSync(synth, ['--shape', 'tiny', '--layers', '1', '--seed', '6', '--quiet', '--tokenizer', qwen3Tokenizer,
+                       '--out', qwen]);
+  const srv = new Server(['-c', '2048', '--parallel', '2', '--chat-template-kwargs', '{"enable_thinking": false}'], qwen);
+  await srv.ready;
+  try {
+    const client = srv.client({ apiKey: 'unused' });
+    const tools = [
+      { type: 'function', function: {
+        name: 'get_weather', description: 'The weather in a city',
+        parameters: { type: 'object',
+                      properties: { city: { type: 'string', enum: ['Paris', 'Tokyo'] },
+                                    unit: { type: 'string', enum: ['celsius', 'fahrenheit'] },
+                                    days: { type: 'integer', minimum: 1, maximum: 7 } },
+                      required: ['city', 'unit', 'days'] } } },
+      { type: 'function', function: {
+        name: 'get_time', description: 'The time in a zone',
+        parameters: { type: 'object', properties: { zone: { enum: ['UTC', 'CET'] } }, required: ['zone'] } } },
+    ];
+    const messages = [{ role: 'user', content: 'What is the weather in Paris?' }];
+    const checkArgs = (call) => {
+      const args = JSON.parse(call.function.arguments);
+      if (call.function.name === 'get_weather') {
+        assert.deepEqual(Object.keys(args), ['city', 'unit', 'days'], call.function.arguments);
+        assert.ok(['Paris', 'Tokyo'].includes(args.city) && ['celsius', 'fahrenheit'].includes(args.unit));
+        assert.ok(Number.isInteger(args.days) && args.days >= 1 && args.days <= 7, call.function.arguments);
+      } else {
+        assert.equal(call.function.name, 'get_time');
+        assert.ok(['UTC', 'CET'].includes(args.zone), call.function.arguments);
+      }
+      return args;
+    };
+
+    for (const [tool_choice, extra] of [['required', { parallel_tool_calls: false }],
+                                        [{ type: 'function', function: { name: 'get_time' } }, {}]]) {
+      const body = { model: 'qwen3-tiny', messages, tools, tool_choice, max_tokens: 120, temperature: 0, ...extra };
+      // Not streamed.
+      const r = await client.chat.completions.create(body);
+      const choice = r.choices[0];
+      assert.equal(choice.finish_reason, 'tool_calls', JSON.stringify(r));
+      assert.equal(choice.message.role, 'assistant');
+      assert.equal(choice.message.content, null);
+      assert.equal(choice.message.tool_calls.length, 1, JSON.stringify(r));
+      const call = choice.message.tool_calls[0];
+      assert.equal(call.type, 'function');
+      assert.match(call.id, /^call_[A-Za-z0-9]{24}$/);
+      if (typeof tool_choice === 'object') assert.equal(call.function.name, 'get_time');
+      checkArgs(call);
+
+      // Streamed, raw chunks: the call opened with its index, id, type, name and empty
+      // arguments, then argument fragments; finish_reason last.
+      const raw = await client.chat.completions.create({ ...body, stream: true });
+      const pieces = [];
+      let finish = null;
+      for await (const chunk of raw) {
+        const c = chunk.choices[0];
+        if (!c) continue;
+        if (c.delta?.tool_calls) pieces.push(...c.delta.tool_calls);
+        if (c.finish_reason) finish = c.finish_reason;
+        assert.ok(!c.delta?.content, 'no text beside a required call: ' + JSON.stringify(chunk));
+      }
+      assert.equal(finish, 'tool_calls');
+      assert.ok(pieces.length >= 2, JSON.stringify(pieces));
+      assert.equal(pieces[0].index, 0);
+      assert.equal(pieces[0].type, 'function');
+      assert.equal(pieces[0].function.name, call.function.name);
+      assert.equal(pieces[0].function.arguments, '');
+      assert.match(pieces[0].id, /^call_[A-Za-z0-9]{24}$/);
+      for (const p of pieces.slice(1)) {
+        assert.equal(p.index, 0);
+        assert.equal(p.id, undefined);
+        assert.equal(typeof p.function.arguments, 'string');
+      }
+      assert.equal(pieces.map((p) => p.function.arguments).join(''), call.function.arguments);
+
+      // Streamed, assembled by the client's own stream helper: the same call.
+      const stream = client.chat.completions.stream(body);
+      const final = await stream.finalChatCompletion();
+      const fc = final.choices[0];
+      assert.equal(fc.finish_reason, 'tool_calls');
+      assert.equal(fc.message.tool_calls.length, 1);
+      assert.equal(fc.message.tool_calls[0].function.name, call.function.name);
+      assert.equal(fc.message.tool_calls[0].function.arguments, call.function.arguments);
+      assert.equal(fc.message.tool_calls[0].type, 'function');
+      checkArgs(fc.message.tool_calls[0]);
+
+      // The result sent back: the assistant's message as the client got it, and a tool
+      // message answering its call. The history is rendered (more prompt tokens) and answered.
+      const followUp = await client.chat.completions.create({
+        model: 'qwen3-tiny', tools, max_tokens: 6, temperature: 0,
+        messages: [...messages, choice.message,
+                   { role: 'tool', tool_call_id: call.id, content: JSON.stringify({ temperature: 21 }) }],
+      });
+      assert.ok(['stop', 'length', 'tool_calls'].includes(followUp.choices[0].finish_reason));
+      assert.ok(followUp.usage.prompt_tokens > r.usage.prompt_tokens + 10, JSON.stringify([followUp.usage, r.usage]));
+    }
+
+    // auto: the model may answer in text; whatever it writes, the answer is well formed.
+    const auto = await client.chat.completions.create({ model: 'qwen3-tiny', messages, tools, max_tokens: 8 });
+    assert.ok(['stop', 'length', 'tool_calls'].includes(auto.choices[0].finish_reason));
+
+    // Malformed tools: one 400 naming the field.
+    const post = (b) => curl(srv.url + '/v1/chat/completions', { method: 'POST', key: null, body: JSON.stringify(b) });
+    expectError(await post({ messages, tools: { type: 'function' } }), 400, { param: 'tools' });
+    expectError(await post({ messages, tools: [{ type: 'function', function: { description: 'no name' } }] }), 400,
+                { param: 'tools[0].function.name' });
+    const e = expectError(await post({ messages, tools: [{ type: 'function', function: { name: 'f', parameters:
+      { type: 'object', properties: { a: { not: {} } } } } }] }), 400, { param: 'tools[0].function.parameters' });
+    assert.match(e.message, /unsupported keyword 'not'/);
+    expectError(await post({ messages, tools, tool_choice: { type: 'function', function: { name: 'nope' } } }), 400,
+                { param: 'tool_choice' });
+    // The server lives on.
+    assert.equal((await srv.health()).status, 'ok');
+  } finally {
+    await srv.stop();
+  }
+  // A template with no tool syntax (main's): 400 naming that.
+  const e = expectError(await curl(main.url + '/v1/chat/completions', { method: 'POST', body: JSON.stringify({
+    messages: [{ role: 'user', content: 'Hi' }], tools: [{ type: 'function', function: { name: 'f' } }] }) }),
+    400, { param: 'tools', code: 'tools_unsupported' });
+  assert.match(e.message, /no tool-call syntax/);
 });
 
 test('SIGINT and SIGTERM: in-flight requests end, the server exits 0', async () => {

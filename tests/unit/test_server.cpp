@@ -146,7 +146,9 @@ TEST(ServerRequest, ChatMessages) {
   expect_refused(Endpoint::Chat, R"({"messages": []})", "messages");
   expect_refused(Endpoint::Chat, R"({"messages": "Hi"})", "messages");
   expect_refused(Endpoint::Chat, R"({"messages": [{"content": "Hi"}]})", "messages[0].role");
-  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "tool", "content": "x"}]})", "messages[0].role");
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "function", "content": "x"}]})", "messages[0].role");
+  // A tool's result names the call it answers (test_tool_calls has the rest).
+  expect_refused(Endpoint::Chat, R"({"messages": [{"role": "tool", "content": "x"}]})", "messages[0].tool_call_id");
   expect_refused(Endpoint::Chat, R"({"messages": [{"role": "user", "content": 5}]})", "messages[0].content");
   expect_refused(Endpoint::Chat, R"({"messages": [{"role": "user"}]})", "messages[0].content");
   expect_refused(Endpoint::Chat,
@@ -160,13 +162,17 @@ TEST(ServerRequest, ChatMessages) {
 TEST(ServerRequest, TokenizeMessagesReadAsTheServerReadsThem) {
   const std::string taken =
       R"([{"role": "developer", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "a"}]},
-          {"role": "assistant", "content": "b", "tool_calls": null}])";
+          {"role": "assistant", "content": "b", "tool_calls": null},
+          {"role": "assistant", "tool_calls": [{"id": "c1", "function": {"name": "f", "arguments": "{}"}}]},
+          {"role": "tool", "tool_call_id": "c1", "content": "d"}])";
   const std::vector<ChatMessage> cli_msgs = cli::parse_messages(taken, "m.json");
   const CompletionRequest r = chat({{"messages", json::parse(taken)}});
   ASSERT_EQ(cli_msgs.size(), r.messages.size());
   for (size_t i = 0; i < cli_msgs.size(); ++i) {
     EXPECT_EQ(cli_msgs[i].role, r.messages[i].role);
     EXPECT_EQ(cli_msgs[i].content, r.messages[i].content);
+    EXPECT_EQ(cli_msgs[i].tool_calls, r.messages[i].tool_calls);
+    EXPECT_EQ(cli_msgs[i].tool_call_id, r.messages[i].tool_call_id);
   }
   EXPECT_EQ(cli_msgs[0].role, "system");
 
@@ -187,7 +193,7 @@ TEST(ServerRequest, TokenizeMessagesReadAsTheServerReadsThem) {
   const ApiError second = refusal([&] {
     chat({{"messages", json::parse(R"([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])")}});
   });
-  EXPECT_EQ(second.param(), "messages[1].role");
+  EXPECT_EQ(second.param(), "messages[1].tool_call_id");  // a tool's result names its call
 }
 
 TEST(ServerRequest, MalformedBodies) {
@@ -288,19 +294,18 @@ TEST(ServerRequest, WhatTheEngineCannotDoIsRefused) {
   const std::string m = R"("messages": [{"role": "user", "content": "Hi"}])";
   auto with = [&](const std::string& field) { return "{" + m + ", " + field + "}"; };
   expect_refused(Endpoint::Chat, with(R"("n": 2)"), "n");
-  expect_refused(Endpoint::Chat, with(R"("tools": [{"type": "function"}])"), "tools");
-  expect_refused(Endpoint::Chat, with(R"("tool_choice": "auto")"), "tool_choice");
   expect_refused(Endpoint::Chat, with(R"("logit_bias": {"50256": -100})"), "logit_bias");
   // Their harmless values pass.
   EXPECT_NO_THROW(chat(json::parse(with(R"("n": 1, "tools": [], "tool_choice": "none",
                                            "response_format": {"type": "text"}, "logit_bias": {})"))));
-  // Tools the model is told not to call (tool_choice "none") pass, rendered without them.
+  // Tools the model is told not to call (tool_choice "none") pass, rendered without them;
+  // tools themselves are test_tool_calls' (engine/server/tool_calls.h).
   const std::string tools = R"("tools": [{"type": "function", "function": {"name": "f"}}])";
   const CompletionRequest none = chat(json::parse(with(tools + R"(, "tool_choice": "none")")));
   EXPECT_EQ(none.messages.size(), 1u);
-  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": "auto")"), "tools");
+  EXPECT_EQ(none.tools, nullptr);
+  EXPECT_NE(chat(json::parse(with(tools + R"(, "tool_choice": "auto")"))).tools, nullptr);
   expect_refused(Endpoint::Chat, with(R"("tools": [], "tool_choice": "required")"), "tool_choice");
-  expect_refused(Endpoint::Chat, with(tools + R"(, "tool_choice": null)"), "tools");
   expect_refused(Endpoint::Chat, with(R"("tools": {"type": "function"}, "tool_choice": "none")"), "tools");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "best_of": 2})", "best_of");
   expect_refused(Endpoint::Completion, R"({"prompt": "a", "echo": true})", "echo");
@@ -449,8 +454,8 @@ TEST(ServerJsonLimits, DefaultsPassALongConversationWithTools) {
                      {"function", {{"name", fmt::format("f{}", t)},
                                    {"parameters", {{"type", "object"}, {"properties", props}, {"required", {"p0", "p1"}}}}}}});
   }
-  // (tools themselves this engine refuses, after parsing; the body's size is what is tested)
   EXPECT_NO_THROW(parse_body(json{{"messages", messages}, {"tools", tools}}.dump()));
+  EXPECT_EQ(chat({{"messages", messages}, {"tools", tools}}).tools->defs.size(), 100u);
 }
 
 class ServerPrepare : public ::testing::Test {

@@ -299,8 +299,10 @@ class Server {
       p->options.ignore_eos = p->options.ignore_eos || a_.sampling.ignore_eos;  // the request's or the server's
       log.prompt_tokens = (int)p->prompt_ids.size();
       if (a_.log_prompts)
-        log.prompt = endpoint == Endpoint::Chat ? tmpl_->render(cr.messages, true, cr.chat_template_kwargs)
-                                                : m_.tok->decode(p->prompt_ids);
+        log.prompt = endpoint == Endpoint::Chat
+                         ? tmpl_->render(cr.messages, true, cr.chat_template_kwargs,
+                                         cr.tools ? cr.tools->tools : jinja::Json())
+                         : m_.tok->decode(p->prompt_ids);
 
       auto gone = [&ex] { return ex.client_gone(); };
       server::Slots::Outcome why;
@@ -330,18 +332,30 @@ class Server {
                                                  m_.spec->config.vocab);
       p->options.drafter = drafter.get();
       p->options.draft_max = a_.spec.draft_max;
+      // With tools, the reply is read for the model's calls as it comes (tool_calls.h); the
+      // calls' ids are drawn from the response's.
+      std::optional<server::ToolCallParser> calls;
+      if (p->tool_format)
+        calls.emplace(*p->tool_format, [fmt_ = *p->tool_format, id = rm.id](int i) {
+          return server::make_tool_call_id(fmt_, id, i);
+        });
 
       if (!cr.stream) {
         p->options.cancelled = [this, gone] { return stopping_.load() || gone(); };
         const auto started = std::chrono::steady_clock::now();
         const GenerateResult r = generate_cached(session, *m_.tok, p->prompt_ids, p->options);
-        note_result(log, r);
+        if (calls) {
+          calls->push(r.text);
+          calls->finish();
+        }
+        note_result(log, r, calls && !calls->calls().empty());
         observe_timing(arrived, started, r);
         if (r.finish_reason == "cancelled") {
           if (stopping_) throw ApiError(503, "the server is shutting down", "", "shutting_down");
           return ex.drop(499);
         }
-        return ex.respond(server::HttpResponse::json(server::dump(server::completion_response(cr, rm, r, *m_.tok))));
+        return ex.respond(server::HttpResponse::json(
+            server::dump(server::completion_response(cr, rm, r, *m_.tok, calls ? &*calls : nullptr))));
       }
 
       // Streamed: the generation runs as the body is written, the slot held until it ends.
@@ -355,9 +369,15 @@ class Server {
       options.cancelled = [&] { return !ok || stopping_.load() || gone(); };
       GenerateResult r;
       const auto started = std::chrono::steady_clock::now();
+      // A piece of the reply as text, or as the calls' pieces where the reply is read for them.
+      auto send_parsed = [&](const server::ToolCallParser::Out& out) {
+        if (!out.content.empty()) send(server::sse_event(server::text_chunk(cr, rm, out.content)));
+        for (const server::ToolCallDelta& d : out.calls) send(server::sse_event(server::tool_call_chunk(cr, rm, d)));
+      };
       try {
         r = generate_cached(session, *m_.tok, p->prompt_ids, options, [&](std::string_view text) {
-          send(server::sse_event(server::text_chunk(cr, rm, text)));
+          if (calls) send_parsed(calls->push(text));
+          else send(server::sse_event(server::text_chunk(cr, rm, text)));
         });
       } catch (const std::exception& e) {
         // An engine failure (out of memory, a CUDA error) once the answer has begun: an error
@@ -367,7 +387,9 @@ class Server {
         send(server::sse_event(ApiError(500, e.what(), "", "engine_error").to_json()));
         return ex.drop(200);
       }
-      note_result(log, r);
+      if (calls && r.finish_reason != "cancelled") send_parsed(calls->finish());
+      const bool has_calls = calls && !calls->calls().empty();
+      note_result(log, r, has_calls);
       observe_timing(arrived, started, r);
       if (r.finish_reason == "cancelled") {
         // The client is gone, or the server is stopping. Stopping: an error event, no [DONE]
@@ -379,7 +401,7 @@ class Server {
         }
         return ex.drop(200);
       }
-      send(server::sse_event(server::finish_chunk(cr, rm, r, *m_.tok)));
+      send(server::sse_event(server::finish_chunk(cr, rm, r, *m_.tok, has_calls)));
       if (cr.include_usage) send(server::sse_event(server::usage_chunk(cr, rm, r)));
       send(server::kSseDone);
       if (ok) ex.end_stream();
@@ -425,9 +447,9 @@ class Server {
     return m;
   }
 
-  static void note_result(server::AccessEntry& log, const GenerateResult& r) {
+  static void note_result(server::AccessEntry& log, const GenerateResult& r, bool has_tool_calls) {
     log.completion_tokens = (int)r.ids.size();
-    log.finish = server::finish_reason(r);
+    log.finish = server::finish_reason(r, has_tool_calls);
   }
 
   void log(const server::AccessEntry& e) {
