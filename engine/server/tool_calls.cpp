@@ -112,6 +112,7 @@ Scan scan_value(const std::string& s, size_t i, size_t& end) {
       if (d == '"') {
         size_t e = 0;
         const Scan r = scan_string(s, j, e);
+        if (r == Scan::Bad) end = e;
         if (r != Scan::Done) return r;
         j = e;
         continue;
@@ -184,6 +185,9 @@ CallScan scan_call(const std::string& s, size_t i, ToolFormat f) {
     j = skip_space(s, j + 1);
     if (j >= s.size()) return r;
     const bool is_args = args_key(key.get<std::string>());
+    // A name or arguments given twice: which one is meant is not known, and a stream has
+    // announced the first.
+    if ((is_args && r.args_begin != std::string::npos) || (key == "name" && r.name)) return r.state = Scan::Bad, r;
     if (is_args) {
       if (s[j] != '{') return r.state = Scan::Bad, r;  // arguments are an object
       r.args_begin = j;

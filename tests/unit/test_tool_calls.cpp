@@ -202,6 +202,60 @@ TEST(ToolCallParser, Mistral) {
   expect_parse(m, "[TOOL_CALLS]oops", "[TOOL_CALLS]oops", {});
 }
 
+// Random replies: well-formed ones of each format (text, one call or several, keys in either
+// order), then most of them broken at random (bytes deleted, pieces inserted, cut short). Each
+// parses the same whole and in random pieces: a stream's chunks join to the non-streamed answer.
+TEST(ToolCallParser, RandomRepliesParseAlikeWholeAndStreamed) {
+  const std::vector<std::string> parts = {
+      "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{", "}", "[", "]", "\"name\": ",
+      "\"arguments\": ", "\"parameters\": ", "\"f\"", ",", " ", "\n", "x", ":", ";", "\\", "\"", "1", "null"};
+  const std::vector<std::string> args = {"{}", R"({"a": 1})", R"({"s": "}]\" <tool_call>"})",
+                                         R"({"x": [1, {"y": null}], "z": true})"};
+  std::mt19937 rng(45);
+  const auto pick = [&](const std::vector<std::string>& v) { return v[rng() % v.size()]; };
+  for (ToolFormat f : {ToolFormat::hermes, ToolFormat::llama3, ToolFormat::mistral}) {
+    size_t calls = 0;
+    for (int i = 0; i < 3000; ++i) {
+      const std::string key = f == ToolFormat::llama3 && rng() % 2 ? "parameters" : "arguments";
+      std::vector<std::string> objects;
+      for (int n = 1 + rng() % 3; n > 0; --n) {
+        const std::string name = rng() % 2 ? "\"name\": \"f\"" : "\"name\": \"g\"";
+        const std::string a = "\"" + key + "\": " + pick(args);
+        objects.push_back("{" + (rng() % 3 ? name + ", " + a : a + ", " + name) + (rng() % 4 ? "" : ", \"id\": \"x\"") + "}");
+      }
+      std::string text = rng() % 3 ? "" : "Sure. ";
+      if (f == ToolFormat::hermes) {
+        for (const std::string& o : objects) text += "<tool_call>\n" + o + "\n</tool_call>\n";
+      } else {
+        if (rng() % 2) text += f == ToolFormat::llama3 ? "<|python_tag|>" : "[TOOL_CALLS]";
+        std::string joined;
+        for (const std::string& o : objects) joined += (joined.empty() ? "" : f == ToolFormat::llama3 ? "; " : ", ") + o;
+        text += f == ToolFormat::mistral ? "[" + joined + "]" : joined;
+      }
+      if (rng() % 4) text += " done";
+      for (int m = rng() % 4; m > 0 && !text.empty(); --m) {
+        const size_t at = rng() % text.size();
+        switch (rng() % 3) {
+          case 0: text.erase(at, 1 + rng() % 5); break;
+          case 1: text.insert(at, pick(parts)); break;
+          default: text.resize(at); break;
+        }
+      }
+      std::vector<size_t> sizes(8);
+      for (size_t& n : sizes) n = 1 + rng() % 6;
+      const Parsed a = whole(f, text), b = streamed(f, text, sizes);
+      ASSERT_EQ(a.content, b.content) << tool_format_name(f) << ": " << text;
+      ASSERT_EQ(a.calls.size(), b.calls.size()) << tool_format_name(f) << ": " << text;
+      for (size_t k = 0; k < a.calls.size(); ++k) {
+        ASSERT_EQ(a.calls[k].name, b.calls[k].name) << text;
+        ASSERT_EQ(a.calls[k].arguments, b.calls[k].arguments) << text;
+      }
+      calls += a.calls.size();
+    }
+    EXPECT_GT(calls, 1500u) << tool_format_name(f) << ": too few replies held calls to test much";
+  }
+}
+
 // ---- tools read from a request ----
 
 RequestDefaults defaults() { return {}; }
