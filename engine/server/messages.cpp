@@ -2,11 +2,20 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
+#include "base/error.h"
+#include "engine/server/ordered_json.h"
+
 namespace kestrel::server {
 
 using nlohmann::json;
 
 namespace {
+
+// The tool calls' arguments of one request, read as JSON, share the bound on values that the
+// body's own parse has (each is one string value to it): past it, arguments stay text.
+constexpr size_t kArgumentsValues = 100000;
 
 ApiError bad(const std::string& param, const std::string& message) {
   return ApiError(400, message, param, "invalid_value");
@@ -46,7 +55,7 @@ namespace {
 // test `is string`), which expects the object transformers' users pass. A text that parses as a
 // JSON object is passed as that object (keys in their order), as vLLM does; any other text
 // stays a string.
-nlohmann::ordered_json parse_tool_calls(const json& v, const std::string& at) {
+nlohmann::ordered_json parse_tool_calls(const json& v, const std::string& at, size_t& budget) {
   const std::string param = at + ".tool_calls";
   if (!v.is_array())
     throw bad(param, param + " must be a list of {\"id\", \"type\": \"function\", \"function\"} objects");
@@ -64,9 +73,19 @@ nlohmann::ordered_json parse_tool_calls(const json& v, const std::string& at) {
     if (fn->contains("arguments") && !(*fn)["arguments"].is_null()) {
       const json& a = (*fn)["arguments"];
       if (a.is_string()) {
+        // Given to the template as an object where the text is one (as vLLM does), else as the
+        // text. The text is one value to the body's bounded parse: its own parse has the same
+        // bounds, a share of them for each call, and past them the text stays text.
         args = a.get<std::string>();
-        const auto parsed = nlohmann::ordered_json::parse(a.get<std::string>(), nullptr, false);
-        if (!parsed.is_discarded() && parsed.is_object()) args = parsed;
+        size_t used = 0;
+        try {
+          auto parsed = parse_ordered_json(a.get_ref<const std::string&>(),
+                                           {budget, 32, 1024}, {}, &used);
+          if (parsed.is_object()) args = std::move(parsed);
+        } catch (const nlohmann::json::exception&) {
+        } catch (const Error&) {
+        }
+        budget -= std::min(used, budget);
       } else if (a.is_object()) {
         args = nlohmann::ordered_json(a);
       } else {
@@ -95,6 +114,7 @@ std::vector<ChatMessage> parse_chat_messages(const json* v) {
   if (!v->is_array() || v->empty())
     throw bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects");
   std::vector<ChatMessage> out;
+  size_t arguments_budget = kArgumentsValues;
   for (size_t i = 0; i < v->size(); ++i) {
     const json& m = (*v)[i];
     const std::string at = fmt::format("messages[{}]", i);
@@ -112,7 +132,7 @@ std::vector<ChatMessage> parse_chat_messages(const json* v) {
     msg.role = role;
     const bool calls = role == "assistant" && m.contains("tool_calls") && !m["tool_calls"].is_null();
     if (calls) {
-      msg.tool_calls = parse_tool_calls(m["tool_calls"], at);
+      msg.tool_calls = parse_tool_calls(m["tool_calls"], at, arguments_budget);
       if (msg.tool_calls.empty()) msg.tool_calls = nullptr;  // [] is no call, as OpenAI reads it
     }
     // An assistant message that calls tools may have no content (OpenAI's clients send null):

@@ -1,5 +1,7 @@
 #include "engine/server/request.h"
 
+#include "engine/server/ordered_json.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -214,9 +216,13 @@ json parse_template_kwargs(const json* v, const json& defaults) {
 std::shared_ptr<const ToolsRequest> parse_tools_fields(const std::string& body) {
   nlohmann::ordered_json j;
   try {
-    j = nlohmann::ordered_json::parse(body);  // passed the bounded parse already
+    // The body passed the bounded parse already; this one keeps only the three fields, in
+    // order, within bounds of its own (ordered_json.h: keys per object).
+    j = parse_ordered_json(body, {}, {"tools", "tool_choice", "parallel_tool_calls"});
   } catch (const nlohmann::json::exception&) {
     throw bad("tools", "'tools' could not be read again in its order");
+  } catch (const Error& e) {
+    throw ApiError(413, std::string("'tools': ") + e.what(), "tools", "request_too_large");
   }
   const auto field = [&](const char* key) -> const nlohmann::ordered_json* {
     const auto it = j.find(key);
@@ -252,9 +258,12 @@ std::shared_ptr<const grammar::Grammar> parse_response_format(const json* v, con
       // The body passed the bounded parse already: this second one is of the same bytes.
       std::string schema;
       try {
-        schema = nlohmann::ordered_json::parse(body)["response_format"]["json_schema"]["schema"].dump();
+        schema = parse_ordered_json(body, {}, {"response_format"})["response_format"]["json_schema"]["schema"].dump();
       } catch (const nlohmann::json::exception&) {
         throw bad("response_format", "'response_format': the schema could not be read again in its order");
+      } catch (const Error& e) {
+        throw ApiError(413, std::string("'response_format': ") + e.what(), "response_format",
+                       "request_too_large");
       }
       return grammar::Grammar::parse(grammar::json_schema_to_gbnf(schema));
     }

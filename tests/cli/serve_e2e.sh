@@ -24,4 +24,4 @@ fi
 command -v curl >/dev/null || { echo "serve_e2e: curl not found" >&2; exit 1; }
 # Node resolves `openai` from the test's own copy; the test file stays in the source tree.
 cp "$here/serve_e2e.mjs" "$dir/serve_e2e.mjs"
-KESTREL_BIN="$kestrel" KESTREL_SYNTH_BIN="$synth" KESTREL_TEST_TOKENIZERS="$tokenizers" exec node "$dir/serve_e2e.mjs"
+KESTREL_BIN="$kestrel" KESTREL_SYNTH_BIN="$synth" KESTREL_TEST_TOKENIZERS="${KESTREL_TEST_TOKENIZERS:-$tokenizers}" exec node "$dir/serve_e2e.mjs"

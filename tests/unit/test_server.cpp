@@ -14,6 +14,7 @@
 
 #include "base/error.h"
 #include "engine/grammar/grammar.h"
+#include "engine/server/ordered_json.h"
 #include "engine/server/request.h"
 #include "engine/server/response.h"
 #include "engine/server/scheduler.h"
@@ -456,6 +457,58 @@ TEST(ServerJsonLimits, DefaultsPassALongConversationWithTools) {
   }
   EXPECT_NO_THROW(parse_body(json{{"messages", messages}, {"tools", tools}}.dump()));
   EXPECT_EQ(chat({{"messages", messages}, {"tools", tools}}).tools->defs.size(), 100u);
+}
+
+// What is read a second time in order (ordered_json.h) has bounds of its own: a tool call's
+// arguments are one string to the body's parse however deep their JSON text, and an ordered
+// object's keys are found by a linear search.
+TEST(ServerJsonLimits, OrderedReadsAreBounded) {
+  // Arguments nested a million deep (a crash by stack overflow once copied) stay text.
+  const std::string deep = "{\"a\":" + std::string(1000000, '[') + std::string(1000000, ']') + "}";
+  json messages = kMessages;
+  messages.push_back({{"role", "assistant"},
+                      {"tool_calls", {{{"id", "c1"}, {"function", {{"name", "f"}, {"arguments", deep}}}}}}});
+  messages.push_back({{"role", "assistant"},
+                      {"tool_calls", {{{"id", "c2"}, {"function", {{"name", "f"}, {"arguments", "{\"x\": [1, 2]}"}}}}}}});
+  const CompletionRequest r = chat({{"messages", messages}});
+  ASSERT_EQ(r.messages.size(), 3u);
+  EXPECT_TRUE(r.messages[1].tool_calls[0]["function"]["arguments"].is_string());
+  EXPECT_EQ(r.messages[1].tool_calls[0]["function"]["arguments"].get<std::string>(), deep);
+  EXPECT_EQ(r.messages[2].tool_calls[0]["function"]["arguments"].dump(), "{\"x\":[1,2]}");  // in order, an object
+
+  // Many keys: refused with a line naming the bound, at once, where the ordered read would
+  // store them; read past, unstored, where it drops them (keep_top).
+  std::string wide = "{";
+  for (int i = 0; i < 90000; ++i) wide += fmt::format("{}\"k{}\": {}", i ? "," : "", i, i);
+  wide += "}";
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    parse_ordered_json(wide);
+    ADD_FAILURE() << "90000 keys read";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 1024 keys"), std::string::npos) << e.what();
+  }
+  const std::string body = "{\"metadata\": " + wide + ", \"tools\": [], \"keep\": {\"b\": 1, \"a\": 2}}";
+  const nlohmann::ordered_json kept = parse_ordered_json(body, {}, {"keep", "tools"});
+  EXPECT_EQ(kept.dump(), "{\"tools\":[],\"keep\":{\"b\":1,\"a\":2}}");
+  // A chat body with tools and such an object: its own fields only are read again.
+  json many = json::object();
+  for (int i = 0; i < 50000; ++i) many[fmt::format("k{}", i)] = i;
+  const CompletionRequest t = chat({{"messages", kMessages}, {"metadata", many}, {"tools", json::array()},
+                                    {"tool_choice", "auto"}});
+  EXPECT_EQ(t.tools, nullptr);  // no tools given
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(s, 5.0);  // tens of milliseconds when the machine is idle; minutes unbounded
+
+  OrderedJsonLimits small;
+  small.max_depth = 3;
+  EXPECT_THROW(parse_ordered_json("[[[[1]]]]", small), Error);
+  EXPECT_NO_THROW(parse_ordered_json("[[[1]]]", small));
+  small.max_values = 4;
+  EXPECT_THROW(parse_ordered_json("[1, 2, 3, 4]", small), Error);
+  size_t values = 0;
+  EXPECT_EQ(parse_ordered_json("[1, 2, 3]", small, {}, &values).size(), 3u);
+  EXPECT_EQ(values, 4u);
 }
 
 class ServerPrepare : public ::testing::Test {
