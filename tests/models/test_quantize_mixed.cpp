@@ -202,7 +202,9 @@ TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
     last_loss = p.loss;
     // Budgets are spent: what is left could not move any linear group up a step. (Checked
     // loosely: within the largest single step between two candidates of one group.)
-    if (bits >= 2.6 && bits <= 7.0) EXPECT_GT(p.bits_per_weight(), bits - 0.25) << bits;
+    if (bits >= 2.6 && bits <= 7.0) {
+      EXPECT_GT(p.bits_per_weight(), bits - 0.25) << bits;
+    }
   }
   // The budgets span the candidates: 2-bit plans at the low end, 8-bit g32 at the high end.
   EXPECT_TRUE(seen.count({2, 128}) || seen.count({2, 64}) || seen.count({2, 32}));
@@ -285,25 +287,25 @@ TEST_F(Mixed, CheckpointHoldsThePlanAndRuns) {
   EXPECT_EQ(rep["mixed_precision"]["bytes"], p.bytes);
   EXPECT_EQ(rep["linears"][0]["bits"], p.linears[0].setting.bits);
 
-  // It runs on the CPU engine, close to the FP16 model and no worse than all-2-bit. (Measured:
-  // FP16 1.479, this plan ~1.53; uniform 2-bit g128 far above.)
+  // It runs on the CPU engine, between the FP16 model and uniform 3-bit g128 (smaller than the
+  // plan) on text the FP16 model finds likely.
   const double p16 = ppl(*fp16_, *sampled_), pm = ppl(out, *sampled_);
-  EXPECT_TRUE(std::isfinite(pm));
-  EXPECT_LT(pm, 1.15 * p16) << p16 << " " << pm;
-  const fs::path two = temp_dir("two");
-  QuantizeOptions o2 = options(two.string());
-  o2.gptq.bits = 2;
-  o2.gptq.group_size = 128;
-  quantize_model(o2);
-  const double p2 = ppl(two, *sampled_);
-  EXPECT_LT(pm, p2) << p16 << " " << pm << " " << p2;
-
+  const fs::path three = temp_dir("three");
+  QuantizeOptions o3 = options(three.string());
+  o3.gptq.bits = 3;
+  o3.gptq.group_size = 128;
+  quantize_model(o3);
+  const double p3 = ppl(three, *sampled_);
+  std::fprintf(stderr, "perplexity: FP16 %.4f, mixed 3.5 bits %.4f, uniform 3-bit g128 %.4f\n",
+               p16, pm, p3);
+  EXPECT_GT(pm, p16);
+  EXPECT_LT(pm, p3);
   const Result g = run(std::string(KESTREL_BIN) + " generate -m " + out.string() +
                        " --device cpu -p 'The river' -n 8 --temp 0 --ignore-eos --json -q");
   ASSERT_EQ(g.code, 0) << g.err;
   EXPECT_EQ(nlohmann::json::parse(g.out)["ids"].size(), 8u);
   fs::remove_all(out);
-  fs::remove_all(two);
+  fs::remove_all(three);
 }
 
 // A plan with a single candidate is uniform: pass 2 must then be exactly the ordinary quantizer.

@@ -71,7 +71,7 @@ struct QuantizeOptions {
   // MLP output||^2 over mean ||residual||^2): what a block adds is read downstream through
   // RMSNorm, relative to the stream, so the same relative damage costs more where a block's
   // output is a larger part of the stream.
-  std::string loss = "output";
+  std::string loss = "residual";  // residual: best on docs-llama-19m (docs/performance.md)
   bool mixed() const { return bits_avg > 0 || target_size_gb > 0; }
 };
 
@@ -145,9 +145,9 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 //
 // Mixed precision (o.mixed()), on the CPU, in two passes over the layers:
 //  1. measure: each layer's FP16 forward gives one Hessian per true-sequential group; every
-//     linear is quantized at every candidate on it and its loss tr((W-Q) H (W-Q)^T) recorded
-//     (GPTQ's own objective: twice the mean squared error of the linear's outputs). The next
-//     layer gets the FP16 layer's outputs.
+//     linear is quantized at every candidate on it and its estimated loss recorded (o.loss:
+//     GPTQ's own objective tr((W-Q) H (W-Q)^T), or that made relative). The next layer gets the
+//     FP16 layer's outputs.
 //  2. after the plan (plan_mixed_precision over the measurements, q/k/v and gate/up as one
 //     choice each), the ordinary sequential pass with each linear at its planned setting: each
 //     group's Hessian from inputs that the already quantized linears produced, each layer's
