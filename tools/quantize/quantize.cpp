@@ -41,6 +41,13 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
+// A byte count from a budget in double, clamped to what uint64_t holds: --target-size 1e11 GB
+// is a valid, if large, budget.
+uint64_t to_bytes(double b) {
+  constexpr double kMax = 18446744073709549568.0;  // the largest double below 2^64
+  return b <= 0 ? 0 : b >= kMax ? UINT64_MAX : static_cast<uint64_t>(b);
+}
+
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
@@ -585,7 +592,8 @@ MixedPlanReport make_plan(const ModelSpec& spec, const QuantizeOptions& o,
     smallest += lo;
   }
   if (o.bits_avg > 0) {
-    plan.budget = (uint64_t)std::floor(o.bits_avg * (double)plan.weights / 8.0);
+    // Converted within uint64_t's range (a double past it converts to undefined values).
+    plan.budget = to_bytes(std::floor(o.bits_avg * (double)plan.weights / 8.0));
     if (plan.budget < smallest)
       throw Error(fmt::format("--bits-avg {} is below the smallest plan: {:.3f} bits per weight "
                               "(every linear at its smallest candidate)",
@@ -598,7 +606,7 @@ MixedPlanReport make_plan(const ModelSpec& spec, const QuantizeOptions& o,
                               "candidates)",
                               o.target_size_gb, (double)(plan.fixed_bytes + smallest) / 1e9,
                               plan.fixed_bytes, smallest));
-    plan.budget = (uint64_t)total - plan.fixed_bytes;
+    plan.budget = to_bytes(total) - plan.fixed_bytes;
   }
   const MixedPlan mp = plan_mixed_precision(plan_units, plan.budget);
 
