@@ -24,7 +24,8 @@ cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
   -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
 all_targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja
-             fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http fuzz_grammar)
+             fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http fuzz_grammar
+             fuzz_tool_calls)
 targets=("${all_targets[@]}")
 if [ "$mode" = run ] && [ $# -gt 2 ]; then targets=("${@:3}"); fi
 cmake --build build-fuzz -j"${FUZZ_JOBS:-$(nproc)}" --target "${all_targets[@]}"
@@ -196,6 +197,24 @@ schemas = [
 ]
 for i, s in enumerate(schemas):
     open("%s/schema%d" % (out, i), "wb").write(b"\x01" + json.dumps(s).encode())
+PY
+
+# Replies with tool calls in each format (the first byte picks hermes, llama3 or mistral by its
+# value mod 3, and the piece size of the streamed read).
+python3 - "$seeds/fuzz_tool_calls" <<'PY'
+import sys
+out = sys.argv[1]
+call = '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], "s": "}]\\" <tool_call>"}}'
+replies = [
+    (0, "Let me check.\n<tool_call>\n" + call + "\n</tool_call>\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>"),
+    (3, "<tool_call>\n{\"arguments\": {\"a\": null}, \"name\": \"g\"}"),
+    (1, '<|python_tag|>{"name": "f", "parameters": {"x": 1}}; {"name": "g", "parameters": {}}'),
+    (4, '{"name": "get_weather", "parameters": {"city": "Oslo"}} done'),
+    (2, '[TOOL_CALLS][{"name": "f", "arguments": {"q": [true, false]}, "id": "a1b2c3d4e"}, ' + call + ']'),
+    (5, "No call here, just [brackets] and {braces}."),
+]
+for i, (b, text) in enumerate(replies):
+    open("%s/r%d" % (out, i), "wb").write(bytes([b]) + text.encode())
 PY
 
 status=0
