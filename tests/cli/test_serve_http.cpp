@@ -525,18 +525,23 @@ TEST_F(ServeHttp, MetricsCountWhatWasServed) {
   EXPECT_EQ(status_of(http(port, "GET /nowhere HTTP/1.1", {key})), 404);
   EXPECT_EQ(status_of(http(port, "GET /metrics HTTP/1.1")), 401);  // no key
 
-  // A request is counted once its answer is written, which the client may see a moment before:
-  // scraped until the last request of the test is in (at most 2 s).
+  // A request is counted once its answer is written, and a completion's tokens and latencies
+  // once its slot is free, which the client may see a moment before (under load, after its next
+  // requests were answered): scraped until every request of the test is in (at most 10 s).
   std::string m, body;
   auto value = [&](const std::string& series) -> double {
     const size_t at = body.find("\n" + series + " ");
     if (at == std::string::npos) return -1;
     return std::stod(body.substr(at + series.size() + 2));
   };
-  for (int i = 0; i < 40; ++i) {
+  for (int i = 0; i < 200; ++i) {
     m = http(port, "GET /metrics HTTP/1.1", {key});
     body = body_of(m);
-    if (value(R"(kestrel:http_requests_total{endpoint="/metrics",status="401"})") == 1) break;
+    if (value(R"(kestrel:http_requests_total{endpoint="/metrics",status="401"})") == 1 &&
+        value(R"(kestrel:http_requests_total{endpoint="/v1/completions",status="200"})") == 2 &&
+        value("kestrel:time_per_output_token_seconds_count") == 6 &&
+        value("kestrel:num_requests_running") == 0)
+      break;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ASSERT_EQ(status_of(m), 200) << m;
