@@ -515,6 +515,35 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
   return out;
 }
 
+// The linears with every candidate's bytes, from their shapes alone (losses 0), in the order
+// measure_candidates_cpu gives them: a plan of these refuses a budget below the smallest plan
+// before the measuring pass, which on a large model takes hours.
+std::vector<PlannedLinear> shape_candidates(const ModelSpec& spec,
+                                            const std::vector<QuantSetting>& candidates) {
+  std::vector<PlannedLinear> out;
+  for (const LayerSpec& ls : spec.layers)
+    for (const Group& g : groups())
+      for (const Member& m : g.members) {
+        const LinearSpec& s = ls.*m.spec;
+        if (s.name.empty()) continue;
+        PlannedLinear p;
+        p.name = s.name;
+        p.N = s.N;
+        p.K = s.K;
+        for (const QuantSetting& c : candidates) {
+          if ((s.K * c.bits) % 32 != 0 || (s.N * c.bits) % 32 != 0) continue;  // cannot pack
+          p.measured.emplace_back(
+              c, PlanCandidate{c.bits, c.group_size, gptq_linear_bytes(s.N, s.K, c.bits, c.group_size), 0.0});
+        }
+        if (p.measured.empty())
+          throw Error(fmt::format("{}: [{}, {}] cannot be packed at any of the candidates' bit "
+                                  "widths (in and out features times bits must be multiples of "
+                                  "32)", s.name, s.N, s.K));
+        out.push_back(std::move(p));
+      }
+  return out;
+}
+
 // Bytes of the tensors written as they are (embeddings, norms, lm_head, biases: FP16, or I32
 // as read), i.e. everything but the quantized linears' weights.
 uint64_t fixed_bytes(const ModelSpec& spec, const std::vector<PlannedLinear>& linears) {
@@ -819,6 +848,7 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   if (o.mixed()) {
     const std::vector<QuantSetting> cands =
         o.candidates.empty() ? default_candidates() : o.candidates;
+    make_plan(spec, o, shape_candidates(spec, cands));  // the budget's refusals, at once
     const auto t_measure = Clock::now();
     plan = make_plan(spec, o, measure_candidates_cpu(spec, o, cands, windows));
     plan->measure_seconds = seconds_since(t_measure);
