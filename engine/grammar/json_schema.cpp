@@ -67,22 +67,6 @@ const std::set<std::string> kKeywords = {
     "enum", "const", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum", "anyOf", "oneOf", "$ref"};
 
-// A GBNF string literal of these bytes.
-std::string gbnf_literal(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"') out += "\\\"";
-    else if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else if (c < 0x20 || c == 0x7F) {
-      static const char* hex = "0123456789ABCDEF";
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 15];
-    } else out += static_cast<char>(c);
-  }
-  return out + "\"";
-}
 
 std::string hexcp(uint32_t cp) {
   char buf[16];
@@ -739,6 +723,22 @@ class Converter {
 };
 
 }  // namespace
+
+std::string gbnf_literal(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"') out += "\\\"";
+    else if (c == '\\') out += "\\\\";
+    else if (c == '\n') out += "\\n";
+    else if (c < 0x20 || c == 0x7F) {
+      static const char* hex = "0123456789ABCDEF";
+      out += "\\x";
+      out += hex[c >> 4];
+      out += hex[c & 15];
+    } else out += static_cast<char>(c);
+  }
+  return out + "\"";
+}
 
 std::string json_schema_to_gbnf(const std::string& schema_text) {
   json schema;

@@ -15,4 +15,8 @@ std::string json_schema_to_gbnf(const std::string& schema_text);
 // The GBNF of any JSON object (response_format json_object, --json-object).
 std::string json_object_gbnf();
 
+// A GBNF string literal matching exactly these bytes (quotes, backslashes and control bytes
+// escaped).
+std::string gbnf_literal(const std::string& s);
+
 }  // namespace kestrel::grammar

@@ -15,6 +15,8 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
+using grammar::gbnf_literal;
+
 ApiError bad(const std::string& param, const std::string& message) {
   return ApiError(400, message, param, "invalid_value");
 }
@@ -28,17 +30,6 @@ bool valid_name(const std::string& s) {
   for (char c : s)
     if (!(std::isalnum((unsigned char)c) || c == '_' || c == '-')) return false;
   return true;
-}
-
-std::string gbnf_literal(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"') out += "\\\"";
-    else if (c == '\\') out += "\\\\";
-    else if (c == '\n') out += "\\n";
-    else out += (char)c;
-  }
-  return out + "\"";
 }
 
 // The rules of a GBNF text renamed `prefix` + name, so that the grammars of several tools'
