@@ -345,6 +345,30 @@ std::string layer_line(int l, int n_layers, const std::vector<LinearReport>& lin
                          t.forward, t.hessian, t.quantize);
 }
 
+// The CPU layer loops' engine: one decoder layer's DecoderCpu (each layer is swapped into it in
+// turn), its session, and the calibration windows' residual streams X [nsamples, seqlen,
+// hidden], embedded.
+struct OneLayerEngine {
+  OneLayerEngine(const ModelSpec& spec, const QuantizeOptions& o,
+                 const std::vector<std::vector<int>>& windows)
+      : engine(first_layer(spec)),
+        seq(engine.new_cpu_session(o.seqlen)),
+        win((size_t)o.seqlen * spec.config.hidden),
+        X(win * o.nsamples) {
+    for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, 0, &X[s * win]);
+  }
+  static ModelSpec first_layer(const ModelSpec& spec) {
+    ModelSpec one = spec;
+    one.config.n_layers = 1;
+    one.layers = {spec.layers[0]};
+    return one;
+  }
+  DecoderCpu engine;
+  std::unique_ptr<DecoderCpuSession> seq;
+  size_t win;
+  std::vector<float> X;
+};
+
 // The layer loop on the CPU: a one-layer DecoderCpu engine takes each decoder layer in turn.
 // `gptq_for` gives each linear's options (o.gptq, or its planned format).
 void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
@@ -352,15 +376,11 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
                          const std::function<GptqOptions(const LinearSpec&)>& gptq_for,
                          const LayerDone& done) {
   const ModelConfig& cfg = spec.config;
-  ModelSpec one = spec;
-  one.config.n_layers = 1;
-  one.layers = {spec.layers[0]};
-  DecoderCpu engine(one);
-  const std::unique_ptr<DecoderCpuSession> seq = engine.new_cpu_session(o.seqlen);
-
-  const size_t win = (size_t)o.seqlen * cfg.hidden;
-  std::vector<float> X(win * o.nsamples);  // [nsamples, seqlen, hidden] residual streams
-  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, 0, &X[s * win]);
+  OneLayerEngine one(spec, o, windows);
+  DecoderCpu& engine = one.engine;
+  const std::unique_ptr<DecoderCpuSession>& seq = one.seq;
+  const size_t win = one.win;
+  std::vector<float>& X = one.X;
   std::vector<float> x(win);  // one window, rerun from X for each group
 
   for (int l = 0; l < cfg.n_layers; ++l) {
@@ -424,14 +444,11 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
                                                   const std::vector<QuantSetting>& candidates,
                                                   const std::vector<std::vector<int>>& windows) {
   const ModelConfig& cfg = spec.config;
-  ModelSpec one = spec;
-  one.config.n_layers = 1;
-  one.layers = {spec.layers[0]};
-  DecoderCpu engine(one);
-  const std::unique_ptr<DecoderCpuSession> seq = engine.new_cpu_session(o.seqlen);
-  const size_t win = (size_t)o.seqlen * cfg.hidden;
-  std::vector<float> X(win * o.nsamples);
-  for (int s = 0; s < o.nsamples; ++s) engine.embed(windows[s].data(), o.seqlen, 0, &X[s * win]);
+  OneLayerEngine one(spec, o, windows);
+  DecoderCpu& engine = one.engine;
+  const std::unique_ptr<DecoderCpuSession>& seq = one.seq;
+  const size_t win = one.win;
+  std::vector<float>& X = one.X;
 
   std::vector<PlannedLinear> out;
   Progress bar(fmt::format("measuring {} candidates", candidates.size()), cfg.n_layers, "layers",
