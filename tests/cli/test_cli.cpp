@@ -25,11 +25,7 @@ using Result = kestrel::test::CommandResult;
 using kestrel::test::scratch;
 Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
-int lines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n + (!s.empty() && s.back() != '\n');
-}
+using kestrel::test::lines;
 
 // "2.57 MiB" and "3.66 M", as kestrel bench's table prints a model's size and parameters.
 std::string fmt_mib(uint64_t bytes) {

@@ -21,11 +21,7 @@ Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 const std::string kKestrel = KESTREL_BIN;
 const std::string kSynth = KESTREL_SYNTH_BIN;
 
-int lines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n + (!s.empty() && s.back() != '\n');
-}
+using kestrel::test::lines;
 
 void expect_one_line_error(const Result& r, const std::string& what) {
   EXPECT_EQ(r.code, 1) << r.err;

@@ -40,11 +40,7 @@ using Result = kestrel::test::CommandResult;
 const std::string kKestrel = KESTREL_BIN;
 const std::string kSynth = KESTREL_SYNTH_BIN;
 
-int lines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n + (!s.empty() && s.back() != '\n');
-}
+using kestrel::test::lines;
 
 using kestrel::test::Server;
 using kestrel::test::body_of;

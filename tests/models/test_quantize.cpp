@@ -63,11 +63,7 @@ namespace {
 using Result = kestrel::test::CommandResult;
 Result run(const std::string& cmd) { return kestrel::test::run_command(cmd); }
 
-int lines(const std::string& s) {
-  int n = 0;
-  for (char c : s) n += c == '\n';
-  return n + (!s.empty() && s.back() != '\n');
-}
+using kestrel::test::lines;
 
 fs::path temp_dir(const std::string& name) {
   const fs::path d = fs::temp_directory_path() / ("kestrel_quantize_" + name + "_" + std::to_string(getpid()));

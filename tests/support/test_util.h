@@ -30,6 +30,13 @@ inline const std::filesystem::path& scratch() {
   return dir.path;
 }
 
+// Lines of a command's output: newlines, and a last line without one.
+inline int lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n + (!s.empty() && s.back() != '\n');
+}
+
 struct CommandResult {
   int code = -1;  // exit status; -1 when the command did not exit normally
   std::string out, err;
