@@ -1,38 +1,34 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets (tests/fuzz) with clang, AddressSanitizer and
-# UndefinedBehaviorSanitizer into build-fuzz, then either
+# Builds the libFuzzer targets (tests/fuzz) in the sanitized build, build-asan (clang,
+# AddressSanitizer and UndefinedBehaviorSanitizer; scripts/cmake-common.sh: configure_sanitized,
+# shared with scripts/sanitize.sh), then either
 #   fuzz.sh replay            runs every target once over its seed corpus (CI), or
 #   fuzz.sh run [SECONDS [TARGET...]]
 #                             fuzzes each target (default: every one) in turn for SECONDS
 #                             (default 60) from its seeds and what earlier runs kept in
-#                             build-fuzz/corpus/<target>/; FUZZ_RUNS=N also stops a target after
+#                             build-asan/corpus/<target>/; FUZZ_RUNS=N also stops a target after
 #                             N executions (the hardening runs: 600 s or 1M executions), and
 #                             FUZZ_SEED=N fixes libFuzzer's seed (CI: 15 s per target, seed 1).
 # The seeds are the repository's own real files: chat templates, tokenizer fixtures, the
 # family models' configs and checkpoints. Any crash, sanitizer report, leak, timeout or
-# exception other than kestrel::Error fails the run and leaves the input in build-fuzz/.
+# exception other than kestrel::Error fails the run and leaves the input in build-asan/fuzz/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-replay}"
 seconds="${2:-60}"
-command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (apt-get install clang)" >&2; exit 1; }
+bash scripts/install-deps.sh --fuzz
 source scripts/cmake-common.sh
-# -gline-tables-only: a report's stack needs file and line, not the variables (full debug
-# information slows every compile).
-cmake -S . -B build-fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ "${cmake_common_args[@]}" \
-  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -gline-tables-only -DNDEBUG" \
-  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DKESTREL_BUILD_TESTS=OFF -DKESTREL_FUZZ=ON >/dev/null
+configure_sanitized build-asan
 all_targets=(fuzz_safetensors fuzz_config fuzz_tokenizer_json fuzz_bpe_encode fuzz_jinja
              fuzz_batch_line fuzz_messages fuzz_server_request fuzz_server_http fuzz_grammar
              fuzz_tool_calls)
 targets=("${all_targets[@]}")
 if [ "$mode" = run ] && [ $# -gt 2 ]; then targets=("${@:3}"); fi
-cmake --build build-fuzz -j"${FUZZ_JOBS:-$(nproc)}" --target "${all_targets[@]}"
+cmake --build build-asan -j"${FUZZ_JOBS:-$(nproc)}" --target "${all_targets[@]}"
 
 # Seed corpora: folders of whole files, and single files a target reads as its input (the
 # first byte of safetensors/config/tokenizer inputs selects a variant, so seeds are prefixed).
-seeds="build-fuzz/seeds"
+seeds="build-asan/fuzz/seeds"
 rm -rf "$seeds"
 for t in "${all_targets[@]}"; do mkdir -p "$seeds/$t"; done
 prefixed() {  # prefixed BYTE FILE OUT
@@ -219,28 +215,28 @@ PY
 
 status=0
 for t in "${targets[@]}"; do
-  corpus="build-fuzz/corpus/$t"
+  corpus="build-asan/corpus/$t"
   mkdir -p "$corpus"
-  common=(-timeout=10 -rss_limit_mb=4096 -artifact_prefix="build-fuzz/$t-")
+  common=(-timeout=10 -rss_limit_mb=4096 -artifact_prefix="build-asan/fuzz/$t-")
   [ -f "tests/fuzz/$t.dict" ] && common+=(-dict="tests/fuzz/$t.dict")
   if [ "$mode" = replay ]; then
-    if ! ASAN_OPTIONS=detect_leaks=1 "./build-fuzz/fuzz/$t" "${common[@]}" -runs=0 \
-        "$seeds/$t" "$corpus" > "build-fuzz/$t.log" 2>&1; then
-      echo "fuzz: $t failed on its corpus (build-fuzz/$t.log)"; tail -20 "build-fuzz/$t.log"; status=1
+    if ! ASAN_OPTIONS=detect_leaks=1 "./build-asan/fuzz/$t" "${common[@]}" -runs=0 \
+        "$seeds/$t" "$corpus" > "build-asan/fuzz/$t.log" 2>&1; then
+      echo "fuzz: $t failed on its corpus (build-asan/fuzz/$t.log)"; tail -20 "build-asan/fuzz/$t.log"; status=1
     else
-      echo "fuzz: $t replayed $(grep -o 'INITED.*' "build-fuzz/$t.log" | head -1)"
+      echo "fuzz: $t replayed $(grep -o 'INITED.*' "build-asan/fuzz/$t.log" | head -1)"
     fi
   else
     runs=()
     [ -n "${FUZZ_RUNS:-}" ] && runs=(-runs="$FUZZ_RUNS")
     [ -n "${FUZZ_SEED:-}" ] && runs+=(-seed="$FUZZ_SEED")
     start=$SECONDS
-    if ! ASAN_OPTIONS=detect_leaks=1 "./build-fuzz/fuzz/$t" "${common[@]}" \
+    if ! ASAN_OPTIONS=detect_leaks=1 "./build-asan/fuzz/$t" "${common[@]}" \
         -max_total_time="$seconds" "${runs[@]}" -print_final_stats=1 \
-        "$corpus" "$seeds/$t" > "build-fuzz/$t.log" 2>&1; then
-      echo "fuzz: $t found a problem (build-fuzz/$t.log)"; tail -30 "build-fuzz/$t.log"; status=1
+        "$corpus" "$seeds/$t" > "build-asan/fuzz/$t.log" 2>&1; then
+      echo "fuzz: $t found a problem (build-asan/fuzz/$t.log)"; tail -30 "build-asan/fuzz/$t.log"; status=1
     else
-      echo "fuzz: $t $(grep -E 'stat::number_of_executed_units' "build-fuzz/$t.log" | awk '{print $2}') runs in $((SECONDS - start)) s, $(ls "$corpus" | wc -l) inputs kept"
+      echo "fuzz: $t $(grep -E 'stat::number_of_executed_units' "build-asan/fuzz/$t.log" | awk '{print $2}') runs in $((SECONDS - start)) s, $(ls "$corpus" | wc -l) inputs kept"
     fi
   fi
 done

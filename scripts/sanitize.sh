@@ -1,13 +1,8 @@
 #!/usr/bin/env bash
 # The CPU tests (ctest -LE gpu) under AddressSanitizer, LeakSanitizer and
-# UndefinedBehaviorSanitizer, built into build-asan: every host C++ file and every link with
-# -fsanitize=address,undefined (no recovery from undefined behaviour; -O1 with assert() and
-# libstdc++'s bounds assertions live; -g1, the line tables that a report's stack needs: full
-# debug information made each compile slower and the objects twice the size). nvcc's files
-# compile as in any build, unsanitized, and link into the sanitized programs: the CUDA runtime
-# is not instrumented, and the CPU tests do not launch kernels. Only what the CPU tests run is built (the target kestrel_cpu_tests; the
-# binaries of GPU tests alone are left out, KESTREL_GPU_TESTS=OFF, and so are the GPU
-# benchmarks, KESTREL_TEST_BENCHMARKS=OFF, which the CLI tests only ask for --version).
+# UndefinedBehaviorSanitizer, in the sanitized build build-asan (scripts/cmake-common.sh:
+# configure_sanitized; clang, shared with scripts/fuzz.sh). Only what the CPU tests run is built
+# (the target kestrel_cpu_tests).
 #
 # A report in a test or in a program it runs (kestrel, kestrel-synth, ...) goes to
 # build-asan/sanitizer/ and fails the script, whatever the test made of the exit code.
@@ -18,14 +13,9 @@ cd "$(dirname "$0")/.."
 root="$PWD"
 build=build-asan
 jobs="${JOBS:-$(nproc)}"
+bash scripts/install-deps.sh --fuzz
 source scripts/cmake-common.sh
-san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
-
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90a}" -DKESTREL_GPU_TESTS=OFF \
-  -DKESTREL_TEST_BENCHMARKS=OFF \
-  -DCMAKE_CXX_FLAGS="$san -D_GLIBCXX_ASSERTIONS" -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-  -DCMAKE_EXE_LINKER_FLAGS="$san" -DCMAKE_SHARED_LINKER_FLAGS="$san" "${cmake_common_args[@]}" > /dev/null
+configure_sanitized "$build"
 cmake --build "$build" -j"$jobs" --target kestrel_cpu_tests
 
 # The tokenizer tests' references (scripts/fetch-test-tokenizers.sh): build/'s where
