@@ -27,7 +27,8 @@ struct LoadOptions {
 };
 
 // Why `device` cannot run caches of types `kv` on a model of config c ("" where it can), as
-// one line naming the option: a type the heads cannot take, or one the device does not run.
+// one line naming the option: a type the heads cannot take (q8_0 on heads not a multiple of 32).
+// Both engines run every type, so the device does not change the answer today.
 std::string cache_types_unsupported(Device device, const ModelConfig& c, KvCacheTypes kv);
 // Bytes of one position's K and V over every layer on `device`: the CPU reference keeps f16
 // as fp32, the GPU as fp16; q8_0 and fp8 are the same bytes on both.

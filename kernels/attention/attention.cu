@@ -40,7 +40,18 @@
 // anything (a NaN there would otherwise survive a multiplication by p = 0).
 //
 // Bytes: 2 * n_ctx * n_kv_heads * head_dim * 2 (K and V, once each) plus
-// n_heads * live_chunks * (head_dim + 2) * 4 * 2 for the workspace, small next to K/V.
+// n_heads * live_chunks * (head_dim + 2) * 4 * 2 for the workspace, small next to K/V. With an
+// 8-bit cache (attention_decode_kv) a row is head_dim bytes of codes and 2 * head_dim / 32
+// (q8_0) or 4 (fp8) bytes of scales: K and V move 8.5 or 8 + 32 / head_dim bits a value.
+//
+// 8-bit caches (kv_cache_cuda.h): the same threads and rows, each thread's 8 dims an 8-byte
+// load of codes (K into registers, V into shared memory by an 8-byte cp.async) and the scale
+// of its block (q8_0) or head (fp8); K is dequantized in registers before the dot, V's scale is
+// folded into p in step 3.
+//
+//     row r:  | t0 : c0-7 | t1 : c8-15 | ... |        8 codes (bytes) per thread
+//     q8_0 scales of row r:  | b0 (t0-t3) | b1 (t4-t7) | ...  fp16, one per 32 dims
+//     fp8  scale of row r:   one fp32 for the head
 #include "kernels/attention/attention_cuda.h"
 
 #include <algorithm>
@@ -48,12 +59,14 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "base/error.h"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/half8.cuh"
 #include "kernels/common/pdl.cuh"
+#include "kernels/attention/kv_quant.cuh"
 #include "kernels/rope/rope_kv.cuh"
 
 namespace kestrel::cuda {
@@ -114,6 +127,28 @@ __device__ __forceinline__ void to_float8(const Half8& h, float (&f)[8]) {
 // The first position attended to by a query at n_ctx - 1.
 __device__ __forceinline__ int window_start(int n_ctx, int sliding_window) {
   return sliding_window > 0 ? max(0, n_ctx - sliding_window) : 0;
+}
+
+// 8-byte counterparts of ldg16 and cp_async16, for 8 codes of an 8-bit cache. cp.async moves 8
+// bytes only through L1 (.ca; .cg takes 16): the rows it reads are older than the step, and
+// the new row, which the kernel before wrote, is read through L2 (__ldcg) instead.
+__device__ __forceinline__ uint2 ldg8(const void* p, uint64_t policy) {
+  uint2 r;
+  asm volatile("ld.global.nc.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+               : "=r"(r.x), "=r"(r.y)
+               : "l"(p), "l"(policy));
+  return r;
+}
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 8, %2;" ::"r"(dst),
+               "l"(src), "l"(policy)
+               : "memory");
+}
+
+// 4 consecutive codes (a 4-byte shared load) to fp32, unscaled.
+__device__ __forceinline__ void codes4_to_float(uint32_t w, KvType t, float (&f)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) f[j] = kv_detail::code_to_float((uint8_t)(w >> (8 * j)), t);
 }
 
 // 8 consecutive dims d0 .. d0+7 (inside one half of the head) of the rotated head x: each pairs
@@ -274,6 +309,14 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // ROPE: q points at the un-rotated [q | k | v] row of the new token; the block rotates its query
 // heads, and the block whose chunk holds *d_pos rotates the new k, writes k and v into the
 // caches' row *d_pos and uses them from registers (rope_kv_write_f16 + this kernel, in one).
+// KT, VT: the K and V caches' types (kv_cache_cuda.h). An 8-bit row of one head is D bytes, so a
+// thread's 8 dims are one 8-byte load instead of 16 (half the bytes a step reads), plus its
+// scale: q8_0's fp16 scale of the block of 32 its 8 dims lie in, fp8's fp32 scale of the head.
+// K is dequantized in registers (code * scale, fp32, as the reference reads it) before the
+// dot; V's codes go to shared memory as they are (8 bytes per thread and row) with one scale
+// per row and block in vs_s, and step 3 folds the scale into p (p * scale * code). The
+// quantized caches run without ROPE: their new row is rounded and written by
+// rope_kv_write_rows_kv, the kernel before.
 //
 // Latency: the K rows of the chunk (registers) and its V rows (cp.async into shared memory) are
 // all requested at once, before the wait on the previous kernel: rows before *d_pos were
@@ -286,10 +329,11 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // registers; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
 // each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
 // past 80 registers only one would fit there.
-template <int D, int GMAX, bool ROPE, int PASSES>
+template <int D, int GMAX, bool ROPE, int PASSES, KvType KT, KvType VT>
 __global__ void __launch_bounds__(kThreads)
-    attention_split_kernel(const __half* __restrict__ q, __half* __restrict__ k_cache,
-                           __half* __restrict__ v_cache, const int* __restrict__ d_pos,
+    attention_split_kernel(const __half* __restrict__ q, void* __restrict__ k_data,
+                           void* __restrict__ v_data, const void* __restrict__ k_scales,
+                           const void* __restrict__ v_scales, const int* __restrict__ d_pos,
                            int sliding_window, int n_heads, int n_kv_heads, int group,
                            float q_scale, const rope_detail::InvFreq inv_freq,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml,
@@ -310,10 +354,20 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kBufFloats = kScoreFloats > kMergeFloats ? kScoreFloats : kMergeFloats;
   static_assert(D % 8 == 0 && 32 % kLanes == 0, "a row's threads must lie inside one warp");
   static_assert(kChunk % kRows == 0, "whole passes per chunk");
+  constexpr bool KQ = KT != KvType::F16, VQ = VT != KvType::F16;  // 8-bit K, V
+  static_assert(!ROPE || (!KQ && !VQ), "the fused RoPE writes an f16 cache only");
+  using KRaw = std::conditional_t<KQ, uint2, uint4>;  // a thread's 8 dims of one K row
+  using VRaw = std::conditional_t<VQ, uint2, uint4>;
+  constexpr int kVScales = VT == KvType::Q8_0 ? D / kQ8Block : 1;  // V scales per row (VQ)
+  __half* const k_cache = static_cast<__half*>(k_data);  // f16 views (KT, VT f16 only)
+  __half* const v_cache = static_cast<__half*>(v_data);
+  const uint8_t* const k_codes = static_cast<const uint8_t*>(k_data);
+  const uint8_t* const v_codes = static_cast<const uint8_t*>(v_data);
 
   __shared__ __align__(16) float q_s[GMAX * D];
   __shared__ __align__(16) float buf[kBufFloats];  // scores [GMAX][kChunk], then the merge's
-  __shared__ __align__(16) uint4 v_s[kChunk * kLanes];  // the chunk's V rows, [row][8 dims]
+  __shared__ __align__(16) VRaw v_s[kChunk * kLanes];  // the chunk's V rows, [row][8 dims]
+  __shared__ float vs_s[VQ ? kChunk * kVScales : 1];   // their scales, [row][block]
   __shared__ float2 cs[ROPE ? D / 2 : 1];                 // RoPE (cos, sin) per pair index
   __shared__ __align__(16) uint4 knew_s[kLanes];          // K of the new token's row
 
@@ -335,16 +389,33 @@ __global__ void __launch_bounds__(kThreads)
   const size_t row_stride = (size_t)n_kv_heads * D;
   const size_t first_elem = (size_t)lo * row_stride + (size_t)kvh * D + seg * 8;
 
-  uint4 kraw[kPasses];
+  KRaw kraw[kPasses];
+  float ksc[kPasses], vsc[kPasses];  // 8-bit K, V: the scales of this thread's dims per row
   const uint64_t kv_pol = evict_first_policy();  // read once per step
+  // The scale a thread's 8 dims take: q8_0's block of 32 (dims seg * 8 ..), fp8's head. A V
+  // scale goes to shared memory from the thread at its block's start (every dim's thread needs it).
+  const bool stores_vscale = VT == KvType::Q8_0 ? seg % (kQ8Block / 8) == 0 : seg == 0;
+  const int vscale_slot = VT == KvType::Q8_0 ? seg * 8 / kQ8Block : 0;
 #pragma unroll
   for (int u = 0; u < kPasses; ++u) {
     const int r = u * kRows + r0;
-    kraw[u] = make_uint4(0, 0, 0, 0);
+    kraw[u] = KRaw{};
+    ksc[u] = vsc[u] = 0.0f;
     if (r < n_rows && r != new_row) {
       const size_t e = first_elem + (size_t)r * row_stride;
-      kraw[u] = ldg16(k_cache + e, kv_pol);
-      cp_async16(smem_u32(&v_s[r * kLanes + seg]), v_cache + e, kv_pol);
+      if constexpr (KQ) {
+        kraw[u] = ldg8(k_codes + e, kv_pol);
+        ksc[u] = kv_detail::load_scale(k_scales, KT, lo + r, n_kv_heads, D, kvh, seg * 8);
+      } else {
+        kraw[u] = ldg16(k_cache + e, kv_pol);
+      }
+      if constexpr (VQ) {
+        cp_async8(smem_u32(&v_s[r * kLanes + seg]), v_codes + e, kv_pol);
+        if (stores_vscale)
+          vsc[u] = kv_detail::load_scale(v_scales, VT, lo + r, n_kv_heads, D, kvh, seg * 8);
+      } else {
+        cp_async16(smem_u32(&v_s[r * kLanes + seg]), v_cache + e, kv_pol);
+      }
     }
   }
   if constexpr (ROPE) {
@@ -354,11 +425,44 @@ __global__ void __launch_bounds__(kThreads)
   pdl_wait_then_release();  // q and the new k, v come from the kernels before
 
   const bool has_new = new_row < n_rows && new_row % kRows == r0;  // this thread's row
+  // 8-bit K: the new row's codes and scale, kept by the thread whose pass holds it.
+  uint2 knew = make_uint2(0, 0);
+  float knew_sc = 0.0f;
   if constexpr (!ROPE) {
-    if (has_new) {  // written to the caches by the kernel before
+    if (has_new) {  // written to the caches by the kernel before: read through L2, not L1
       const size_t e = first_elem + (size_t)new_row * row_stride;
-      knew_s[seg] = __ldcg(reinterpret_cast<const uint4*>(k_cache + e));
-      cp_async16(smem_u32(&v_s[new_row * kLanes + seg]), v_cache + e);
+      const int64_t p = pos;
+      if constexpr (KQ) {
+        knew = __ldcg(reinterpret_cast<const uint2*>(k_codes + e));
+        knew_sc = KT == KvType::Q8_0
+                      ? __half2float(__ldcg(static_cast<const __half*>(k_scales) +
+                                            p * (n_kv_heads * D / kQ8Block) +
+                                            (kvh * D + seg * 8) / kQ8Block))
+                      : __ldcg(static_cast<const float*>(k_scales) + p * n_kv_heads + kvh);
+      } else {
+        knew_s[seg] = __ldcg(reinterpret_cast<const uint4*>(k_cache + e));
+      }
+      if constexpr (VQ) {
+        v_s[new_row * kLanes + seg] = __ldcg(reinterpret_cast<const uint2*>(v_codes + e));
+        if (stores_vscale)
+          vs_s[new_row * kVScales + vscale_slot] =
+              VT == KvType::Q8_0
+                  ? __half2float(__ldcg(static_cast<const __half*>(v_scales) +
+                                        p * (n_kv_heads * D / kQ8Block) +
+                                        (kvh * D + seg * 8) / kQ8Block))
+                  : __ldcg(static_cast<const float*>(v_scales) + p * n_kv_heads + kvh);
+      } else {
+        cp_async16(smem_u32(&v_s[new_row * kLanes + seg]), v_cache + e);
+      }
+    }
+  }
+  if constexpr (VQ) {
+    if (stores_vscale) {
+#pragma unroll
+      for (int u = 0; u < kPasses; ++u) {
+        const int r = u * kRows + r0;
+        if (r < n_rows && r != new_row) vs_s[r * kVScales + vscale_slot] = vsc[u];
+      }
     }
   }
   if constexpr (ROPE) {
@@ -398,9 +502,17 @@ __global__ void __launch_bounds__(kThreads)
     float kf[kPasses][8];
 #pragma unroll
     for (int u = 0; u < kPasses; ++u) {
-      Half8 h;
-      h.raw = u * kRows + r0 == new_row ? knew_s[seg] : kraw[u];
-      to_float8(h, kf[u]);
+      if constexpr (KQ) {  // code * scale in fp32, as the reference reads a value
+        const bool is_new = u * kRows + r0 == new_row;
+        const float sc = is_new ? knew_sc : ksc[u];
+        kv_detail::codes8_to_float(is_new ? knew : kraw[u], KT, kf[u]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) kf[u][j] *= sc;
+      } else {
+        Half8 h;
+        h.raw = u * kRows + r0 == new_row ? knew_s[seg] : kraw[u];
+        to_float8(h, kf[u]);
+      }
     }
 #pragma unroll
     for (int g = 0; g < GMAX; ++g) {
@@ -462,7 +574,32 @@ __global__ void __launch_bounds__(kThreads)
     float acc[kPer];
 #pragma unroll
     for (int j = 0; j < kPer; ++j) acc[j] = 0.0f;
-    if (g < nh) {
+    if constexpr (VQ) {
+      // The codes of row r, dims d0 .. d0 + kPer - 1 (inside one block of 32: kPer <= 16
+      // divides D), and their scale, folded into p.
+      const uint8_t* v_b = reinterpret_cast<const uint8_t*>(v_s) + d0;
+      const float* vs_g = vs_s + (VT == KvType::Q8_0 ? d0 / kQ8Block : 0);
+      if (g < nh) {
+#pragma unroll 4
+        for (int r = split; r < n_rows; r += kSplit) {
+          const float pr = p_g[r] * vs_g[r * kVScales];
+          const uint8_t* vr = v_b + r * D;
+          if constexpr (kPer % 4 == 0) {
+#pragma unroll
+            for (int q4 = 0; q4 < kPer / 4; ++q4) {
+              float vf[4];
+              codes4_to_float(*reinterpret_cast<const uint32_t*>(vr + 4 * q4), VT, vf);
+#pragma unroll
+              for (int j = 0; j < 4; ++j) acc[4 * q4 + j] = fmaf(pr, vf[j], acc[4 * q4 + j]);
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < kPer; ++j)
+              acc[j] = fmaf(pr, kv_detail::code_to_float(vr[j], VT), acc[j]);
+          }
+        }
+      }
+    } else if (g < nh) {
 #pragma unroll 4
       for (int r = split; r < n_rows; r += kSplit) {
         const float pr = p_g[r];
@@ -540,8 +677,8 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, out_index, buf);
 }
 
-template <int D, int GMAX, bool ROPE, int PASSES>
-void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
+template <int D, int GMAX, bool ROPE, int PASSES, KvType KT, KvType VT>
+void launch_split(const __half* q, const KvCacheDev& k, const KvCacheDev& v, const int* d_pos,
                   int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                   int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
@@ -549,33 +686,34 @@ void launch_split(const __half* q, __half* k_cache, __half* v_cache, const int* 
   const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), (group + GMAX - 1) / GMAX);
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
-  launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES>, grid, dim3(kThreads), 0, stream, q,
-             k_cache, v_cache, d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale,
-             inv_freq, ws_o, ws_ml, counters, out, out_index);
+  launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT>, grid, dim3(kThreads), 0,
+             stream, q, k.data, v.data, (const void*)k.scales, (const void*)v.scales, d_pos,
+             sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o, ws_ml,
+             counters, out, out_index);
 }
 
 // The chunk length of a grid (passes_for): the short or the long kernel of one configuration.
-template <int D, int GMAX, bool ROPE, class... Args>
+template <int D, int GMAX, bool ROPE, KvType KT, KvType VT, class... Args>
 void launch_chunked(int passes, Args... args) {
   if (passes == kLongPasses)
-    launch_split<D, GMAX, ROPE, kLongPasses>(args...);
+    launch_split<D, GMAX, ROPE, kLongPasses, KT, VT>(args...);
   else
-    launch_split<D, GMAX, ROPE, kShortPasses>(args...);
+    launch_split<D, GMAX, ROPE, kShortPasses, KT, VT>(args...);
 }
 
 // The compiled configurations: head_dim 64 and 128; heads per block 1, 2, 4, as
 // heads_per_block chooses (at 2, a group of 8 runs as four blocks and a group of 5 as 2 + 2 + 1;
 // at 4, a group of 3 runs with one head idle; at 1, a block per query head); chunks of 4 or 8
-// passes, as passes_for chooses.
-template <int D, bool ROPE>
-void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
+// passes, as passes_for chooses; each pair of K and V cache types (the fused RoPE: f16 only).
+template <int D, bool ROPE, KvType KT, KvType VT>
+void dispatch_group(const __half* q, const KvCacheDev& k, const KvCacheDev& v, const int* d_pos,
                     int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                     int* counters, __half* out, const int32_t* out_index, cudaStream_t stream,
                     int forced_heads) {
   const int passes = passes_for(ctx_bound);
 #define KESTREL_ATTN_CALL(G)                                                                   \
-  launch_chunked<D, G, ROPE>(passes, q, k_cache, v_cache, d_pos, ctx_bound, sliding_window,   \
+  launch_chunked<D, G, ROPE, KT, VT>(passes, q, k, v, d_pos, ctx_bound, sliding_window,        \
                              n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,       \
                              out_index, stream)
   switch (heads_per_block(n_heads / n_kv_heads, D, ctx_bound, forced_heads)) {
@@ -587,8 +725,32 @@ void dispatch_group(const __half* q, __half* k_cache, __half* v_cache, const int
 }
 
 // Both entry points: checks, then the split kernel (which merges in its last blocks).
+// The compiled pairs of cache types: every pair without RoPE, f16 with it.
+template <int D, bool ROPE, class... Args>
+void dispatch_types(KvType kt, KvType vt, Args... args) {
+  if constexpr (ROPE) {
+    dispatch_group<D, true, KvType::F16, KvType::F16>(args...);
+  } else {
+#define KESTREL_ATTN_TYPES(K, V)                                                \
+  if (kt == KvType::K && vt == KvType::V)                                       \
+    return dispatch_group<D, false, KvType::K, KvType::V>(args...);
+    KESTREL_ATTN_TYPES(F16, F16)
+    KESTREL_ATTN_TYPES(F16, Q8_0)
+    KESTREL_ATTN_TYPES(F16, Fp8)
+    KESTREL_ATTN_TYPES(Q8_0, F16)
+    KESTREL_ATTN_TYPES(Q8_0, Q8_0)
+    KESTREL_ATTN_TYPES(Q8_0, Fp8)
+    KESTREL_ATTN_TYPES(Fp8, F16)
+    KESTREL_ATTN_TYPES(Fp8, Q8_0)
+    KESTREL_ATTN_TYPES(Fp8, Fp8)
+#undef KESTREL_ATTN_TYPES
+    throw Error(std::string("attention_decode_kv: no kernel for a ") + kv_type_name(kt) +
+                " K cache with a " + kv_type_name(vt) + " V cache");
+  }
+}
+
 template <bool ROPE>
-void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const int* d_pos,
+void attention_decode(const __half* q, const KvCacheDev& k, const KvCacheDev& v, const int* d_pos,
                       int max_ctx, int sliding_window, int n_heads, int n_kv_heads, int head_dim,
                       const rope_detail::InvFreq& inv_freq, float* workspace, __half* out,
                       const int32_t* out_index, cudaStream_t stream, int ctx_bound,
@@ -603,9 +765,14 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
   KESTREL_CHECK(ctx_bound > 0 && ctx_bound <= max_ctx,
                 std::string(who) + ": ctx_bound " + std::to_string(ctx_bound) +
                     " outside [1, max_ctx " + std::to_string(max_ctx) + "]");
-  KESTREL_CHECK(reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(v_cache) % 16 == 0,
+  KESTREL_CHECK(reinterpret_cast<uintptr_t>(k.data) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(v.data) % 16 == 0,
                 std::string(who) + ": the K/V caches must be 16-byte aligned");
+  for (const KvCacheDev* c : {&k, &v})
+    KESTREL_CHECK(c->type == KvType::F16 || c->scales,
+                  std::string(who) + ": a " + kv_type_name(c->type) + " cache without its scales");
+  KESTREL_CHECK(!ROPE || (k.type == KvType::F16 && v.type == KvType::F16),
+                std::string(who) + ": the fused RoPE writes an f16 cache only");
   KESTREL_CHECK(!ROPE || reinterpret_cast<uintptr_t>(q) % 16 == 0,
                 std::string(who) + ": the qkv row must be 16-byte aligned");
   KESTREL_CHECK(heads_per_block == 0 || heads_per_block == 1 || heads_per_block == 2 ||
@@ -618,14 +785,14 @@ void attention_decode(const __half* q, __half* k_cache, __half* v_cache, const i
       reinterpret_cast<int*>(ws_ml + (size_t)n_heads * n_chunks(max_ctx, head_dim) * 2);
   switch (head_dim) {
     case 64:
-      dispatch_group<64, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads,
-                               n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
-                               stream, heads_per_block);
+      dispatch_types<64, ROPE>(k.type, v.type, q, k, v, d_pos, ctx_bound, sliding_window,
+                               n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,
+                               out_index, stream, heads_per_block);
       break;
     case 128:
-      dispatch_group<128, ROPE>(q, k_cache, v_cache, d_pos, ctx_bound, sliding_window, n_heads,
-                                n_kv_heads, inv_freq, ws_o, ws_ml, counters, out, out_index,
-                                stream, heads_per_block);
+      dispatch_types<128, ROPE>(k.type, v.type, q, k, v, d_pos, ctx_bound, sliding_window,
+                                n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,
+                                out_index, stream, heads_per_block);
       break;
     default:
       throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
@@ -659,10 +826,21 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
                           cudaStream_t stream, int ctx_bound, int heads_per_block) {
   // The caches are only read without RoPE.
-  attention_decode<false>(q, const_cast<__half*>(k_cache), const_cast<__half*>(v_cache), d_pos,
-                          max_ctx, sliding_window, n_heads, n_kv_heads, head_dim,
-                          rope_detail::InvFreq{}, workspace, out, nullptr, stream, ctx_bound,
-                          heads_per_block, "attention_decode_f16");
+  const KvCacheDev k{KvType::F16, const_cast<__half*>(k_cache), nullptr};
+  const KvCacheDev v{KvType::F16, const_cast<__half*>(v_cache), nullptr};
+  attention_decode<false>(q, k, v, d_pos, max_ctx, sliding_window, n_heads, n_kv_heads,
+                          head_dim, rope_detail::InvFreq{}, workspace, out, nullptr, stream,
+                          ctx_bound, heads_per_block, "attention_decode_f16");
+}
+
+void attention_decode_kv(const __half* q, const KvCacheDev& k, const KvCacheDev& v,
+                         const int* d_pos, int max_ctx, int sliding_window, int n_heads,
+                         int n_kv_heads, int head_dim, float* workspace, __half* out,
+                         cudaStream_t stream, const int32_t* out_index, int ctx_bound,
+                         int heads_per_block) {
+  attention_decode<false>(q, k, v, d_pos, max_ctx, sliding_window, n_heads, n_kv_heads,
+                          head_dim, rope_detail::InvFreq{}, workspace, out, out_index, stream,
+                          ctx_bound, heads_per_block, "attention_decode_kv");
 }
 
 void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
@@ -673,7 +851,8 @@ void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cac
                                int heads_per_block) {
   const rope_detail::InvFreq inv_freq =
       rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, rope);
-  attention_decode<true>(qkv, k_cache, v_cache, d_pos, max_ctx, sliding_window, n_heads,
+  const KvCacheDev k{KvType::F16, k_cache, nullptr}, v{KvType::F16, v_cache, nullptr};
+  attention_decode<true>(qkv, k, v, d_pos, max_ctx, sliding_window, n_heads,
                          n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
                          ctx_bound, heads_per_block, "attention_decode_rope_f16");
 }

@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/kv_cache_cuda.h"
 #include "kernels/rope/rope.h"
 
 namespace kestrel::cuda {
@@ -45,6 +46,18 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
                           const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                           int n_kv_heads, int head_dim, float* workspace, __half* out,
                           cudaStream_t stream, int ctx_bound = 0, int heads_per_block = 0);
+
+// attention_decode_f16 over caches of any type (kv_cache_cuda.h: f16, q8_0, fp8, K and V each
+// its own), dequantized as they are read (code * scale in fp32, as KvLayerRef::read), never
+// into a second copy. The query is already rotated and its K/V row written
+// (rope_kv_write_rows_kv at *d_pos). out_index as attention_decode_rope_f16's. The same grid,
+// chunks and checks as attention_decode_f16; an 8-bit row of a head is head_dim bytes (plus
+// its scales), half the bytes an f16 step reads. A type without its scales is a kestrel::Error.
+void attention_decode_kv(const __half* q, const KvCacheDev& k, const KvCacheDev& v,
+                         const int* d_pos, int max_ctx, int sliding_window, int n_heads,
+                         int n_kv_heads, int head_dim, float* workspace, __half* out,
+                         cudaStream_t stream, const int32_t* out_index = nullptr,
+                         int ctx_bound = 0, int heads_per_block = 0);
 
 // The decode step's RoPE, KV-cache write and attention in one: qkv is the new token's
 // un-rotated [q | k | v] row (n_heads + 2 n_kv_heads heads, 16-byte aligned); q and k are

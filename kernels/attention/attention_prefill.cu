@@ -20,6 +20,19 @@
 // Slower than Mma by the shared-memory round trips (tools/bench_gemm prints both;
 // docs/performance.md).
 //
+// 8-bit caches (kv_cache_cuda.h; Mma only): the K and V tiles are dequantized as they are
+// staged, so the tensor cores see the same fp16 tiles as with an f16 cache and no fp16 copy of
+// the cache exists outside one block's shared memory. A thread takes 8 dims of a row: one
+// 8-byte load of codes and the scale of their block of 32 (q8_0, fp16) or head (fp8, fp32),
+// then code * scale in fp32, rounded to fp16 into the tile:
+//
+//   global  row kp, head g:  | c0..c7 | c8..c15 | ... |       head_dim bytes
+//   shared  tile row r:      | h0..h7 | h8..h15 | ... | pad |  (LD halves, as the f16 tile)
+//
+// The fp16 rounding of the dequantized value (2^-11 relative) is the f16 cache's own
+// rounding of K and V; the rest of the arithmetic is unchanged. Loads are plain (not
+// cp.async), all of a thread's rows issued before the first conversion.
+//
 // Scores are scaled by log2(e) / sqrt(head_dim) so that exp2 replaces exp. Flops: 4 * head_dim
 // per (query, key) pair; a causal 2048-token chunk of Llama-2-7B is ~34 GFLOP per layer. Blocks
 // are issued heaviest first (the last query tiles see the most keys).
@@ -30,9 +43,11 @@
 
 #include "base/error.h"
 #include "kernels/attention/attention_prefill_cuda.h"
+#include "kernels/attention/kv_quant.cuh"
 #include "kernels/common/cp_async.cuh"
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/dynamic_smem.h"
+#include "kernels/common/half8.cuh"
 
 namespace kestrel::cuda {
 namespace {
@@ -67,7 +82,9 @@ struct Params {
   int64_t q_stride;
   const __half* k;
   const __half* v;
-  int pos0, T, window, group, kv_dim, out_stride;
+  const void* k_scales;  // 8-bit caches (attention_prefill_kv): k and v hold codes
+  const void* v_scales;
+  int pos0, T, window, group, kv_dim, n_kv_heads, out_stride;
   const int* d_pos0;  // where set, the first position is read from it (pos0 unused)
   __half* out;
   float scale_log2;
@@ -279,7 +296,44 @@ __device__ __forceinline__ void load_tile(__half* tile, const __half* cache, int
   }
 }
 
-template <int D>
+// load_tile for a cache of type T: f16 by cp.async (the caller waits), 8-bit codes dequantized
+// into the fp16 tile (plain loads, every row of the thread's before the first conversion).
+template <int D, KvType T>
+__device__ __forceinline__ void load_tile_kv(__half* tile, const void* cache, const void* scales,
+                                             int kv0, int hi, int64_t kv_dim, int n_kv_heads,
+                                             int g, int tid) {
+  if constexpr (T == KvType::F16) {
+    load_tile<D>(tile, static_cast<const __half*>(cache), kv0, hi, kv_dim, g, tid);
+  } else {
+    constexpr int V8 = D / 8, LD = MmaLayout<D>::LD, kPer = kBK * V8 / kThreads;
+    static_assert(kBK * V8 % kThreads == 0, "whole pieces per thread");
+    const uint8_t* codes = static_cast<const uint8_t*>(cache);
+    uint2 raw[kPer];
+    float sc[kPer];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = tid + j * kThreads, r = i / V8, c = (i % V8) * 8, kp = kv0 + r;
+      raw[j] = make_uint2(0, 0);
+      sc[j] = 0.0f;
+      if (kp <= hi) {
+        raw[j] = __ldg(reinterpret_cast<const uint2*>(codes + (int64_t)kp * kv_dim + (int64_t)g * D + c));
+        sc[j] = kv_detail::load_scale(scales, T, kp, n_kv_heads, D, g, c);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int i = tid + j * kThreads, r = i / V8, c = (i % V8) * 8;
+      float f[8];
+      kv_detail::codes8_to_float(raw[j], T, f);  // rows past hi: codes 0, scale 0 -> zeros
+      Half8 h;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) h.h2[e] = __floats2half2_rn(f[2 * e] * sc[j], f[2 * e + 1] * sc[j]);
+      *reinterpret_cast<uint4*>(tile + r * LD + c) = h.raw;
+    }
+  }
+}
+
+template <int D, KvType KT = KvType::F16, KvType VT = KvType::F16>
 __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const Params p) {
   using L = MmaLayout<D>;
   constexpr int LD = L::LD, V8 = D / 8;
@@ -324,8 +378,8 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const P
   const int lo = p.window > 0 ? max(0, pos0 + t0 + 1 - p.window) : 0;
   for (int kv0 = lo; kv0 <= hi; kv0 += kBK) {
     __syncthreads();  // every warp is done with the previous K, V tile
-    load_tile<D>(Ks, p.k, kv0, hi, p.kv_dim, g, tid);
-    load_tile<D>(Vs, p.v, kv0, hi, p.kv_dim, g, tid);
+    load_tile_kv<D, KT>(Ks, p.k, p.k_scales, kv0, hi, p.kv_dim, p.n_kv_heads, g, tid);
+    load_tile_kv<D, VT>(Vs, p.v, p.v_scales, kv0, hi, p.kv_dim, p.n_kv_heads, g, tid);
     cp_async_wait_all();
     __syncthreads();
 
@@ -423,6 +477,36 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const P
   }
 }
 
+// The Mma kernel over a K cache of type KT and a V cache of type VT.
+template <int D, KvType KT, KvType VT>
+void launch_kv(const Params& p, int n_heads, cudaStream_t stream) {
+  const dim3 grid((p.T + kBQ - 1) / kBQ, n_heads);
+  ensure_dynamic_smem(attention_prefill_mma_kernel<D, KT, VT>, MmaLayout<D>::bytes,
+                      "attention_prefill_kv");
+  attention_prefill_mma_kernel<D, KT, VT><<<grid, kThreads, MmaLayout<D>::bytes, stream>>>(p);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+// Every pair of compiled cache types.
+template <int D>
+void dispatch_kv(const Params& p, KvType kt, KvType vt, int n_heads, cudaStream_t stream) {
+#define KESTREL_PREFILL_TYPES(K, V)                   \
+  if (kt == KvType::K && vt == KvType::V)             \
+    return launch_kv<D, KvType::K, KvType::V>(p, n_heads, stream);
+  KESTREL_PREFILL_TYPES(F16, F16)
+  KESTREL_PREFILL_TYPES(F16, Q8_0)
+  KESTREL_PREFILL_TYPES(F16, Fp8)
+  KESTREL_PREFILL_TYPES(Q8_0, F16)
+  KESTREL_PREFILL_TYPES(Q8_0, Q8_0)
+  KESTREL_PREFILL_TYPES(Q8_0, Fp8)
+  KESTREL_PREFILL_TYPES(Fp8, F16)
+  KESTREL_PREFILL_TYPES(Fp8, Q8_0)
+  KESTREL_PREFILL_TYPES(Fp8, Fp8)
+#undef KESTREL_PREFILL_TYPES
+  throw Error(std::string("attention_prefill_kv: no kernel for a ") + kv_type_name(kt) +
+              " K cache with a " + kv_type_name(vt) + " V cache");
+}
+
 template <int D>
 void launch(const Params& p, int n_heads, PrefillAttnKernel kernel, cudaStream_t stream) {
   const dim3 grid((p.T + kBQ - 1) / kBQ, n_heads);
@@ -439,31 +523,33 @@ void launch(const Params& p, int n_heads, PrefillAttnKernel kernel, cudaStream_t
 
 }  // namespace
 
-void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_cache,
-                           const __half* v_cache, int pos0, int T, int sliding_window,
-                           int n_heads, int n_kv_heads, int head_dim, __half* out,
-                           cudaStream_t stream, PrefillAttnKernel kernel,
-                           const int* d_pos0) {
+namespace {
+
+// The checks and parameters both entry points share; `who` names the entry point.
+Params make_params(const char* who_c, const __half* q, int64_t q_stride, const void* k_cache,
+                   const void* v_cache, int pos0, int T, int sliding_window, int n_heads,
+                   int n_kv_heads, int head_dim, __half* out, const int* d_pos0) {
+  const std::string who = who_c;
   KESTREL_CHECK(head_dim == 64 || head_dim == 128,
-                "attention_prefill_f16: head_dim " + std::to_string(head_dim) +
-                    " is not supported (64 or 128)");
+                who + ": head_dim " + std::to_string(head_dim) + " is not supported (64 or 128)");
   KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && n_heads % n_kv_heads == 0,
-                "attention_prefill_f16: n_heads " + std::to_string(n_heads) +
+                who + ": n_heads " + std::to_string(n_heads) +
                     " is not a multiple of n_kv_heads " + std::to_string(n_kv_heads));
   KESTREL_CHECK(T >= 1 && pos0 >= 0 && n_heads <= 65535,
-                "attention_prefill_f16: bad chunk T " + std::to_string(T) + " at position " +
+                who + ": bad chunk T " + std::to_string(T) + " at position " +
                     std::to_string(pos0));
   KESTREL_CHECK(q_stride % 8 == 0 && reinterpret_cast<uintptr_t>(q) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(k_cache) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(v_cache) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(out) % 16 == 0,
-                "attention_prefill_f16: q, the caches and out must be 16-byte aligned and the q "
+                who + ": q, the caches and out must be 16-byte aligned and the q "
                 "row stride a multiple of 8, got " + std::to_string(q_stride));
-  Params p;
+  Params p{};
   p.q = q;
   p.q_stride = q_stride;
-  p.k = k_cache;
-  p.v = v_cache;
+  p.k = static_cast<const __half*>(k_cache);
+  p.v = static_cast<const __half*>(v_cache);
+  p.n_kv_heads = n_kv_heads;
   p.pos0 = pos0;
   p.d_pos0 = d_pos0;
   p.T = T;
@@ -473,10 +559,40 @@ void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_ca
   p.out_stride = n_heads * head_dim;
   p.out = out;
   p.scale_log2 = (float)(1.4426950408889634 / std::sqrt((double)head_dim));
+  return p;
+}
+
+}  // namespace
+
+void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_cache,
+                           const __half* v_cache, int pos0, int T, int sliding_window,
+                           int n_heads, int n_kv_heads, int head_dim, __half* out,
+                           cudaStream_t stream, PrefillAttnKernel kernel,
+                           const int* d_pos0) {
+  const Params p = make_params("attention_prefill_f16", q, q_stride, k_cache, v_cache, pos0, T,
+                               sliding_window, n_heads, n_kv_heads, head_dim, out, d_pos0);
   if (head_dim == 64)
     launch<64>(p, n_heads, kernel, stream);
   else
     launch<128>(p, n_heads, kernel, stream);
+}
+
+void attention_prefill_kv(const __half* q, int64_t q_stride, const KvCacheDev& k,
+                          const KvCacheDev& v, int pos0, int T, int sliding_window, int n_heads,
+                          int n_kv_heads, int head_dim, __half* out, cudaStream_t stream,
+                          const int* d_pos0) {
+  for (const KvCacheDev* c : {&k, &v})
+    KESTREL_CHECK(c->type == KvType::F16 || c->scales,
+                  std::string("attention_prefill_kv: a ") + kv_type_name(c->type) +
+                      " cache without its scales");
+  Params p = make_params("attention_prefill_kv", q, q_stride, k.data, v.data, pos0, T,
+                         sliding_window, n_heads, n_kv_heads, head_dim, out, d_pos0);
+  p.k_scales = k.scales;
+  p.v_scales = v.scales;
+  if (head_dim == 64)
+    dispatch_kv<64>(p, k.type, v.type, n_heads, stream);
+  else
+    dispatch_kv<128>(p, k.type, v.type, n_heads, stream);
 }
 
 }  // namespace kestrel::cuda

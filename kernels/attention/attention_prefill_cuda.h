@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "kernels/attention/kv_cache_cuda.h"
+
 namespace kestrel::cuda {
 
 // Mma: registers and mma.sync (the engine's). Wmma: WMMA fragments with S, P and O staged in
@@ -31,5 +33,15 @@ void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_ca
                            int n_heads, int n_kv_heads, int head_dim, __half* out,
                            cudaStream_t stream, PrefillAttnKernel kernel = PrefillAttnKernel::Mma,
                            const int* d_pos0 = nullptr);
+
+// attention_prefill_f16's Mma kernel over caches of any type (kv_cache_cuda.h, K and V each
+// its own): each K/V tile dequantized (code * scale in fp32, rounded to fp16) as it is staged
+// in shared memory, never into a second copy of the cache. The same contract otherwise (the
+// chunk's own K/V written first, by rope_kv_write_rows_kv). A type without its scales is a
+// kestrel::Error.
+void attention_prefill_kv(const __half* q, int64_t q_stride, const KvCacheDev& k,
+                          const KvCacheDev& v, int pos0, int T, int sliding_window, int n_heads,
+                          int n_kv_heads, int head_dim, __half* out, cudaStream_t stream,
+                          const int* d_pos0 = nullptr);
 
 }  // namespace kestrel::cuda

@@ -40,7 +40,9 @@ struct KvCacheTypes {
   KvType k = KvType::F16;
   KvType v = KvType::F16;
   bool quantized() const { return k != KvType::F16 || v != KvType::F16; }
-  bool operator==(const KvCacheTypes&) const = default;
+  // Spelled out, not defaulted: the CUDA files that include this header build as C++17.
+  bool operator==(const KvCacheTypes& o) const { return k == o.k && v == o.v; }
+  bool operator!=(const KvCacheTypes& o) const { return !(*this == o); }
 };
 
 // "f16", "q8_0", "fp8".

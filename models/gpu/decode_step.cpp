@@ -35,8 +35,8 @@ struct DecodeOps {
   const ModelConfig& c;
   const GpuRunState& r;       // the model's scratch
   const GpuSequence& q;       // the sequence's cache and attention workspace
-  __half* k_cache;            // [ctx, kv_dim] this layer's
-  __half* v_cache;
+  cuda::KvCacheDev k_cache;   // [ctx, kv_dim] this layer's, in the sequence's types
+  cuda::KvCacheDev v_cache;
   int ctx_bound;              // the graph's range of positions ends here
   const DecodeTuning& tuning;
   StepProfiler& profiler;
@@ -65,14 +65,28 @@ struct DecodeOps {
 
   // RoPE of q and the new k, the KV-cache write and the attention: one split kernel, which
   // rotates as it reads qkv and merges the chunks in the last block of each head range (under
-  // L.order, storing its output in o's act-order permutation).
+  // L.order, storing its output in o's act-order permutation). An 8-bit cache takes two: RoPE
+  // with the write rounded to the cache's types, then the split kernel reading codes.
   void attention(const GpuLayer& L) {
-    cuda::attention_decode_rope_f16(r.qkv, k_cache, v_cache, r.pos, q.ctx, c.sliding_window,
-                                    c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(),
-                                    q.att_workspace, r.att, s, L.order.att_out, ctx_bound,
-                                    tuning.attention_heads_per_block);
-    profiler.mark("rope + kv write + attention",
-                  profiler.on() ? 2.0 * (profiler.pos() + 1) * c.kv_dim() * kHalf : 0, s);
+    if (!q.types.quantized()) {
+      cuda::attention_decode_rope_f16(
+          r.qkv, static_cast<__half*>(k_cache.data), static_cast<__half*>(v_cache.data), r.pos,
+          q.ctx, c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(),
+          q.att_workspace, r.att, s, L.order.att_out, ctx_bound,
+          tuning.attention_heads_per_block);
+      profiler.mark("rope + kv write + attention",
+                    profiler.on() ? 2.0 * (profiler.pos() + 1) * c.kv_dim() * kHalf : 0, s);
+      return;
+    }
+    cuda::rope_kv_write_rows_kv(r.qkv, c.q_dim() + 2 * c.kv_dim(), 1, 0, k_cache, v_cache,
+                                c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(), s, r.pos);
+    profiler.mark("rope + kv write (8-bit)", 0, s);
+    cuda::attention_decode_kv(r.qkv, k_cache, v_cache, r.pos, q.ctx, c.sliding_window, c.n_heads,
+                              c.n_kv_heads, c.head_dim, q.att_workspace, r.att, s,
+                              L.order.att_out, ctx_bound, tuning.attention_heads_per_block);
+    const double row = (double)kv_row_bytes(q.types.k, c.n_kv_heads, c.head_dim, 2) +
+                       (double)kv_row_bytes(q.types.v, c.n_kv_heads, c.head_dim, 2);
+    profiler.mark("attention (8-bit cache)", profiler.on() ? (profiler.pos() + 1) * row : 0, s);
   }
 
   // x += Wo att (+ bo, in the epilogue). Under L.order: x2 = Wo att + x, x read in qkv's
@@ -145,7 +159,6 @@ struct DecodeOps {
 
 void DecoderCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, int ctx_bound) {
   const ModelConfig& c = cfg_;
-  const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   const bool sampled = head == Head::Sample0 || head == Head::Sample1;
   const bool chained = head == Head::Chain0 || head == Head::Chain1 || sampled;
   if (!chained)
@@ -161,8 +174,7 @@ void DecoderCuda::record_step(const GpuSequence& q, cudaStream_t s, Head head, i
     cuda::embedding_f16(w_.embed, s_.token, c.hidden, s_.x, s);  // x [hidden]
   profiler_.mark("embedding", 2 * c.hidden * kHalf, s);
   for (int l = 0; l < c.n_layers; ++l) {
-    DecodeOps op{c, s_, q, q.key_cache + l * kv_layer, q.value_cache + l * kv_layer, ctx_bound,
-                 tuning_, profiler_, s};
+    DecodeOps op{c, s_, q, q.k_layer(l, c), q.v_layer(l, c), ctx_bound, tuning_, profiler_, s};
     decoder_layer(c, w_.layers[l], op);
   }
   if (head == Head::None) return;

@@ -41,14 +41,19 @@ std::string cuda_unsupported_formats(const ModelSpec& spec) {
   return "";
 }
 
-DecoderCuda::DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning)
-    : cfg_(spec.config), tuning_(tuning) {
+DecoderCuda::DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning,
+                         KvCacheTypes cache)
+    : cfg_(spec.config), tuning_(tuning), cache_(cache) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   device_name_ = st.name;
   const ModelConfig& c = cfg_;
   for (const std::string& why : {cuda_unsupported(c), cuda_unsupported_formats(spec)})
     if (!why.empty()) throw Error(fmt::format("{}: {}", spec.dir, why));
+  for (const auto& [option, t] : {std::pair{"--cache-type-k", cache.k}, {"--cache-type-v", cache.v}}) {
+    const std::string why = kv_type_unsupported(t, c.head_dim);
+    if (!why.empty()) throw Error(fmt::format("{} {}: {}", option, kv_type_name(t), why));
+  }
   // The first call that needs device memory: where even that fails, say so as any shortage.
   const cudaError_t stream_err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
   if (stream_err == cudaErrorMemoryAllocation) {

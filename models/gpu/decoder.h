@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/attention/kv_cache_cuda.h"
 #include "models/gpu/graphs.h"
 #include "models/gpu/memory.h"
 #include "models/gpu/profiler.h"
@@ -52,13 +53,33 @@ struct GpuRunState {
 
 // One sequence's memory on the device (DecoderCudaSession): its KV cache and attention's
 // workspace, which is sized by the context. What the model's recorded forward reads and writes
-// of a sequence.
+// of a sequence. K and V each in its type (--cache-type-k/-v; the layout of
+// kernels/attention/kv_cache_cuda.h, layer after layer).
 struct GpuSequence {
   int ctx = 0;                   // positions the cache holds
-  size_t cache_bytes = 0;        // of key_cache and value_cache together
-  __half* key_cache = nullptr;   // [n_layers, ctx, kv_dim]
-  __half* value_cache = nullptr; // [n_layers, ctx, kv_dim]
+  size_t cache_bytes = 0;        // of the K and V caches together, scales included
+  KvCacheTypes types;            // of the K and V caches
+  void* key_cache = nullptr;     // [n_layers, ctx, kv_dim]: fp16 values (f16) or 8-bit codes
+  void* value_cache = nullptr;   // [n_layers, ctx, kv_dim]
+  void* key_scales = nullptr;    // [n_layers, ctx, scales per row] (8-bit types; else null)
+  void* value_scales = nullptr;
   float* att_workspace = nullptr;
+
+  // Layer l's K and V caches as the kernels take them.
+  cuda::KvCacheDev k_layer(int l, const ModelConfig& c) const {
+    return layer(types.k, key_cache, key_scales, l, c);
+  }
+  cuda::KvCacheDev v_layer(int l, const ModelConfig& c) const {
+    return layer(types.v, value_cache, value_scales, l, c);
+  }
+
+ private:
+  cuda::KvCacheDev layer(KvType t, void* data, void* scales, int l, const ModelConfig& c) const {
+    const size_t d = cuda::kv_data_bytes(t, ctx, c.n_kv_heads, c.head_dim);
+    const size_t sc = cuda::kv_scales_bytes(t, ctx, c.n_kv_heads, c.head_dim);
+    return {t, static_cast<char*>(data) + (size_t)l * d,
+            scales ? static_cast<char*>(scales) + (size_t)l * sc : nullptr};
+  }
 };
 
 // Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)
@@ -82,11 +103,14 @@ class DecoderCudaSession;
 class DecoderCuda final : public Model {
  public:
   // Uploads the weights (streamed tensor by tensor, with a progress bar unless quiet) and
-  // allocates the decode step's scratch. Throws kestrel::Error / DeviceError.
-  DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning = {});
+  // allocates the decode step's scratch. Its sessions' caches hold K and V in `cache`'s types.
+  // Throws kestrel::Error / DeviceError.
+  DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning = {},
+              KvCacheTypes cache = {});
   ~DecoderCuda() override;
 
   const ModelConfig& config() const override { return cfg_; }
+  KvCacheTypes cache_types() const override { return cache_; }
   std::string device_name() const override { return device_name_; }
   // Allocates the session's KV cache for `context` positions (0 = max_position_embeddings;
   // reduced with a note when GPU memory is short) and captures its decode graphs.
@@ -159,6 +183,7 @@ class DecoderCuda final : public Model {
 
   ModelConfig cfg_;
   DecodeTuning tuning_;
+  KvCacheTypes cache_;  // the sessions' K and V cache types
   std::string device_name_;
   size_t weight_bytes_ = 0;
   size_t free_at_start_ = 0, after_load_bytes_ = 0;  // device_bytes_* (cudaMemGetInfo)

@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "models/io/config.h"
+#include "kernels/attention/kv_cache_cuda.h"
 #include "kernels/gemm/gemm.h"
 #include "models/cpu/decoder.h"
 #include "models/gpu/weights.h"
@@ -64,6 +65,12 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
                         int T, int pos0, __half* k_cache, __half* v_cache,
                         const LayerRowsScratch& b, cudaStream_t s,
                         const GpuLayerTaps* taps = nullptr);
+// The same over this layer's caches in any types (kernels/attention/kv_cache_cuda.h): K and V
+// rounded to them as they are written, read back dequantized by the attention.
+void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
+                        int T, int pos0, const cuda::KvCacheDev& k_cache,
+                        const cuda::KvCacheDev& v_cache, const LayerRowsScratch& b,
+                        cudaStream_t s, const GpuLayerTaps* taps = nullptr);
 
 // y [rows, hidden] = the family's norm of x (RMSNorm, or LayerNorm with bias b after x += add,
 // add being the bias a residual GEMM left out: add_layer_norm_f16).

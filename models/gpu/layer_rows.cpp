@@ -50,8 +50,8 @@ struct RowsOps {
   cuda::GemmRunner& gemm;
   __half* x;                  // [T, hidden] the residual stream
   int T, pos0;
-  __half* k_cache;            // [ctx, kv_dim] this layer's
-  __half* v_cache;
+  cuda::KvCacheDev k_cache;   // [ctx, kv_dim] this layer's, in its types
+  cuda::KvCacheDev v_cache;
   const LayerRowsScratch& b;
   cudaStream_t s;
   const GpuLayerTaps* taps;
@@ -79,12 +79,24 @@ struct RowsOps {
                             L.k_norm, c.rms_eps, s);
   }
 
+  // RoPE + the KV write, then causal attention over the cache. 8-bit caches: the write rounds
+  // to their types and the attention dequantizes its tiles (kernels/attention/kv_cache_cuda.h).
   void attention(const GpuLayer&) {
-    cuda::rope_kv_write_rows_f16(b.qkv, qkv_n(), T, pos0, k_cache, v_cache, c.n_heads,
-                                 c.n_kv_heads, c.head_dim, c.rope_scaling(), s, b.pos0);
-    cuda::attention_prefill_f16(b.qkv, qkv_n(), k_cache, v_cache, pos0, T, c.sliding_window,
-                                c.n_heads, c.n_kv_heads, c.head_dim, b.att, s,  // [T, q_dim]
-                                cuda::PrefillAttnKernel::Mma, b.pos0);
+    if (k_cache.type == KvType::F16 && v_cache.type == KvType::F16) {
+      __half* kc = static_cast<__half*>(k_cache.data);
+      __half* vc = static_cast<__half*>(v_cache.data);
+      cuda::rope_kv_write_rows_f16(b.qkv, qkv_n(), T, pos0, kc, vc, c.n_heads, c.n_kv_heads,
+                                   c.head_dim, c.rope_scaling(), s, b.pos0);
+      cuda::attention_prefill_f16(b.qkv, qkv_n(), kc, vc, pos0, T, c.sliding_window, c.n_heads,
+                                  c.n_kv_heads, c.head_dim, b.att, s,  // [T, q_dim]
+                                  cuda::PrefillAttnKernel::Mma, b.pos0);
+      return;
+    }
+    cuda::rope_kv_write_rows_kv(b.qkv, qkv_n(), T, pos0, k_cache, v_cache, c.n_heads,
+                                c.n_kv_heads, c.head_dim, c.rope_scaling(), s, b.pos0);
+    cuda::attention_prefill_kv(b.qkv, qkv_n(), k_cache, v_cache, pos0, T, c.sliding_window,
+                               c.n_heads, c.n_kv_heads, c.head_dim, b.att, s,  // [T, q_dim]
+                               b.pos0);
   }
 
   // x += Wo att (bo: in the next norm)
@@ -141,10 +153,18 @@ void norm_rows(const ModelConfig& c, __half* x, const __half* add, const __half*
 }
 
 void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
-                        int T, int pos0, __half* k_cache, __half* v_cache,
-                        const LayerRowsScratch& b, cudaStream_t s, const GpuLayerTaps* taps) {
+                        int T, int pos0, const cuda::KvCacheDev& k_cache,
+                        const cuda::KvCacheDev& v_cache, const LayerRowsScratch& b,
+                        cudaStream_t s, const GpuLayerTaps* taps) {
   RowsOps op{c, gemm, x, T, pos0, k_cache, v_cache, b, s, taps};
   decoder_layer(c, L, op);
+}
+
+void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunner& gemm, __half* x,
+                        int T, int pos0, __half* k_cache, __half* v_cache,
+                        const LayerRowsScratch& b, cudaStream_t s, const GpuLayerTaps* taps) {
+  layer_forward_rows(c, L, gemm, x, T, pos0, cuda::KvCacheDev{KvType::F16, k_cache, nullptr},
+                     cuda::KvCacheDev{KvType::F16, v_cache, nullptr}, b, s, taps);
 }
 
 }  // namespace kestrel

@@ -43,10 +43,9 @@ void DecoderCuda::record_rows(PrefillState& S, const GpuSequence& q, const int* 
   scratch.small_ws = S.small_ws;
   scratch.small_ws_bytes = S.small_ws_bytes;
   scratch.pos0 = d_pos;
-  const size_t kv_layer = (size_t)q.ctx * c.kv_dim();
   for (int l = 0; l < c.n_layers; ++l)
-    layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, d_pos ? 0 : p0, q.key_cache + l * kv_layer,
-                       q.value_cache + l * kv_layer, scratch, s);
+    layer_forward_rows(c, w_.layers[l], S.gemm, S.x, T, d_pos ? 0 : p0, q.k_layer(l, c),
+                       q.v_layer(l, c), scratch, s);
 }
 
 // Output head: FP32 logits straight from the GEMM's FP32 accumulators.

@@ -20,10 +20,14 @@ namespace kestrel {
 DecoderCudaSession::DecoderCudaSession(DecoderCuda& m, int context, bool quiet) : Session(m), m_(m) {
   const ModelConfig& c = m.cfg_;
   try {
-    // KV cache: as long as asked (or the model's maximum), shortened to what fits.
+    // KV cache: as long as asked (or the model's maximum), shortened to what fits, in the
+    // model's cache types (an 8-bit position takes about half an f16 one: twice the context).
     int ctx = context > 0 ? context : c.max_pos;
     c.check_context(ctx);
-    const size_t per_pos = 2ull * c.n_layers * c.kv_dim() * sizeof(__half);
+    const KvCacheTypes kv = m.cache_;
+    const size_t per_pos =
+        (size_t)c.n_layers * (kv_row_bytes(kv.k, c.n_kv_heads, c.head_dim, sizeof(__half)) +
+                              kv_row_bytes(kv.v, c.n_kv_heads, c.head_dim, sizeof(__half)));
     size_t free_b = 0, total_b = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const size_t reserve = (size_t)256 << 20;  // scratch, graphs, the CUDA context's growth
@@ -39,11 +43,17 @@ DecoderCudaSession::DecoderCudaSession(DecoderCuda& m, int context, bool quiet) 
     }
     q_.ctx = ctx;
     q_.cache_bytes = per_pos * ctx;
+    q_.types = kv;
     auto alloc = [&](size_t bytes) {
       return mem_.alloc(bytes, fmt::format(" for a context of {}", ctx), "; use -c N");
     };
-    q_.key_cache = static_cast<__half*>(alloc(q_.cache_bytes / 2));
-    q_.value_cache = static_cast<__half*>(alloc(q_.cache_bytes / 2));
+    const size_t layers = c.n_layers;
+    q_.key_cache = alloc(layers * cuda::kv_data_bytes(kv.k, ctx, c.n_kv_heads, c.head_dim));
+    q_.value_cache = alloc(layers * cuda::kv_data_bytes(kv.v, ctx, c.n_kv_heads, c.head_dim));
+    if (kv.k != KvType::F16)
+      q_.key_scales = alloc(layers * cuda::kv_scales_bytes(kv.k, ctx, c.n_kv_heads, c.head_dim));
+    if (kv.v != KvType::F16)
+      q_.value_scales = alloc(layers * cuda::kv_scales_bytes(kv.v, ctx, c.n_kv_heads, c.head_dim));
     q_.att_workspace =
         static_cast<float*>(alloc(cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim)));
     cuda::attention_workspace_reset(q_.att_workspace, ctx, c.n_heads, c.head_dim, m.stream_);

@@ -24,6 +24,7 @@
 #include "models/io/model_spec.h"
 #include "models/cpu/decoder.h"
 #include "models/gpu/decoder.h"
+#include "models/registry.h"
 #include "kernels/sampling/sample.h"
 #include "tests/support/compare.h"
 #include "tests/support/sample_check.h"
@@ -489,6 +490,119 @@ INSTANTIATE_TEST_SUITE_P(
                       // (tests/support/synth_model.h says which)
                       kestrel::test::dynamic_mixed(), kestrel::test::dynamic_fused(),
                       kestrel::test::dynamic_act_stream(), kestrel::test::dynamic_v2_asym()),
+    [](const auto& info) { return info.param.name; });
+
+// ---- The 8-bit KV cache (-ctk / -ctv q8_0 | fp8) -------------------------------------------------
+//
+// The GPU engine with a cache type against the CPU engine with the same type (the reference:
+// kernels/attention/kv_quant.h's rounding when a position is written, fp32 reads), on tiny
+// models of both head dims, GQA and Mistral's window of 32, two layers: a prompt of 150 rows in
+// prefill chunks of 64 (each chunk's attention over a cache already written), every row's
+// logits; teacher-forced decode steps (the captured graphs, position on the device); a verify
+// pass of 12 rows; a free-running greedy run; and the prompt token by token against the
+// chunked prefill on the GPU itself.
+//
+// Tolerance: as GpuVsCpu, plus the cache's rounding taken from fp16 K/V on the GPU and from
+// fp32 on the CPU: a value within fp16's rounding of a code boundary can take the neighbouring
+// code (1/127 of its block's amax in q8_0, 1/16 of itself in fp8) on one engine. Such values
+// are rare and diluted over a head's 64-128 dims; 3e-2 on the logits leaves margin while a
+// misread code, scale or row still errs by order 1. Greedy tokens must match exactly.
+struct KvModelCase {
+  std::string name;
+  int heads, kv_heads;  // tiny: hidden 256, so head_dim = 256 / heads
+  std::string arch;     // "" (Llama) or "mistral" (window 32)
+  KvCacheTypes kv;
+};
+
+class GpuKvCache : public ::testing::TestWithParam<KvModelCase> {};
+
+TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
+  KESTREL_REQUIRE_GPU();
+  const KvModelCase& p = GetParam();
+  const Case f{"kv8_" + p.name, "gptq", 4, 128, false, false, "gptq", p.heads, p.kv_heads};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/23, /*n_layers=*/2, p.arch);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const ModelConfig& c = spec.config;
+  ASSERT_EQ(c.head_dim, 256 / p.heads);
+  ASSERT_EQ(c.sliding_window, p.arch == "mistral" ? 32 : 0);
+  const int ctx = 256, vocab = c.vocab, n_prompt = 150, steps = 32;
+  constexpr double kTol = 3e-2;
+
+  DecoderCpu cpu_model(spec, p.kv);
+  DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
+  gpu_model.set_prefill_chunk(64);
+  EXPECT_EQ(gpu_model.cache_types(), p.kv);
+  auto cpu = cpu_model.new_cpu_session(ctx);
+  auto gpu = gpu_model.new_cuda_session(ctx);
+  // The cache's bytes in its types: what `bench -o json` reports as gpu_cache_bytes.
+  EXPECT_EQ(gpu->cache_bytes(), cache_bytes_per_position(Device::Cuda, c, p.kv) * ctx);
+
+  std::vector<int> tokens(n_prompt);
+  for (int i = 0; i < n_prompt; ++i) tokens[i] = (i * 37 + 5) % vocab;
+  std::vector<float> lc(vocab), lg(vocab), all_c((size_t)n_prompt * vocab),
+      all_g((size_t)n_prompt * vocab);
+  cpu->forward(tokens.data(), n_prompt, 0, lc.data(), all_c.data());
+  gpu->forward(tokens.data(), n_prompt, 0, lg.data(), all_g.data());
+  double worst = 0;
+  for (int t = 0; t < n_prompt; ++t) {
+    const std::vector<float> rc(all_c.begin() + (size_t)t * vocab, all_c.begin() + (size_t)(t + 1) * vocab);
+    const std::vector<float> rg(all_g.begin() + (size_t)t * vocab, all_g.begin() + (size_t)(t + 1) * vocab);
+    worst = std::max(worst, rel_err(rg, rc));
+  }
+  EXPECT_LT(worst, kTol) << "largest relative logit error over the prompt's rows";
+  const std::vector<float> prompt_last = lg;
+
+  // Teacher-forced decode steps: both engines see the CPU's greedy tokens.
+  worst = 0;
+  for (int i = 0; i < steps; ++i) {
+    tokens.push_back(argmax_of(lc));
+    const int pos = (int)tokens.size() - 1;
+    cpu->forward(&tokens.back(), 1, pos, lc.data(), nullptr);
+    gpu->forward(&tokens.back(), 1, pos, lg.data(), nullptr);
+    worst = std::max(worst, rel_err(lg, lc));
+  }
+  EXPECT_LT(worst, kTol) << "largest relative logit error over " << steps << " steps";
+
+  // A verify pass of 12 rows after them: each row's greedy successor, CPU and GPU.
+  {
+    std::vector<int> draft(12);
+    for (int i = 0; i < 12; ++i) draft[i] = (i * 11 + 3) % vocab;
+    const int pos = (int)tokens.size();
+    std::vector<int> out_c(12), out_g(12);
+    cpu->forward_argmax_rows(draft.data(), 12, pos, out_c.data());
+    gpu->forward_argmax_rows(draft.data(), 12, pos, out_g.data());
+    EXPECT_EQ(out_g, out_c) << "verify rows";
+  }
+
+  // Free-running greedy on the GPU over the same positions (the prompt again, then argmax steps
+  // through the decode graphs): the CPU's tokens.
+  std::vector<int> greedy(tokens.begin(), tokens.begin() + n_prompt);
+  gpu->forward(greedy.data(), n_prompt, 0, lg.data(), nullptr);
+  greedy.push_back(argmax_of(lg));
+  for (int i = 1; i < steps; ++i)
+    greedy.push_back(gpu->forward_argmax(greedy.back(), (int)greedy.size() - 1));
+  for (int i = 0; i < steps; ++i)
+    EXPECT_EQ(greedy[n_prompt + i], tokens[n_prompt + i]) << "greedy step " << i;
+
+  // The prompt token by token (decode steps, each writing and reading the 8-bit cache) against
+  // the chunked prefill's last row, on a second GPU session.
+  auto steps_session = gpu_model.new_cuda_session(ctx);
+  for (int i = 0; i < n_prompt; ++i) steps_session->forward(&tokens[i], 1, i, lg.data(), nullptr);
+  EXPECT_LT(rel_err(lg, prompt_last), kTol) << "token by token vs chunked prefill";
+  EXPECT_EQ(argmax_of(lg), argmax_of(prompt_last));
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Types, GpuKvCache,
+    ::testing::Values(KvModelCase{"hd64_gqa_q8_0", 4, 2, "", {KvType::Q8_0, KvType::Q8_0}},
+                      KvModelCase{"hd64_gqa_fp8", 4, 2, "", {KvType::Fp8, KvType::Fp8}},
+                      KvModelCase{"hd128_gqa_q8_0", 2, 1, "", {KvType::Q8_0, KvType::Q8_0}},
+                      KvModelCase{"hd128_gqa_fp8", 2, 1, "", {KvType::Fp8, KvType::Fp8}},
+                      KvModelCase{"hd64_mha_q8k_fp8v", 4, 4, "", {KvType::Q8_0, KvType::Fp8}},
+                      KvModelCase{"hd128_f16k_q8v", 2, 2, "", {KvType::F16, KvType::Q8_0}},
+                      KvModelCase{"hd64_window_q8_0", 4, 2, "mistral", {KvType::Q8_0, KvType::Q8_0}},
+                      KvModelCase{"hd128_window_fp8", 2, 1, "mistral", {KvType::Fp8, KvType::Fp8}}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

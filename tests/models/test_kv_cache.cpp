@@ -235,20 +235,23 @@ TEST(KvTypes, NamesBytesAndRefusals) {
             "q8_0 stores blocks of 32 values of a head, and this model's heads have 80");
   EXPECT_EQ(kv_type_unsupported(KvType::Q8_0, 96), "");
   EXPECT_EQ(kv_type_unsupported(KvType::Fp8, 80), "");
-  // The CUDA engine's refusal, one line, before any device work.
+  // Both engines run every type (the CUDA kernels since the second half); q8_0 on
+  // heads it cannot block is refused on either, in one line, before any device work.
   ModelConfig c;
   c.n_layers = 2;
   c.n_heads = 4;
   c.n_kv_heads = 2;
   c.head_dim = 64;
-  const std::string cuda = cache_types_unsupported(Device::Cuda, c, {KvType::F16, KvType::Fp8});
-  EXPECT_NE(cuda.find("--cache-type-v fp8"), std::string::npos) << cuda;
-  EXPECT_EQ(cuda.find('\n'), std::string::npos);
-  EXPECT_EQ(cache_types_unsupported(Device::Cpu, c, {KvType::Q8_0, KvType::Fp8}), "");
+  for (const Device d : {Device::Cpu, Device::Cuda}) {
+    EXPECT_EQ(cache_types_unsupported(d, c, {KvType::F16, KvType::Fp8}), "");
+    EXPECT_EQ(cache_types_unsupported(d, c, {KvType::Q8_0, KvType::Fp8}), "");
+  }
   c.head_dim = 80;
-  EXPECT_NE(cache_types_unsupported(Device::Cpu, c, {KvType::Q8_0, KvType::F16})
-                .find("--cache-type-k q8_0"),
-            std::string::npos);
+  for (const Device d : {Device::Cpu, Device::Cuda}) {
+    const std::string why = cache_types_unsupported(d, c, {KvType::Q8_0, KvType::F16});
+    EXPECT_NE(why.find("--cache-type-k q8_0"), std::string::npos) << why;
+    EXPECT_EQ(why.find('\n'), std::string::npos);
+  }
 }
 
 // ---- One layer's cache ----------------------------------------------------------------------
