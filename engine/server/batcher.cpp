@@ -24,7 +24,7 @@ class StepBatcher::BatchedSession final : public Session {
     KESTREL_CHECK(n > 0, "forward: no tokens");
     // A decode step, or a pass that wants every row's logits (a verify pass): one pass.
     if (n == 1 || all_logits) {
-      Pass p{inner_.get(), tokens, n, pos, logits, all_logits, {}};
+      Pass p{inner_.get(), tokens, n, pos, logits, all_logits, {}, false, nullptr};
       b_.run(p);
       return;
     }
@@ -32,7 +32,8 @@ class StepBatcher::BatchedSession final : public Session {
     // token (the last chunk's are the prompt's). A chunk of one token is a decode row.
     const int chunk = b_.opt_.batch_tokens;
     for (int at = 0; at < n; at += chunk) {
-      Pass p{inner_.get(), tokens + at, std::min(chunk, n - at), pos + at, logits, nullptr, {}};
+      Pass p{inner_.get(), tokens + at, std::min(chunk, n - at), pos + at, logits, nullptr, {},
+             false, nullptr};
       b_.run(p);
     }
   }

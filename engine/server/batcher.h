@@ -3,9 +3,9 @@
 // stop strings, logprobs, grammar and cancellation untouched), but every pass they ask of the
 // model goes to one StepBatcher, whose step thread runs it:
 //
-//   worker 1: forward(1 token) --\
+//   worker 1: forward(1 token) ---+
 //   worker 2: forward(1 token) ---+--> step: Model::forward_batch over the waiting decode rows
-//   worker 3: forward(prompt) ----/          + at most one prompt chunk (<= batch_tokens tokens)
+//   worker 3: forward(prompt) ----+          + at most one prompt chunk (<= batch_tokens tokens)
 //
 // - Requests join and leave between steps: a step takes whatever rows are waiting when it starts.
 // - A step waits for the rows of every generation in progress (Generation), or at most `gather`

@@ -38,7 +38,7 @@ std::vector<Plan> plans(int vocab) {
   std::uniform_int_distribution<int> tok(0, vocab - 1);
   const int lengths[] = {3, 7, 1, 5, 2};
   const int joins[] = {0, 0, 2, 5, 1};
-  const int steps[] = {12, 6, 9, 7, 3};  // the second and fifth leave early
+  const int steps[] = {12, 6, 9, 7, 5};  // the second and fifth leave early, all in step 5
   std::vector<Plan> p(5);
   for (int i = 0; i < 5; ++i) {
     for (int k = 0; k < lengths[i]; ++k) p[i].prompt.push_back(tok(rng));
