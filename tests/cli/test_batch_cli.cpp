@@ -94,7 +94,10 @@ TEST_F(BatchCli, ConcurrentClientsGetWhatTheyGetAlone) {
     ASSERT_GT(port, 0) << s.log();
     for (const json& b : bodies) alone.push_back(complete(port, b));
   }
-  for (const std::string& t : alone) ASSERT_EQ(t.rfind("HTTP ", 0), std::string::npos) << t;
+  for (const std::string& t : alone) {
+    ASSERT_EQ(t.rfind("HTTP ", 0), std::string::npos) << t;
+    EXPECT_FALSE(t.empty());  // a comparison of empty answers would prove nothing
+  }
   Server s(args({"--parallel", "4", "--batch-tokens", "4"}), "serve_together");
   const int port = s.wait_listening();
   ASSERT_GT(port, 0) << s.log();
