@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+
+#include "base/error.h"
 
 namespace kestrel {
 
@@ -22,6 +25,29 @@ class StepwiseDecodeRun final : public DecodeRun {
 };
 
 }  // namespace
+
+void check_batch_rows(const Model& model, std::span<const BatchRow> rows) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const BatchRow& r = rows[i];
+    const std::string row = "forward_batch: row " + std::to_string(i);
+    KESTREL_CHECK(r.session != nullptr, row + " has no session");
+    KESTREL_CHECK(&r.session->model() == &model, row + "'s session belongs to another model");
+    KESTREL_CHECK(r.pos >= 0 && r.pos < r.session->context_length(),
+                  row + ": position " + std::to_string(r.pos) + " is outside its context of " +
+                      std::to_string(r.session->context_length()));
+    // Two rows of one session would write one cache in an order the batch does not define.
+    for (size_t j = 0; j < i; ++j)
+      KESTREL_CHECK(rows[j].session != r.session,
+                    row + " runs the session of row " + std::to_string(j) + " again");
+  }
+}
+
+void Model::forward_batch(std::span<const BatchRow> rows, float* logits) {
+  check_batch_rows(*this, rows);
+  const size_t vocab = config().vocab;
+  for (size_t i = 0; i < rows.size(); ++i)
+    rows[i].session->forward(&rows[i].token, 1, rows[i].pos, logits + i * vocab);
+}
 
 std::unique_ptr<DecodeRun> Session::greedy_run(int token, int pos) {
   return std::make_unique<StepwiseDecodeRun>(*this, token, pos);

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,14 @@ class DecodeRun {
 
 class Session;
 
+// One row of a batched decode step (Model::forward_batch): a session, the token it runs next
+// and the position that token takes in the session's cache.
+struct BatchRow {
+  Session* session = nullptr;
+  int token = 0;
+  int pos = 0;
+};
+
 // A loaded model: its configuration, its weights on a device, and what every sequence shares
 // there (decode graphs' recipe, scratch activations, the prefill's workspace). It holds no
 // sequence: each sequence is a Session, made by new_session, which owns its KV cache. Sessions
@@ -60,6 +69,18 @@ class Model {
   // max_position_embeddings), allocated now. A GPU model shortens the context to what fits,
   // with a note on stderr unless `quiet`; throws DeviceError where not even a short one does.
   virtual std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) = 0;
+
+  // A batched decode step: every row's session runs the row's token at the row's position
+  // (writing its K/V there, as session->forward(&token, 1, pos, ...) would), and
+  // logits [rows.size(), vocab] receive each row's logits, in the order of the rows. Every
+  // session must be one of this model's (not a wrapper around one) and appear once; the
+  // positions are each session's own. A kestrel::Error names the first bad row.
+  //
+  // The default runs the rows one after the other, so every engine is correct. An engine that
+  // batches for real reads each weight once for all rows (the CPU engine: its linears over the
+  // B rows, attention per row over its own cache), and must give each row exactly what a
+  // one-token forward gives it (on the CPU engine, bit for bit).
+  virtual void forward_batch(std::span<const BatchRow> rows, float* logits);
 
   // Bytes of the weights on the model's device.
   virtual size_t weight_bytes() const { return 0; }
@@ -140,5 +161,9 @@ class Session {
  private:
   Model& model_;
 };
+
+// What Model::forward_batch requires of its rows, checked (for an engine's override too): each a
+// session of `model`, once, at a position inside its context. Throws kestrel::Error.
+void check_batch_rows(const Model& model, std::span<const BatchRow> rows);
 
 }  // namespace kestrel

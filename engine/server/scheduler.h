@@ -1,14 +1,11 @@
 // How `kestrel serve` shares one loaded model among many clients: --parallel slots (one Session
-// each, with its own KV cache), a bounded queue of requests waiting for a slot, and the
-// model's turn lock.
+// each, with its own KV cache), a bounded queue of requests waiting for a slot, and a turn lock.
 //
-// The sessions of one model must never run at once (models/model.h), so the active requests'
-// steps take turns: each prompt run and each decode step takes the model's TurnLock, which
-// hands it on in the order it was asked for, so that N streams advance one token each in turn
-// rather than one stream starving the rest. Their steps are not batched together: running the
-// active sessions' decode steps as one batch (continuous batching) needs a fused small-M GEMM
-// that the engine does not have yet; each step is a batch-1 step, and the aggregate rate of N
-// streams is that of one.
+// The sessions of one model must never run at once (models/model.h). The slots of the served
+// model run their passes on the step batcher's one thread (engine/server/batcher.h: continuous
+// batching); TurnTakingSession serves the draft model's sessions of --spec draft, whose steps
+// take the draft model's TurnLock, handed on in the order it was asked for, so that N streams
+// advance in turn rather than one starving the rest.
 #pragma once
 
 #include <condition_variable>

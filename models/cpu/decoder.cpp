@@ -6,7 +6,8 @@
 // then the final norm and lm_head. One layer body serves every mode: a decode step (one row), a
 // speculative verify pass (a few rows, each with a decode step's arithmetic: RowsMath::Exact),
 // a prompt, a perplexity window and the quantizer's calibration (many rows through BLAS:
-// RowsMath::Blas).
+// RowsMath::Blas), and a batched decode step (one row of each of many sequences, Exact, each
+// row attending over its own sequence's cache: forward_batch).
 #include "models/cpu/decoder.h"
 
 #include <cblas.h>
@@ -88,18 +89,6 @@ void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const KvL
                     keys, vg, ldv, 0.0f, out + (int64_t)i0 * q_dim + (int64_t)h * hd, q_dim);
       }
     }
-  }
-}
-
-// The same attention row by row with attention_ref_kv (attention_ref on an fp32 cache), each
-// row as a decode step computes it.
-void attention_exact(const ModelConfig& c, const float* q, int64_t ldq, const KvLayerRef& k,
-                     const KvLayerRef& v, int T, int pos0, float* out) {
-  const int q_dim = c.q_dim();
-  for (int i = 0; i < T; ++i) {
-    const int p = pos0 + i;
-    const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
-    attention_ref_kv(q + (int64_t)i * ldq, k, v, c.n_heads, first, p, out + (int64_t)i * q_dim);
   }
 }
 
@@ -240,14 +229,21 @@ static bool tap(const LayerTaps* taps, LinearGroup g, const float* in, int T, in
   return taps->stop_after == g;
 }
 
-bool DecoderCpu::attention_block(CpuRunState& st, int l, float* x, int T, int pos0,
+bool DecoderCpu::attention_block(const CpuRows& rows, int l, float* x, int T,
                                  const LayerTaps* taps, RowsMath math) const {
   const ModelConfig& c = cfg_;
   const CpuLayer& L = w_.layers[l];
   const int hidden = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
   const int qkv_dim = q_dim + 2 * kv_dim;
-  const KvLayerRef k_cache = cache_layer(st.key_cache, c, l, st.ctx);    // [ctx, kv_dim]
-  const KvLayerRef v_cache = cache_layer(st.value_cache, c, l, st.ctx);  // [ctx, kv_dim]
+  // Layer l's K and V caches [ctx, kv_dim] of the sequence row i belongs to.
+  auto k_cache = [&](int i) {
+    CpuRunState& st = rows.state(i);
+    return cache_layer(st.key_cache, c, l, st.ctx);
+  };
+  auto v_cache = [&](int i) {
+    CpuRunState& st = rows.state(i);
+    return cache_layer(st.value_cache, c, l, st.ctx);
+  };
   std::vector<float> xb((size_t)T * hidden);    // [T, hidden] normalised input
   std::vector<float> qkv((size_t)T * qkv_dim);  // [T, q_dim | kv_dim | kv_dim]
   std::vector<float> att((size_t)T * q_dim);    // [T, q_dim] attention output
@@ -262,13 +258,25 @@ bool DecoderCpu::attention_block(CpuRunState& st, int l, float* x, int T, int po
   linear(L.v, xb.data(), T, qkv.data() + q_dim + kv_dim, qkv_dim, math);
   for (int i = 0; i < T; ++i) {
     float* row = qkv.data() + (size_t)i * qkv_dim;
-    position_qk(L, row, row + q_dim, pos0 + i);
-    k_cache.write(pos0 + i, row + q_dim);  // rounded to the cache's type here, once
-    v_cache.write(pos0 + i, row + q_dim + kv_dim);
+    const int p = rows.position(i);
+    position_qk(L, row, row + q_dim, p);
+    k_cache(i).write(p, row + q_dim);  // rounded to the cache's type here, once
+    v_cache(i).write(p, row + q_dim + kv_dim);
   }
   // Causal attention of the row at position p over [first, p]; Mistral's window limits first.
-  (math == RowsMath::Blas ? attention_blas : attention_exact)(c, qkv.data(), qkv_dim, k_cache,
-                                                              v_cache, T, pos0, att.data());
+  // Blas: one sequence's rows together. Exact: row by row with attention_ref_kv (attention_ref
+  // on an fp32 cache), each row as a decode step computes it, over its own sequence's cache.
+  if (math == RowsMath::Blas) {
+    KESTREL_CHECK(rows.seq != nullptr, "attention over many sequences runs row by row (Exact)");
+    attention_blas(c, qkv.data(), qkv_dim, k_cache(0), v_cache(0), T, rows.pos0, att.data());
+  } else {
+    for (int i = 0; i < T; ++i) {
+      const int p = rows.position(i);
+      const int first = c.sliding_window > 0 ? std::max(0, p - c.sliding_window + 1) : 0;
+      attention_ref_kv(qkv.data() + (size_t)i * qkv_dim, k_cache(i), v_cache(i), c.n_heads, first,
+                       p, att.data() + (size_t)i * q_dim);
+    }
+  }
 
   // x += att Wo (+ bo)
   if (tap(taps, LinearGroup::O, att.data(), T, q_dim)) return false;
@@ -303,12 +311,20 @@ bool DecoderCpu::mlp_block(const CpuLayer& L, float* x, int T, const LayerTaps* 
 
 void DecoderCpu::layer_forward(CpuRunState& st, int l, float* x, int T, int pos0,
                                const LayerTaps* taps, RowsMath math) const {
-  const CpuLayer& L = layer(l);
   KESTREL_CHECK(T > 0 && pos0 >= 0 && pos0 + T <= st.ctx,
                 "layer_forward: positions " + std::to_string(pos0) + " .. " +
                     std::to_string(pos0 + T - 1) + " do not fit the context of " +
                     std::to_string(st.ctx));
-  if (!attention_block(st, l, x, T, pos0, taps, math)) return;
+  CpuRows rows;
+  rows.seq = &st;
+  rows.pos0 = pos0;
+  layer_rows(rows, l, x, T, taps, math);
+}
+
+void DecoderCpu::layer_rows(const CpuRows& rows, int l, float* x, int T, const LayerTaps* taps,
+                            RowsMath math) const {
+  const CpuLayer& L = layer(l);
+  if (!attention_block(rows, l, x, T, taps, math)) return;
   mlp_block(L, x, T, taps, math);
 }
 
@@ -333,6 +349,32 @@ void DecoderCpu::head_forward(const float* x, int T, float* logits, RowsMath mat
   std::vector<float> xb((size_t)T * cfg_.hidden);  // [T, hidden]
   norm(x, w_.final_norm, w_.final_norm_bias, T, xb.data());
   linear(w_.lm_head, xb.data(), T, logits, cfg_.vocab, math);
+}
+
+void DecoderCpu::forward_batch(std::span<const BatchRow> rows, float* logits) {
+  check_batch_rows(*this, rows);
+  const int B = (int)rows.size();
+  if (B == 0) return;
+  std::vector<CpuRunState*> seqs(B);
+  std::vector<int> pos(B);
+  const size_t hidden = cfg_.hidden;
+  std::vector<float> x(B * hidden);  // [B, hidden] residual stream, row i of session i
+  for (int i = 0; i < B; ++i) {
+    auto* s = dynamic_cast<DecoderCpuSession*>(rows[i].session);
+    KESTREL_CHECK(s != nullptr, "forward_batch: row " + std::to_string(i) +
+                                    "'s session is not a CPU engine session");
+    seqs[i] = &s->state();
+    pos[i] = rows[i].pos;
+    embed(&rows[i].token, 1, rows[i].pos, x.data() + i * hidden);  // its own learned position
+  }
+  CpuRows where;
+  where.seqs = seqs.data();
+  where.pos = pos.data();
+  // Exact: each row's products in the order of a one-token step, so a row's logits do not
+  // depend on what else runs in the batch (the linears dequantize each column once for all B).
+  for (int l = 0; l < cfg_.n_layers; ++l)
+    layer_rows(where, l, x.data(), B, nullptr, RowsMath::Exact);
+  head_forward(x.data(), B, logits, RowsMath::Exact);
 }
 
 void DecoderCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {

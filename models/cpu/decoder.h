@@ -126,6 +126,18 @@ struct CpuRunState {
 
 class DecoderCpuSession;
 
+// Where the T rows of a layer pass sit in the caches: consecutive positions pos0 .. pos0+T-1 of
+// one sequence (a prompt, a decode step, a verify pass), or, for a batched decode step over many
+// sequences, row i at position pos[i] of sequence seqs[i].
+struct CpuRows {
+  CpuRunState* seq = nullptr;
+  int pos0 = 0;
+  CpuRunState* const* seqs = nullptr;  // [T] when seq is null
+  const int* pos = nullptr;            // [T] when seq is null
+  CpuRunState& state(int i) const { return seq ? *seq : *seqs[i]; }
+  int position(int i) const { return seq ? pos0 + i : pos[i]; }
+};
+
 class DecoderCpu final : public Model {
  public:
   // Loads every weight of `spec` into host memory (fp32, GPTQ codes packed). Its sessions'
@@ -152,6 +164,11 @@ class DecoderCpu final : public Model {
   void forward(CpuRunState& s, const int* tokens, int n, int pos, float* logits,
                float* all_logits) const;
   static constexpr int kRowsMax = 65;
+  // A batched decode step (Model::forward_batch): the rows' embeddings and every linear run as
+  // one pass over the B rows, so that each weight is read (a GPTQ column dequantized) once for
+  // all of them, with RowsMath::Exact; attention runs per row over its own session's cache.
+  // Each row's logits are bit for bit those of a one-token forward of its session.
+  void forward_batch(std::span<const BatchRow> rows, float* logits) override;
 
   // The decoder layer, written once for every mode: layer l over T consecutive tokens at
   // positions pos0 .. pos0+T-1, x [T, hidden] the residual stream, in and out. Their K/V go
@@ -182,8 +199,11 @@ class DecoderCpu final : public Model {
   //   attention_block: x += Wo attention(rope(Wqkv norm(x) + b)) (+ bo)
   //   mlp_block:       x += Wdown (silu(Wgate norm(x)) * Wup norm(x)), or (a ReLU MLP)
   //                    x += Wfc2 relu(Wfc1 norm(x) + b1) + b2
-  bool attention_block(CpuRunState& s, int layer, float* x, int T, int pos0,
-                       const LayerTaps* taps, RowsMath math) const;
+  bool attention_block(const CpuRows& rows, int layer, float* x, int T, const LayerTaps* taps,
+                       RowsMath math) const;
+  // layer_forward over rows anywhere (CpuRows): the one layer body of every mode.
+  void layer_rows(const CpuRows& rows, int layer, float* x, int T, const LayerTaps* taps,
+                  RowsMath math) const;
   bool mlp_block(const CpuLayer& L, float* x, int T, const LayerTaps* taps, RowsMath math) const;
 
   ModelConfig cfg_;
@@ -205,6 +225,7 @@ class DecoderCpuSession final : public Session {
     m_.forward(s_, tokens, n, pos, logits, all_logits);
   }
   void forward_token(int token, int pos, float* logits) { m_.forward_token(s_, token, pos, logits); }
+  CpuRunState& state() { return s_; }
   void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr) {
     m_.layer_forward(s_, layer, x, T, pos0, taps);
   }

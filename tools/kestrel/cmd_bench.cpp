@@ -1,6 +1,8 @@
 // kestrel bench: prompt and generation throughput in the manner of llama-bench. Random
 // prompt tokens, one warm-up run, then r repetitions; every generated token is synchronised
 // and read back by the host, as in real generation. Reports mean and standard deviation.
+// --batch B1,B2,..: also decode B sequences at once (Model::forward_batch, as `kestrel serve
+// --parallel` runs its streams), aggregate and per-stream tokens/s at each B.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -37,7 +39,61 @@ struct BenchArgs {
   SpecOptions spec;
   std::string prompt_file, prompt_text;  // a text prompt instead of random tokens (--spec)
   GrammarOptions grammar_opts;  // --grammar, --json-schema, --json-object
+  std::vector<int> batch;       // --batch: batch sizes of the batched decode rows
 };
+
+// --batch: B sessions, each after a random prompt of its own (-p tokens, untimed), decode -n
+// steps together through Model::forward_batch, each row's argmax read back by the host and fed
+// to its next step, as the server's batched steps run.
+struct BatchBench {
+  int batch = 0;
+  std::vector<double> total, each;  // tokens/s over all B streams, and of one stream
+};
+
+BatchBench run_batch_bench(const BenchArgs& a, LoadedModel& m, int B, std::mt19937_64& rng) {
+  Model& model = *m.model;
+  const int vocab = model.config().vocab, ctx = m.session->context_length();
+  std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
+  std::vector<std::unique_ptr<Session>> sessions;
+  for (int i = 0; i < B; ++i) {
+    sessions.push_back(model.new_session(ctx, /*quiet=*/true));
+    if (sessions.back()->context_length() < ctx)
+      throw Error(fmt::format("--batch {}: the device holds only {} positions for session {} "
+                              "(-p + -n needs {}): lower the batch size, -p or -n",
+                              B, sessions.back()->context_length(), i + 1, ctx));
+  }
+  BatchBench b;
+  b.batch = B;
+  std::vector<float> logits((size_t)B * vocab);
+  std::vector<BatchRow> rows(B);
+  std::vector<int> prompt(std::max(a.n_prompt, 1));
+  using clock = std::chrono::steady_clock;
+  for (int rep = -1; rep < a.reps; ++rep) {  // rep -1 is the warm-up
+    for (int i = 0; i < B; ++i) {
+      for (int& t : prompt) t = tok(rng);
+      int next = prompt.back();
+      if (a.n_prompt > 0) {
+        sessions[i]->forward(prompt.data(), a.n_prompt, 0, logits.data());
+        next = argmax(logits.data(), vocab);
+      }
+      rows[i] = {sessions[i].get(), next, a.n_prompt};
+    }
+    const auto t0 = clock::now();
+    for (int step = 0; step < a.n_gen; ++step) {
+      model.forward_batch(rows, logits.data());
+      for (int i = 0; i < B; ++i) {
+        rows[i].token = argmax(logits.data() + (size_t)i * vocab, vocab);
+        ++rows[i].pos;
+      }
+    }
+    const double s = std::chrono::duration<double>(clock::now() - t0).count();
+    if (rep >= 0) {
+      b.total.push_back((double)B * a.n_gen / s);
+      b.each.push_back(a.n_gen / s);
+    }
+  }
+  return b;
+}
 
 // --grammar, --json-schema or --json-object: greedy generation through the engine's generate()
 // under the grammar, after the same kind of random prompt as the tg row, whose steps it is
@@ -252,6 +308,12 @@ int run_bench(BenchArgs a) {
 
   std::optional<GrammarBench> gb;
   if (grammar) gb = run_grammar_bench(a, m, grammar, rng);
+  std::vector<BatchBench> bb;
+  for (int B : a.batch) bb.push_back(run_batch_bench(a, m, B, rng));
+  // The table's and the CSV's test names of a batch size's rows.
+  auto batch_test = [&](int B, bool each) {
+    return fmt::format("tg{} b{} {}", a.n_gen, B, each ? "each" : "total");
+  };
 
   const ModelConfig& c = b.config();
   const uint64_t size_bytes = m.spec->files.total_bytes();
@@ -305,6 +367,16 @@ int run_bench(BenchArgs a) {
                       {"plain_step_ms", step_ms},
                       {"overhead", step_ms > 0 ? grammar_step_ms / step_ms - 1 : 0.0}};
     }
+    if (!bb.empty()) {
+      j["batch"] = nlohmann::json::array();
+      for (const BatchBench& x : bb) {
+        const Stat t = stats(x.total), e = stats(x.each);
+        j["batch"].push_back(
+            {{"batch", x.batch},
+             {"gen_tokens_per_s", {{"mean", t.mean}, {"sd", t.sd}, {"samples", x.total}}},
+             {"per_stream_tokens_per_s", {{"mean", e.mean}, {"sd", e.sd}, {"samples", x.each}}}});
+      }
+    }
     if (a.verify_rows > 0) {
       j["verify"] = {{"tokens", a.verify_rows},
                      {"position", a.n_prompt},
@@ -344,6 +416,10 @@ int run_bench(BenchArgs a) {
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
     if (sb) row(spec_test, gs);
     if (gb) row(grammar_test, gg);
+    for (const BatchBench& x : bb) {
+      row(batch_test(x.batch, false), stats(x.total));
+      row(batch_test(x.batch, true), stats(x.each));
+    }
     // A verify pass as tokens/s through it: N tokens over the median pass (sd 0: a median,
     // where the other rows are means).
     if (a.verify_rows > 0 && verify_median > 0)
@@ -353,8 +429,9 @@ int run_bench(BenchArgs a) {
     // The model by its directory's name, as llama-bench names it by its file.
     const std::string name = model_name(a.model.dir), type = format_text(c);
     const size_t w = std::max<size_t>(name.size(), 5), wt = std::max<size_t>(type.size(), 4);
-    const size_t wtest =  // "tg128+lookup", "tg128+json-object"
+    size_t wtest =  // "tg128+lookup", "tg128+json-object"
         std::max({sb ? spec_test.size() : 0, grammar_test.size(), size_t(7)});
+    for (const BatchBench& x : bb) wtest = std::max(wtest, batch_test(x.batch, false).size());
     if (a.n_prompt > 0 || a.n_gen > 0 || sb) {  // (--verify alone has no row)
       std::cout << fmt::format("| {:<{}} | {:<{}} | {:>10} | {:>9} | {:<21} | {:>{}} | {:>18} |\n",
                                "model", w, "type", wt, "size", "params", "device", "test", wtest,
@@ -370,6 +447,10 @@ int run_bench(BenchArgs a) {
     };
     if (a.n_prompt > 0) row(fmt::format("pp{}", a.n_prompt), p);
     if (a.n_gen > 0) row(fmt::format("tg{}", a.n_gen), g);
+    for (const BatchBench& x : bb) {
+      row(batch_test(x.batch, false), stats(x.total));
+      row(batch_test(x.batch, true), stats(x.each));
+    }
     if (sb) {
       row(spec_test, gs);
       std::cout << fmt::format(
@@ -469,6 +550,12 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
                   "also time speculative verify passes of N tokens (2..65) after the prompt, "
                   "against a decode step")
       ->check(whole(2, 65));
+  cmd->add_option("--batch", a->batch,
+                  "also decode B sequences at once for each B given (1,4,8,16): aggregate and "
+                  "per-stream tokens/s of the batched step")
+      ->delimiter(',')
+      ->check(whole(1, 256))
+      ->type_name("B,..");
   add_spec_options(cmd, a->spec);
   add_grammar_options(cmd, a->grammar_opts);
   auto* file = cmd->add_option("-f,--file", a->prompt_file,
@@ -481,6 +568,10 @@ void register_bench(CLI::App& app, std::function<int()>& action) {
     // The modes that exclude --spec first: their conflict is the mistake, not a missing prompt.
     if (a->profile && !a->spec.kind.empty())
       throw CLI::ValidationError("--profile goes without --spec");
+    if (!a->batch.empty() && !a->spec.kind.empty())
+      throw CLI::ValidationError("--batch goes without --spec");
+    if (!a->batch.empty() && a->n_gen < 1)
+      throw CLI::ValidationError("--batch measures generation: -n must be at least 1");
     if (a->verify_rows > 0 && !a->spec.kind.empty())
       throw CLI::ValidationError("--verify goes without --spec (it times the pass alone)");
     const bool has_text = file->count() || text->count();

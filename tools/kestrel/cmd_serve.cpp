@@ -4,7 +4,9 @@
 // --parallel sessions of the one loaded model behind a bounded queue
 // (engine/server/scheduler.h). The HTTP transport is server/http.h: connections are read on
 // one I/O thread; a completion or tokenize request runs on a worker thread, which runs its
-// generation itself, taking the model's turn for each step, and writes its answer back.
+// generation itself and writes its answer back. With --parallel > 1 the generations' passes
+// run on one step thread (engine/server/batcher.h): the decode steps waiting at a time as one
+// batched step, prompts in chunks of --batch-tokens between them (continuous batching).
 #include <fmt/format.h>
 #include <malloc.h>
 #include <signal.h>
@@ -20,8 +22,10 @@
 
 #include "base/error.h"
 #include "base/interrupt.h"
+#include "engine/loader.h"
 #include "engine/generate.h"
 #include "engine/server/api_error.h"
+#include "engine/server/batcher.h"
 #include "engine/server/metrics.h"
 #include "engine/server/request.h"
 #include "engine/server/response.h"
@@ -47,6 +51,7 @@ struct ServeArgs {
   server::ApiKeySources key_sources;  // --api-key, --api-key-file (KESTREL_API_KEY is read at start)
   std::string api_key;               // the key required, resolved from them; "" = none
   int parallel = 1;
+  int batch_tokens = 512;
   int queue = 16;
   int n_predict = -1;
   SamplingOptions sampling;
@@ -133,8 +138,8 @@ class Server {
     defaults_.stop = a.sampling.stop;
     defaults_.chat_template_kwargs = a.template_kwargs;
     // One session is the command's already; --parallel adds the others. Sessions that share
-    // the model take its turn for every step; a lone one runs unwrapped, device-chained runs
-    // included.
+    // the model run their passes through the batcher's step thread (continuous batching); a
+    // lone one runs unwrapped, device-chained runs included.
     const int ctx = m_.session->context_length();
     std::vector<std::unique_ptr<Session>> raw;
     raw.push_back(std::move(m_.session));
@@ -147,9 +152,14 @@ class Server {
                                 "(the first has {}): lower --parallel or -c",
                                 a.model.dir, raw.back()->context_length(), i + 1, a.parallel, ctx));
     }
-    for (auto& s : raw)
-      sessions_.push_back(a.parallel == 1 ? std::move(s)
-                                          : std::make_unique<server::TurnTakingSession>(std::move(s), turn_));
+    if (a.parallel > 1) {
+      server::BatcherOptions bo;
+      bo.batch_tokens = a.batch_tokens;
+      // The step thread runs the CPU engine's linears: it takes the team -t set for this one.
+      bo.on_start = [threads = cpu_threads()] { set_cpu_threads(threads); };
+      batcher_ = std::make_unique<server::StepBatcher>(*m_.model, std::move(bo));
+    }
+    for (auto& s : raw) sessions_.push_back(batcher_ ? batcher_->wrap(std::move(s)) : std::move(s));
     // --spec draft: a session of the draft model per slot, taking the draft model's turn. (A
     // GPU short of memory may give one less context: its drafter then proposes nothing past
     // it, and the slot decodes on alone.)
@@ -343,7 +353,7 @@ class Server {
       if (!cr.stream) {
         p->options.cancelled = [this, gone] { return stopping_.load() || gone(); };
         const auto started = std::chrono::steady_clock::now();
-        const GenerateResult r = generate_cached(session, *m_.tok, p->prompt_ids, p->options);
+        const GenerateResult r = run_generation(session, p->prompt_ids, p->options, {});
         if (calls) {
           calls->push(r.text);
           calls->finish();
@@ -375,7 +385,7 @@ class Server {
         for (const server::ToolCallDelta& d : out.calls) send(server::sse_event(server::tool_call_chunk(cr, rm, d)));
       };
       try {
-        r = generate_cached(session, *m_.tok, p->prompt_ids, options, [&](std::string_view text) {
+        r = run_generation(session, p->prompt_ids, options, [&](std::string_view text) {
           if (calls) send_parsed(calls->push(text));
           else send(server::sse_event(server::text_chunk(cr, rm, text)));
         });
@@ -410,6 +420,15 @@ class Server {
       if (ex.answered()) return;
       throw ApiError(500, e.what(), "", "engine_error");
     }
+  }
+
+  // generate_cached on a slot's session, counted by the batcher as a generation in progress
+  // while it runs (its steps wait for this one's rows), and no longer once it returns.
+  GenerateResult run_generation(Session& session, const std::vector<int>& ids, const GenerateOptions& o,
+                          const std::function<void(std::string_view)>& on_text) {
+    std::optional<server::StepBatcher::Generation> in_batch;
+    if (batcher_) in_batch.emplace(*batcher_);
+    return generate_cached(session, *m_.tok, ids, o, on_text);
   }
 
   // A generation's time to first token (from the worker taking the request, the wait for a
@@ -470,7 +489,9 @@ class Server {
   int64_t created_;
   server::RequestDefaults defaults_;
   server::JsonLimits limits_;
-  server::TurnLock turn_;
+  // --parallel > 1: the step thread every slot's passes run on (declared before the sessions
+  // that refer to it, which go first).
+  std::unique_ptr<server::StepBatcher> batcher_;
   std::vector<std::unique_ptr<Session>> sessions_;
   // --spec draft: the draft model (declared before its sessions, which it outlives), its
   // sessions by slot and their turn.
@@ -568,6 +589,11 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--parallel", a->parallel,
                   "requests generating at once, each in its own session (KV cache of -c tokens)")
       ->check(whole(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--batch-tokens", a->batch_tokens,
+                  "with --parallel > 1, most prompt tokens run in one step: longer prompts run in "
+                  "chunks between the running requests' decode steps")
+      ->check(whole(1, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--queue", a->queue, "requests waiting for a session before 429 answers")
       ->check(whole(0, 4096))

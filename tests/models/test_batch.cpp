@@ -1,0 +1,195 @@
+// Batched decoding on the CPU engine (Model::forward_batch): a row's logits inside a batch are
+// bit for bit those of the same session stepped alone with forward(), over weight formats
+// (kestrel-synth's fp16, GPTQ 4-bit, 3-bit act-order) and families (transformers' tiny models
+// in tests/data/families), with rows joining and leaving the batch, at positions of their own.
+// The reference is the engine's one-token forward, which test_families and test_engine_cpu hold
+// to transformers and to a plain implementation.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "base/error.h"
+#include "models/cpu/decoder.h"
+#include "models/io/model_spec.h"
+#include "tests/support/synth_model.h"
+
+namespace fs = std::filesystem;
+using namespace kestrel;
+
+namespace {
+
+int argmax_of(const float* x, int n) { return (int)(std::max_element(x, x + n) - x); }
+
+// Sequence i: a prompt of its own length, joining the batch at step join[i] and leaving after
+// steps[i] decode steps. Alone, each runs its prompt and steps greedily with forward(); in the
+// batch, the prompt the same way, then its decode steps through forward_batch beside the others.
+struct Plan {
+  std::vector<int> prompt;
+  int join = 0, steps = 0;
+};
+
+std::vector<Plan> plans(int vocab) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> tok(0, vocab - 1);
+  const int lengths[] = {3, 7, 1, 5, 2};
+  const int joins[] = {0, 0, 2, 5, 1};
+  const int steps[] = {12, 6, 9, 7, 5};  // the second and fifth leave early, all in step 5
+  std::vector<Plan> p(5);
+  for (int i = 0; i < 5; ++i) {
+    for (int k = 0; k < lengths[i]; ++k) p[i].prompt.push_back(tok(rng));
+    p[i].join = joins[i];
+    p[i].steps = steps[i];
+  }
+  return p;
+}
+
+// Every row of every step of the batch equals the lone run's logits bit for bit, and so the
+// greedy tokens are the same.
+void expect_batch_equals_alone(DecoderCpu& model) {
+  const int vocab = model.config().vocab;
+  const std::vector<Plan> ps = plans(vocab);
+  const int n = (int)ps.size();
+
+  // Alone: logits[i][s] after decode step s (s = 0: the prompt's).
+  std::vector<std::vector<std::vector<float>>> alone(n);
+  for (int i = 0; i < n; ++i) {
+    auto s = model.new_cpu_session(64);
+    std::vector<float> logits(vocab);
+    s->forward(ps[i].prompt.data(), (int)ps[i].prompt.size(), 0, logits.data(), nullptr);
+    alone[i].push_back(logits);
+    int pos = (int)ps[i].prompt.size();
+    for (int k = 0; k < ps[i].steps; ++k) {
+      const int next = argmax_of(logits.data(), vocab);
+      s->forward(&next, 1, pos++, logits.data(), nullptr);
+      alone[i].push_back(logits);
+    }
+  }
+
+  // Batched: the prompts alone, then one forward_batch per step over the rows in the batch.
+  std::vector<std::unique_ptr<DecoderCpuSession>> sessions;
+  std::vector<int> next(n), pos(n), done(n, 0);
+  std::vector<float> logits(vocab);
+  for (int i = 0; i < n; ++i) {
+    sessions.push_back(model.new_cpu_session(64));
+    sessions[i]->forward(ps[i].prompt.data(), (int)ps[i].prompt.size(), 0, logits.data(), nullptr);
+    ASSERT_EQ(0, std::memcmp(logits.data(), alone[i][0].data(), vocab * sizeof(float)));
+    next[i] = argmax_of(logits.data(), vocab);
+    pos[i] = (int)ps[i].prompt.size();
+  }
+  int widest = 0;
+  for (int step = 0;; ++step) {
+    std::vector<BatchRow> rows;
+    std::vector<int> who;
+    for (int i = 0; i < n; ++i)
+      if (step >= ps[i].join && done[i] < ps[i].steps) {
+        rows.push_back({sessions[i].get(), next[i], pos[i]});
+        who.push_back(i);
+      }
+    if (rows.empty()) break;
+    widest = std::max(widest, (int)rows.size());
+    std::vector<float> out(rows.size() * vocab);
+    model.forward_batch(rows, out.data());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const int i = who[r];
+      const float* row = out.data() + r * vocab;
+      ++done[i];
+      ASSERT_EQ(0, std::memcmp(row, alone[i][done[i]].data(), vocab * sizeof(float)))
+          << "sequence " << i << ", decode step " << done[i] << " of a batch of " << rows.size();
+      next[i] = argmax_of(row, vocab);
+      ++pos[i];
+    }
+  }
+  EXPECT_EQ(widest, 5);  // the plan does put every sequence in one step
+}
+
+using Format = kestrel::test::ModelFormat;
+
+class BatchFormats : public ::testing::TestWithParam<Format> {};
+
+TEST_P(BatchFormats, RowsEqualAloneBitForBit) {
+  const fs::path dir = kestrel::test::write_tiny_model(GetParam(), /*seed=*/5, /*n_layers=*/2);
+  DecoderCpu model(load_model_spec(dir.string()));
+  expect_batch_equals_alone(model);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cpu, BatchFormats,
+    ::testing::Values(Format{"fp16", "fp16", 16, 0, false, false, "gptq"},
+                      Format{"q4_g128", "gptq", 4, 128, false, false, "gptq"},
+                      Format{"q3_g64_act", "gptq", 3, 64, true, false, "gptq"}),
+    [](const auto& info) { return info.param.name; });
+
+// transformers' tiny models: Llama 3 (GPTQ), Mistral (sliding window), Qwen3 (q/k norms),
+// OPT (learned positions, LayerNorm, ReLU MLP, biases).
+class BatchFamilies : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(BatchFamilies, RowsEqualAloneBitForBit) {
+  DecoderCpu model(load_model_spec(std::string(KESTREL_TEST_DATA) + "/families/" + GetParam()));
+  expect_batch_equals_alone(model);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, BatchFamilies,
+                         ::testing::Values("llama3-gptq", "mistral", "qwen3", "opt-gptq"),
+                         [](const auto& info) {
+                           std::string s = info.param;
+                           std::replace(s.begin(), s.end(), '-', '_');
+                           return s;
+                         });
+
+// A quantized KV cache too: rows write and read their own caches in its type.
+TEST(BatchKvCache, Q8CacheRowsEqualAlone) {
+  const Format f{"q4_kv8", "gptq", 4, 64, false, false, "gptq"};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/9, /*n_layers=*/2);
+  KvCacheTypes kv;
+  kv.k = kv.v = KvType::Q8_0;
+  DecoderCpu model(load_model_spec(dir.string()), kv);
+  expect_batch_equals_alone(model);
+  fs::remove_all(dir);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Rows the batch cannot run are refused, naming the row: one session twice, a position past
+// its context, a session of another model; and the empty batch does nothing.
+TEST(BatchRows, BadRowsAreRefusedByName) {
+  const Format f{"fp16_rows", "fp16", 16, 0, false, false, "gptq"};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/3, /*n_layers=*/1);
+  const ModelSpec spec = load_model_spec(dir.string());
+  DecoderCpu model(spec), other(spec);
+  auto a = model.new_cpu_session(16), b = model.new_cpu_session(16);
+  auto c = other.new_cpu_session(16);
+  std::vector<float> logits(3 * spec.config.vocab);
+  const BatchRow twice[] = {{a.get(), 1, 0}, {b.get(), 1, 0}, {a.get(), 2, 1}};
+  EXPECT_NE(error_of([&] { model.forward_batch(twice, logits.data()); })
+                .find("row 2 runs the session of row 0 again"),
+            std::string::npos);
+  const BatchRow past[] = {{a.get(), 1, 0}, {b.get(), 1, 16}};
+  EXPECT_NE(error_of([&] { model.forward_batch(past, logits.data()); })
+                .find("row 1: position 16 is outside its context of 16"),
+            std::string::npos);
+  const BatchRow foreign[] = {{c.get(), 1, 0}};
+  EXPECT_NE(error_of([&] { model.forward_batch(foreign, logits.data()); })
+                .find("row 0's session belongs to another model"),
+            std::string::npos);
+  const BatchRow bad_token[] = {{a.get(), spec.config.vocab, 0}};
+  EXPECT_NE(error_of([&] { model.forward_batch(bad_token, logits.data()); })
+                .find("outside the vocabulary"),
+            std::string::npos);
+  EXPECT_EQ(error_of([&] { model.forward_batch({}, logits.data()); }), "");
+  fs::remove_all(dir);
+}
+
+}  // namespace
