@@ -10,8 +10,8 @@
 //     and verify graphs, and the runs over it: steps, chained and sampled runs
 //     (models/gpu/runs.cpp), prompts, verify passes, NLL.
 // The model records its forward over whichever sequence it is handed and binds none, so a step
-// over several sequences (not built yet) would record the same blocks over a list of
-// GpuSequences with its scratch widened to B rows.
+// over several sequences (forward_batch, models/gpu/batch.cpp) records the same blocks over a
+// list of GpuSequences on the prefill's scratch.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -116,6 +117,9 @@ class DecoderCuda final : public Model {
   // reduced with a note when GPU memory is short) and captures its decode graphs.
   std::unique_ptr<Session> new_session(int context = 0, bool quiet = true) override;
   std::unique_ptr<DecoderCudaSession> new_cuda_session(int context = 0, bool quiet = true);
+  // One token of each row's session in one pass (models/gpu/batch.cpp): the linears over all
+  // rows, each weight read once; RoPE, the K/V write and attention per row over its own cache.
+  void forward_batch(std::span<const BatchRow> rows, float* logits) override;
   size_t weight_bytes() const override { return weight_bytes_; }
   // After loading and opening the first session (its KV cache and graphs), before any prompt.
   size_t device_bytes_after_load() const override { return after_load_bytes_; }

@@ -22,6 +22,8 @@
 
 namespace kestrel {
 
+struct GpuSequence;  // models/gpu/decoder.h
+
 // Activations of one layer step for up to `rows` tokens, all fp16 on the device.
 // xb, att and act may be one buffer (of the largest of their widths), and qkv and gate_up
 // another: layer_forward_rows is done with each before it writes the next.
@@ -71,6 +73,20 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
                         int T, int pos0, const cuda::KvCacheDev& k_cache,
                         const cuda::KvCacheDev& v_cache, const LayerRowsScratch& b,
                         cudaStream_t s, const GpuLayerTaps* taps = nullptr);
+
+// The rows of a batched decode step (DecoderCuda::forward_batch): row i is one token of the
+// sequence seqs[i], at the position d_pos[i] (device).
+struct GpuBatchRows {
+  const GpuSequence* const* seqs = nullptr;
+  const int* d_pos = nullptr;
+};
+// One decoder layer (index `layer`) over T rows of T different sequences: the linears over all
+// rows at once, as layer_forward_rows runs them (each weight read once for the T rows), and per
+// row the RoPE, the K/V write and the attention over its own sequence's cache at its own
+// position, as the decode step runs them. Enqueued on s, nothing synchronises.
+void layer_forward_batch(const ModelConfig& c, const GpuLayer& L, int layer,
+                         cuda::GemmRunner& gemm, __half* x, int T, const GpuBatchRows& rows,
+                         const LayerRowsScratch& b, cudaStream_t s);
 
 // y [rows, hidden] = the family's norm of x (RMSNorm, or LayerNorm with bias b after x += add,
 // add being the bias a residual GEMM left out: add_layer_norm_f16).

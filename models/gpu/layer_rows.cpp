@@ -10,11 +10,13 @@
 #include "models/gpu/layer.h"
 
 #include "kernels/activation/activation_cuda.h"
+#include "kernels/attention/attention_cuda.h"
 #include "kernels/attention/attention_prefill_cuda.h"
 #include "kernels/gemm/gemm_small.h"
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/rope/rope_rows_cuda.h"
 #include "models/gpu/blocks.h"
+#include "models/gpu/decoder.h"
 
 namespace kestrel {
 
@@ -55,6 +57,10 @@ struct RowsOps {
   const LayerRowsScratch& b;
   cudaStream_t s;
   const GpuLayerTaps* taps;
+  // A batched decode step (layer_forward_batch): row i is one token of sequence i, at its own
+  // position, over its own cache; k_cache, v_cache and pos0 are then unused.
+  const GpuBatchRows* batch = nullptr;
+  int layer = 0;
 
   int qkv_n() const { return c.q_dim() + 2 * c.kv_dim(); }
   // Hands a group's input to the taps; false when the caller asked to stop there.
@@ -81,7 +87,8 @@ struct RowsOps {
 
   // RoPE + the KV write, then causal attention over the cache. 8-bit caches: the write rounds
   // to their types and the attention dequantizes its tiles (kernels/attention/kv_cache_cuda.h).
-  void attention(const GpuLayer&) {
+  void attention(const GpuLayer& L) {
+    if (batch) return batch_attention(L);
     if (k_cache.type == KvType::F16 && v_cache.type == KvType::F16) {
       __half* kc = static_cast<__half*>(k_cache.data);
       __half* vc = static_cast<__half*>(v_cache.data);
@@ -97,6 +104,31 @@ struct RowsOps {
     cuda::attention_prefill_kv(b.qkv, qkv_n(), k_cache, v_cache, pos0, T, c.sliding_window,
                                c.n_heads, c.n_kv_heads, c.head_dim, b.att, s,  // [T, q_dim]
                                b.pos0);
+  }
+
+  // Row i: RoPE at its sequence's position, the K/V write into that sequence's cache and its
+  // attention there, as the decode step runs them (the split flash-decoding kernel: one row
+  // over a long cache wants its parallelism over the cache, not over query tiles).
+  void batch_attention(const GpuLayer&) {
+    const int qd = c.q_dim();
+    for (int i = 0; i < T; ++i) {
+      const GpuSequence& q = *batch->seqs[i];
+      const cuda::KvCacheDev kc = q.k_layer(layer, c), vc = q.v_layer(layer, c);
+      __half* row = b.qkv + (size_t)i * qkv_n();
+      __half* out = b.att + (size_t)i * qd;
+      const int* pos = batch->d_pos + i;
+      if (!q.types.quantized()) {
+        cuda::attention_decode_rope_f16(row, static_cast<__half*>(kc.data),
+                                        static_cast<__half*>(vc.data), pos, q.ctx,
+                                        c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim,
+                                        c.rope_scaling(), q.att_workspace, out, s);
+      } else {
+        cuda::rope_kv_write_rows_kv(row, qkv_n(), 1, 0, kc, vc, c.n_heads, c.n_kv_heads,
+                                    c.head_dim, c.rope_scaling(), s, pos);
+        cuda::attention_decode_kv(row, kc, vc, pos, q.ctx, c.sliding_window, c.n_heads,
+                                  c.n_kv_heads, c.head_dim, q.att_workspace, out, s);
+      }
+    }
   }
 
   // x += Wo att (bo: in the next norm)
@@ -157,6 +189,13 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
                         const cuda::KvCacheDev& v_cache, const LayerRowsScratch& b,
                         cudaStream_t s, const GpuLayerTaps* taps) {
   RowsOps op{c, gemm, x, T, pos0, k_cache, v_cache, b, s, taps};
+  decoder_layer(c, L, op);
+}
+
+void layer_forward_batch(const ModelConfig& c, const GpuLayer& L, int layer,
+                         cuda::GemmRunner& gemm, __half* x, int T, const GpuBatchRows& rows,
+                         const LayerRowsScratch& b, cudaStream_t s) {
+  RowsOps op{c, gemm, x, T, 0, {}, {}, b, s, nullptr, &rows, layer};
   decoder_layer(c, L, op);
 }
 

@@ -605,4 +605,101 @@ INSTANTIATE_TEST_SUITE_P(
                       KvModelCase{"hd128_window_fp8", 2, 1, "mistral", {KvType::Fp8, KvType::Fp8}}),
     [](const auto& info) { return info.param.name; });
 
+// ---- The batched decode step (Model::forward_batch) ---------------------------------------------
+//
+// Six sequences with prompts of their own lengths step together, joining and leaving so that
+// the batch holds 1 to 6 rows (one row: the session's own decode step; two: the rows' GEMVs;
+// three and more: the fused small-M GEMM), each at its own position over its own cache. Each
+// row's logits against the CPU engine's forward_batch of the same rows (which test_batch holds
+// bit for bit to the CPU's one-token steps), teacher-forced with the CPU's greedy tokens.
+// Tolerance as GpuVsCpu (as GpuKvCache with an 8-bit cache).
+struct BatchCase {
+  Case format;
+  std::string arch;  // "" (Llama) or "mistral" (window 32)
+  KvCacheTypes kv;
+};
+
+class GpuBatch : public ::testing::TestWithParam<BatchCase> {};
+
+TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
+  KESTREL_REQUIRE_GPU();
+  const BatchCase& p = GetParam();
+  const fs::path dir = kestrel::test::write_tiny_model(p.format, /*seed=*/29, /*n_layers=*/2, p.arch);
+  const ModelSpec spec = load_model_spec(dir.string());
+  const int vocab = spec.config.vocab, ctx = 96, n = 6;
+  const double tol = p.kv.quantized() ? 3e-2 : 2e-2;
+  DecoderCpu cpu_model(spec, p.kv);
+  DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
+  const int lengths[n] = {5, 1, 40, 9, 2, 17};
+  const int joins[n] = {0, 0, 1, 2, 3, 3};
+  const int leaves[n] = {14, 4, 12, 14, 8, 14};  // after this many steps of the batch
+  std::vector<std::unique_ptr<DecoderCpuSession>> cs;
+  std::vector<std::unique_ptr<DecoderCudaSession>> gs;
+  std::vector<int> next(n), pos(n);
+  std::vector<float> lc(vocab), lg(vocab);
+  double worst = 0;
+  for (int i = 0; i < n; ++i) {
+    std::vector<int> prompt(lengths[i]);
+    for (int k = 0; k < lengths[i]; ++k) prompt[k] = (k * 31 + i * 7 + 3) % vocab;
+    cs.push_back(cpu_model.new_cpu_session(ctx));
+    gs.push_back(gpu_model.new_cuda_session(ctx));
+    cs[i]->forward(prompt.data(), lengths[i], 0, lc.data(), nullptr);
+    gs[i]->forward(prompt.data(), lengths[i], 0, lg.data(), nullptr);
+    worst = std::max(worst, rel_err(lg, lc));
+    next[i] = argmax_of(lc);
+    pos[i] = lengths[i];
+  }
+  std::vector<int> widths_seen(n + 1, 0);
+  for (int step = 0; step < 14; ++step) {
+    std::vector<BatchRow> crow, grow;
+    std::vector<int> who;
+    for (int i = 0; i < n; ++i)
+      if (step >= joins[i] && step < leaves[i]) {
+        crow.push_back({cs[i].get(), next[i], pos[i]});
+        grow.push_back({gs[i].get(), next[i], pos[i]});
+        who.push_back(i);
+      }
+    const int B = (int)who.size();
+    ASSERT_GT(B, 0);
+    widths_seen[B] = 1;
+    std::vector<float> bc((size_t)B * vocab), bg((size_t)B * vocab);
+    cpu_model.forward_batch(crow, bc.data());
+    gpu_model.forward_batch(grow, bg.data());
+    for (int r = 0; r < B; ++r) {
+      const std::vector<float> rc(bc.begin() + (size_t)r * vocab, bc.begin() + (size_t)(r + 1) * vocab);
+      const std::vector<float> rg(bg.begin() + (size_t)r * vocab, bg.begin() + (size_t)(r + 1) * vocab);
+      const double e = rel_err(rg, rc);
+      EXPECT_LT(e, tol) << "step " << step << ", sequence " << who[r] << " at " << pos[who[r]];
+      worst = std::max(worst, e);
+      EXPECT_EQ(argmax_of(rg), argmax_of(rc)) << "step " << step << ", sequence " << who[r];
+      next[who[r]] = argmax_of(rc);
+      ++pos[who[r]];
+    }
+  }
+  for (int B : {1, 2, 3, 6}) EXPECT_TRUE(widths_seen[B]) << "no step of " << B << " rows";
+  RecordProperty("worst_rel_err", std::to_string(worst));
+
+  // A CPU session in a GPU batch is refused, naming the row.
+  std::vector<BatchRow> mixed = {{gs[0].get(), 1, pos[0]}, {cs[1].get(), 1, pos[1]}};
+  std::vector<float> out(2 * (size_t)vocab);
+  try {
+    gpu_model.forward_batch(mixed, out.data());
+    ADD_FAILURE() << "a CPU session ran in a GPU batch";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("row 1"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Formats, GpuBatch,
+    ::testing::Values(BatchCase{Case{"fp16", "fp16", 16, 0, false, false, "gptq"}, "", {}},
+                      BatchCase{kQ4G128, "", {}},
+                      BatchCase{Case{"q3_g128_act", "gptq", 3, 128, true, false, "gptq"}, "", {}},
+                      BatchCase{Case{"q4_g128_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true}, "", {}},
+                      BatchCase{Case{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}, "mistral", {}},
+                      BatchCase{Case{"q4_g128_q8kv", "gptq", 4, 128, false, false, "gptq"}, "", {KvType::Q8_0, KvType::Q8_0}},
+                      BatchCase{Case{"q4_g128_fp8kv_window", "gptq", 4, 128, false, false, "gptq"}, "mistral", {KvType::Fp8, KvType::Fp8}}),
+    [](const auto& info) { return info.param.format.name; });
+
 }  // namespace
