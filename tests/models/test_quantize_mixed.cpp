@@ -31,6 +31,8 @@
 #include "models/io/model_spec.h"
 #include "tests/support/test_util.h"
 #include "tokenizer/tokenizer.h"
+#include "tools/quantize/gptq.h"
+#include "tools/quantize/kl_probe.h"
 #include "tools/quantize/plan.h"
 #include "tools/quantize/quantize.h"
 #include "tools/synth/synth.h"
@@ -158,6 +160,67 @@ void expect_siblings_share(const MixedPlanReport& p) {
     }
   }
   EXPECT_EQ(by_group.size(), 4u);  // 2 layers x (qkv, gate_up)
+}
+
+// The oracle of KlProbe: KL(p_fp16 || p) averaged over every token of the windows, from two
+// whole-model forwards (the model as given, and with one linear's weights replaced).
+double kl_oracle(const ModelSpec& spec, const std::vector<std::vector<int>>& windows, int layer,
+                 CpuLinear CpuLayer::*lin, const std::vector<float>& w) {
+  DecoderCpu ref(spec), alt(spec);
+  (alt.layer(layer).*lin).w = w;
+  const int T = (int)windows[0].size(), V = spec.config.vocab;
+  std::vector<float> zr((size_t)T * V), za((size_t)T * V), last(V);
+  double total = 0;
+  for (const std::vector<int>& win : windows) {
+    ref.new_cpu_session(T)->forward(win.data(), T, 0, last.data(), zr.data());
+    alt.new_cpu_session(T)->forward(win.data(), T, 0, last.data(), za.data());
+    for (int t = 0; t < T; ++t) {
+      auto log_softmax = [&](const float* z) {
+        double mx = *std::max_element(z, z + V), s = 0;
+        for (int v = 0; v < V; ++v) s += std::exp(z[v] - mx);
+        std::vector<double> l(V);
+        for (int v = 0; v < V; ++v) l[v] = z[v] - mx - std::log(s);
+        return l;
+      };
+      const std::vector<double> lp = log_softmax(&zr[(size_t)t * V]), lq = log_softmax(&za[(size_t)t * V]);
+      for (int v = 0; v < V; ++v) total += std::exp(lp[v]) * (lp[v] - lq[v]);
+    }
+  }
+  return total / ((double)windows.size() * T);
+}
+
+// --loss kl's measure is the divergence of the whole model's distributions: zero for the FP16
+// weights, and for a quantized linear the same as two whole-model forwards give, in the layer
+// it stands at after advancing. The replaced weights are handed back as they were.
+TEST_F(Mixed, KlProbeMeasuresTheWholeModelsDivergence) {
+  const ModelSpec spec = load_model_spec(fp16_->string());
+  const std::vector<std::vector<int>> windows = {
+      std::vector<int>(sampled_->begin(), sampled_->begin() + 48),
+      std::vector<int>(sampled_->begin() + 128, sampled_->begin() + 176)};
+  KlProbe probe(spec, windows);
+  EXPECT_NEAR(probe.kl(0, {}), 0.0, 1e-9);
+
+  // 2-bit round-to-nearest of a layer's down_proj: a large, known change.
+  auto rtn2 = [&](int layer) {
+    const CpuLayer fp16 = DecoderCpu::load_layer(spec.layers[layer]);
+    GptqOptions g;
+    g.bits = 2;
+    g.group_size = 64;
+    return rtn_quantize(fp16.down.w.data(), fp16.down.N, fp16.down.K, g).dequant;
+  };
+  for (int layer : {0, 1}) {
+    std::vector<float> w = rtn2(layer);
+    const std::vector<float> copy = w;
+    const double kl = probe.kl(layer, {{&CpuLayer::down, &w}});
+    EXPECT_EQ(w, copy) << "the replacement is handed back";
+    const double oracle = kl_oracle(spec, windows, layer, &CpuLayer::down, copy);
+    EXPECT_GT(oracle, 1e-4) << layer;
+    EXPECT_NEAR(kl, oracle, 1e-6 + 1e-3 * oracle) << layer;
+    // The FP16 weights are back in place: no replacement, no divergence.
+    EXPECT_NEAR(probe.kl(layer, {}), 0.0, 1e-9) << layer;
+    probe.advance(layer);
+  }
+  EXPECT_THROW(probe.kl(0, {}), Error);  // it stands past layer 0 now
 }
 
 // Measured once (a dry run), planned at many budgets.
@@ -400,6 +463,7 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --candidates 4g128", "go with a budget");
   expect_error(base + " --dry-run", "go with a budget");
   expect_error(base + " --loss relative", "go with a budget");
+  expect_error(base + " --kl-windows 2", "go with a budget");
   expect_error(base + " --bits-avg 0", "--bits-avg must be");
   expect_error(base + " --bits-avg -2", "--bits-avg must be");
   expect_error(base + " --target-size 0", "--target-size must be");
@@ -409,7 +473,8 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --bits-avg 3 --candidates 4g0", "group size must be positive or -1");
   expect_error(base + " --bits-avg 3 --candidates 4g64,4g64", "listed twice");
   expect_error(base + " --bits-avg 3 --device cuda", "runs on the CPU only so far");
-  expect_error(base + " --bits-avg 3 --loss kl", "--loss must be output, relative or residual");
+  expect_error(base + " --bits-avg 3 --loss logits", "--loss must be kl, output, relative or residual");
+  expect_error(base + " --bits-avg 3 --kl-windows 0", "--kl-windows must be positive");
   // Budgets no plan fits, after measuring: in bits per weight and in GB.
   expect_error(base + " --bits-avg 1.5", "--bits-avg 1.5 is below the smallest plan");
   expect_error(base + " --target-size 0.0001", "--target-size 0.0001 GB is below the smallest plan");
