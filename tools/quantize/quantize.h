@@ -78,7 +78,7 @@ struct QuantizeOptions {
   // RMSNorm, relative to the stream, so the same relative damage costs more where a block's
   // output is a larger part of the stream.
   std::string loss = "kl";  // kl: best on docs-llama-19m (docs/performance.md)
-  int kl_windows = 4;       // calibration windows of --loss kl's measure (the first ones)
+  int kl_windows = 2;       // calibration windows of --loss kl's measure (the first ones)
   bool mixed() const { return bits_avg > 0 || target_size_gb > 0; }
 };
 
