@@ -230,6 +230,22 @@ TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
   const QuantizeReport measured = quantize_model(dry(3.5));
   ASSERT_TRUE(measured.plan.has_value());
   for (const PlannedLinear& l : measured.plan->linears) EXPECT_EQ(l.measured.size(), 12u) << l.name;
+  // --loss kl (the default) measures a sibling group as one and shares its KL equally: q, k and
+  // v of a layer carry the same loss at each candidate, positive, and 2-bit g128 costs more than
+  // 4-bit g128.
+  for (size_t i = 0; i + 2 < measured.plan->linears.size(); ++i) {
+    const PlannedLinear &q = measured.plan->linears[i], &k = measured.plan->linears[i + 1],
+                        &v = measured.plan->linears[i + 2];
+    if (!q.name.ends_with("q_proj")) continue;
+    std::map<std::pair<int, int>, double> at;
+    for (size_t c = 0; c < q.measured.size(); ++c) {
+      EXPECT_EQ(q.measured[c].second.error, k.measured[c].second.error) << q.name;
+      EXPECT_EQ(q.measured[c].second.error, v.measured[c].second.error) << q.name;
+      EXPECT_GT(q.measured[c].second.error, 0.0) << q.name;
+      at[{q.measured[c].first.bits, q.measured[c].first.group_size}] = q.measured[c].second.error;
+    }
+    EXPECT_GT(at.at({2, 128}), at.at({4, 128})) << q.name;
+  }
   double last_loss = std::numeric_limits<double>::infinity();
   std::set<std::pair<int, int>> seen;  // settings chosen over all budgets
   for (double bits : {2.3, 2.45, 2.6, 2.8, 3.0, 3.25, 3.5, 3.75, 4.0, 4.5, 5.0, 6.0, 7.0, 8.6}) {
