@@ -152,9 +152,9 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 //
 // Mixed precision (o.mixed()), on the CPU, in two passes over the layers:
 //  1. measure: each layer's FP16 forward gives one Hessian per true-sequential group; every
-//     linear is quantized at every candidate on it and its estimated loss recorded (o.loss:
-//     GPTQ's own objective tr((W-Q) H (W-Q)^T), or that made relative). The next layer gets the
-//     FP16 layer's outputs.
+//     linear is quantized at every candidate on it and its loss recorded (o.loss: the KL
+//     divergence at the logits with its group alone quantized, or GPTQ's own objective
+//     tr((W-Q) H (W-Q)^T), or that made relative). The next layer gets the FP16 layer's outputs.
 //  2. after the plan (plan_mixed_precision over the measurements, q/k/v and gate/up as one
 //     choice each), the ordinary sequential pass with each linear at its planned setting: each
 //     group's Hessian from inputs that the already quantized linears produced, each layer's
