@@ -31,6 +31,8 @@
 #include "models/io/model_spec.h"
 #include "tests/support/test_util.h"
 #include "tokenizer/tokenizer.h"
+#include "tools/quantize/gptq.h"
+#include "tools/quantize/kl_probe.h"
 #include "tools/quantize/plan.h"
 #include "tools/quantize/quantize.h"
 #include "tools/synth/synth.h"
@@ -160,6 +162,67 @@ void expect_siblings_share(const MixedPlanReport& p) {
   EXPECT_EQ(by_group.size(), 4u);  // 2 layers x (qkv, gate_up)
 }
 
+// The oracle of KlProbe: KL(p_fp16 || p) averaged over every token of the windows, from two
+// whole-model forwards (the model as given, and with one linear's weights replaced).
+double kl_oracle(const ModelSpec& spec, const std::vector<std::vector<int>>& windows, int layer,
+                 CpuLinear CpuLayer::*lin, const std::vector<float>& w) {
+  DecoderCpu ref(spec), alt(spec);
+  (alt.layer(layer).*lin).w = w;
+  const int T = (int)windows[0].size(), V = spec.config.vocab;
+  std::vector<float> zr((size_t)T * V), za((size_t)T * V), last(V);
+  double total = 0;
+  for (const std::vector<int>& win : windows) {
+    ref.new_cpu_session(T)->forward(win.data(), T, 0, last.data(), zr.data());
+    alt.new_cpu_session(T)->forward(win.data(), T, 0, last.data(), za.data());
+    for (int t = 0; t < T; ++t) {
+      auto log_softmax = [&](const float* z) {
+        double mx = *std::max_element(z, z + V), s = 0;
+        for (int v = 0; v < V; ++v) s += std::exp(z[v] - mx);
+        std::vector<double> l(V);
+        for (int v = 0; v < V; ++v) l[v] = z[v] - mx - std::log(s);
+        return l;
+      };
+      const std::vector<double> lp = log_softmax(&zr[(size_t)t * V]), lq = log_softmax(&za[(size_t)t * V]);
+      for (int v = 0; v < V; ++v) total += std::exp(lp[v]) * (lp[v] - lq[v]);
+    }
+  }
+  return total / ((double)windows.size() * T);
+}
+
+// --loss kl's measure is the divergence of the whole model's distributions: zero for the FP16
+// weights, and for a quantized linear the same as two whole-model forwards give, in the layer
+// it stands at after advancing. The replaced weights are handed back as they were.
+TEST_F(Mixed, KlProbeMeasuresTheWholeModelsDivergence) {
+  const ModelSpec spec = load_model_spec(fp16_->string());
+  const std::vector<std::vector<int>> windows = {
+      std::vector<int>(sampled_->begin(), sampled_->begin() + 48),
+      std::vector<int>(sampled_->begin() + 128, sampled_->begin() + 176)};
+  KlProbe probe(spec, windows);
+  EXPECT_NEAR(probe.kl(0, {}), 0.0, 1e-9);
+
+  // 2-bit round-to-nearest of a layer's down_proj: a large, known change.
+  auto rtn2 = [&](int layer) {
+    const CpuLayer fp16 = DecoderCpu::load_layer(spec.layers[layer]);
+    GptqOptions g;
+    g.bits = 2;
+    g.group_size = 64;
+    return rtn_quantize(fp16.down.w.data(), fp16.down.N, fp16.down.K, g).dequant;
+  };
+  for (int layer : {0, 1}) {
+    std::vector<float> w = rtn2(layer);
+    const std::vector<float> copy = w;
+    const double kl = probe.kl(layer, {{&CpuLayer::down, &w}});
+    EXPECT_EQ(w, copy) << "the replacement is handed back";
+    const double oracle = kl_oracle(spec, windows, layer, &CpuLayer::down, copy);
+    EXPECT_GT(oracle, 1e-4) << layer;
+    EXPECT_NEAR(kl, oracle, 1e-6 + 1e-3 * oracle) << layer;
+    // The FP16 weights are back in place: no replacement, no divergence.
+    EXPECT_NEAR(probe.kl(layer, {}), 0.0, 1e-9) << layer;
+    probe.advance(layer);
+  }
+  EXPECT_THROW(probe.kl(0, {}), Error);  // it stands past layer 0 now
+}
+
 // Measured once (a dry run), planned at many budgets.
 TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
   const uint64_t W = weights();
@@ -167,6 +230,22 @@ TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
   const QuantizeReport measured = quantize_model(dry(3.5));
   ASSERT_TRUE(measured.plan.has_value());
   for (const PlannedLinear& l : measured.plan->linears) EXPECT_EQ(l.measured.size(), 12u) << l.name;
+  // --loss kl (the default) measures a sibling group as one and shares its KL equally: q, k and
+  // v of a layer carry the same loss at each candidate, positive, and 2-bit g128 costs more than
+  // 4-bit g128.
+  for (size_t i = 0; i + 2 < measured.plan->linears.size(); ++i) {
+    const PlannedLinear &q = measured.plan->linears[i], &k = measured.plan->linears[i + 1],
+                        &v = measured.plan->linears[i + 2];
+    if (!q.name.ends_with("q_proj")) continue;
+    std::map<std::pair<int, int>, double> at;
+    for (size_t c = 0; c < q.measured.size(); ++c) {
+      EXPECT_EQ(q.measured[c].second.error, k.measured[c].second.error) << q.name;
+      EXPECT_EQ(q.measured[c].second.error, v.measured[c].second.error) << q.name;
+      EXPECT_GT(q.measured[c].second.error, 0.0) << q.name;
+      at[{q.measured[c].first.bits, q.measured[c].first.group_size}] = q.measured[c].second.error;
+    }
+    EXPECT_GT(at.at({2, 128}), at.at({4, 128})) << q.name;
+  }
   double last_loss = std::numeric_limits<double>::infinity();
   std::set<std::pair<int, int>> seen;  // settings chosen over all budgets
   for (double bits : {2.3, 2.45, 2.6, 2.8, 3.0, 3.25, 3.5, 3.75, 4.0, 4.5, 5.0, 6.0, 7.0, 8.6}) {
@@ -214,6 +293,7 @@ TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
 TEST_F(Mixed, TargetSizeCountsEveryTensorWritten) {
   const fs::path out = temp_dir("target");
   QuantizeOptions o = options(out.string());
+  o.loss = "residual";  // the budget does not depend on the loss; this one costs no forwards
   // The FP16 tensors (embeddings, norms, lm_head) plus ~3.5 bits per weight.
   const ModelSpec in = load_model_spec(fp16_->string());
   const uint64_t fixed = in.files.total_bytes() - 2 * weights();
@@ -310,6 +390,7 @@ TEST_F(Mixed, OneCandidatePlanIsTheUniformCheckpoint) {
   QuantizeOptions om = options(mixed.string());
   om.bits_avg = 8;
   om.candidates = {{3, 64}};
+  om.loss = "residual";  // one candidate: nothing to rank, so the cheapest loss
   const QuantizeReport r = quantize_model(om);
   EXPECT_TRUE(r.plan->rules.empty());
   QuantizeOptions ou = options(uniform.string());
@@ -335,6 +416,7 @@ TEST_F(Mixed, OneCandidatePlanIsTheUniformCheckpoint) {
 // looks a fused layer up by its fused name), and matches nothing else.
 TEST_F(Mixed, RuleKeysMatchSiblingsAndFusedNames) {
   QuantizeOptions o = dry(3.0);
+  o.loss = "residual";  // any mixed plan has rules to check; this loss costs no forwards
   const MixedPlanReport p = *quantize_model(o).plan;
   ASSERT_FALSE(p.rules.empty());
   std::vector<std::string> modules;
@@ -371,14 +453,16 @@ TEST_F(Mixed, DryRunPrintsThePlanAndWritesNothing) {
   const std::string cmd = std::string(KESTREL_QUANTIZE_BIN) + " -m " + fp16_->string() +
                           " --calib " + calib_->string() +
                           " --nsamples 16 --seqlen 128 --device cpu -q --act-order";
-  const Result r = run(cmd + " --bits-avg 3.5 --dry-run --out " + out.string());
+  // The estimated losses here (kl, the default, is measured by the other tests): cheaper, and
+  // their paths stay covered.
+  const Result r = run(cmd + " --bits-avg 3.5 --dry-run --loss residual --out " + out.string());
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_FALSE(fs::exists(out));
   EXPECT_EQ(lines(r.out), 1 + 14 + 2) << r.out;  // header, 14 linears, mix, total
   EXPECT_NE(r.out.find("model.layers.1.mlp.down_proj"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("bits per weight"), std::string::npos) << r.out;
   // Without --out too.
-  const Result r2 = run(cmd + " --bits-avg 3.5 --dry-run --candidates 3g128,4g128");
+  const Result r2 = run(cmd + " --bits-avg 3.5 --dry-run --loss relative --candidates 3g128,4g128");
   ASSERT_EQ(r2.code, 0) << r2.err;
   EXPECT_EQ(r2.out.find("g64"), std::string::npos) << r2.out;
 }
@@ -400,6 +484,7 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --candidates 4g128", "go with a budget");
   expect_error(base + " --dry-run", "go with a budget");
   expect_error(base + " --loss relative", "go with a budget");
+  expect_error(base + " --kl-windows 2", "go with a budget");
   expect_error(base + " --bits-avg 0", "--bits-avg must be");
   expect_error(base + " --bits-avg -2", "--bits-avg must be");
   expect_error(base + " --target-size 0", "--target-size must be");
@@ -409,7 +494,8 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --bits-avg 3 --candidates 4g0", "group size must be positive or -1");
   expect_error(base + " --bits-avg 3 --candidates 4g64,4g64", "listed twice");
   expect_error(base + " --bits-avg 3 --device cuda", "runs on the CPU only so far");
-  expect_error(base + " --bits-avg 3 --loss kl", "--loss must be output, relative or residual");
+  expect_error(base + " --bits-avg 3 --loss logits", "--loss must be kl, output, relative or residual");
+  expect_error(base + " --bits-avg 3 --kl-windows 0", "--kl-windows must be positive");
   // Budgets no plan fits, after measuring: in bits per weight and in GB.
   expect_error(base + " --bits-avg 1.5", "--bits-avg 1.5 is below the smallest plan");
   expect_error(base + " --target-size 0.0001", "--target-size 0.0001 GB is below the smallest plan");

@@ -45,10 +45,15 @@ int main(int argc, char** argv) {
                                "Mixed precision: the formats to choose from, BITSgGROUP "
                                "comma-separated (default: 2, 3, 4, 8 bits x groups 32, 64, 128)");
   auto* loss = app.add_option("--loss", o.loss,
-                              "Mixed precision: a linear's estimated loss: output "
+                              "Mixed precision: a linear's estimated loss: kl (the KL divergence "
+                              "of the model's next-token distributions with its group alone "
+                              "quantized, measured; holds the whole model), output "
                               "(tr((W-Q) H (W-Q)^T)), relative (over tr(W H W^T)) or residual "
                               "(relative, times its block's share of the residual stream)")
                    ->capture_default_str();
+  auto* kl_windows = app.add_option("--kl-windows", o.kl_windows,
+                                    "Mixed precision, --loss kl: calibration windows measured")
+                         ->capture_default_str();
   app.add_flag("--dry-run", o.dry_run,
                "Mixed precision: measure and print the plan (per linear and totals), write nothing");
   app.add_flag("--act-order", o.gptq.act_order, "Quantize columns in decreasing Hessian order (desc_act)");
@@ -85,9 +90,10 @@ int main(int argc, char** argv) {
     if (mixed && (bits->count() > 0 || group->count() > 0))
       throw kestrel::Error("--bits and --group-size fix one format; with --bits-avg or "
                            "--target-size the formats come from --candidates");
-    if (!mixed && (cands->count() > 0 || loss->count() > 0 || o.dry_run))
-      throw kestrel::Error("--candidates, --loss and --dry-run go with a budget: --bits-avg or "
-                           "--target-size");
+    if (!mixed && (cands->count() > 0 || loss->count() > 0 || kl_windows->count() > 0 ||
+                   o.dry_run))
+      throw kestrel::Error("--candidates, --loss, --kl-windows and --dry-run go with a budget: "
+                           "--bits-avg or --target-size");
     if (bits_avg->count() > 0 && !(o.bits_avg > 0))
       throw kestrel::Error(fmt::format("--bits-avg must be a number of bits per weight in (0, "
                                        "32], got {}", o.bits_avg));

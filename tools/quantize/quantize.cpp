@@ -31,6 +31,7 @@
 #include "models/io/safetensors.h"
 #include "models/cpu/decoder.h"
 #include "tokenizer/tokenizer.h"
+#include "tools/quantize/kl_probe.h"
 #include "tools/quantize/pack.h"
 #include "tools/quantize/quantize_loops.h"
 
@@ -222,8 +223,10 @@ void check_options(const QuantizeOptions& o) {
                             o.target_size_gb));
   if (!o.mixed() && (o.dry_run || !o.candidates.empty()))
     throw Error("--candidates, --loss and --dry-run go with a budget: --bits-avg or --target-size");
-  if (o.loss != "output" && o.loss != "relative" && o.loss != "residual")
-    throw Error(fmt::format("--loss must be output, relative or residual, got {}", o.loss));
+  if (o.loss != "output" && o.loss != "relative" && o.loss != "residual" && o.loss != "kl")
+    throw Error(fmt::format("--loss must be kl, output, relative or residual, got {}", o.loss));
+  if (o.kl_windows <= 0)
+    throw Error(fmt::format("--kl-windows must be positive, got {}", o.kl_windows));
   if (o.mixed() && o.device == "cuda")
     throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
                 "--device cpu");
@@ -438,8 +441,10 @@ void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
 
 // Pass 1 of mixed precision: every linear of every layer quantized at every candidate that can
 // pack it, on the Hessian of its FP16 layer's inputs (one forward per window and layer, taps
-// at all four groups), its loss tr((W-Q) H (W-Q)^T) kept. The next layer gets the FP16 layer's
-// outputs: which format each linear ends up with is not known until every layer is measured.
+// at all four groups), its loss kept: tr((W-Q) H (W-Q)^T) (scaled as o.loss says) or, with
+// --loss kl, the KL divergence at the logits with its group alone quantized (KlProbe). The next
+// layer gets the FP16 layer's outputs: which format each linear ends up with is not known until
+// every layer is measured.
 std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const QuantizeOptions& o,
                                                   const std::vector<QuantSetting>& candidates,
                                                   const std::vector<std::vector<int>>& windows) {
@@ -449,6 +454,12 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
   const std::unique_ptr<DecoderCpuSession>& seq = one.seq;
   const size_t win = one.win;
   std::vector<float>& X = one.X;
+
+  // --loss kl: the whole FP16 model and its distributions over the first --kl-windows windows.
+  std::optional<KlProbe> probe;
+  if (o.loss == "kl")
+    probe.emplace(spec, std::vector<std::vector<int>>(
+                            windows.begin(), windows.begin() + std::min(o.kl_windows, o.nsamples)));
 
   std::vector<PlannedLinear> out;
   Progress bar(fmt::format("measuring {} candidates", candidates.size()), cfg.n_layers, "layers",
@@ -488,44 +499,72 @@ std::vector<PlannedLinear> measure_candidates_cpu(const ModelSpec& spec, const Q
     }
     for (size_t gi = 0; gi < groups().size(); ++gi) {
       const std::vector<float> H = hessians[gi].matrix();
-      for (const Member& m : groups()[gi].members) {
-        const LinearSpec& s = ls.*m.spec;
-        if (s.name.empty()) continue;
-        const CpuLinear& lin = engine.layer(0).*m.linear;
-        PlannedLinear p;
-        p.name = s.name;
-        p.N = s.N;
-        p.K = s.K;
+      std::vector<const Member*> members;  // the group's linears that the model has
+      for (const Member& m : groups()[gi].members)
+        if (!(ls.*m.spec).name.empty()) members.push_back(&m);
+      std::vector<PlannedLinear> measured(members.size());
+      std::vector<double> scale(members.size(), 1.0);
+      for (size_t i = 0; i < members.size(); ++i) {
+        const LinearSpec& s = ls.*members[i]->spec;
+        measured[i].name = s.name;
+        measured[i].N = s.N;
+        measured[i].K = s.K;
         // --loss relative divides by tr(W H W^T), the energy of the linear's outputs.
         // --loss residual also weights it by the block's share of the residual stream.
-        double scale = 1.0;
         if (o.loss == "relative" || o.loss == "residual") {
+          const CpuLinear& lin = engine.layer(0).*members[i]->linear;
           const std::vector<float> zero((size_t)s.N * s.K, 0.0f);
           const double e = output_error(lin.w.data(), zero.data(), s.N, s.K, H.data());
-          scale = (e > 0 ? 1.0 / e : 1.0) * block_share[gi];
+          scale[i] = (e > 0 ? 1.0 / e : 1.0) * block_share[gi];
         }
-        for (const QuantSetting& c : candidates) {
-          if ((s.K * c.bits) % 32 != 0 || (s.N * c.bits) % 32 != 0) continue;  // cannot pack
+      }
+      for (const QuantSetting& c : candidates) {
+        auto packs = [&](const Member* m) {
+          const LinearSpec& s = ls.*m->spec;
+          return (s.K * c.bits) % 32 == 0 && (s.N * c.bits) % 32 == 0;
+        };
+        // --loss kl measures the group as one (the plan gives siblings one format): a candidate
+        // that cannot pack all of them is left out for all.
+        if (probe && !std::all_of(members.begin(), members.end(), packs)) continue;
+        std::vector<std::pair<CpuLinear CpuLayer::*, std::vector<float>*>> replace;
+        std::vector<std::vector<float>> dequant(members.size());
+        for (size_t i = 0; i < members.size(); ++i) {
+          if (!packs(members[i])) continue;
+          const LinearSpec& s = ls.*members[i]->spec;
+          const CpuLinear& lin = engine.layer(0).*members[i]->linear;
           GptqOptions g = o.gptq;
           g.bits = c.bits;
           g.group_size = c.group_size;
-          const QuantizedLinear q =
+          QuantizedLinear q =
               o.method == "gptq" ? gptq_quantize(lin.w.data(), s.N, s.K, H.data(), g, s.name.c_str())
                                  : rtn_quantize(lin.w.data(), s.N, s.K, g);
           PlanCandidate pc;
           pc.bits = c.bits;
           pc.group_size = c.group_size;
           pc.bytes = gptq_linear_bytes(s.N, s.K, c.bits, c.group_size);
-          pc.error = scale * output_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data());
-          p.measured.emplace_back(c, pc);
+          if (!probe) pc.error = scale[i] * output_error(lin.w.data(), q.dequant.data(), s.N, s.K, H.data());
+          measured[i].measured.emplace_back(c, pc);
+          if (probe) {
+            dequant[i] = std::move(q.dequant);
+            replace.emplace_back(members[i]->linear, &dequant[i]);
+          }
         }
+        if (probe) {
+          // The group's measured KL, shared equally by its linears: the plan adds them up.
+          const double kl = probe->kl(l, replace) / (double)members.size();
+          for (PlannedLinear& p : measured) p.measured.back().second.error = kl;
+        }
+      }
+      for (PlannedLinear& p : measured) {
         if (p.measured.empty())
           throw Error(fmt::format("{}: [{}, {}] cannot be packed at any of the candidates' bit "
                                   "widths (in and out features times bits must be multiples of "
-                                  "32)", s.name, s.N, s.K));
+                                  "32{})", p.name, p.N, p.K,
+                                  probe ? ", with --loss kl for all of its group" : ""));
         out.push_back(std::move(p));
       }
     }
+    if (probe) probe->advance(l);
     bar.update(l + 1);
   }
   bar.finish();

@@ -65,13 +65,20 @@ struct QuantizeOptions {
   double target_size_gb = 0;  // > 0: bytes of every tensor written (FP16 ones too), 1e9 a GB
   std::vector<QuantSetting> candidates;  // empty: default_candidates()
   bool dry_run = false;       // measure and plan, write nothing (out_dir may be empty)
-  // The estimated loss of a linear at a candidate: "output", tr((W-Q) H (W-Q)^T); "relative",
+  // The estimated loss of a linear at a candidate: "kl", measured end to end: the mean KL
+  // divergence of the next-token distributions, FP16 model vs. the FP16 model with the
+  // linear's true-sequential group (q/k/v, o, gate/up, down of one layer) alone quantized at
+  // that candidate, over the first `kl_windows` calibration windows, shared equally by the
+  // group's linears (tools/quantize/kl_probe.h; it holds the whole model in fp32 and
+  // kl_windows * seqlen * vocab floats, and costs a forward of the layers after the group's per
+  // group and candidate). "output", tr((W-Q) H (W-Q)^T); "relative",
   // that divided by tr(W H W^T) (the share of the output's energy lost); "residual", the
   // relative loss times the linear's block's share of the residual stream (mean ||attention or
   // MLP output||^2 over mean ||residual||^2): what a block adds is read downstream through
   // RMSNorm, relative to the stream, so the same relative damage costs more where a block's
   // output is a larger part of the stream.
-  std::string loss = "residual";  // residual: best on docs-llama-19m (docs/performance.md)
+  std::string loss = "kl";  // kl: best on docs-llama-19m (docs/performance.md)
+  int kl_windows = 2;       // calibration windows of --loss kl's measure (the first ones)
   bool mixed() const { return bits_avg > 0 || target_size_gb > 0; }
 };
 
@@ -145,9 +152,9 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 //
 // Mixed precision (o.mixed()), on the CPU, in two passes over the layers:
 //  1. measure: each layer's FP16 forward gives one Hessian per true-sequential group; every
-//     linear is quantized at every candidate on it and its estimated loss recorded (o.loss:
-//     GPTQ's own objective tr((W-Q) H (W-Q)^T), or that made relative). The next layer gets the
-//     FP16 layer's outputs.
+//     linear is quantized at every candidate on it and its loss recorded (o.loss: the KL
+//     divergence at the logits with its group alone quantized, or GPTQ's own objective
+//     tr((W-Q) H (W-Q)^T), or that made relative). The next layer gets the FP16 layer's outputs.
 //  2. after the plan (plan_mixed_precision over the measurements, q/k/v and gate/up as one
 //     choice each), the ordinary sequential pass with each linear at its planned setting: each
 //     group's Hessian from inputs that the already quantized linears produced, each layer's
