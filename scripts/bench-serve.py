@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Load a running `kestrel serve` with concurrent streaming completions and report what a client
-sees: time to first token, each stream's decode rate, and the aggregate tokens/s.
+sees: time to first token and inter-token latency (p50, p99), each stream's decode rate, and the
+aggregate tokens/s.
 
   python3 scripts/bench-serve.py --url http://127.0.0.1:8080 --clients 4 --requests 4 \
       --prompt-tokens 512 --max-tokens 128 --vocab 32000
@@ -8,8 +9,11 @@ sees: time to first token, each stream's decode rate, and the aggregate tokens/s
 Every request is `POST /v1/completions` with a prompt of random token ids (a different one per
 request, so that no session's cache holds it), greedy, `ignore_eos`, streamed with
 `include_usage`. Python's standard library only, so that it runs wherever the server does.
-Medians, with the spread as min..max; the aggregate is all completion tokens over the wall time
-from the first request sent to the last stream closed.
+Time to first token (TTFT) is from sending a request to its first text; inter-token latency (ITL)
+is every gap between two consecutive text events of a stream, pooled over all streams; both as
+p50 and p99 (nearest rank). Per-stream rates are medians with the spread as min..max; the
+aggregate is all completion tokens over the wall time from the first request sent to the last
+stream closed.
 """
 import argparse
 import http.client
@@ -34,6 +38,7 @@ def one_request(url, ids, max_tokens):
         raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
     first = None
     usage = None
+    arrivals = []  # the time of each event that carried text
     for raw in resp:
         line = raw.decode().strip()
         if not line.startswith("data: "):
@@ -42,8 +47,10 @@ def one_request(url, ids, max_tokens):
         if data == "[DONE]":
             break
         chunk = json.loads(data)
-        if chunk.get("choices") and first is None and chunk["choices"][0].get("text"):
-            first = time.perf_counter()
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            arrivals.append(time.perf_counter())
+            if first is None:
+                first = arrivals[-1]
         if chunk.get("usage"):
             usage = chunk["usage"]
     end = time.perf_counter()
@@ -52,7 +59,14 @@ def one_request(url, ids, max_tokens):
         raise RuntimeError("the stream ended without text or usage")
     n = usage["completion_tokens"]
     return {"ttft": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 else 0.0,
-            "tokens": n, "prompt": usage["prompt_tokens"], "t0": t0, "end": end}
+            "tokens": n, "prompt": usage["prompt_tokens"], "t0": t0, "end": end,
+            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+
+
+def percentile(values, q):
+    """The nearest-rank q-th percentile (0 < q <= 100) of a non-empty list."""
+    v = sorted(values)
+    return v[max(0, min(len(v) - 1, -(-len(v) * q // 100) - 1))]
 
 
 def main():
@@ -101,10 +115,14 @@ def main():
         v = [r[key] * scale for r in results]
         return statistics.median(v), min(v), max(v)
 
+    ttfts = [r["ttft"] * 1000.0 for r in results]
+    gaps = [g * 1000.0 for r in results for g in r["gaps"]] or [0.0]
     out = {
         "clients": a.clients, "requests": len(results), "errors": len(errors),
         "prompt_tokens": results[0]["prompt"], "completion_tokens": sum(r["tokens"] for r in results),
         "ttft_ms": spread("ttft", 1000.0), "stream_decode_tps": spread("decode_tps"),
+        "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
+        "itl_ms_p50": percentile(gaps, 50), "itl_ms_p99": percentile(gaps, 99),
         "aggregate_tps": sum(r["tokens"] for r in results) / wall, "wall_s": wall,
     }
     if a.json:
@@ -113,7 +131,9 @@ def main():
     m, lo, hi = out["ttft_ms"]
     dm, dlo, dhi = out["stream_decode_tps"]
     print(f"clients {a.clients}: {len(results)} requests ({len(errors)} failed), prompt "
-          f"{out['prompt_tokens']} tokens; time to first token {m:.1f} ms ({lo:.1f}..{hi:.1f}); "
+          f"{out['prompt_tokens']} tokens; time to first token p50 {out['ttft_ms_p50']:.1f} ms, "
+          f"p99 {out['ttft_ms_p99']:.1f} ms ({lo:.1f}..{hi:.1f}); inter-token p50 "
+          f"{out['itl_ms_p50']:.2f} ms, p99 {out['itl_ms_p99']:.2f} ms; "
           f"per stream {dm:.1f} tok/s ({dlo:.1f}..{dhi:.1f}); aggregate {out['aggregate_tps']:.1f} "
           f"tok/s over {wall:.1f} s")
     if errors:
