@@ -346,8 +346,8 @@ TEST_P(KvCacheModel, MatchesThePlainForwardWithRoundedKV) {
   test::Plain plain(dir.string());
   ASSERT_EQ(plain.window, mc.arch == "mistral" ? 32 : 0);
   const std::vector<std::vector<float>> exact = plain.run(tokens);
-  plain.round_k = plain.round_v = [&](const std::vector<float>& r) {
-    return plain_round(t, r, c.head_dim);
+  plain.round_k = plain.round_v = [&, type = t](const std::vector<float>& r) {
+    return plain_round(type, r, c.head_dim);
   };
   const std::vector<std::vector<float>> rounded = plain.run(tokens);
 

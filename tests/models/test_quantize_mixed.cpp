@@ -227,10 +227,12 @@ TEST_F(Mixed, KlProbeMeasuresTheWholeModelsDivergence) {
 TEST_F(Mixed, PlanKeepsItsBudgetAndMoreBudgetNeverLosesMore) {
   const uint64_t W = weights();
   const ModelSpec spec = load_model_spec(fp16_->string());
-  const QuantizeReport measured = quantize_model(dry(3.5));
+  QuantizeOptions kl = dry(3.5);
+  kl.loss = "kl";
+  const QuantizeReport measured = quantize_model(kl);
   ASSERT_TRUE(measured.plan.has_value());
   for (const PlannedLinear& l : measured.plan->linears) EXPECT_EQ(l.measured.size(), 12u) << l.name;
-  // --loss kl (the default) measures a sibling group as one and shares its KL equally: q, k and
+  // --loss kl measures a sibling group as one and shares its KL equally: q, k and
   // v of a layer carry the same loss at each candidate, positive, and 2-bit g128 costs more than
   // 4-bit g128.
   for (size_t i = 0; i + 2 < measured.plan->linears.size(); ++i) {

@@ -47,7 +47,8 @@ int main(int argc, char** argv) {
   auto* loss = app.add_option("--loss", o.loss,
                               "Mixed precision: a linear's estimated loss: kl (the KL divergence "
                               "of the model's next-token distributions with its group alone "
-                              "quantized, measured; holds the whole model), output "
+                              "quantized, measured; holds the whole model in fp32 and runs the "
+                              "later layers per group and format: small models), output "
                               "(tr((W-Q) H (W-Q)^T)), relative (over tr(W H W^T)) or residual "
                               "(relative, times its block's share of the residual stream)")
                    ->capture_default_str();

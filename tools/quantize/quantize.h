@@ -77,7 +77,10 @@ struct QuantizeOptions {
   // MLP output||^2 over mean ||residual||^2): what a block adds is read downstream through
   // RMSNorm, relative to the stream, so the same relative damage costs more where a block's
   // output is a larger part of the stream.
-  std::string loss = "kl";  // kl: best on docs-llama-19m (docs/performance.md)
+  // residual by default: it costs no forward pass and runs at any size. kl measured the best
+  // plans on docs-llama-19m (docs/performance.md), but it holds the model in fp32 and runs the
+  // later layers per group and candidate: hours past a few hundred million parameters.
+  std::string loss = "residual";
   int kl_windows = 2;       // calibration windows of --loss kl's measure (the first ones)
   bool mixed() const { return bits_avg > 0 || target_size_gb > 0; }
 };
