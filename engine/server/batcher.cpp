@@ -147,17 +147,18 @@ void StepBatcher::step(std::vector<Pass*>& rows, Pass* chunk) {
   // The decode rows first: the running streams get their tokens before a prompt's chunk runs.
   if (!rows.empty()) {
     const size_t vocab = model_.config().vocab;
-    std::vector<BatchRow> batch;
-    batch.reserve(rows.size());
-    for (Pass* p : rows) batch.push_back({p->inner, p->tokens[0], p->pos});
-    logits_.resize(rows.size() * vocab);
-    try {
+    try {  // the buffers too: running out of memory for them falls back to the rows alone
+      std::vector<BatchRow> batch;
+      batch.reserve(rows.size());
+      for (Pass* p : rows) batch.push_back({p->inner, p->tokens[0], p->pos});
+      logits_.resize(rows.size() * vocab);
       model_.forward_batch(batch, logits_.data());
       for (size_t i = 0; i < rows.size(); ++i)
         std::copy_n(logits_.data() + i * vocab, vocab, rows[i]->logits);
     } catch (...) {
-      // One bad row (a position past its context) fails the batch: run each alone, so that
-      // only the bad one fails. A row's K/V written before the failure is written again.
+      // One bad row (a position past its context) fails the batch, as does a device short of
+      // memory for the batch's scratch: run each alone, so that only a bad row fails. A row's
+      // K/V written before the failure is written again.
       for (Pass* p : rows) {
         try {
           p->inner->forward(p->tokens, 1, p->pos, p->logits, nullptr);

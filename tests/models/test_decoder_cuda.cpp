@@ -607,7 +607,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // ---- The batched decode step (Model::forward_batch) ---------------------------------------------
 //
-// Six sequences with prompts of their own lengths step together, joining and leaving so that
+// Six sequences with prompts and contexts of their own lengths step together, joining and leaving so that
 // the batch holds 1 to 6 rows (one row: the session's own decode step; two: the rows' GEMVs;
 // three and more: the fused small-M GEMM), each at its own position over its own cache. Each
 // row's logits against the CPU engine's forward_batch of the same rows (which test_batch holds
@@ -615,7 +615,7 @@ INSTANTIATE_TEST_SUITE_P(
 // Tolerance as GpuVsCpu (as GpuKvCache with an 8-bit cache).
 struct BatchCase {
   Case format;
-  std::string arch;  // "" (Llama) or "mistral" (window 32)
+  std::string arch;  // "" (Llama), "mistral" (window 32) or "opt"
   KvCacheTypes kv;
 };
 
@@ -626,7 +626,8 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
   const BatchCase& p = GetParam();
   const fs::path dir = kestrel::test::write_tiny_model(p.format, /*seed=*/29, /*n_layers=*/2, p.arch);
   const ModelSpec spec = load_model_spec(dir.string());
-  const int vocab = spec.config.vocab, ctx = 96, n = 6;
+  const int vocab = spec.config.vocab, n = 6;
+  const int ctxs[n] = {64, 96, 200, 96, 64, 128};  // each session's own cache and workspace
   const double tol = p.kv.quantized() ? 3e-2 : 2e-2;
   DecoderCpu cpu_model(spec, p.kv);
   DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
@@ -641,8 +642,8 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
   for (int i = 0; i < n; ++i) {
     std::vector<int> prompt(lengths[i]);
     for (int k = 0; k < lengths[i]; ++k) prompt[k] = (k * 31 + i * 7 + 3) % vocab;
-    cs.push_back(cpu_model.new_cpu_session(ctx));
-    gs.push_back(gpu_model.new_cuda_session(ctx));
+    cs.push_back(cpu_model.new_cpu_session(ctxs[i]));
+    gs.push_back(gpu_model.new_cuda_session(ctxs[i]));
     cs[i]->forward(prompt.data(), lengths[i], 0, lc.data(), nullptr);
     gs[i]->forward(prompt.data(), lengths[i], 0, lg.data(), nullptr);
     worst = std::max(worst, rel_err(lg, lc));
@@ -699,7 +700,9 @@ INSTANTIATE_TEST_SUITE_P(
                       BatchCase{Case{"q4_g128_act_unfused", "gptq", 4, 128, true, false, "gptq", 4, 2, true}, "", {}},
                       BatchCase{Case{"q4_g128_hd128", "gptq", 4, 128, false, false, "gptq", 2, 1}, "mistral", {}},
                       BatchCase{Case{"q4_g128_q8kv", "gptq", 4, 128, false, false, "gptq"}, "", {KvType::Q8_0, KvType::Q8_0}},
-                      BatchCase{Case{"q4_g128_fp8kv_window", "gptq", 4, 128, false, false, "gptq"}, "mistral", {KvType::Fp8, KvType::Fp8}}),
+                      BatchCase{Case{"q4_g128_fp8kv_window", "gptq", 4, 128, false, false, "gptq"}, "mistral", {KvType::Fp8, KvType::Fp8}},
+                      // OPT: each row's learned position added by its own embedding launch
+                      BatchCase{Case{"q4_g128_opt", "gptq", 4, 128, false, false, "gptq", 4, 4}, "opt", {}}),
     [](const auto& info) { return info.param.format.name; });
 
 }  // namespace

@@ -52,7 +52,8 @@ struct BatchBench {
 
 BatchBench run_batch_bench(const BenchArgs& a, LoadedModel& m, int B, std::mt19937_64& rng) {
   Model& model = *m.model;
-  const int vocab = model.config().vocab, ctx = m.session->context_length();
+  // Each sequence holds its prompt and its steps, whatever -c gave the main session.
+  const int vocab = model.config().vocab, ctx = std::max(1, a.n_prompt + a.n_gen);
   std::uniform_int_distribution<int> tok(0, std::min(vocab, m.tok->vocab_size()) - 1);
   std::vector<std::unique_ptr<Session>> sessions;
   for (int i = 0; i < B; ++i) {
