@@ -493,19 +493,23 @@ bool ToolCallParser::read_call(Out& out, bool at_end) {
   // announced (the marker too, so that it is not found again). A call announced and then
   // broken off (or cut short at the end) stays as it was written, and the rest of it is
   // dropped: what comes after is text.
+  size_t j = skip_space(buf_, pos_);
   const auto give_up = [&] {
     if (current_ >= 0) {
       broken_ = true;
     } else if (region_calls_ == 0) {
       pos_ = region_;
       emit_content(out, body_ > region_ ? body_ : region_ + 1);
+    } else {
+      // Calls were read and text follows: the space before it is no one's text, whether it
+      // arrived with the last call or after it.
+      pos_ = std::max(pos_, std::min(j, buf_.size()));
     }
     in_call_ = in_list_ = closing_ = false;
     current_ = -1;
     args_sent_ = 0;
     return true;
   };
-  size_t j = skip_space(buf_, pos_);
   if (closing_) {  // hermes: a call read, its </tool_call> expected
     static const std::string close = "</tool_call>";
     const size_t have = buf_.size() - j;
