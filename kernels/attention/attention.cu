@@ -734,15 +734,7 @@ void dispatch_types(KvType kt, KvType vt, Args... args) {
 #define KESTREL_ATTN_TYPES(K, V)                                                \
   if (kt == KvType::K && vt == KvType::V)                                       \
     return dispatch_group<D, false, KvType::K, KvType::V>(args...);
-    KESTREL_ATTN_TYPES(F16, F16)
-    KESTREL_ATTN_TYPES(F16, Q8_0)
-    KESTREL_ATTN_TYPES(F16, Fp8)
-    KESTREL_ATTN_TYPES(Q8_0, F16)
-    KESTREL_ATTN_TYPES(Q8_0, Q8_0)
-    KESTREL_ATTN_TYPES(Q8_0, Fp8)
-    KESTREL_ATTN_TYPES(Fp8, F16)
-    KESTREL_ATTN_TYPES(Fp8, Q8_0)
-    KESTREL_ATTN_TYPES(Fp8, Fp8)
+    KESTREL_KV_TYPE_PAIRS(KESTREL_ATTN_TYPES)
 #undef KESTREL_ATTN_TYPES
     throw Error(std::string("attention_decode_kv: no kernel for a ") + kv_type_name(kt) +
                 " K cache with a " + kv_type_name(vt) + " V cache");

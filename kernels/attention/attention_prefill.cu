@@ -493,15 +493,7 @@ void dispatch_kv(const Params& p, KvType kt, KvType vt, int n_heads, cudaStream_
 #define KESTREL_PREFILL_TYPES(K, V)                   \
   if (kt == KvType::K && vt == KvType::V)             \
     return launch_kv<D, KvType::K, KvType::V>(p, n_heads, stream);
-  KESTREL_PREFILL_TYPES(F16, F16)
-  KESTREL_PREFILL_TYPES(F16, Q8_0)
-  KESTREL_PREFILL_TYPES(F16, Fp8)
-  KESTREL_PREFILL_TYPES(Q8_0, F16)
-  KESTREL_PREFILL_TYPES(Q8_0, Q8_0)
-  KESTREL_PREFILL_TYPES(Q8_0, Fp8)
-  KESTREL_PREFILL_TYPES(Fp8, F16)
-  KESTREL_PREFILL_TYPES(Fp8, Q8_0)
-  KESTREL_PREFILL_TYPES(Fp8, Fp8)
+  KESTREL_KV_TYPE_PAIRS(KESTREL_PREFILL_TYPES)
 #undef KESTREL_PREFILL_TYPES
   throw Error(std::string("attention_prefill_kv: no kernel for a ") + kv_type_name(kt) +
               " K cache with a " + kv_type_name(vt) + " V cache");

@@ -101,3 +101,9 @@ __device__ __forceinline__ float load_scale(const void* scales, KvType t, int64_
 }
 
 }  // namespace kestrel::cuda::kv_detail
+
+// Every (K type, V type) pair of cache types the attention kernels are compiled for: X(K, V)
+// once per pair, so that the decode and prefill dispatches list the same nine.
+#define KESTREL_KV_TYPE_PAIRS(X)                                                 \
+  X(F16, F16) X(F16, Q8_0) X(F16, Fp8) X(Q8_0, F16) X(Q8_0, Q8_0) X(Q8_0, Fp8) \
+  X(Fp8, F16) X(Fp8, Q8_0) X(Fp8, Fp8)

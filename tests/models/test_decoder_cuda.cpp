@@ -47,6 +47,26 @@ int argmax_of(const std::vector<float>& v) {
   return (int)(std::max_element(v.begin(), v.end()) - v.begin());
 }
 
+// Row r of logits [rows, vocab].
+std::vector<float> row_of(const std::vector<float>& all, int r, int vocab) {
+  return std::vector<float>(all.begin() + (size_t)r * vocab, all.begin() + (size_t)(r + 1) * vocab);
+}
+
+// Teacher-forced decode steps: both engines see the CPU's greedy tokens, appended to `tokens`;
+// lc and lg hold the last step's logits. Returns the largest relative logit error of the steps.
+double teacher_forced_steps(Session& cpu, Session& gpu, std::vector<int>& tokens, int steps,
+                            std::vector<float>& lc, std::vector<float>& lg) {
+  double worst = 0;
+  for (int i = 0; i < steps; ++i) {
+    tokens.push_back(argmax_of(lc));
+    const int pos = (int)tokens.size() - 1;
+    cpu.forward(&tokens.back(), 1, pos, lc.data(), nullptr);
+    gpu.forward(&tokens.back(), 1, pos, lg.data(), nullptr);
+    worst = std::max(worst, rel_err(lg, lc));
+  }
+  return worst;
+}
+
 TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
   KESTREL_REQUIRE_GPU();
   const Case& c = GetParam();
@@ -70,13 +90,7 @@ TEST_P(GpuVsCpu, LogitsAndGreedyTokensMatch) {
   gpu->forward(tokens.data(), (int)tokens.size(), 0, lg.data(), nullptr);
   double worst = rel_err(lg, lc);
   const int n_prompt = (int)tokens.size();
-  for (int i = 0; i < steps; ++i) {
-    tokens.push_back(argmax_of(lc));
-    const int pos = (int)tokens.size() - 1;
-    cpu->forward(&tokens.back(), 1, pos, lc.data(), nullptr);
-    gpu->forward(&tokens.back(), 1, pos, lg.data(), nullptr);
-    worst = std::max(worst, rel_err(lg, lc));
-  }
+  worst = std::max(worst, teacher_forced_steps(*cpu, *gpu, tokens, steps, lc, lg));
   EXPECT_LT(worst, 2e-2) << "largest relative logit error over " << steps << " steps";
 
   // Free-running greedy on the GPU's argmax path (a fresh pass over the same positions).
@@ -545,22 +559,13 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   gpu->forward(tokens.data(), n_prompt, 0, lg.data(), all_g.data());
   double worst = 0;
   for (int t = 0; t < n_prompt; ++t) {
-    const std::vector<float> rc(all_c.begin() + (size_t)t * vocab, all_c.begin() + (size_t)(t + 1) * vocab);
-    const std::vector<float> rg(all_g.begin() + (size_t)t * vocab, all_g.begin() + (size_t)(t + 1) * vocab);
-    worst = std::max(worst, rel_err(rg, rc));
+    worst = std::max(worst, rel_err(row_of(all_g, t, vocab), row_of(all_c, t, vocab)));
   }
   EXPECT_LT(worst, kTol) << "largest relative logit error over the prompt's rows";
   const std::vector<float> prompt_last = lg;
 
   // Teacher-forced decode steps: both engines see the CPU's greedy tokens.
-  worst = 0;
-  for (int i = 0; i < steps; ++i) {
-    tokens.push_back(argmax_of(lc));
-    const int pos = (int)tokens.size() - 1;
-    cpu->forward(&tokens.back(), 1, pos, lc.data(), nullptr);
-    gpu->forward(&tokens.back(), 1, pos, lg.data(), nullptr);
-    worst = std::max(worst, rel_err(lg, lc));
-  }
+  worst = teacher_forced_steps(*cpu, *gpu, tokens, steps, lc, lg);
   EXPECT_LT(worst, kTol) << "largest relative logit error over " << steps << " steps";
 
   // A verify pass of 12 rows after them: each row's greedy successor, CPU and GPU.
@@ -667,8 +672,7 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
     cpu_model.forward_batch(crow, bc.data());
     gpu_model.forward_batch(grow, bg.data());
     for (int r = 0; r < B; ++r) {
-      const std::vector<float> rc(bc.begin() + (size_t)r * vocab, bc.begin() + (size_t)(r + 1) * vocab);
-      const std::vector<float> rg(bg.begin() + (size_t)r * vocab, bg.begin() + (size_t)(r + 1) * vocab);
+      const std::vector<float> rc = row_of(bc, r, vocab), rg = row_of(bg, r, vocab);
       const double e = rel_err(rg, rc);
       EXPECT_LT(e, tol) << "step " << step << ", sequence " << who[r] << " at " << pos[who[r]];
       worst = std::max(worst, e);
