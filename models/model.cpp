@@ -35,6 +35,9 @@ void check_batch_rows(const Model& model, std::span<const BatchRow> rows) {
     KESTREL_CHECK(r.pos >= 0 && r.pos < r.session->context_length(),
                   row + ": position " + std::to_string(r.pos) + " is outside its context of " +
                       std::to_string(r.session->context_length()));
+    KESTREL_CHECK(r.token >= 0 && r.token < model.config().vocab,
+                  row + ": token id " + std::to_string(r.token) +
+                      " is outside the vocabulary (" + std::to_string(model.config().vocab) + ")");
     // Two rows of one session would write one cache in an order the batch does not define.
     for (size_t j = 0; j < i; ++j)
       KESTREL_CHECK(rows[j].session != r.session,

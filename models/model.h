@@ -163,7 +163,8 @@ class Session {
 };
 
 // What Model::forward_batch requires of its rows, checked (for an engine's override too): each a
-// session of `model`, once, at a position inside its context. Throws kestrel::Error.
+// session of `model`, once, at a position inside its context, with a token of its vocabulary.
+// Throws kestrel::Error naming the row.
 void check_batch_rows(const Model& model, std::span<const BatchRow> rows);
 
 }  // namespace kestrel

@@ -163,7 +163,8 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 // Rows the batch cannot run are refused, naming the row: one session twice, a position past
-// its context, a session of another model; and the empty batch does nothing.
+// its context, a session of another model, a token past the vocabulary; and the empty batch
+// does nothing.
 TEST(BatchRows, BadRowsAreRefusedByName) {
   const Format f{"fp16_rows", "fp16", 16, 0, false, false, "gptq"};
   const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/3, /*n_layers=*/1);
@@ -186,7 +187,7 @@ TEST(BatchRows, BadRowsAreRefusedByName) {
             std::string::npos);
   const BatchRow bad_token[] = {{a.get(), spec.config.vocab, 0}};
   EXPECT_NE(error_of([&] { model.forward_batch(bad_token, logits.data()); })
-                .find("outside the vocabulary"),
+                .find("row 0: token id " + std::to_string(spec.config.vocab) + " is outside the vocabulary"),
             std::string::npos);
   EXPECT_EQ(error_of([&] { model.forward_batch({}, logits.data()); }), "");
   fs::remove_all(dir);
