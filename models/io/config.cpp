@@ -35,8 +35,9 @@ void read_override(DynamicRule& r, const std::string& key, const json& v, const 
                                               v.dump()));
     if (key == "desc_act") r.desc_act = v.get<bool>();
     if (key == "sym") r.sym = v.get<bool>();
-  } else if (key == "damp_percent") {  // the quantizer's setting: informative, as at the top level
-    KESTREL_CHECK(v.is_number(), fmt::format("{}: damp_percent must be a number, found {}", at,
+  } else if (key == "damp_percent" || key == "mse") {
+    // The quantizer's settings: informative, as at the top level.
+    KESTREL_CHECK(v.is_number(), fmt::format("{}: {} must be a number, found {}", at, key,
                                              v.dump()));
   } else {
     throw Error(fmt::format("{}: unknown override {} (supported: bits, group_size, desc_act, sym)",

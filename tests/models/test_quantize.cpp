@@ -97,7 +97,8 @@ struct PlainResult {
 };
 
 void plain_params(const std::vector<float>& W, int64_t K, int64_t N, int64_t c0, int64_t cols,
-                  int bits, bool sym, std::vector<float>& scale, std::vector<float>& zero) {
+                  int bits, bool sym, std::vector<float>& scale, std::vector<float>& zero,
+                  float mse = 0.0f) {
   const float maxq = (float)((1 << bits) - 1);
   scale.assign(N, 0.0f);
   zero.assign(N, 0.0f);
@@ -112,8 +113,26 @@ void plain_params(const std::vector<float>& W, int64_t K, int64_t N, int64_t c0,
       lo = -hi;
     }
     if (lo == 0.0f && hi == 0.0f) lo = -1.0f, hi = 1.0f;
-    scale[n] = half_to_float(float_to_half((hi - lo) / maxq));
-    zero[n] = sym ? (maxq + 1) / 2 : std::clamp(std::nearbyint(-lo / scale[n]), 0.0f, maxq);
+    // The reference's search: shrink factors 1 - i/100 for i < 80, the first least error kept.
+    const int steps = mse > 0.0f ? 80 : 1;
+    double best = 0.0;
+    for (int i = 0; i < steps; ++i) {
+      const float shrink = 1.0f - (float)i / 100.0f, l = shrink * lo, h = shrink * hi;
+      float s = half_to_float(float_to_half((h - l) / maxq));
+      if (s == 0.0f) s = half_to_float(1);
+      const float z = sym ? (maxq + 1) / 2 : std::clamp(std::nearbyint(-l / s), 0.0f, maxq);
+      double err = 0.0;
+      for (int64_t c = c0; c < c0 + cols; ++c) {
+        const float w = W[n * K + c];
+        const float q = std::clamp(std::nearbyint(w / s) + z, 0.0f, maxq);
+        err += std::pow(std::abs((double)(s * (q - z)) - (double)w), (double)mse);
+      }
+      if (i == 0 || err < best) {
+        best = err;
+        scale[n] = s;
+        zero[n] = z;
+      }
+    }
   }
 }
 
@@ -164,7 +183,7 @@ PlainResult plain_gptq(const std::vector<float>& W0, int64_t N, int64_t K,
   std::vector<float> W = W0;
   std::vector<float> H = H0;
   std::vector<float> sc, zr;
-  if (gs == -1) plain_params(W, K, N, 0, K, o.bits, o.sym, sc, zr);
+  if (gs == -1) plain_params(W, K, N, 0, K, o.bits, o.sym, sc, zr, o.mse);
   for (int64_t i = 0; i < K; ++i)
     if (H[i * K + i] == 0.0f) {
       H[i * K + i] = 1.0f;
@@ -173,7 +192,7 @@ PlainResult plain_gptq(const std::vector<float>& W0, int64_t N, int64_t K,
   std::vector<std::vector<float>> st_sc, st_zr;  // static groups, by original column
   if (gs != -1 && o.static_groups)
     for (int64_t c0 = 0; c0 < K; c0 += gs) {
-      plain_params(W, K, N, c0, std::min<int64_t>(gs, K - c0), o.bits, o.sym, sc, zr);
+      plain_params(W, K, N, c0, std::min<int64_t>(gs, K - c0), o.bits, o.sym, sc, zr, o.mse);
       st_sc.push_back(sc);
       st_zr.push_back(zr);
     }
@@ -205,7 +224,8 @@ PlainResult plain_gptq(const std::vector<float>& W0, int64_t N, int64_t K,
         sc = st_sc[perm[col] / gs];
         zr = st_zr[perm[col] / gs];
       } else if (col % gs == 0) {
-        plain_params(snapshot, K, N, col, std::min<int64_t>(gs, K - col), o.bits, o.sym, sc, zr);
+        plain_params(snapshot, K, N, col, std::min<int64_t>(gs, K - col), o.bits, o.sym, sc, zr,
+                     o.mse);
       }
     }
     const float d = (float)U[col * K + col];
@@ -287,11 +307,13 @@ TEST(InverseCholesky, NotPositiveDefiniteIsAClearError) {
 struct Opt {
   int bits, group_size;
   bool act_order, sym, static_groups;
+  float mse = 0.0f;
 };
 std::string opt_name(const ::testing::TestParamInfo<Opt>& i) {
   const Opt& o = i.param;
   return "b" + std::to_string(o.bits) + "_g" + (o.group_size < 0 ? "m1" : std::to_string(o.group_size)) +
-         (o.act_order ? "_act" : "") + (o.sym ? "_sym" : "_asym") + (o.static_groups ? "_static" : "");
+         (o.act_order ? "_act" : "") + (o.sym ? "_sym" : "_asym") + (o.static_groups ? "_static" : "") +
+         (o.mse > 0 ? "_mse" : "");
 }
 
 class BlockedVsPlain : public ::testing::TestWithParam<Opt> {};
@@ -313,7 +335,7 @@ TEST_P(BlockedVsPlain, SameCodesToFp32Rounding) {
     for (int64_t i = 0; i < K; ++i) H[dead * K + i] = H[i * K + dead] = 0.0f;
   const std::vector<float> W = random_weights(N, K, 6);
   GptqOptions o{.bits = p.bits, .group_size = p.group_size, .act_order = p.act_order,
-                .sym = p.sym, .static_groups = p.static_groups};
+                .sym = p.sym, .static_groups = p.static_groups, .mse = p.mse};
   const QuantizedLinear q = gptq_quantize(W.data(), N, K, H.data(), o, "test");
   const PlainResult ref = plain_gptq(W, N, K, H, o);
 
@@ -362,7 +384,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Opt{3, 64, true, true, false}, Opt{3, 128, false, false, false},
                       Opt{2, 32, true, false, false}, Opt{8, 128, true, true, false},
                       Opt{4, 64, true, true, true}, Opt{4, 128, false, false, true},
-                      Opt{4, 96, true, true, false}),
+                      Opt{4, 96, true, true, false}, Opt{2, 64, true, false, false, 2.4f},
+                      Opt{3, 128, true, true, false, 2.4f}, Opt{3, -1, false, false, false, 2.4f},
+                      Opt{4, 64, true, true, true, 2.0f}),
     opt_name);
 
 TEST(Gptq, ErrorClearlyBelowRoundToNearest) {
@@ -381,6 +405,45 @@ TEST(Gptq, ErrorClearlyBelowRoundToNearest) {
     EXPECT_GT(eg, 0.0);
     EXPECT_LT(eg, 0.5 * er) << "bits " << o.bits << " group " << o.group_size;
   }
+}
+
+// --mse: every group's scale is the one of least sum |w - q(w)|^norm among the shrunk ranges,
+// the full range included, so round-to-nearest's error in that norm can only fall; and clipping
+// pays at 2 and 3 bits, where GPTQ's output error falls with it.
+TEST(Gptq, MseSearchLowersTheError) {
+  const int64_t n = 2000, N = 64, K = 256;
+  const std::vector<float> x = correlated_inputs(n, K, 12);
+  const std::vector<float> H = hessian_of(x, n, K);
+  const std::vector<float> W = random_weights(N, K, 13);
+  auto norm_error = [&](const QuantizedLinear& q, float norm) {
+    double e = 0;
+    for (size_t i = 0; i < W.size(); ++i) e += std::pow(std::abs((double)W[i] - q.dequant[i]), norm);
+    return e;
+  };
+  for (const GptqOptions& o : {GptqOptions{.bits = 2, .group_size = 64, .sym = false},
+                               GptqOptions{.bits = 3, .group_size = 128},
+                               GptqOptions{.bits = 3, .group_size = -1, .sym = false},
+                               GptqOptions{.bits = 4, .group_size = 32}}) {
+    GptqOptions m = o;
+    m.mse = 2.4f;
+    const QuantizedLinear r0 = rtn_quantize(W.data(), N, K, o);
+    const QuantizedLinear r1 = rtn_quantize(W.data(), N, K, m);
+    EXPECT_LT(norm_error(r1, 2.4f), norm_error(r0, 2.4f)) << "bits " << o.bits;
+    // Some group was clipped: a scale below the full range's.
+    int clipped = 0;
+    for (size_t i = 0; i < r0.scales.size(); ++i) clipped += r1.scales[i] < r0.scales[i];
+    EXPECT_GT(clipped, 0) << "bits " << o.bits;
+    for (size_t i = 0; i < r0.scales.size(); ++i) ASSERT_LE(r1.scales[i], r0.scales[i]);
+    if (o.bits <= 3) {
+      const QuantizedLinear g0 = gptq_quantize(W.data(), N, K, H.data(), o, "test");
+      const QuantizedLinear g1 = gptq_quantize(W.data(), N, K, H.data(), m, "test");
+      EXPECT_LT(relative_error(W.data(), g1.dequant.data(), N, K, H.data()),
+                relative_error(W.data(), g0.dequant.data(), N, K, H.data()))
+          << "bits " << o.bits << " group " << o.group_size;
+    }
+  }
+  GptqOptions bad{.mse = -1.0f};
+  EXPECT_THROW(validate(bad), Error);
 }
 
 TEST(Pack, RoundTripsThroughTheLoaderBitExactly) {

@@ -603,11 +603,13 @@ TEST(Dynamic, RefusalsNameTheRuleAndTheField) {
   EXPECT_THAT(err(R"({".*": {"sym": 1}})"), HasSubstr("sym must be true or false"));
   EXPECT_THAT(err(R"({".*": {"act_order": true}})"),
               HasSubstr("dynamic rule \".*\": unknown override act_order"));
+  EXPECT_THAT(err(R"({".*": {"mse": "2.4"}})"), HasSubstr("mse must be a number"));
   EXPECT_THAT(err(R"({".*": 8})"), HasSubstr("dynamic rule \".*\": overrides must be an object"));
   EXPECT_THAT(err(R"(["-:.*"])"), HasSubstr("dynamic must be an object"));
   // The quantizer's own settings are informative, as at the top level.
   const QuantConfig q = parse_quant_config(
-      R"({"dynamic": {".*": {"damp_percent": 0.05, "static_groups": true}}})", "quantize_config.json");
+      R"({"mse": 2.4, "dynamic": {".*": {"damp_percent": 0.05, "static_groups": true, "mse": 2.4}}})",
+      "quantize_config.json");
   ASSERT_EQ(q.dynamic.size(), 1u);
   EXPECT_FALSE(q.dynamic[0].bits);
 }

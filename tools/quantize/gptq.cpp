@@ -6,6 +6,7 @@
 #include <lapacke.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include <fmt/format.h>
@@ -22,13 +23,22 @@ void validate(const GptqOptions& o) {
     throw Error(fmt::format("--group-size must be positive or -1, got {}", o.group_size));
   if (!(o.damp >= 0.0f && o.damp < 1.0f))
     throw Error(fmt::format("--damp must be in [0, 1), got {}", o.damp));
+  if (!(o.mse >= 0.0f && o.mse <= 16.0f))
+    throw Error(fmt::format("--mse must be a norm in [0, 16] (0 = off), got {}", o.mse));
   if (o.block_size <= 0)
     throw Error(fmt::format("block size must be positive, got {}", o.block_size));
 }
 
 void find_params(const float* x, int64_t ld, int64_t rows, int64_t cols, int bits, bool sym,
-                 float* scale, float* zero) {
+                 float* scale, float* zero, float mse) {
   const float maxq = (float)((1 << bits) - 1);
+  // The fp16 scale and the zero of the range [lo, hi].
+  auto fit = [&](float lo, float hi, float& s, float& z) {
+    s = round_to_half((hi - lo) / maxq);
+    // A range below fp16's smallest subnormal would store a zero scale: keep the smallest.
+    if (s == 0.0f) s = half_to_float(1);
+    z = sym ? (maxq + 1.0f) / 2.0f : std::clamp(std::rint(-lo / s), 0.0f, maxq);
+  };
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * ld;
     float xmin = 0.0f, xmax = 0.0f;
@@ -44,13 +54,24 @@ void find_params(const float* x, int64_t ld, int64_t rows, int64_t cols, int bit
       xmin = -1.0f;
       xmax = 1.0f;
     }
-    float s = round_to_half((xmax - xmin) / maxq);
-    // A range below fp16's smallest subnormal would store a zero scale: keep the smallest.
-    if (s == 0.0f) s = half_to_float(1);
-    if (!std::isfinite(s))
+    if (!std::isfinite(round_to_half((xmax - xmin) / maxq)))
       throw Error(fmt::format("weight range [{}, {}] does not fit an fp16 scale", xmin, xmax));
-    scale[r] = s;
-    zero[r] = sym ? (maxq + 1.0f) / 2.0f : std::clamp(std::rint(-xmin / s), 0.0f, maxq);
+    fit(xmin, xmax, scale[r], zero[r]);
+    if (mse <= 0.0f) continue;
+    double best = std::numeric_limits<double>::infinity();
+    for (int i = 0; i < 80; ++i) {  // grid 100, maxshrink 0.8
+      const float p = 1.0f - (float)i / 100.0f;
+      float s, z;
+      fit(p * xmin, p * xmax, s, z);
+      double err = 0.0;
+      for (int64_t c = 0; c < cols; ++c)
+        err += std::pow(std::fabs(s * (quantize_code(xr[c], s, z, maxq) - z) - xr[c]), mse);
+      if (err < best) {
+        best = err;
+        scale[r] = s;
+        zero[r] = z;
+      }
+    }
   }
 }
 
@@ -116,7 +137,7 @@ QuantizedLinear gptq_quantize(const float* W_in, int64_t N, int64_t K, const flo
 
   // Per-row parameters are read from W as given, before dead inputs are zeroed (as the
   // reference, whose quantizer is fitted on entry).
-  if (gs == -1) find_params(W.data(), K, N, K, o.bits, o.sym, scales.data(), zeros.data());
+  if (gs == -1) find_params(W.data(), K, N, K, o.bits, o.sym, scales.data(), zeros.data(), o.mse);
 
   // Dead inputs: never active in the calibration data, so their weights cannot matter.
   for (int64_t i = 0; i < K; ++i)
@@ -129,7 +150,7 @@ QuantizedLinear gptq_quantize(const float* W_in, int64_t N, int64_t K, const flo
   if (gs != -1 && o.static_groups)
     for (int64_t g = 0; g < G; ++g)
       find_params(W.data() + g * gs, K, N, std::min<int64_t>(gs, K - g * gs), o.bits, o.sym,
-                  scales.data() + g * N, zeros.data() + g * N);
+                  scales.data() + g * N, zeros.data() + g * N, o.mse);
 
   // Act-order: columns with the largest Hessian diagonal first.
   std::vector<int32_t> perm(K);
@@ -175,7 +196,7 @@ QuantizedLinear gptq_quantize(const float* W_in, int64_t N, int64_t K, const flo
           // not seen, exactly as in the reference.
           const int64_t g = col / gs;
           find_params(W.data() + col, K, N, std::min<int64_t>(gs, K - col), o.bits, o.sym,
-                      scales.data() + g * N, zeros.data() + g * N);
+                      scales.data() + g * N, zeros.data() + g * N, o.mse);
           sc = scales.data() + g * N;
           zr = zeros.data() + g * N;
         }
@@ -242,7 +263,7 @@ QuantizedLinear rtn_quantize(const float* W, int64_t N, int64_t K, const GptqOpt
   std::vector<float> zeros((size_t)G * N);
   for (int64_t g = 0; g < G; ++g)
     find_params(W + g * width, K, N, std::min(width, K - g * width), o.bits, o.sym,
-                r.scales.data() + g * N, zeros.data() + g * N);
+                r.scales.data() + g * N, zeros.data() + g * N, o.mse);
   r.codes.resize((size_t)N * K);
   r.dequant.resize((size_t)N * K);
   r.g_idx.resize(K);
