@@ -638,7 +638,8 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
   DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
   const int lengths[n] = {5, 1, 40, 9, 2, 17};
   const int joins[n] = {0, 0, 1, 2, 3, 3};
-  const int leaves[n] = {14, 4, 12, 14, 8, 14};  // after this many steps of the batch
+  // After this many steps of the batch: widths 2, 3, 4, 6, 5, 4, 3, then sequence 0 alone.
+  const int leaves[n] = {16, 4, 12, 14, 8, 14};
   std::vector<std::unique_ptr<DecoderCpuSession>> cs;
   std::vector<std::unique_ptr<DecoderCudaSession>> gs;
   std::vector<int> next(n), pos(n);
@@ -656,7 +657,7 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
     pos[i] = lengths[i];
   }
   std::vector<int> widths_seen(n + 1, 0);
-  for (int step = 0; step < 14; ++step) {
+  for (int step = 0; step < 16; ++step) {
     std::vector<BatchRow> crow, grow;
     std::vector<int> who;
     for (int i = 0; i < n; ++i)
