@@ -29,6 +29,7 @@
 #include "models/cpu/decoder.h"
 #include "models/io/dynamic.h"
 #include "models/io/model_spec.h"
+#include "tests/support/shared_fixture.h"
 #include "tests/support/test_util.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/gptq.h"
@@ -91,23 +92,27 @@ double ppl(const fs::path& dir, const std::vector<int>& ids) {
 
 class Mixed : public ::testing::Test {
  protected:
+  // The FP16 model and its sampled calibration text, made once for all of this binary's
+  // processes (tests/support/shared_fixture.h) and never written to by a test.
   static void SetUpTestSuite() {
-    fp16_ = new fs::path(temp_dir("fp16"));
-    synth::SynthOptions o;
-    o.shape = "tiny";
-    o.n_layers = 2;
-    o.dtype = "fp16";
-    o.seed = 5;
-    o.out = fp16_->string();
-    o.quiet = true;
-    synth::write_model(o);
-    sampled_ = new std::vector<int>(sample_windows(*fp16_, 24, 1));
-    calib_ = new fs::path(temp_dir("calib.txt"));
-    std::ofstream(*calib_) << Tokenizer::load(fp16_->string())->decode(*sampled_);
+    const fs::path dir = kestrel::test::shared_fixture(KESTREL_TEST_FIXTURES, "mixed", [](const fs::path& d) {
+      synth::SynthOptions o;
+      o.shape = "tiny";
+      o.n_layers = 2;
+      o.dtype = "fp16";
+      o.seed = 5;
+      o.out = (d / "fp16").string();
+      o.quiet = true;
+      synth::write_model(o);
+      const std::vector<int> ids = sample_windows(d / "fp16", 24, 1);
+      kestrel::test::write_ids(d / "sampled.txt", ids);
+      std::ofstream(d / "calib.txt") << Tokenizer::load((d / "fp16").string())->decode(ids);
+    });
+    fp16_ = new fs::path(dir / "fp16");
+    calib_ = new fs::path(dir / "calib.txt");
+    sampled_ = new std::vector<int>(kestrel::test::read_ids(dir / "sampled.txt"));
   }
   static void TearDownTestSuite() {
-    fs::remove_all(*fp16_);
-    fs::remove(*calib_);
     delete fp16_;
     delete calib_;
     delete sampled_;
