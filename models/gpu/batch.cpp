@@ -27,7 +27,7 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
   const int B = static_cast<int>(rows.size());
   if (B == 0) return;
   std::vector<const GpuSequence*> seqs(B);
-  std::vector<int> tokens(B), positions(B);
+  std::vector<int> tokens(B), positions(B), bounds(B);
   for (int i = 0; i < B; ++i) {
     auto* session = dynamic_cast<DecoderCudaSession*>(rows[i].session);
     KESTREL_CHECK(session != nullptr,
@@ -35,6 +35,10 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     seqs[i] = &session->q_;
     tokens[i] = rows[i].token;
     positions[i] = rows[i].pos;
+    // The decode graphs' ranges (graphs.cpp): 512 positions, doubling, up to the context.
+    int end = 512;
+    while (end <= rows[i].pos && end < session->q_.ctx) end *= 2;
+    bounds[i] = std::min(end, session->q_.ctx);
   }
   if (B == 1) {
     rows[0].session->forward(&rows[0].token, 1, rows[0].pos, logits);
@@ -64,7 +68,7 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     } else {
       cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
     }
-    const GpuBatchRows where{seqs.data() + r0, S.targets};
+    const GpuBatchRows where{seqs.data() + r0, S.targets, bounds.data() + r0};
     for (int l = 0; l < c.n_layers; ++l)
       layer_forward_batch(c, w_.layers[l], l, S.gemm, S.x, T, where, scratch, s);
     record_rows_logits(S, T, s);  // [T, vocab] fp32

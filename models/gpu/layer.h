@@ -75,10 +75,14 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
                         cudaStream_t s, const GpuLayerTaps* taps = nullptr);
 
 // The rows of a batched decode step (DecoderCuda::forward_batch): row i is one token of the
-// sequence seqs[i], at the position d_pos[i] (device).
+// sequence seqs[i], at the position d_pos[i] (device). bounds[i] (host): the positions row i's
+// attention grid covers, above its position (0 = the sequence's whole context): a session
+// opened for a long context but early in it would otherwise launch a block for every chunk
+// of that context, nearly all of them exiting at once, in every layer.
 struct GpuBatchRows {
   const GpuSequence* const* seqs = nullptr;
   const int* d_pos = nullptr;
+  const int* bounds = nullptr;
 };
 // One decoder layer (index `layer`) over T rows of T different sequences: the linears over all
 // rows at once, as layer_forward_rows runs them (each weight read once for the T rows), and per

@@ -117,16 +117,19 @@ struct RowsOps {
       __half* row = b.qkv + (size_t)i * qkv_n();
       __half* out = b.att + (size_t)i * qd;
       const int* pos = batch->d_pos + i;
+      const int bound = batch->bounds ? batch->bounds[i] : 0;
       if (!q.types.quantized()) {
         cuda::attention_decode_rope_f16(row, static_cast<__half*>(kc.data),
                                         static_cast<__half*>(vc.data), pos, q.ctx,
                                         c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim,
-                                        c.rope_scaling(), q.att_workspace, out, s);
+                                        c.rope_scaling(), q.att_workspace, out, s,
+                                        /*out_index=*/nullptr, bound);
       } else {
         cuda::rope_kv_write_rows_kv(row, qkv_n(), 1, 0, kc, vc, c.n_heads, c.n_kv_heads,
                                     c.head_dim, c.rope_scaling(), s, pos);
         cuda::attention_decode_kv(row, kc, vc, pos, q.ctx, c.sliding_window, c.n_heads,
-                                  c.n_kv_heads, c.head_dim, q.att_workspace, out, s);
+                                  c.n_kv_heads, c.head_dim, q.att_workspace, out, s,
+                                  /*out_index=*/nullptr, bound);
       }
     }
   }
