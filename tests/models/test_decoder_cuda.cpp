@@ -512,9 +512,11 @@ INSTANTIATE_TEST_SUITE_P(
 // kernels/attention/kv_quant.h's rounding when a position is written, fp32 reads), on tiny
 // models of both head dims, GQA and Mistral's window of 32, two layers: a prompt of 150 rows in
 // prefill chunks of 64 (each chunk's attention over a cache already written), every row's
-// logits; teacher-forced decode steps (the captured graphs, position on the device); a verify
-// pass of 12 rows; a free-running greedy run; and the prompt token by token against the
-// chunked prefill on the GPU itself.
+// logits; teacher-forced decode steps (the captured graphs, position on the device); verify
+// passes of 12 rows, the first run as it is captured and the second replayed from its graph,
+// then a decode step over what the replay wrote; a free-running greedy run, step by step and
+// chained on the device; and the prompt token by token against the chunked prefill on the GPU
+// itself. An act-order model also has attention store its output in o's permutation.
 //
 // Tolerance: as GpuVsCpu, plus the cache's rounding taken from fp16 K/V on the GPU and from
 // fp32 on the CPU: a value within fp16's rounding of a code boundary can take the neighbouring
@@ -526,6 +528,9 @@ struct KvModelCase {
   int heads, kv_heads;  // tiny: hidden 256, so head_dim = 256 / heads
   std::string arch;     // "" (Llama) or "mistral" (window 32)
   KvCacheTypes kv;
+  // GPTQ act-order weights: the decode step keeps the residual stream in the GEMVs'
+  // permutations, and the 8-bit attention kernel stores through o's (its out_index).
+  bool act_order = false;
 };
 
 class GpuKvCache : public ::testing::TestWithParam<KvModelCase> {};
@@ -533,7 +538,7 @@ class GpuKvCache : public ::testing::TestWithParam<KvModelCase> {};
 TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   KESTREL_REQUIRE_GPU();
   const KvModelCase& p = GetParam();
-  const Case f{"kv8_" + p.name, "gptq", 4, 128, false, false, "gptq", p.heads, p.kv_heads};
+  const Case f{"kv8_" + p.name, "gptq", 4, 128, p.act_order, false, "gptq", p.heads, p.kv_heads};
   const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/23, /*n_layers=*/2, p.arch);
   const ModelSpec spec = load_model_spec(dir.string());
   const ModelConfig& c = spec.config;
@@ -546,6 +551,9 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
   gpu_model.set_prefill_chunk(64);
   EXPECT_EQ(gpu_model.cache_types(), p.kv);
+  if (p.act_order) {  // else the case would not reach attention's permuted store
+    for (const GpuLayer& L : gpu_model.weights().layers) ASSERT_NE(L.order.att_out, nullptr);
+  }
   auto cpu = cpu_model.new_cpu_session(ctx);
   auto gpu = gpu_model.new_cuda_session(ctx);
   // The cache's bytes in its types: what `bench -o json` reports as gpu_cache_bytes.
@@ -568,15 +576,25 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   worst = teacher_forced_steps(*cpu, *gpu, tokens, steps, lc, lg);
   EXPECT_LT(worst, kTol) << "largest relative logit error over " << steps << " steps";
 
-  // A verify pass of 12 rows after them: each row's greedy successor, CPU and GPU.
+  // Verify passes of 12 rows after them: each row's greedy successor, CPU and GPU. The first
+  // pass of a row count runs from the host and captures the session's verify graph; the
+  // second, 3 positions on, replays it, which reads its position from device memory. The rows'
+  // argmax alone may not move when the replay writes K/V at the wrong position, so a decode
+  // step after the second pass, attending over what it wrote, is compared by its logits.
   {
-    std::vector<int> draft(12);
-    for (int i = 0; i < 12; ++i) draft[i] = (i * 11 + 3) % vocab;
     const int pos = (int)tokens.size();
     std::vector<int> out_c(12), out_g(12);
-    cpu->forward_argmax_rows(draft.data(), 12, pos, out_c.data());
-    gpu->forward_argmax_rows(draft.data(), 12, pos, out_g.data());
-    EXPECT_EQ(out_g, out_c) << "verify rows";
+    for (const int p0 : {pos, pos + 3}) {
+      std::vector<int> draft(12);
+      for (int i = 0; i < 12; ++i) draft[i] = (i * 11 + 3 + 7 * (p0 - pos)) % vocab;
+      cpu->forward_argmax_rows(draft.data(), 12, p0, out_c.data());
+      gpu->forward_argmax_rows(draft.data(), 12, p0, out_g.data());
+      EXPECT_EQ(out_g, out_c) << "verify rows at " << p0 << (p0 == pos ? " (captured)" : " (replayed)");
+    }
+    const int next = out_c.back(), after = pos + 3 + 12;
+    cpu->forward(&next, 1, after, lc.data(), nullptr);
+    gpu->forward(&next, 1, after, lg.data(), nullptr);
+    EXPECT_LT(rel_err(lg, lc), kTol) << "decode step after the replayed verify pass";
   }
 
   // Free-running greedy on the GPU over the same positions (the prompt again, then argmax steps
@@ -588,6 +606,18 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
     greedy.push_back(gpu->forward_argmax(greedy.back(), (int)greedy.size() - 1));
   for (int i = 0; i < steps; ++i)
     EXPECT_EQ(greedy[n_prompt + i], tokens[n_prompt + i]) << "greedy step " << i;
+
+  // The same steps chained on the device (greedy_run), again over the same positions from the
+  // CPU's first token: the argmax kernel advances the position, which the next step's 8-bit
+  // write and attention read. `ahead` is false every fifth token, so the run also restarts
+  // from an empty queue.
+  std::vector<int> chained(tokens.begin(), tokens.begin() + n_prompt + 1);
+  {
+    std::unique_ptr<DecodeRun> run = gpu->greedy_run(chained.back(), (int)chained.size() - 1);
+    for (int i = 1; i < steps; ++i) chained.push_back(run->next(i % 5 != 0));
+  }
+  for (int i = 0; i < steps; ++i)
+    EXPECT_EQ(chained[n_prompt + i], tokens[n_prompt + i]) << "chained step " << i;
 
   // The prompt token by token (decode steps, each writing and reading the 8-bit cache) against
   // the chunked prefill's last row, on a second GPU session.
@@ -607,7 +637,9 @@ INSTANTIATE_TEST_SUITE_P(
                       KvModelCase{"hd64_mha_q8k_fp8v", 4, 4, "", {KvType::Q8_0, KvType::Fp8}},
                       KvModelCase{"hd128_f16k_q8v", 2, 2, "", {KvType::F16, KvType::Q8_0}},
                       KvModelCase{"hd64_window_q8_0", 4, 2, "mistral", {KvType::Q8_0, KvType::Q8_0}},
-                      KvModelCase{"hd128_window_fp8", 2, 1, "mistral", {KvType::Fp8, KvType::Fp8}}),
+                      KvModelCase{"hd128_window_fp8", 2, 1, "mistral", {KvType::Fp8, KvType::Fp8}},
+                      KvModelCase{"hd64_gqa_act_q8_0", 4, 2, "", {KvType::Q8_0, KvType::Q8_0}, true},
+                      KvModelCase{"hd128_act_fp8k_q8v", 2, 1, "", {KvType::Fp8, KvType::Q8_0}, true}),
     [](const auto& info) { return info.param.name; });
 
 // ---- The batched decode step (Model::forward_batch) ---------------------------------------------
