@@ -650,10 +650,22 @@ INSTANTIATE_TEST_SUITE_P(
 // row's logits against the CPU engine's forward_batch of the same rows (which test_batch holds
 // bit for bit to the CPU's one-token steps), teacher-forced with the CPU's greedy tokens.
 // Tolerance as GpuVsCpu (as GpuKvCache with an 8-bit cache).
+//
+// The batch runs in chunks of the prefill scratch's rows, which the first session's context
+// (64) sizes to one chunk for every width here; a prefill chunk of 4 makes 6 rows run as 4 + 2
+// and 5 as 4 + 1 (a chunk of one row through the batched layers). Without the small-M GEMM
+// (small_gemm_max_rows 0) 3 to 5 rows run GEMVs and 6 rows dequantize for cuBLASLt.
 struct BatchCase {
-  Case format;
-  std::string arch;  // "" (Llama), "mistral" (window 32) or "opt"
-  KvCacheTypes kv;
+  Case format;            // its name is the case's
+  std::string arch = "";  // "" (Llama), "mistral" (window 32), "opt", "qwen2" (q/k/v biases)
+                          // or "qwen3" (q/k head norms)
+  KvCacheTypes kv = {};
+  DecodeTuning tuning = {};
+  int prefill_chunk = 0;  // tokens per prefill chunk, set before the first session; 0: the default
+  // Sequence 2 with a context of 1,100 and a prompt of 300 (else 200 and 40): a context above
+  // 1,024 positions gives its attention grid the long pass and twice the query heads per block
+  // (where the KV group has them), and 300 positions fill several of that grid's chunks.
+  bool long_context = false;
 };
 
 class GpuBatch : public ::testing::TestWithParam<BatchCase> {};
@@ -664,11 +676,13 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
   const fs::path dir = kestrel::test::write_tiny_model(p.format, /*seed=*/29, /*n_layers=*/2, p.arch);
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab, n = 6;
-  const int ctxs[n] = {64, 96, 200, 96, 64, 128};  // each session's own cache and workspace
+  int ctxs[n] = {64, 96, 200, 96, 64, 128};  // each session's own cache and workspace
+  int lengths[n] = {5, 1, 40, 9, 2, 17};
+  if (p.long_context) ctxs[2] = 1100, lengths[2] = 300;
   const double tol = p.kv.quantized() ? 3e-2 : 2e-2;
   DecoderCpu cpu_model(spec, p.kv);
-  DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
-  const int lengths[n] = {5, 1, 40, 9, 2, 17};
+  DecoderCuda gpu_model(spec, /*quiet=*/true, p.tuning, p.kv);
+  if (p.prefill_chunk > 0) gpu_model.set_prefill_chunk(p.prefill_chunk);
   const int joins[n] = {0, 0, 1, 2, 3, 3};
   // After this many steps of the batch: widths 2, 3, 4, 6, 5, 4, 3, then sequence 0 alone.
   const int leaves[n] = {16, 4, 12, 14, 8, 14};
@@ -714,7 +728,7 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
       ++pos[who[r]];
     }
   }
-  for (int B : {1, 2, 3, 6}) EXPECT_TRUE(widths_seen[B]) << "no step of " << B << " rows";
+  for (int B : {1, 2, 3, 5, 6}) EXPECT_TRUE(widths_seen[B]) << "no step of " << B << " rows";
   RecordProperty("worst_rel_err", std::to_string(worst));
 
   // A CPU session in a GPU batch is refused, naming the row.
@@ -739,7 +753,26 @@ INSTANTIATE_TEST_SUITE_P(
                       BatchCase{Case{"q4_g128_q8kv", "gptq", 4, 128, false, false, "gptq"}, "", {KvType::Q8_0, KvType::Q8_0}},
                       BatchCase{Case{"q4_g128_fp8kv_window", "gptq", 4, 128, false, false, "gptq"}, "mistral", {KvType::Fp8, KvType::Fp8}},
                       // OPT: each row's learned position added by its own embedding launch
-                      BatchCase{Case{"q4_g128_opt", "gptq", 4, 128, false, false, "gptq", 4, 4}, "opt", {}}),
+                      BatchCase{Case{"q4_g128_opt", "gptq", 4, 128, false, false, "gptq", 4, 4}, "opt", {}},
+                      BatchCase{.format = Case{"q4_g128_chunk4", "gptq", 4, 128, false, false, "gptq"},
+                                .prefill_chunk = 4},
+                      // chunks of 2 and 1 rows through the 8-bit cache's per-row write and attention
+                      BatchCase{.format = Case{"q4_g128_q8kv_chunk4", "gptq", 4, 128, false, false, "gptq"},
+                                .kv = {KvType::Q8_0, KvType::Q8_0},
+                                .prefill_chunk = 4},
+                      BatchCase{.format = Case{"q4_g128_no_small_gemm", "gptq", 4, 128, false, false, "gptq"},
+                                .tuning = tuned([](DecodeTuning& t) { t.small_gemm_max_rows = 0; })},
+                      BatchCase{Case{"q4_g128_qwen3", "gptq", 4, 128, false, false, "gptq"}, "qwen3", {}},
+                      BatchCase{Case{"q4_g128_qwen2", "gptq", 4, 128, false, false, "gptq"}, "qwen2", {}},
+                      BatchCase{Case{"q4_g128_hd128_q8k_fp8v", "gptq", 4, 128, false, false, "gptq", 2, 1},
+                                "", {KvType::Q8_0, KvType::Fp8}},
+                      // a KV group of 4 at head_dim 64: 4 query heads per block past 1,024
+                      BatchCase{.format = Case{"q4_g128_kv1_long", "gptq", 4, 128, false, false, "gptq", 4, 1},
+                                .long_context = true},
+                      // head_dim 128, group 2: 2 query heads per block past 1,024 (else 1)
+                      BatchCase{.format = Case{"q4_g128_hd128_fp8k_q8v_long", "gptq", 4, 128, false, false, "gptq", 2, 1},
+                                .kv = {KvType::Fp8, KvType::Q8_0},
+                                .long_context = true}),
     [](const auto& info) { return info.param.format.name; });
 
 }  // namespace
