@@ -3,10 +3,12 @@
 //   - rope_kv_write_rows_kv: q and k rotated bitwise as rope_kv_write_rows_f16 rotates them (the
 //     f16 kernel, itself tested against rope_ref), and the cache's codes and scales byte for
 //     byte those KvLayerRef::write makes of the same fp16 k and v; every pair of types, head
-//     dims 64 and 128, GQA, one token at a device position and chunks of rows;
+//     dims 64 and 128, GQA, one token at a device position and chunks of rows; the default
+//     RoPE, Llama 3's scaled frequencies and none (OPT's rotate = false);
 //   - attention_decode_kv (flash-decoding) and attention_prefill_kv (tensor cores) over caches
 //     written by KvLayerRef::write, against attention_ref_kv on the same codes and scales:
-//     head dims 64 and 128, GQA, sliding windows, contexts and chunks that break the tiles.
+//     head dims 64 and 128, GQA, sliding windows, contexts and chunks that break the tiles;
+//     the decode kernel also storing through an out_index (an act-order o's input order).
 //     Rows the query must not see hold NaN scales (and fp8 NaN codes), so reading one fails.
 //
 // Tolerances. The dequantized values are the reference's exactly (code * scale in fp32); the
@@ -197,9 +199,14 @@ void fill_rows(TestCache& c, int rows, uint32_t seed) {
 
 // ---- rope_kv_write_rows_kv ---------------------------------------------------------------------
 
+// The RoPE a model gives the write: the default (theta 10,000), Llama 3's (theta 500,000, low
+// frequencies scaled by 1/8) or none (rotate = false: the identity, OPT's learned positions).
+enum class RopeKind { Default, Llama3, None };
+
 struct WriteCase {
   int head_dim, n_heads, n_kv_heads, T, pos0;
   bool device_pos;
+  RopeKind rope = RopeKind::Default;
 };
 
 class KvWriteCuda : public ::testing::TestWithParam<WriteCase> {};
@@ -212,6 +219,8 @@ TEST_P(KvWriteCuda, RotatesAsTheF16KernelAndRoundsAsTheReference) {
   const int ctx = c.pos0 + c.T + 5;
   RopeScaling rope;
   rope.theta = 10000.0f;
+  if (c.rope == RopeKind::Llama3) rope.theta = 500000.0f, rope.llama3_factor = 8.0f;
+  if (c.rope == RopeKind::None) rope.rotate = false;
   // q|k|v rows: each head its own magnitude; the k and v heads of row 1 (when there is one)
   // all zeros, so that a zero scale is written.
   std::mt19937 rng(7 + c.T);
@@ -237,6 +246,20 @@ TEST_P(KvWriteCuda, RotatesAsTheF16KernelAndRoundsAsTheReference) {
   const auto rotated = a.download<uint16_t>(qkv.size());
   const auto k16 = kf.download<uint16_t>((size_t)ctx * kvd);
   const auto v16 = vf.download<uint16_t>((size_t)ctx * kvd);
+  // What makes the comparisons below able to fail: without rotation q|k stay as they came, bit
+  // for bit; Llama 3's scaling rotates otherwise than the same theta unscaled does.
+  if (c.rope == RopeKind::None) {
+    EXPECT_EQ(rotated, qkv) << "rotate = false";
+  } else if (c.rope == RopeKind::Llama3) {
+    RopeScaling unscaled = rope;
+    unscaled.llama3_factor = 0.0f;
+    DevBytes u(qkv), uk(cuda::kv_data_bytes(KvType::F16, ctx, c.n_kv_heads, hd)),
+        uv(cuda::kv_data_bytes(KvType::F16, ctx, c.n_kv_heads, hd));
+    cuda::rope_kv_write_rows_f16(u.as<__half>(), stride, c.T, host_pos0, uk.as<__half>(),
+                                 uv.as<__half>(), c.n_heads, c.n_kv_heads, hd, unscaled, nullptr,
+                                 d_pos0);
+    EXPECT_NE(u.download<uint16_t>(qkv.size()), rotated) << "Llama 3's scaling changes nothing";
+  }
 
   for (const KvType kt : kTypes)
     for (const KvType vt : kTypes) {
@@ -279,6 +302,12 @@ std::vector<WriteCase> write_cases() {
       v.push_back({hd, h, kv, 67, 0, false});    // a prompt chunk
       v.push_back({hd, h, kv, 13, 300, true});   // a verify pass over a written cache
     }
+  for (const int hd : {64, 128})
+    for (const RopeKind r : {RopeKind::Llama3, RopeKind::None}) {
+      v.push_back({hd, 8, 2, 1, 1000, true, r});
+      v.push_back({hd, 8, 2, 13, 300, true, r});
+      v.push_back({hd, 4, 1, 67, 0, false, r});
+    }
   return v;
 }
 
@@ -289,7 +318,10 @@ INSTANTIATE_TEST_SUITE_P(Shapes, KvWriteCuda, ::testing::ValuesIn(write_cases())
                                   std::to_string(p.n_heads) + "_kv" +
                                   std::to_string(p.n_kv_heads) + "_T" + std::to_string(p.T) +
                                   "_pos" + std::to_string(p.pos0) +
-                                  (p.device_pos ? "_dev" : "_host");
+                                  (p.device_pos ? "_dev" : "_host") +
+                                  (p.rope == RopeKind::Llama3 ? "_llama3"
+                                   : p.rope == RopeKind::None ? "_norot"
+                                                              : "");
                          });
 
 TEST(KvWriteCuda, RefusesAMissingScaleBufferAndAnUncompiledHeadDim) {
@@ -309,6 +341,9 @@ TEST(KvWriteCuda, RefusesAMissingScaleBufferAndAnUncompiledHeadDim) {
 
 struct AttnKvCase {
   int head_dim, n_heads, n_kv_heads, n_ctx, window;
+  // Output e stored at out[out_index[e]], a shuffle of [0, n_heads * head_dim) (the decode
+  // step passes an act-order o's input order), read back through it.
+  bool out_index = false;
 };
 
 // q [n_heads, head_dim] at position n_ctx - 1 (or a chunk's rows) in [-3, 3]: scores of
@@ -331,9 +366,15 @@ TEST_P(AttentionDecodeKvCuda, MatchesTheReferenceOnTheSameCodes) {
   const int first = c.window > 0 ? std::max(0, c.n_ctx - c.window) : 0;
   const auto q = random_q((size_t)c.n_heads * hd, 41);
   const std::vector<float> qf = widen(q.data(), q.size());
-  DevBytes dq(q), dout((size_t)c.n_heads * hd * 2), dpos(std::vector<int>{c.n_ctx - 1});
+  const size_t n_out = (size_t)c.n_heads * hd;
+  DevBytes dq(q), dout(n_out * 2), dpos(std::vector<int>{c.n_ctx - 1});
   DevBytes ws(cuda::attention_workspace_bytes(max_ctx, c.n_heads, hd));
   cuda::attention_workspace_reset(ws.as<float>(), max_ctx, c.n_heads, hd, nullptr);
+  std::vector<int32_t> perm(n_out);
+  for (size_t e = 0; e < n_out; ++e) perm[e] = (int32_t)e;
+  if (c.out_index) std::shuffle(perm.begin(), perm.end(), std::mt19937(61));
+  DevBytes dperm(perm);
+  const int32_t* out_index = c.out_index ? dperm.as<int32_t>() : nullptr;
 
   for (const KvType kt : kTypes)
     for (const KvType vt : kTypes) {
@@ -351,12 +392,16 @@ TEST_P(AttentionDecodeKvCuda, MatchesTheReferenceOnTheSameCodes) {
         for (const int bound : {0, c.n_ctx}) {
           const std::string what = types_name(kt, vt) + ", heads per block " +
                                    std::to_string(heads) + ", bound " + std::to_string(bound);
+          // NaN (0xFFFF) in every output first: one the kernel leaves unwritten fails.
+          KESTREL_CUDA_CHECK(cudaMemset(dout.get(), 0xFF, n_out * 2));
           cuda::attention_decode_kv(dq.as<__half>(), dk.view(kt), dv.view(vt), dpos.as<int>(),
                                     max_ctx, c.window, c.n_heads, c.n_kv_heads, hd,
-                                    ws.as<float>(), dout.as<__half>(), nullptr, nullptr, bound,
+                                    ws.as<float>(), dout.as<__half>(), nullptr, out_index, bound,
                                     heads);
-          const auto out = dout.download<uint16_t>((size_t)c.n_heads * hd);
-          expect_close(widen(out.data(), out.size()), ref, 1e-3, what);
+          const auto out = dout.download<uint16_t>(n_out);
+          std::vector<float> got(n_out);
+          for (size_t e = 0; e < n_out; ++e) got[e] = half_to_float(out[perm[e]]);
+          expect_close(got, ref, 1e-3, what);
         }
     }
 }
@@ -372,6 +417,11 @@ std::vector<AttnKvCase> decode_cases() {
     v.push_back({hd, 6, 2, 257, 256});
     v.push_back({hd, 4, 1, 100, 4096});
   }
+  for (const int hd : {64, 128}) {  // an act-order o's input order, short and long grids
+    v.push_back({hd, 8, 2, 257, 0, true});
+    v.push_back({hd, 8, 2, 1500, 0, true});
+    v.push_back({hd, 4, 1, 1000, 100, true});
+  }
   return v;
 }
 
@@ -381,7 +431,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionDecodeKvCuda, ::testing::ValuesIn(deco
                            return "hd" + std::to_string(p.head_dim) + "_h" +
                                   std::to_string(p.n_heads) + "_kv" +
                                   std::to_string(p.n_kv_heads) + "_ctx" +
-                                  std::to_string(p.n_ctx) + "_win" + std::to_string(p.window);
+                                  std::to_string(p.n_ctx) + "_win" + std::to_string(p.window) +
+                                  (p.out_index ? "_outidx" : "");
                          });
 
 TEST(AttentionDecodeKvCuda, RefusesAnEightBitCacheWithoutScales) {

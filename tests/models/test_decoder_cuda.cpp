@@ -512,9 +512,11 @@ INSTANTIATE_TEST_SUITE_P(
 // kernels/attention/kv_quant.h's rounding when a position is written, fp32 reads), on tiny
 // models of both head dims, GQA and Mistral's window of 32, two layers: a prompt of 150 rows in
 // prefill chunks of 64 (each chunk's attention over a cache already written), every row's
-// logits; teacher-forced decode steps (the captured graphs, position on the device); a verify
-// pass of 12 rows; a free-running greedy run; and the prompt token by token against the
-// chunked prefill on the GPU itself.
+// logits; teacher-forced decode steps (the captured graphs, position on the device); verify
+// passes of 12 rows, the first run as it is captured and the second replayed from its graph,
+// then a decode step over what the replay wrote; a free-running greedy run, step by step and
+// chained on the device; and the prompt token by token against the chunked prefill on the GPU
+// itself. An act-order model also has attention store its output in o's permutation.
 //
 // Tolerance: as GpuVsCpu, plus the cache's rounding taken from fp16 K/V on the GPU and from
 // fp32 on the CPU: a value within fp16's rounding of a code boundary can take the neighbouring
@@ -526,6 +528,9 @@ struct KvModelCase {
   int heads, kv_heads;  // tiny: hidden 256, so head_dim = 256 / heads
   std::string arch;     // "" (Llama) or "mistral" (window 32)
   KvCacheTypes kv;
+  // GPTQ act-order weights: the decode step keeps the residual stream in the GEMVs'
+  // permutations, and the 8-bit attention kernel stores through o's (its out_index).
+  bool act_order = false;
 };
 
 class GpuKvCache : public ::testing::TestWithParam<KvModelCase> {};
@@ -533,7 +538,7 @@ class GpuKvCache : public ::testing::TestWithParam<KvModelCase> {};
 TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   KESTREL_REQUIRE_GPU();
   const KvModelCase& p = GetParam();
-  const Case f{"kv8_" + p.name, "gptq", 4, 128, false, false, "gptq", p.heads, p.kv_heads};
+  const Case f{"kv8_" + p.name, "gptq", 4, 128, p.act_order, false, "gptq", p.heads, p.kv_heads};
   const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/23, /*n_layers=*/2, p.arch);
   const ModelSpec spec = load_model_spec(dir.string());
   const ModelConfig& c = spec.config;
@@ -546,6 +551,9 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
   gpu_model.set_prefill_chunk(64);
   EXPECT_EQ(gpu_model.cache_types(), p.kv);
+  if (p.act_order) {  // else the case would not reach attention's permuted store
+    for (const GpuLayer& L : gpu_model.weights().layers) ASSERT_NE(L.order.att_out, nullptr);
+  }
   auto cpu = cpu_model.new_cpu_session(ctx);
   auto gpu = gpu_model.new_cuda_session(ctx);
   // The cache's bytes in its types: what `bench -o json` reports as gpu_cache_bytes.
@@ -568,15 +576,25 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
   worst = teacher_forced_steps(*cpu, *gpu, tokens, steps, lc, lg);
   EXPECT_LT(worst, kTol) << "largest relative logit error over " << steps << " steps";
 
-  // A verify pass of 12 rows after them: each row's greedy successor, CPU and GPU.
+  // Verify passes of 12 rows after them: each row's greedy successor, CPU and GPU. The first
+  // pass of a row count runs from the host and captures the session's verify graph; the
+  // second, 3 positions on, replays it, which reads its position from device memory. The rows'
+  // argmax alone may not move when the replay writes K/V at the wrong position, so a decode
+  // step after the second pass, attending over what it wrote, is compared by its logits.
   {
-    std::vector<int> draft(12);
-    for (int i = 0; i < 12; ++i) draft[i] = (i * 11 + 3) % vocab;
     const int pos = (int)tokens.size();
     std::vector<int> out_c(12), out_g(12);
-    cpu->forward_argmax_rows(draft.data(), 12, pos, out_c.data());
-    gpu->forward_argmax_rows(draft.data(), 12, pos, out_g.data());
-    EXPECT_EQ(out_g, out_c) << "verify rows";
+    for (const int p0 : {pos, pos + 3}) {
+      std::vector<int> draft(12);
+      for (int i = 0; i < 12; ++i) draft[i] = (i * 11 + 3 + 7 * (p0 - pos)) % vocab;
+      cpu->forward_argmax_rows(draft.data(), 12, p0, out_c.data());
+      gpu->forward_argmax_rows(draft.data(), 12, p0, out_g.data());
+      EXPECT_EQ(out_g, out_c) << "verify rows at " << p0 << (p0 == pos ? " (captured)" : " (replayed)");
+    }
+    const int next = out_c.back(), after = pos + 3 + 12;
+    cpu->forward(&next, 1, after, lc.data(), nullptr);
+    gpu->forward(&next, 1, after, lg.data(), nullptr);
+    EXPECT_LT(rel_err(lg, lc), kTol) << "decode step after the replayed verify pass";
   }
 
   // Free-running greedy on the GPU over the same positions (the prompt again, then argmax steps
@@ -588,6 +606,18 @@ TEST_P(GpuKvCache, PromptStepsVerifyAndGreedyMatchTheCpuWithTheSameCache) {
     greedy.push_back(gpu->forward_argmax(greedy.back(), (int)greedy.size() - 1));
   for (int i = 0; i < steps; ++i)
     EXPECT_EQ(greedy[n_prompt + i], tokens[n_prompt + i]) << "greedy step " << i;
+
+  // The same steps chained on the device (greedy_run), again over the same positions from the
+  // CPU's first token: the argmax kernel advances the position, which the next step's 8-bit
+  // write and attention read. `ahead` is false every fifth token, so the run also restarts
+  // from an empty queue.
+  std::vector<int> chained(tokens.begin(), tokens.begin() + n_prompt + 1);
+  {
+    std::unique_ptr<DecodeRun> run = gpu->greedy_run(chained.back(), (int)chained.size() - 1);
+    for (int i = 1; i < steps; ++i) chained.push_back(run->next(i % 5 != 0));
+  }
+  for (int i = 0; i < steps; ++i)
+    EXPECT_EQ(chained[n_prompt + i], tokens[n_prompt + i]) << "chained step " << i;
 
   // The prompt token by token (decode steps, each writing and reading the 8-bit cache) against
   // the chunked prefill's last row, on a second GPU session.
@@ -607,7 +637,9 @@ INSTANTIATE_TEST_SUITE_P(
                       KvModelCase{"hd64_mha_q8k_fp8v", 4, 4, "", {KvType::Q8_0, KvType::Fp8}},
                       KvModelCase{"hd128_f16k_q8v", 2, 2, "", {KvType::F16, KvType::Q8_0}},
                       KvModelCase{"hd64_window_q8_0", 4, 2, "mistral", {KvType::Q8_0, KvType::Q8_0}},
-                      KvModelCase{"hd128_window_fp8", 2, 1, "mistral", {KvType::Fp8, KvType::Fp8}}),
+                      KvModelCase{"hd128_window_fp8", 2, 1, "mistral", {KvType::Fp8, KvType::Fp8}},
+                      KvModelCase{"hd64_gqa_act_q8_0", 4, 2, "", {KvType::Q8_0, KvType::Q8_0}, true},
+                      KvModelCase{"hd128_act_fp8k_q8v", 2, 1, "", {KvType::Fp8, KvType::Q8_0}, true}),
     [](const auto& info) { return info.param.name; });
 
 // ---- The batched decode step (Model::forward_batch) ---------------------------------------------
@@ -618,10 +650,22 @@ INSTANTIATE_TEST_SUITE_P(
 // row's logits against the CPU engine's forward_batch of the same rows (which test_batch holds
 // bit for bit to the CPU's one-token steps), teacher-forced with the CPU's greedy tokens.
 // Tolerance as GpuVsCpu (as GpuKvCache with an 8-bit cache).
+//
+// The batch runs in chunks of the prefill scratch's rows, which the first session's context
+// (64) sizes to one chunk for every width here; a prefill chunk of 4 makes 6 rows run as 4 + 2
+// and 5 as 4 + 1 (a chunk of one row through the batched layers). Without the small-M GEMM
+// (small_gemm_max_rows 0) 3 to 5 rows run GEMVs and 6 rows dequantize for cuBLASLt.
 struct BatchCase {
-  Case format;
-  std::string arch;  // "" (Llama), "mistral" (window 32) or "opt"
-  KvCacheTypes kv;
+  Case format;            // its name is the case's
+  std::string arch = "";  // "" (Llama), "mistral" (window 32), "opt", "qwen2" (q/k/v biases)
+                          // or "qwen3" (q/k head norms)
+  KvCacheTypes kv = {};
+  DecodeTuning tuning = {};
+  int prefill_chunk = 0;  // tokens per prefill chunk, set before the first session; 0: the default
+  // Sequence 2 with a context of 1,100 and a prompt of 300 (else 200 and 40): a context above
+  // 1,024 positions gives its attention grid the long pass and twice the query heads per block
+  // (where the KV group has them), and 300 positions fill several of that grid's chunks.
+  bool long_context = false;
 };
 
 class GpuBatch : public ::testing::TestWithParam<BatchCase> {};
@@ -632,11 +676,13 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
   const fs::path dir = kestrel::test::write_tiny_model(p.format, /*seed=*/29, /*n_layers=*/2, p.arch);
   const ModelSpec spec = load_model_spec(dir.string());
   const int vocab = spec.config.vocab, n = 6;
-  const int ctxs[n] = {64, 96, 200, 96, 64, 128};  // each session's own cache and workspace
+  int ctxs[n] = {64, 96, 200, 96, 64, 128};  // each session's own cache and workspace
+  int lengths[n] = {5, 1, 40, 9, 2, 17};
+  if (p.long_context) ctxs[2] = 1100, lengths[2] = 300;
   const double tol = p.kv.quantized() ? 3e-2 : 2e-2;
   DecoderCpu cpu_model(spec, p.kv);
-  DecoderCuda gpu_model(spec, /*quiet=*/true, {}, p.kv);
-  const int lengths[n] = {5, 1, 40, 9, 2, 17};
+  DecoderCuda gpu_model(spec, /*quiet=*/true, p.tuning, p.kv);
+  if (p.prefill_chunk > 0) gpu_model.set_prefill_chunk(p.prefill_chunk);
   const int joins[n] = {0, 0, 1, 2, 3, 3};
   // After this many steps of the batch: widths 2, 3, 4, 6, 5, 4, 3, then sequence 0 alone.
   const int leaves[n] = {16, 4, 12, 14, 8, 14};
@@ -682,7 +728,7 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
       ++pos[who[r]];
     }
   }
-  for (int B : {1, 2, 3, 6}) EXPECT_TRUE(widths_seen[B]) << "no step of " << B << " rows";
+  for (int B : {1, 2, 3, 5, 6}) EXPECT_TRUE(widths_seen[B]) << "no step of " << B << " rows";
   RecordProperty("worst_rel_err", std::to_string(worst));
 
   // A CPU session in a GPU batch is refused, naming the row.
@@ -707,7 +753,26 @@ INSTANTIATE_TEST_SUITE_P(
                       BatchCase{Case{"q4_g128_q8kv", "gptq", 4, 128, false, false, "gptq"}, "", {KvType::Q8_0, KvType::Q8_0}},
                       BatchCase{Case{"q4_g128_fp8kv_window", "gptq", 4, 128, false, false, "gptq"}, "mistral", {KvType::Fp8, KvType::Fp8}},
                       // OPT: each row's learned position added by its own embedding launch
-                      BatchCase{Case{"q4_g128_opt", "gptq", 4, 128, false, false, "gptq", 4, 4}, "opt", {}}),
+                      BatchCase{Case{"q4_g128_opt", "gptq", 4, 128, false, false, "gptq", 4, 4}, "opt", {}},
+                      BatchCase{.format = Case{"q4_g128_chunk4", "gptq", 4, 128, false, false, "gptq"},
+                                .prefill_chunk = 4},
+                      // chunks of 2 and 1 rows through the 8-bit cache's per-row write and attention
+                      BatchCase{.format = Case{"q4_g128_q8kv_chunk4", "gptq", 4, 128, false, false, "gptq"},
+                                .kv = {KvType::Q8_0, KvType::Q8_0},
+                                .prefill_chunk = 4},
+                      BatchCase{.format = Case{"q4_g128_no_small_gemm", "gptq", 4, 128, false, false, "gptq"},
+                                .tuning = tuned([](DecodeTuning& t) { t.small_gemm_max_rows = 0; })},
+                      BatchCase{Case{"q4_g128_qwen3", "gptq", 4, 128, false, false, "gptq"}, "qwen3", {}},
+                      BatchCase{Case{"q4_g128_qwen2", "gptq", 4, 128, false, false, "gptq"}, "qwen2", {}},
+                      BatchCase{Case{"q4_g128_hd128_q8k_fp8v", "gptq", 4, 128, false, false, "gptq", 2, 1},
+                                "", {KvType::Q8_0, KvType::Fp8}},
+                      // a KV group of 4 at head_dim 64: 4 query heads per block past 1,024
+                      BatchCase{.format = Case{"q4_g128_kv1_long", "gptq", 4, 128, false, false, "gptq", 4, 1},
+                                .long_context = true},
+                      // head_dim 128, group 2: 2 query heads per block past 1,024 (else 1)
+                      BatchCase{.format = Case{"q4_g128_hd128_fp8k_q8v_long", "gptq", 4, 128, false, false, "gptq", 2, 1},
+                                .kv = {KvType::Fp8, KvType::Q8_0},
+                                .long_context = true}),
     [](const auto& info) { return info.param.format.name; });
 
 }  // namespace
