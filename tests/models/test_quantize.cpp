@@ -752,9 +752,11 @@ TEST_F(EndToEnd, RtnCheckpointRoundTripsThroughTheLoader) {
   QuantizeOptions o = options(out.string(), "rtn");
   o.gptq.bits = 4;
   o.gptq.sym = false;
+  o.gptq.mse = 2.4f;  // the range search's scales and zeros, packed and read back exactly
   quantize_model(o);
   const ModelSpec in = load_model_spec(fp16_->string());
   const ModelSpec q = load_model_spec(out.string());
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(out / "quantize_config.json"))["mse"], 2.4);
   EXPECT_EQ(q.config.quant->format, GptqFormat::V2);
   EXPECT_FALSE(q.config.quant->sym);
   for (size_t l = 0; l < in.layers.size(); ++l)
@@ -936,6 +938,11 @@ TEST_F(EndToEnd, ClearOneLineErrors) {
   std::ofstream(short_text) << "just a few words";
   expect_error(run(base + " --calib " + short_text.string() + " --seqlen 64 -q"), "too few");
   expect_error(run(base + " --calib " + calib_->string() + " --bits 5 -q"), "--bits");
+  expect_error(run(base + " --calib " + calib_->string() + " --mse -1 -q"),
+               "--mse must be a norm in [0, 16]");
+  // The range search is the CPU quantizer's (without a GPU: the device's own refusal).
+  expect_error(run(base + " --calib " + calib_->string() + " --mse 2.4 --device cuda -q"),
+               "--device cpu");
   expect_error(run(base + " --calib " + calib_->string() + " --seqlen 100000 -q"),
                "max_position_embeddings");
   // An already quantized model is refused.
