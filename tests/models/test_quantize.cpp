@@ -940,9 +940,6 @@ TEST_F(EndToEnd, ClearOneLineErrors) {
   expect_error(run(base + " --calib " + calib_->string() + " --bits 5 -q"), "--bits");
   expect_error(run(base + " --calib " + calib_->string() + " --mse -1 -q"),
                "--mse must be a norm in [0, 16]");
-  // The range search is the CPU quantizer's (without a GPU: the device's own refusal).
-  expect_error(run(base + " --calib " + calib_->string() + " --mse 2.4 --device cuda -q"),
-               "--device cpu");
   expect_error(run(base + " --calib " + calib_->string() + " --seqlen 100000 -q"),
                "max_position_embeddings");
   // An already quantized model is refused.

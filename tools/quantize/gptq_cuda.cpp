@@ -291,13 +291,15 @@ QuantizedLinear gptq_quantize_cuda(GpuContext& ctx, const GpuGptqFactor& f, cons
   int* bad = params.bad;
 
   // Per-row parameters are read from W as given, before dead inputs are zeroed.
-  if (gs == -1) kern::find_params(W, K, N, K, 0, K, 1, 0, o.bits, o.sym, scale, zero, bad, s);
+  if (gs == -1)
+    kern::find_params(W, K, N, K, 0, K, 1, 0, o.bits, o.sym, o.mse, scale, zero, bad, s);
   // The working copy: dead inputs zeroed (their weights cannot matter), in W's column order.
   cuda::DeviceBuffer Wd = gpu_alloc(nk * sizeof(float), fmt::format("the working copy of {}", what));
   kern::gather_columns(W, N, K, nullptr, f.dead_device(), Wd.as<float>(), s);
   // Static groups: fixed up front from W by original column.
   if (gs != -1 && o.static_groups)
-    kern::find_params(Wd.as<float>(), K, N, K, 0, gs, G, 0, o.bits, o.sym, scale, zero, bad, s);
+    kern::find_params(Wd.as<float>(), K, N, K, 0, gs, G, 0, o.bits, o.sym, o.mse, scale, zero,
+                      bad, s);
   // Act-order: the columns in processing order.
   float* Wp = Wd.as<float>();
   cuda::DeviceBuffer Wperm;
@@ -335,7 +337,7 @@ QuantizedLinear gptq_quantize_cuda(GpuContext& ctx, const GpuGptqFactor& f, cons
       const int64_t g_first = (i1 + gs - 1) / gs, g_last = (i2 - 1) / gs;
       if (g_first <= g_last)
         kern::find_params(Wp, K, N, K, g_first * gs, gs, g_last - g_first + 1, g_first, o.bits,
-                          o.sym, scale, zero, bad, s);
+                          o.sym, o.mse, scale, zero, bad, s);
     }
     kern::gptq_block(Wp, K, N, i1, (int)cnt, f.U(), K, d_gcol.as<int32_t>(), scale, zero, o.bits,
                      codes_p.as<uint8_t>(), E.as<float>(), s);
@@ -375,7 +377,7 @@ QuantizedLinear rtn_quantize_cuda(GpuContext& ctx, const float* W, int64_t N, in
   float* scale = params.scale;
   float* zero = params.zero;
   int* bad = params.bad;
-  kern::find_params(W, K, N, K, 0, width, G, 0, o.bits, o.sym, scale, zero, bad, s);
+  kern::find_params(W, K, N, K, 0, width, G, 0, o.bits, o.sym, o.mse, scale, zero, bad, s);
   params.check_bad(s, what);
   std::vector<int32_t> g_idx(K);
   for (int64_t k = 0; k < K; ++k) g_idx[k] = (int32_t)(k / width);

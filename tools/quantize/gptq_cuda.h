@@ -17,6 +17,9 @@
 // U (cuSOLVER's factorizations round differently from LAPACK's) and the lazy update's sum
 // order, so a weight lying within rounding distance of a quantization boundary may land on
 // the other side; GPTQ's rows are independent, so such a flip changes its own row only.
+// With --mse, the range search sums the CPU's terms in the CPU's order, but a term's float
+// power is the correctly rounded one where glibc's powf is at times one ulp off: a group whose
+// shrunk ranges' sums tie to that precision may get the neighbouring shrink (RTN included).
 #pragma once
 
 #include <cuda_fp16.h>

@@ -229,8 +229,6 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--loss must be kl, output, relative or residual, got {}", o.loss));
   if (o.kl_windows <= 0)
     throw Error(fmt::format("--kl-windows must be positive, got {}", o.kl_windows));
-  if (o.gptq.mse > 0 && o.device == "cuda")
-    throw Error("--mse runs on the CPU only so far: --device cpu");
   if (o.mixed() && o.device == "cuda")
     throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
                 "--device cpu");
@@ -893,8 +891,8 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   check_options(o);
   const ModelSpec spec = load_model_spec(o.model_dir);
   check_model(spec, o);
-  // The measuring pass and the mse search are CPU-only.
-  if (o.device == "auto" && (o.mixed() || o.gptq.mse > 0)) o.device = "cpu";
+  // The measuring pass is CPU-only.
+  if (o.device == "auto" && o.mixed()) o.device = "cpu";
   if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
     const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
     o.device = why.empty() ? "cuda" : "cpu";
