@@ -14,13 +14,21 @@
 // - relative_error_cuda equals relative_error; an allocation that does not fit is one line
 //   naming what it was for.
 // - layer_forward_rows with taps against the CPU engine's layer_forward.
+// - Mixed precision on the GPU, on the CPU mixed-precision suite's model and calibration text
+//   (tests/support/sampled_model.h): the quantizing pass gives every linear its planned format,
+//   a plan of one format is the uniform GPU checkpoint, and the mixed checkpoint's perplexity
+//   is the CPU's within a few percent.
 // Every test skips where no GPU is usable.
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <numeric>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -34,9 +42,11 @@
 #include "models/gpu/layer.h"
 #include "tests/support/compare.h"
 #include "tests/support/quant_inputs.h"
+#include "tests/support/sampled_model.h"
 #include "tests/support/synth_model.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/gptq_cuda.h"
+#include "tools/quantize/quantize.h"
 
 namespace kestrel {
 namespace {
@@ -529,6 +539,131 @@ TEST(LayerForwardRows, TapsAndOutputMatchTheCpuLayer) {
   EXPECT_EQ(calls, 2);
   EXPECT_EQ(to_host<uint16_t>(dy.get(), xh.size()), xh);
   cudaStreamDestroy(s);
+}
+
+// ---------------------------------------------------------------------------------------
+// Mixed precision on the GPU.
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d =
+      fs::temp_directory_path() / ("kestrel_qcuda_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  return d;
+}
+
+// test_quantize_mixed.cpp's model and calibration text (the same recipe, its own folder), made
+// on first use: a binary without a GPU skips before paying for it.
+const test::SampledModel& mixed_model() {
+  static const test::SampledModel m = test::sampled_model(KESTREL_TEST_FIXTURES, "mixed_cuda");
+  return m;
+}
+
+// The options of test_quantize_mixed.cpp's Mixed suite, on `device`.
+QuantizeOptions mixed_options(const fs::path& out, const std::string& device) {
+  QuantizeOptions o;
+  o.model_dir = mixed_model().fp16.string();
+  o.calib_file = mixed_model().calib.string();
+  o.out_dir = out.string();
+  o.gptq.act_order = true;
+  o.nsamples = 32;
+  o.seqlen = 128;
+  o.progress = false;
+  o.device = device;
+  return o;
+}
+
+constexpr LinearSpec LayerSpec::*kLinears[] = {&LayerSpec::q, &LayerSpec::k,    &LayerSpec::v,
+                                               &LayerSpec::o, &LayerSpec::gate, &LayerSpec::up,
+                                               &LayerSpec::down};
+
+// Every linear of the checkpoint at `dir` has, through Kestrel's loader, the format `plan`
+// gives it, and the plan's bytes are the bytes written.
+void expect_checkpoint_holds(const fs::path& dir, const MixedPlanReport& plan) {
+  const ModelSpec spec = load_model_spec(dir.string());
+  std::map<std::string, const LinearSpec*> loaded;
+  for (const LayerSpec& ls : spec.layers)
+    for (auto lin : kLinears) loaded[(ls.*lin).name] = &(ls.*lin);
+  uint64_t bytes = 0;
+  for (const PlannedLinear& l : plan.linears) {
+    ASSERT_TRUE(loaded.count(l.name)) << l.name;
+    const LinearSpec& s = *loaded[l.name];
+    EXPECT_TRUE(s.quantized) << l.name;
+    EXPECT_EQ(s.bits, l.setting.bits) << l.name;
+    EXPECT_EQ(s.group_size, l.setting.group_size) << l.name;
+    bytes += s.qweight->nbytes + s.qzeros->nbytes + s.scales->nbytes + s.g_idx->nbytes;
+  }
+  EXPECT_EQ(bytes, plan.bytes);
+}
+
+// The GPU's mixed checkpoint at 3.5 bits against the CPU's: the same plan (measured on the CPU
+// for both), every linear quantized at its planned format, and a perplexity on the sampled text
+// within a few percent of the CPU's. The two quantizing passes differ as the uniform ones do
+// (fp16 Hessians on the GPU), no more.
+TEST(CudaMixed, CheckpointHoldsThePlanNearTheCpusPerplexity) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path gpu_dir = temp_dir("mixed_gpu"), cpu_dir = temp_dir("mixed_cpu");
+  QuantizeOptions og = mixed_options(gpu_dir, "cuda"), oc = mixed_options(cpu_dir, "cpu");
+  og.bits_avg = oc.bits_avg = 3.5;
+  const QuantizeReport rg = quantize_model(og);
+  const QuantizeReport rc = quantize_model(oc);
+  ASSERT_TRUE(rg.plan.has_value());
+  ASSERT_TRUE(rc.plan.has_value());
+  EXPECT_EQ(rg.device, "cuda");
+  ASSERT_EQ(rg.plan->linears.size(), 14u);
+  std::set<QuantSetting> settings;
+  for (const PlannedLinear& l : rg.plan->linears) settings.insert(l.setting);
+  EXPECT_GE(settings.size(), 2u) << "the plan should mix formats at 3.5 bits";
+  ASSERT_EQ(rc.plan->linears.size(), rg.plan->linears.size());
+  for (size_t i = 0; i < rg.plan->linears.size(); ++i) {
+    EXPECT_EQ(rg.plan->linears[i].name, rc.plan->linears[i].name);
+    EXPECT_EQ(rg.plan->linears[i].setting, rc.plan->linears[i].setting) << rg.plan->linears[i].name;
+  }
+  expect_checkpoint_holds(gpu_dir, *rg.plan);
+  // Every linear was quantized, in the CPU's order.
+  ASSERT_EQ(rg.linears.size(), rc.linears.size());
+  for (size_t i = 0; i < rg.linears.size(); ++i) {
+    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
+    EXPECT_GT(rg.linears[i].rel_error, 0.0) << rg.linears[i].name;
+    EXPECT_TRUE(std::isfinite(rg.linears[i].rel_error)) << rg.linears[i].name;
+  }
+  const std::vector<int>& text = mixed_model().sampled;
+  const double p16 = test::perplexity_of(mixed_model().fp16, text);
+  const double pg = test::perplexity_of(gpu_dir, text), pc = test::perplexity_of(cpu_dir, text);
+  std::printf("[ stats    ] perplexity: FP16 %.4f, CPU mixed %.4f, GPU mixed %.4f\n", p16, pc, pg);
+  EXPECT_GT(pg, p16);
+  // Other calibration windows (another --seed) move the CPU's own perplexity here by a few
+  // percent: the GPU's fp16 Hessians may move it as far, not further.
+  EXPECT_LT(std::abs(pg - pc), 0.05 * pc) << p16 << " " << pc << " " << pg;
+  fs::remove_all(gpu_dir);
+  fs::remove_all(cpu_dir);
+}
+
+// A plan of one candidate on the GPU writes exactly the GPU's uniform checkpoint: the planned
+// options reach every linear, and nothing else changes.
+TEST(CudaMixed, OneCandidatePlanIsTheUniformCheckpoint) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path mixed = temp_dir("one_mixed"), uniform = temp_dir("one_uniform");
+  QuantizeOptions om = mixed_options(mixed, "cuda");
+  om.bits_avg = 8;
+  om.candidates = {{3, 64}};
+  const QuantizeReport r = quantize_model(om);
+  EXPECT_TRUE(r.plan->rules.empty());
+  QuantizeOptions ou = mixed_options(uniform, "cuda");
+  ou.gptq.bits = 3;
+  ou.gptq.group_size = 64;
+  quantize_model(ou);
+  const ModelSpec a = load_model_spec(mixed.string()), b = load_model_spec(uniform.string());
+  const std::vector<std::string> names = a.files.names();
+  ASSERT_EQ(names, b.files.names());
+  for (const std::string& n : names) {
+    const TensorInfo &ta = a.files.get(n), &tb = b.files.get(n);
+    EXPECT_EQ(std::vector<uint8_t>(ta.data, ta.data + ta.nbytes),
+              std::vector<uint8_t>(tb.data, tb.data + tb.nbytes)) << n;
+  }
+  fs::remove_all(mixed);
+  fs::remove_all(uniform);
 }
 
 }  // namespace

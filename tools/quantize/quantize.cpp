@@ -229,9 +229,8 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--loss must be kl, output, relative or residual, got {}", o.loss));
   if (o.kl_windows <= 0)
     throw Error(fmt::format("--kl-windows must be positive, got {}", o.kl_windows));
-  if (o.mixed() && o.device == "cuda")
-    throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
-                "--device cpu");
+  if (o.mixed() && o.loss == "kl" && o.device == "cuda")
+    throw Error("--loss kl runs on the CPU only: --device cpu, or another --loss");
   for (const QuantSetting& c : o.candidates) {
     GptqOptions g = o.gptq;
     g.bits = c.bits;
@@ -378,7 +377,7 @@ struct OneLayerEngine {
 // `gptq_for` gives each linear's options (o.gptq, or its planned format).
 void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
                          const std::vector<std::vector<int>>& windows, PackedParts& parts,
-                         const std::function<GptqOptions(const LinearSpec&)>& gptq_for,
+                         const OptionsFor& gptq_for,
                          const LayerDone& done) {
   const ModelConfig& cfg = spec.config;
   OneLayerEngine one(spec, o, windows);
@@ -805,7 +804,7 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
   std::map<std::string, QuantSetting> planned;
   if (plan)
     for (const PlannedLinear& p : plan->linears) planned[p.name] = p.setting;
-  const std::function<GptqOptions(const LinearSpec&)> gptq_for = [&](const LinearSpec& s) {
+  const OptionsFor gptq_for = [&](const LinearSpec& s) {
     GptqOptions g = o.gptq;
     if (plan) {
       const QuantSetting& q = planned.at(s.name);
@@ -838,7 +837,7 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
       pending = std::async(std::launch::async,
                            [&parts, &s, q = std::move(q)] { parts.add(s, q); });
     };
-    quantize_layers_cuda(spec, o, windows, save, done);
+    quantize_layers_cuda(spec, o, windows, gptq_for, save, done);
     if (pending.valid()) pending.get();
   } else {
     quantize_layers_cpu(spec, o, windows, parts, gptq_for, done);
@@ -891,8 +890,13 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   check_options(o);
   const ModelSpec spec = load_model_spec(o.model_dir);
   check_model(spec, o);
-  // The measuring pass is CPU-only.
+  // Mixed precision's measuring pass runs on the CPU: --device auto keeps the whole run there;
+  // --device cuda measures on the CPU and quantizes on the GPU, whose refusal of the model
+  // then comes before the measuring.
   if (o.device == "auto" && o.mixed()) o.device = "cpu";
+  if (o.device == "cuda" && o.mixed())
+    if (const std::string why = cuda_quantize_unsupported(spec); !why.empty())
+      throw Error(fmt::format("{}: {}", spec.dir, why));
   if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
     const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
     o.device = why.empty() ? "cuda" : "cpu";

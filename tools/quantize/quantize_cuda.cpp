@@ -128,8 +128,8 @@ class Stream {
 }  // namespace
 
 void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
-                          const std::vector<std::vector<int>>& windows, const SaveLinear& save,
-                          const LayerDone& done) {
+                          const std::vector<std::vector<int>>& windows, const OptionsFor& gptq_for,
+                          const SaveLinear& save, const LayerDone& done) {
   const CudaStatus st = cuda_status();
   if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   check_gpu_model(spec);
@@ -283,10 +283,12 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
     for (const Group& g : groups()) {
       const LinearSpec& last = ls.*g.members.back();  // the last member is in every family
       const int64_t K = last.K;
-      // The group's name for its shared factor's errors: its first linear.
-      std::string group_name;
+      // The group's name for its shared factor's errors, and the options the factor reads
+      // (act_order, damp: every linear's): its first linear's.
+      const LinearSpec* first = nullptr;
       for (auto m : g.members)
-        if (group_name.empty()) group_name = (ls.*m).name;
+        if (!first && !(ls.*m).name.empty()) first = &(ls.*m);
+      const std::string& group_name = first->name;
       // The group's inputs over every window, through the layer as quantized so far.
       const auto t_fwd = Clock::now();
       GpuHessian H(ctx, K);
@@ -314,7 +316,7 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
       const auto t_q = Clock::now();
       auto t_lin = Clock::now();
       std::optional<GpuGptqFactor> factor;
-      if (o.method == "gptq") factor.emplace(ctx, H.data(), K, o.gptq, group_name);
+      if (o.method == "gptq") factor.emplace(ctx, H.data(), K, gptq_for(*first), group_name);
       int64_t row = 0;
       for (auto m : g.members) {
         const LinearSpec& spec_m = ls.*m;
@@ -324,11 +326,14 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
         row += N;
         kern::half_to_float(w16, N * K, W32.as<float>(), s);
         GpuQuantOutputs out;
-        out.dequant_f16 = w16;  // later groups and the final pass see the quantized linear
+        // Later groups and the final pass see the quantized linear, whatever its format: the
+        // fp16 dense weight is its dequantized values.
+        out.dequant_f16 = w16;
         out.error_hessian = H.data();
+        const GptqOptions go = gptq_for(spec_m);
         QuantizedLinear q =
-            factor ? gptq_quantize_cuda(ctx, *factor, W32.as<float>(), N, K, o.gptq, spec_m.name, out)
-                   : rtn_quantize_cuda(ctx, W32.as<float>(), N, K, o.gptq, spec_m.name, out);
+            factor ? gptq_quantize_cuda(ctx, *factor, W32.as<float>(), N, K, go, spec_m.name, out)
+                   : rtn_quantize_cuda(ctx, W32.as<float>(), N, K, go, spec_m.name, out);
         save(spec_m, std::move(q));
         // The group's shared factor counts in its first linear's time.
         lines.push_back(LinearReport{spec_m.name, N, K, out.rel_error, seconds_since(t_lin)});

@@ -16,6 +16,11 @@ namespace kestrel::quant {
 // Receives one quantized linear (codes, scales, zeros, g_idx; dequant may be empty).
 using SaveLinear = std::function<void(const LinearSpec& spec, QuantizedLinear q)>;
 
+// Each linear's options: the model's (QuantizeOptions::gptq), or with a mixed-precision plan
+// its planned bits and group size. The linears of one true-sequential group share the factor
+// of their Hessian, which depends on act_order and damp alone, the same for every linear.
+using OptionsFor = std::function<GptqOptions(const LinearSpec& spec)>;
+
 // Wall time of one layer, by step.
 struct LayerTimes {
   double forward = 0;   // calibration forward passes (group reruns and the final pass)
@@ -30,12 +35,13 @@ using LayerDone =
 
 // The layer loop on the GPU: the calibration activations of every window stay on the GPU in
 // fp16; one decoder layer's fp16 weights at a time run models/gpu/layer.h's forward,
-// whose taps feed GPU Hessians; each true-sequential group is quantized (gptq_cuda.h) and its
-// dequantized weights replace it before the next group's forward; the layer's outputs become
-// the next layer's inputs. Throws kestrel::Error / DeviceError with one line.
+// whose taps feed GPU Hessians; each true-sequential group is quantized (gptq_cuda.h), each
+// linear with gptq_for's options, and its dequantized weights replace it before the next
+// group's forward; the layer's outputs become the next layer's inputs. Throws kestrel::Error /
+// DeviceError with one line.
 void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
-                          const std::vector<std::vector<int>>& windows, const SaveLinear& save,
-                          const LayerDone& done);
+                          const std::vector<std::vector<int>>& windows, const OptionsFor& gptq_for,
+                          const SaveLinear& save, const LayerDone& done);
 // Why the GPU loop cannot quantize this model ("" when it can).
 std::string cuda_quantize_unsupported(const ModelSpec& spec);
 
