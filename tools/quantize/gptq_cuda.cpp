@@ -113,12 +113,15 @@ QuantizedLinear finish(GpuContext& ctx, const float* W, int64_t N, int64_t K, co
     kern::dequantize(codes, N, K, d_gidx.as<int32_t>(), scale, zero, W, Q.as<float>(),
                      D.as<float>(), out.dequant_f16, s);
 
-  r.codes.resize((size_t)N * K);
-  r.scales.resize((size_t)G * N);
-  std::vector<float> zf((size_t)G * N);
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.codes.data(), codes, r.codes.size(), cudaMemcpyDeviceToHost, s));
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.scales.data(), scale, r.scales.size() * 4, cudaMemcpyDeviceToHost, s));
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(zf.data(), zero, zf.size() * 4, cudaMemcpyDeviceToHost, s));
+  std::vector<float> zf;
+  if (out.codes_host) {
+    r.codes.resize((size_t)N * K);
+    r.scales.resize((size_t)G * N);
+    zf.resize((size_t)G * N);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.codes.data(), codes, r.codes.size(), cudaMemcpyDeviceToHost, s));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.scales.data(), scale, r.scales.size() * 4, cudaMemcpyDeviceToHost, s));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(zf.data(), zero, zf.size() * 4, cudaMemcpyDeviceToHost, s));
+  }
   if (out.dequant_host) {
     r.dequant.resize((size_t)N * K);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.dequant.data(), Q.get(), r.dequant.size() * 4,
@@ -130,6 +133,7 @@ QuantizedLinear finish(GpuContext& ctx, const float* W, int64_t N, int64_t K, co
     cuda::DeviceBuffer acc = gpu_alloc(sizeof(double), "the error trace sum");
     const double num = quadratic_trace(ctx, D.as<float>(), N, K, out.error_hessian, AH.as<float>(), acc.as<double>());
     const double den = quadratic_trace(ctx, W, N, K, out.error_hessian, AH.as<float>(), acc.as<double>());
+    out.output_error = num;
     out.rel_error = den > 0.0 ? num / den : 0.0;
   }
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -385,6 +389,12 @@ QuantizedLinear rtn_quantize_cuda(GpuContext& ctx, const float* W, int64_t N, in
   cuda::DeviceBuffer codes = gpu_alloc((size_t)N * K, fmt::format("the codes of {}", what));
   kern::rtn_codes(W, N, K, d_gidx.as<int32_t>(), scale, zero, o.bits, codes.as<uint8_t>(), s);
   return finish(ctx, W, N, K, codes.as<uint8_t>(), scale, zero, std::move(g_idx), o, what, out);
+}
+
+double output_energy_cuda(GpuContext& ctx, const float* W, int64_t N, int64_t K, const float* H) {
+  cuda::DeviceBuffer AH = gpu_alloc((size_t)N * K * sizeof(float), "the output energy scratch");
+  cuda::DeviceBuffer acc = gpu_alloc(sizeof(double), "the output energy sum");
+  return quadratic_trace(ctx, W, N, K, H, AH.as<float>(), acc.as<double>());
 }
 
 double relative_error_cuda(GpuContext& ctx, const float* W, const float* Q, int64_t N, int64_t K,

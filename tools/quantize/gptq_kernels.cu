@@ -306,6 +306,25 @@ __global__ void dot_add_kernel(const float* __restrict__ a, const float* __restr
   }
 }
 
+__global__ void sum_squares_kernel(const __half* __restrict__ x, int64_t n,
+                                   double* __restrict__ out) {
+  __shared__ double partial[kThreads / 32];
+  double s = 0.0;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const double v = (double)__half2float(x[i]);
+    s += v * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int w = 0; w < kThreads / 32; ++w) t += partial[w];
+    atomicAdd(out, t);
+  }
+}
+
 }  // namespace
 
 void find_params(const float* W, int64_t ld, int64_t N, int64_t K, int64_t c0, int64_t width,
@@ -383,6 +402,12 @@ void dequantize(const uint8_t* codes, int64_t N, int64_t K, const int32_t* g_idx
 
 void half_to_float(const __half* in, int64_t n, float* out, cudaStream_t s) {
   half_to_float_kernel<<<blocks_for(n), kThreads, 0, s>>>(in, n, out);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void sum_squares(const __half* x, int64_t n, double* out, cudaStream_t s) {
+  const int blocks = blocks_for(n) < 1024 ? blocks_for(n) : 1024;
+  sum_squares_kernel<<<blocks, kThreads, 0, s>>>(x, n, out);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

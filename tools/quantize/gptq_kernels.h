@@ -69,4 +69,7 @@ void half_to_float(const __half* in, int64_t n, float* out, cudaStream_t s);
 // *out += sum a[i] b[i] over n elements, accumulated in double.
 void dot_add(const float* a, const float* b, int64_t n, double* out, cudaStream_t s);
 
+// *out += sum x[i]^2 over n fp16 elements, accumulated in double.
+void sum_squares(const __half* x, int64_t n, double* out, cudaStream_t s);
+
 }  // namespace kestrel::quant::kern

@@ -890,13 +890,8 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   check_options(o);
   const ModelSpec spec = load_model_spec(o.model_dir);
   check_model(spec, o);
-  // Mixed precision's measuring pass runs on the CPU: --device auto keeps the whole run there;
-  // --device cuda measures on the CPU and quantizes on the GPU, whose refusal of the model
-  // then comes before the measuring.
-  if (o.device == "auto" && o.mixed()) o.device = "cpu";
-  if (o.device == "cuda" && o.mixed())
-    if (const std::string why = cuda_quantize_unsupported(spec); !why.empty())
-      throw Error(fmt::format("{}: {}", spec.dir, why));
+  // --loss kl's measure runs the whole model on the CPU (KlProbe): auto keeps the run there.
+  if (o.device == "auto" && o.mixed() && o.loss == "kl") o.device = "cpu";
   if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
     const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
     o.device = why.empty() ? "cuda" : "cpu";
@@ -913,7 +908,8 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
         o.candidates.empty() ? default_candidates() : o.candidates;
     make_plan(spec, o, shape_candidates(spec, cands));  // the budget's refusals, at once
     const auto t_measure = Clock::now();
-    plan = make_plan(spec, o, measure_candidates_cpu(spec, o, cands, windows));
+    plan = make_plan(spec, o, o.device == "cuda" ? measure_candidates_cuda(spec, o, cands, windows)
+                                                 : measure_candidates_cpu(spec, o, cands, windows));
     plan->measure_seconds = seconds_since(t_measure);
     if (o.dry_run) {
       QuantizeReport r;

@@ -153,8 +153,8 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 // Throws kestrel::Error with one line on bad options, models or files; one raised once the
 // writing began ends "; nothing written to OUT".
 //
-// Mixed precision (o.mixed()), in two passes over the layers (the first on the CPU, the second
-// on o.device):
+// Mixed precision (o.mixed()), in two passes over the layers, both on o.device (--loss kl on
+// the CPU only):
 //  1. measure: each layer's FP16 forward gives one Hessian per true-sequential group; every
 //     linear is quantized at every candidate on it and its loss recorded (o.loss: the KL
 //     divergence at the logits with its group alone quantized, or GPTQ's own objective

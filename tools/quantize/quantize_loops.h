@@ -42,6 +42,16 @@ using LayerDone =
 void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
                           const std::vector<std::vector<int>>& windows, const OptionsFor& gptq_for,
                           const SaveLinear& save, const LayerDone& done);
+// Mixed precision's measuring pass on the GPU, as quantize.cpp's measure_candidates_cpu: per
+// layer, one forward of the FP16 layer per window with taps at all four groups for their
+// Hessians, each linear quantized at every candidate that packs it (one factor per group for
+// all), its loss o.loss ("output", "relative" or "residual"; "kl" is refused) computed on the
+// GPU; the next layer gets the FP16 layer's outputs. The linears in checkpoint order, each
+// with its candidates in o's order.
+std::vector<PlannedLinear> measure_candidates_cuda(const ModelSpec& spec, const QuantizeOptions& o,
+                                                   const std::vector<QuantSetting>& candidates,
+                                                   const std::vector<std::vector<int>>& windows);
+
 // Why the GPU loop cannot quantize this model ("" when it can).
 std::string cuda_quantize_unsupported(const ModelSpec& spec);
 
