@@ -461,6 +461,12 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --bits-avg 3 --candidates 4g0", "group size must be positive or -1");
   expect_error(base + " --bits-avg 3 --candidates 4g64,4g64", "listed twice");
   expect_error(base + " --bits-avg 3 --loss kl --device cuda", "--loss kl runs on the CPU only");
+  {  // the library refuses it too, before it looks for a GPU
+    QuantizeOptions o = dry(3.5);
+    o.loss = "kl";
+    o.device = "cuda";
+    EXPECT_THROW(quantize_model(o), Error);
+  }
   expect_error(base + " --bits-avg 3 --loss logits", "--loss must be kl, output, relative or residual");
   expect_error(base + " --bits-avg 3 --kl-windows 0", "--kl-windows must be positive");
   // Budgets no plan fits, after measuring: in bits per weight and in GB.
