@@ -138,10 +138,6 @@ class Stream {
   cudaStream_t s_ = nullptr;
 };
 
-}  // namespace
-
-namespace {
-
 // What both GPU loops hold: the stream and its cuBLAS/cuSOLVER context, the calibration
 // windows' residual streams X [S, T, hidden] fp16 (their embeddings to begin with), one decoder
 // layer's fp16 weights in buffers reused layer after layer (L), one window's layer step
