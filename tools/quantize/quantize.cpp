@@ -1,5 +1,6 @@
-// The model-level quantizer: calibration windows, the layer-by-layer GPTQ loop over the CPU
-// engine's layer forward (the GPU loop is quantize_cuda.cpp), and the checkpoint writer.
+// The model-level quantizer: calibration windows, the layer-by-layer GPTQ loop and mixed
+// precision's measuring pass over the CPU engine's layer forward (the GPU's are
+// quantize_cuda.cpp), the plan, and the checkpoint writer.
 #include "tools/quantize/quantize.h"
 
 #include <unistd.h>

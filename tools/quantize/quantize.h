@@ -54,7 +54,8 @@ struct QuantizeOptions {
   uint64_t seed = 0;            // window draw
   bool progress = true;         // progress bar and per-layer lines on stderr
   // cpu | cuda | auto (where the forward, Hessians and GPTQ run; auto: the GPU where it is
-  // usable and runs the family's calibration forward)
+  // usable and runs the family's calibration forward, but the CPU for --loss kl's measure,
+  // which runs there only)
   std::string device = "cpu";
 
   // Mixed precision (issue #46): a budget turns it on, one of the two. Every linear is then

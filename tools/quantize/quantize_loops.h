@@ -1,7 +1,8 @@
-// What quantize_model (quantize.cpp) shares with its GPU layer loop (quantize_cuda.cpp): the
-// loop gets the model, the options and the calibration windows, and hands back each quantized
-// linear (to be packed into the checkpoint) and each finished layer (for the report and the
-// progress line). Private to the quantizer library.
+// What quantize_model (quantize.cpp) shares with its GPU loops (quantize_cuda.cpp): the layer
+// loop gets the model, the options (each linear's, with a mixed-precision plan) and the
+// calibration windows, and hands back each quantized linear (to be packed into the checkpoint)
+// and each finished layer (for the report and the progress line); mixed precision's measuring
+// pass hands back every linear's measured candidates. Private to the quantizer library.
 #pragma once
 
 #include <functional>
