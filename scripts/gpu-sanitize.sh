@@ -27,7 +27,8 @@
 #              CUDA graphs (the device-position forms of the embedding, RoPE and attention
 #              kernels) against host-launched ones, greedy lookup on the docs model
 #   quantize   test_quantize_cuda: the GPU quantizer (Hessian, GPTQ factor and solve, RTN,
-#              relative error, a layer's forward with taps), and test_quantize's CUDA end-to-end
+#              the --mse range search, relative error, a layer's forward with taps, mixed
+#              precision's measuring and quantizing passes), and test_quantize's CUDA end-to-end
 #              runs
 #   generate   kestrel-synth tiny GPTQ models (4-bit g128 act-order; 3-bit asymmetric g64), then
 #              `kestrel generate` of a 107-token prompt (dequantize + cuBLASLt path) and 24

@@ -825,6 +825,43 @@ TEST_F(EndToEnd, CudaGptqHasTheCpuQuality) {
   fs::remove_all(rtn_dir);
 }
 
+// --mse on the GPU (which --device auto now keeps): the range search in every group the GPU
+// fits, dynamic ones on updated weights included, with the CPU's quality at 3 bits, where the
+// search pays.
+TEST_F(EndToEnd, CudaMseHasTheCpuQuality) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path gpu_dir = temp_dir("e2e_cuda_mse"), cpu_dir = temp_dir("e2e_cpu_mse"),
+                 rtn_dir = temp_dir("e2e_rtn_mse");
+  QuantizeOptions og = options(gpu_dir.string(), "gptq");
+  og.gptq.bits = 3;
+  og.gptq.sym = false;
+  og.gptq.act_order = true;
+  og.gptq.mse = 2.4f;
+  og.device = "auto";
+  QuantizeOptions oc = og;
+  oc.out_dir = cpu_dir.string();
+  oc.device = "cpu";
+  QuantizeOptions orr = options(rtn_dir.string(), "rtn");
+  orr.gptq.bits = 3;
+  orr.gptq.sym = false;
+  orr.gptq.mse = 2.4f;
+  const QuantizeReport rg = quantize_model(og);
+  const QuantizeReport rc = quantize_model(oc);
+  const QuantizeReport rr = quantize_model(orr);
+  EXPECT_EQ(rg.device, "cuda");
+  ASSERT_EQ(rg.linears.size(), 14u);
+  ASSERT_EQ(rc.linears.size(), 14u);
+  expect_gpu_quality_of_cpu(rg, rc, rr);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(gpu_dir / "quantize_config.json"))["mse"], 2.4);
+  const double p16 = ppl(*fp16_, *sampled_), pg = ppl(gpu_dir, *sampled_),
+               pc = ppl(cpu_dir, *sampled_), pr = ppl(rtn_dir, *sampled_);
+  EXPECT_LT(pg - p16, 0.5 * (pr - p16)) << p16 << " " << pg << " " << pc << " " << pr;
+  EXPECT_LT(pg - p16, 1.5 * (pc - p16)) << p16 << " " << pg << " " << pc << " " << pr;
+  fs::remove_all(gpu_dir);
+  fs::remove_all(cpu_dir);
+  fs::remove_all(rtn_dir);
+}
+
 // RTN depends on the weights alone, and the GPU's RTN repeats the CPU's arithmetic: the
 // checkpoint kestrel-quantize --device cuda writes holds exactly the CPU's quantization.
 TEST_F(EndToEnd, CudaRtnCheckpointEqualsTheCpuQuantization) {
@@ -940,9 +977,6 @@ TEST_F(EndToEnd, ClearOneLineErrors) {
   expect_error(run(base + " --calib " + calib_->string() + " --bits 5 -q"), "--bits");
   expect_error(run(base + " --calib " + calib_->string() + " --mse -1 -q"),
                "--mse must be a norm in [0, 16]");
-  // The range search is the CPU quantizer's (without a GPU: the device's own refusal).
-  expect_error(run(base + " --calib " + calib_->string() + " --mse 2.4 --device cuda -q"),
-               "--device cpu");
   expect_error(run(base + " --calib " + calib_->string() + " --seqlen 100000 -q"),
                "max_position_embeddings");
   // An already quantized model is refused.

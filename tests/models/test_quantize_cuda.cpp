@@ -6,20 +6,31 @@
 // - Factor: U from cuSOLVER factors the damped, permuted Hessian's inverse; a Hessian that is
 //   not positive definite is the CPU's one-line error.
 // - RTN: codes, scales, zeros, g_idx and dequantized weights bit-equal to rtn_quantize for
-//   every option (no accumulation anywhere, so nothing may differ).
-// - GPTQ: against gptq_quantize over bits, group sizes, act-order, static groups, sym/asym and
-//   shapes that are not multiples of the 128-column block. Exact where exactness follows from
+//   every option (no accumulation anywhere, so nothing may differ); with --mse's range search,
+//   equal bar near-ties of its scores (expect_near_ties_only says why those may differ).
+// - GPTQ: against gptq_quantize over bits, group sizes, act-order, static groups, sym/asym,
+//   --mse and shapes that are not multiples of the 128-column block. Exact where exactness follows from
 //   the arithmetic, bounded where it cannot (see GptqVsCpu).
 // - relative_error_cuda equals relative_error; an allocation that does not fit is one line
 //   naming what it was for.
 // - layer_forward_rows with taps against the CPU engine's layer_forward.
+// - Mixed precision on the GPU, on the CPU mixed-precision suite's model and calibration text
+//   (tests/support/sampled_model.h): the measuring pass gives the CPU's losses within the
+//   bounds of the uniform GPU quantizer and the CPU's plan bar near-ties, --loss kl is refused
+//   on cuda, the quantizing pass gives every linear its planned format, a plan of one format
+//   is the uniform GPU checkpoint, and the mixed checkpoint's perplexity is the CPU's within a
+//   few percent.
 // Every test skips where no GPU is usable.
 #include <gtest/gtest.h>
+
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <numeric>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -33,9 +44,11 @@
 #include "models/gpu/layer.h"
 #include "tests/support/compare.h"
 #include "tests/support/quant_inputs.h"
+#include "tests/support/sampled_model.h"
 #include "tests/support/synth_model.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/gptq_cuda.h"
+#include "tools/quantize/quantize.h"
 
 namespace kestrel {
 namespace {
@@ -184,21 +197,61 @@ struct Opt {
   int bits, group_size;
   bool act_order, sym, static_groups;
   int64_t N, K;
+  float mse = 0.0f;
 };
 std::string opt_name(const ::testing::TestParamInfo<Opt>& i) {
   const Opt& o = i.param;
   return "b" + std::to_string(o.bits) + "_g" + (o.group_size < 0 ? "m1" : std::to_string(o.group_size)) +
          (o.act_order ? "_act" : "") + (o.sym ? "_sym" : "_asym") + (o.static_groups ? "_static" : "") +
-         "_" + std::to_string(o.N) + "x" + std::to_string(o.K);
+         (o.mse > 0 ? "_mse" : "") + "_" + std::to_string(o.N) + "x" + std::to_string(o.K);
 }
 GptqOptions options_of(const Opt& p) {
   return GptqOptions{.bits = p.bits, .group_size = p.group_size, .act_order = p.act_order,
-                     .sym = p.sym, .static_groups = p.static_groups};
+                     .sym = p.sym, .static_groups = p.static_groups, .mse = p.mse};
+}
+
+// sum |w - q(w)|^norm over one range of weights at scale s and zero z: how the CPU's range
+// search (find_params, gptq.cpp) scores a fit, with the same float operations.
+double range_error(const float* w, int64_t cols, float s, float z, int bits, float norm) {
+  const float maxq = (float)((1 << bits) - 1);
+  double e = 0.0;
+  for (int64_t c = 0; c < cols; ++c)
+    e += std::pow(std::fabs(s * (quantize_code(w[c], s, z, maxq) - z) - w[c]), norm);
+  return e;
+}
+
+// The range search on the GPU scores each shrink with the CPU's terms in the CPU's order, but
+// takes each term's power correctly rounded where glibc's powf is at times one ulp off. So
+// where two shrinks' sums tie to about that precision the two may keep different ones, and
+// nowhere else. For every (group, row) whose scale or zero differ between the GPU's result gq
+// and the CPU's cq, both fitted by group on Wfit [N, K] (original column order, `width`
+// columns a group), this checks that it is such a near-tie on the CPU's own scores: the CPU's
+// choice scores least (it keeps the first least), the GPU's within 1e-6 of it. Returns how many
+// differ.
+int expect_near_ties_only(const std::vector<float>& Wfit, int64_t N, int64_t K, int64_t width,
+                          const GptqOptions& o, const QuantizedLinear& gq,
+                          const QuantizedLinear& cq) {
+  const int64_t G = cq.groups();
+  int differ = 0;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t n = 0; n < N; ++n) {
+      const size_t i = g * N + n;
+      if (gq.scales[i] == cq.scales[i] && gq.zeros[i] == cq.zeros[i]) continue;
+      ++differ;
+      const float* w = &Wfit[n * K + g * width];
+      const int64_t cols = std::min(width, K - g * width);
+      const double ec = range_error(w, cols, cq.scales[i], cq.zeros[i], o.bits, o.mse);
+      const double eg = range_error(w, cols, gq.scales[i], gq.zeros[i], o.bits, o.mse);
+      EXPECT_LE(ec, eg) << "group " << g << " row " << n;
+      EXPECT_LE(eg - ec, 1e-6 * ec) << "group " << g << " row " << n << ": not a near-tie";
+    }
+  return differ;
 }
 
 class RtnVsCpu : public ::testing::TestWithParam<Opt> {};
 
-// RTN has no accumulation: every output must equal the CPU's bit for bit.
+// RTN has no accumulation: every output must equal the CPU's bit for bit, but for the range
+// search's near-ties.
 TEST_P(RtnVsCpu, BitEqual) {
   KESTREL_REQUIRE_GPU();
   Gpu g;
@@ -215,15 +268,39 @@ TEST_P(RtnVsCpu, BitEqual) {
   out.error_hessian = dH.as<float>();
   const QuantizedLinear gq = rtn_quantize_cuda(*g.ctx, dW.as<float>(), p.N, p.K, o, "test", out);
   const QuantizedLinear cq = rtn_quantize(W.data(), p.N, p.K, o);
-  EXPECT_EQ(gq.codes, cq.codes);
-  EXPECT_EQ(gq.scales, cq.scales);
-  EXPECT_EQ(gq.zeros, cq.zeros);
   EXPECT_EQ(gq.g_idx, cq.g_idx);
-  ASSERT_EQ(gq.dequant, cq.dequant);
+  ASSERT_EQ(gq.scales.size(), cq.scales.size());
+  if (p.mse > 0) {
+    // The range search: equal parameters bar near-ties of its scores, and where the
+    // parameters are equal, equal codes and values.
+    const int64_t width = p.group_size == -1 ? p.K : p.group_size;
+    const int differ = expect_near_ties_only(W, p.N, p.K, width, o, gq, cq);
+    EXPECT_LE(differ, 1 + (int)(0.01 * (double)cq.scales.size())) << "near-ties";
+    for (int64_t k = 0; k < p.K; ++k)
+      for (int64_t n = 0; n < p.N; ++n) {
+        const size_t gi = (size_t)cq.g_idx[k] * p.N + n, i = n * p.K + k;
+        if (gq.scales[gi] != cq.scales[gi] || gq.zeros[gi] != cq.zeros[gi]) continue;
+        ASSERT_EQ(gq.codes[i], cq.codes[i]) << i;
+        ASSERT_EQ(gq.dequant[i], cq.dequant[i]) << i;
+      }
+    // The search ran: some range was shrunk below the full range's scale.
+    GptqOptions full_range = o;
+    full_range.mse = 0.0f;
+    const QuantizedLinear full = rtn_quantize(W.data(), p.N, p.K, full_range);
+    int clipped = 0;
+    for (size_t i = 0; i < full.scales.size(); ++i) clipped += gq.scales[i] < full.scales[i];
+    EXPECT_GT(clipped, 0);
+  } else {
+    // No accumulation anywhere: bit-equal.
+    EXPECT_EQ(gq.codes, cq.codes);
+    EXPECT_EQ(gq.scales, cq.scales);
+    EXPECT_EQ(gq.zeros, cq.zeros);
+    ASSERT_EQ(gq.dequant, cq.dequant);
+  }
   // The fp16 copy is the dequantized weight rounded once.
   const std::vector<uint16_t> h16 = to_host<uint16_t>(d16.get(), p.N * p.K);
-  for (size_t i = 0; i < h16.size(); ++i) ASSERT_EQ(h16[i], float_to_half(cq.dequant[i])) << i;
-  const double e = relative_error(W.data(), cq.dequant.data(), p.N, p.K, H.data());
+  for (size_t i = 0; i < h16.size(); ++i) ASSERT_EQ(h16[i], float_to_half(gq.dequant[i])) << i;
+  const double e = relative_error(W.data(), gq.dequant.data(), p.N, p.K, H.data());
   EXPECT_GT(e, 0.0);
   EXPECT_NEAR(out.rel_error, e, 1e-4 * e);
 }
@@ -232,7 +309,11 @@ INSTANTIATE_TEST_SUITE_P(
     Options, RtnVsCpu,
     ::testing::Values(Opt{4, 128, false, true, false, 64, 256}, Opt{4, 32, false, false, false, 72, 200},
                       Opt{3, -1, false, true, false, 40, 200}, Opt{2, 32, false, false, false, 64, 96},
-                      Opt{8, 128, false, true, false, 96, 320}, Opt{8, -1, false, false, false, 33, 130}),
+                      Opt{8, 128, false, true, false, 96, 320}, Opt{8, -1, false, false, false, 33, 130},
+                      Opt{2, 64, false, false, false, 64, 256, 2.4f},
+                      Opt{3, 128, false, true, false, 40, 320, 2.4f},
+                      Opt{3, -1, false, false, false, 40, 200, 2.4f},
+                      Opt{4, 32, false, true, false, 72, 200, 2.0f}),
     opt_name);
 
 class GptqVsCpu : public ::testing::TestWithParam<Opt> {};
@@ -248,7 +329,8 @@ class GptqVsCpu : public ::testing::TestWithParam<Opt> {};
 // all (the CPU's own blocked-vs-plain test, the same kind of perturbation, sees at most 1 of 32)
 // and most codes even of those rows agree; rows that agree in every code agree in every scale
 // and zero bar near-ties of the fp16 rounding of a scale; parameters that do not depend on the
-// updates (per-row groups, static groups) and g_idx are equal everywhere; and the
+// updates (per-row groups, static groups) and g_idx are equal everywhere (with --mse, bar
+// near-ties of the range search's scores); and the
 // reconstruction errors are close.
 TEST_P(GptqVsCpu, SameCodesBarNearTies) {
   KESTREL_REQUIRE_GPU();
@@ -298,8 +380,19 @@ TEST_P(GptqVsCpu, SameCodesBarNearTies) {
   EXPECT_LE(codes_differing, 0.02 * N * K);
   EXPECT_LE(params_differing_in_equal_rows, 1 + 0.01 * (N - rows_differing) * G);
   if (p.group_size == -1 || p.static_groups) {
-    EXPECT_EQ(gq.scales, cq.scales);  // fitted on W before any update
-    EXPECT_EQ(gq.zeros, cq.zeros);
+    if (p.mse > 0) {
+      // Fitted before any update, per row on W as given, static groups on W with the dead
+      // inputs zeroed: the same bar near-ties of the range search's scores.
+      std::vector<float> Wfit = W;
+      if (p.static_groups)
+        for (int64_t r = 0; r < N; ++r) Wfit[r * K + 7] = Wfit[r * K + K - 20] = 0.0f;
+      const int differ = expect_near_ties_only(Wfit, N, K, p.static_groups ? p.group_size : K,
+                                               o, gq, cq);
+      EXPECT_LE(differ, 1 + (int)(0.01 * (double)cq.scales.size())) << "near-ties";
+    } else {
+      EXPECT_EQ(gq.scales, cq.scales);  // fitted on W before any update
+      EXPECT_EQ(gq.zeros, cq.zeros);
+    }
   }
   // Dead inputs are quantized from zero weights.
   for (int64_t r = 0; r < N; ++r) ASSERT_EQ(gq.dequant[r * K + 7], 0.0f);
@@ -328,7 +421,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Opt{3, 64, true, true, false, 40, 320}, Opt{3, 128, false, false, false, 40, 260},
                       Opt{2, 32, true, false, false, 64, 200}, Opt{8, 128, true, true, false, 64, 320},
                       Opt{4, 64, true, true, true, 96, 320}, Opt{4, 128, false, false, true, 72, 300},
-                      Opt{4, 96, true, true, false, 48, 320}, Opt{4, 128, true, true, false, 200, 130}),
+                      Opt{4, 96, true, true, false, 48, 320}, Opt{4, 128, true, true, false, 200, 130},
+                      // --mse: the range search on dynamic groups (fitted on updated weights),
+                      // per row and on static groups (fitted up front).
+                      Opt{2, 64, true, false, false, 64, 200, 2.4f},
+                      Opt{3, 128, true, true, false, 40, 320, 2.4f},
+                      Opt{3, -1, false, false, false, 40, 260, 2.4f},
+                      Opt{4, 64, true, true, true, 96, 320, 2.0f}),
     opt_name);
 
 TEST(RelativeErrorCuda, EqualsTheCpuValue) {
@@ -442,6 +541,241 @@ TEST(LayerForwardRows, TapsAndOutputMatchTheCpuLayer) {
   EXPECT_EQ(calls, 2);
   EXPECT_EQ(to_host<uint16_t>(dy.get(), xh.size()), xh);
   cudaStreamDestroy(s);
+}
+
+// ---------------------------------------------------------------------------------------
+// Mixed precision on the GPU.
+
+namespace fs = std::filesystem;
+
+fs::path temp_dir(const std::string& name) {
+  const fs::path d =
+      fs::temp_directory_path() / ("kestrel_qcuda_" + name + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  return d;
+}
+
+// test_quantize_mixed.cpp's model and calibration text (the same recipe, its own folder), made
+// on first use: a binary without a GPU skips before paying for it.
+const test::SampledModel& mixed_model() {
+  static const test::SampledModel m = test::sampled_model(KESTREL_TEST_FIXTURES, "mixed_cuda");
+  return m;
+}
+
+// The options of test_quantize_mixed.cpp's Mixed suite, on `device`.
+QuantizeOptions mixed_options(const fs::path& out, const std::string& device) {
+  QuantizeOptions o;
+  o.model_dir = mixed_model().fp16.string();
+  o.calib_file = mixed_model().calib.string();
+  o.out_dir = out.string();
+  o.gptq.act_order = true;
+  o.nsamples = 32;
+  o.seqlen = 128;
+  o.progress = false;
+  o.device = device;
+  return o;
+}
+
+constexpr LinearSpec LayerSpec::*kLinears[] = {&LayerSpec::q, &LayerSpec::k,    &LayerSpec::v,
+                                               &LayerSpec::o, &LayerSpec::gate, &LayerSpec::up,
+                                               &LayerSpec::down};
+
+// Every linear of the checkpoint at `dir` has, through Kestrel's loader, the format `plan`
+// gives it, and the plan's bytes are the bytes written.
+void expect_checkpoint_holds(const fs::path& dir, const MixedPlanReport& plan) {
+  const ModelSpec spec = load_model_spec(dir.string());
+  std::map<std::string, const LinearSpec*> loaded;
+  for (const LayerSpec& ls : spec.layers)
+    for (auto lin : kLinears) loaded[(ls.*lin).name] = &(ls.*lin);
+  uint64_t bytes = 0;
+  for (const PlannedLinear& l : plan.linears) {
+    ASSERT_TRUE(loaded.count(l.name)) << l.name;
+    const LinearSpec& s = *loaded[l.name];
+    EXPECT_TRUE(s.quantized) << l.name;
+    EXPECT_EQ(s.bits, l.setting.bits) << l.name;
+    EXPECT_EQ(s.group_size, l.setting.group_size) << l.name;
+    bytes += s.qweight->nbytes + s.qzeros->nbytes + s.scales->nbytes + s.g_idx->nbytes;
+  }
+  EXPECT_EQ(bytes, plan.bytes);
+}
+
+// A plan's summed loss on a measure: each linear's measured loss at the plan's setting for it.
+double plan_loss(const MixedPlanReport& plan, const std::vector<PlannedLinear>& measure) {
+  double total = 0;
+  for (size_t i = 0; i < plan.linears.size(); ++i) {
+    bool found = false;
+    for (const auto& [c, pc] : measure.at(i).measured)
+      if (c == plan.linears[i].setting) {
+        total += pc.error;
+        found = true;
+      }
+    EXPECT_TRUE(found) << plan.linears[i].name;
+  }
+  return total;
+}
+
+// The CPU's and the GPU's plans at one budget: the same setting for every linear, or else a
+// near-tie. The GPU measures on fp16 activations and its GPTQ rounds otherwise at near-ties, so
+// its losses are the CPU's within a few percent, and a plan such a difference can change is
+// one whose alternative costs about as much: each measure must then score the other's plan
+// within 3% of its own (the budget being the same, both fit it). Returns the linears whose
+// settings differ.
+int expect_same_plan_bar_near_ties(const MixedPlanReport& cpu, const MixedPlanReport& gpu) {
+  EXPECT_EQ(gpu.budget, cpu.budget);
+  EXPECT_LE(gpu.bytes, gpu.budget);
+  EXPECT_EQ(gpu.linears.size(), cpu.linears.size());
+  if (gpu.linears.size() != cpu.linears.size()) return -1;
+  int differ = 0;
+  for (size_t i = 0; i < cpu.linears.size(); ++i) {
+    EXPECT_EQ(gpu.linears[i].name, cpu.linears[i].name);
+    differ += !(gpu.linears[i].setting == cpu.linears[i].setting);
+  }
+  if (differ > 0) {
+    const double cpu_on_gpu_plan = plan_loss(gpu, cpu.linears);
+    const double gpu_on_cpu_plan = plan_loss(cpu, gpu.linears);
+    std::printf("[ stats    ] %d linears planned otherwise; the CPU's measure scores the GPU's plan "
+                "%.4f of its own, the GPU's the CPU's plan %.4f of its own\n",
+                differ, cpu_on_gpu_plan / cpu.loss, gpu_on_cpu_plan / gpu.loss);
+    EXPECT_LE(cpu_on_gpu_plan, 1.03 * cpu.loss) << "not a near-tie";
+    EXPECT_LE(gpu_on_cpu_plan, 1.03 * gpu.loss) << "not a near-tie";
+  }
+  return differ;
+}
+
+// The GPU's measuring pass against the CPU's, a dry run of each at 3.5 bits for each of the
+// losses it runs: the same linears with the same candidates and bytes, every loss near the
+// CPU's (as each uniform GPU linear's error is near the CPU's: CudaGptqHasTheCpuQuality), and
+// the same plan bar near-ties. --device auto measures on the GPU too.
+class CudaMixedMeasure : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CudaMixedMeasure, PlanIsTheCpuPlan) {
+  KESTREL_REQUIRE_GPU();
+  QuantizeOptions oc = mixed_options({}, "cpu");
+  oc.bits_avg = 3.5;
+  oc.dry_run = true;
+  oc.loss = GetParam();
+  QuantizeOptions og = oc;
+  og.device = GetParam() == "residual" ? "auto" : "cuda";
+  const QuantizeReport rc = quantize_model(oc);
+  const QuantizeReport rg = quantize_model(og);
+  EXPECT_EQ(rg.device, "cuda");
+  ASSERT_TRUE(rc.plan.has_value());
+  ASSERT_TRUE(rg.plan.has_value());
+  const std::vector<PlannedLinear>& c = rc.plan->linears;
+  const std::vector<PlannedLinear>& g = rg.plan->linears;
+  ASSERT_EQ(g.size(), 14u);
+  ASSERT_EQ(g.size(), c.size());
+  double worst = 1.0;
+  for (size_t i = 0; i < c.size(); ++i) {
+    EXPECT_EQ(g[i].name, c[i].name);
+    EXPECT_EQ(g[i].N, c[i].N);
+    EXPECT_EQ(g[i].K, c[i].K);
+    ASSERT_EQ(g[i].measured.size(), c[i].measured.size()) << c[i].name;
+    for (size_t k = 0; k < c[i].measured.size(); ++k) {
+      const auto& [cs, cc] = c[i].measured[k];
+      const auto& [gs, gc] = g[i].measured[k];
+      EXPECT_EQ(gs, cs) << c[i].name;
+      EXPECT_EQ(gc.bytes, cc.bytes) << c[i].name;
+      ASSERT_GT(cc.error, 0.0) << c[i].name;
+      const double ratio = gc.error / cc.error;
+      worst = std::max(worst, std::max(ratio, 1.0 / ratio));
+      EXPECT_GT(ratio, 0.8) << c[i].name << " " << cs.bits << "g" << cs.group_size;
+      EXPECT_LT(ratio, 1.25) << c[i].name << " " << cs.bits << "g" << cs.group_size;
+    }
+  }
+  std::printf("[ stats    ] --loss %s: the GPU's losses within a factor %.4f of the CPU's\n",
+              GetParam().c_str(), worst);
+  expect_same_plan_bar_near_ties(*rc.plan, *rg.plan);
+}
+
+INSTANTIATE_TEST_SUITE_P(Losses, CudaMixedMeasure,
+                         ::testing::Values("output", "relative", "residual"),
+                         [](const auto& info) { return info.param; });
+
+// --loss kl measures on the CPU only: refused on cuda in one line (auto runs it on the CPU).
+TEST(CudaMixed, KlIsRefusedOnCuda) {
+  KESTREL_REQUIRE_GPU();
+  QuantizeOptions o = mixed_options({}, "cuda");
+  o.bits_avg = 3.5;
+  o.dry_run = true;
+  o.loss = "kl";
+  try {
+    quantize_model(o);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("--loss kl runs on the CPU only"), std::string::npos) << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  o.device = "auto";
+  o.kl_windows = 1;
+  o.candidates = {{3, 128}, {4, 128}};  // a cheap measure: only where it runs matters here
+  EXPECT_EQ(quantize_model(o).device, "cpu");
+}
+
+// The GPU's mixed checkpoint at 3.5 bits against the CPU's, both passes on each device: the
+// same plan bar near-ties, every linear quantized at its planned format, and a perplexity on
+// the sampled text within a few percent of the CPU's. The two quantizing passes differ as the
+// uniform ones do (fp16 Hessians on the GPU), no more.
+TEST(CudaMixed, CheckpointHoldsThePlanNearTheCpusPerplexity) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path gpu_dir = temp_dir("mixed_gpu"), cpu_dir = temp_dir("mixed_cpu");
+  QuantizeOptions og = mixed_options(gpu_dir, "cuda"), oc = mixed_options(cpu_dir, "cpu");
+  og.bits_avg = oc.bits_avg = 3.5;
+  const QuantizeReport rg = quantize_model(og);
+  const QuantizeReport rc = quantize_model(oc);
+  ASSERT_TRUE(rg.plan.has_value());
+  ASSERT_TRUE(rc.plan.has_value());
+  EXPECT_EQ(rg.device, "cuda");
+  ASSERT_EQ(rg.plan->linears.size(), 14u);
+  std::set<QuantSetting> settings;
+  for (const PlannedLinear& l : rg.plan->linears) settings.insert(l.setting);
+  EXPECT_GE(settings.size(), 2u) << "the plan should mix formats at 3.5 bits";
+  expect_same_plan_bar_near_ties(*rc.plan, *rg.plan);
+  expect_checkpoint_holds(gpu_dir, *rg.plan);
+  // Every linear was quantized, in the CPU's order.
+  ASSERT_EQ(rg.linears.size(), rc.linears.size());
+  for (size_t i = 0; i < rg.linears.size(); ++i) {
+    EXPECT_EQ(rg.linears[i].name, rc.linears[i].name);
+    EXPECT_GT(rg.linears[i].rel_error, 0.0) << rg.linears[i].name;
+    EXPECT_TRUE(std::isfinite(rg.linears[i].rel_error)) << rg.linears[i].name;
+  }
+  const std::vector<int>& text = mixed_model().sampled;
+  const double p16 = test::perplexity_of(mixed_model().fp16, text);
+  const double pg = test::perplexity_of(gpu_dir, text), pc = test::perplexity_of(cpu_dir, text);
+  std::printf("[ stats    ] perplexity: FP16 %.4f, CPU mixed %.4f, GPU mixed %.4f\n", p16, pc, pg);
+  EXPECT_GT(pg, p16);
+  // Other calibration windows (another --seed) move the CPU's own perplexity here by a few
+  // percent: the GPU's fp16 Hessians may move it as far, not further.
+  EXPECT_LT(std::abs(pg - pc), 0.05 * pc) << p16 << " " << pc << " " << pg;
+  fs::remove_all(gpu_dir);
+  fs::remove_all(cpu_dir);
+}
+
+// A plan of one candidate on the GPU writes exactly the GPU's uniform checkpoint: the planned
+// options reach every linear, and nothing else changes.
+TEST(CudaMixed, OneCandidatePlanIsTheUniformCheckpoint) {
+  KESTREL_REQUIRE_GPU();
+  const fs::path mixed = temp_dir("one_mixed"), uniform = temp_dir("one_uniform");
+  QuantizeOptions om = mixed_options(mixed, "cuda");
+  om.bits_avg = 8;
+  om.candidates = {{3, 64}};
+  const QuantizeReport r = quantize_model(om);
+  EXPECT_TRUE(r.plan->rules.empty());
+  QuantizeOptions ou = mixed_options(uniform, "cuda");
+  ou.gptq.bits = 3;
+  ou.gptq.group_size = 64;
+  quantize_model(ou);
+  const ModelSpec a = load_model_spec(mixed.string()), b = load_model_spec(uniform.string());
+  const std::vector<std::string> names = a.files.names();
+  ASSERT_EQ(names, b.files.names());
+  for (const std::string& n : names) {
+    const TensorInfo &ta = a.files.get(n), &tb = b.files.get(n);
+    EXPECT_EQ(std::vector<uint8_t>(ta.data, ta.data + ta.nbytes),
+              std::vector<uint8_t>(tb.data, tb.data + tb.nbytes)) << n;
+  }
+  fs::remove_all(mixed);
+  fs::remove_all(uniform);
 }
 
 }  // namespace

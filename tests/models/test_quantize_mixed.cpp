@@ -25,18 +25,16 @@
 #include <vector>
 
 #include "base/error.h"
-#include "engine/perplexity.h"
 #include "models/cpu/decoder.h"
 #include "models/io/dynamic.h"
 #include "models/io/model_spec.h"
-#include "tests/support/shared_fixture.h"
+#include "tests/support/sampled_model.h"
 #include "tests/support/test_util.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/gptq.h"
 #include "tools/quantize/kl_probe.h"
 #include "tools/quantize/plan.h"
 #include "tools/quantize/quantize.h"
-#include "tools/synth/synth.h"
 
 namespace fs = std::filesystem;
 using namespace kestrel;
@@ -60,34 +58,8 @@ constexpr LinearSpec LayerSpec::*kLinears[] = {&LayerSpec::q,    &LayerSpec::k, 
                                                &LayerSpec::o,    &LayerSpec::gate,
                                                &LayerSpec::up,   &LayerSpec::down};
 
-// Text the FP16 model finds likely (sampled from it; as test_quantize.cpp's EndToEnd does), so
-// that quantization damage shows in the perplexity even for random weights.
-std::vector<int> sample_windows(const fs::path& dir, int windows, uint32_t seed) {
-  const ModelSpec spec = load_model_spec(dir.string());
-  DecoderCpu model(spec);
-  auto m = model.new_cpu_session(128);
-  const int vocab = spec.config.vocab;
-  std::mt19937 rng(seed);
-  std::vector<int> ids;
-  std::vector<float> logits(vocab);
-  std::vector<double> p(vocab);
-  for (int w = 0; w < windows; ++w) {
-    int token = 1;
-    for (int pos = 0; pos < 128; ++pos) {
-      ids.push_back(token);
-      m->forward_token(token, pos, logits.data());
-      const float mx = *std::max_element(logits.begin(), logits.end());
-      for (int v = 0; v < vocab; ++v) p[v] = std::exp((double)logits[v] - mx);
-      token = std::discrete_distribution<int>(p.begin(), p.end())(rng);
-    }
-  }
-  return ids;
-}
-
 double ppl(const fs::path& dir, const std::vector<int>& ids) {
-  DecoderCpu model(load_model_spec(dir.string()));
-  auto m = model.new_cpu_session(128);
-  return kestrel::perplexity(*m, ids, 128, 0, false).ppl;
+  return kestrel::test::perplexity_of(dir, ids);
 }
 
 class Mixed : public ::testing::Test {
@@ -95,22 +67,10 @@ class Mixed : public ::testing::Test {
   // The FP16 model and its sampled calibration text, made once for all of this binary's
   // processes (tests/support/shared_fixture.h) and never written to by a test.
   static void SetUpTestSuite() {
-    const fs::path dir = kestrel::test::shared_fixture(KESTREL_TEST_FIXTURES, "mixed", [](const fs::path& d) {
-      synth::SynthOptions o;
-      o.shape = "tiny";
-      o.n_layers = 2;
-      o.dtype = "fp16";
-      o.seed = 5;
-      o.out = (d / "fp16").string();
-      o.quiet = true;
-      synth::write_model(o);
-      const std::vector<int> ids = sample_windows(d / "fp16", 24, 1);
-      kestrel::test::write_ids(d / "sampled.txt", ids);
-      std::ofstream(d / "calib.txt") << Tokenizer::load((d / "fp16").string())->decode(ids);
-    });
-    fp16_ = new fs::path(dir / "fp16");
-    calib_ = new fs::path(dir / "calib.txt");
-    sampled_ = new std::vector<int>(kestrel::test::read_ids(dir / "sampled.txt"));
+    const kestrel::test::SampledModel m = kestrel::test::sampled_model(KESTREL_TEST_FIXTURES, "mixed");
+    fp16_ = new fs::path(m.fp16);
+    calib_ = new fs::path(m.calib);
+    sampled_ = new std::vector<int>(m.sampled);
   }
   static void TearDownTestSuite() {
     delete fp16_;
@@ -500,7 +460,13 @@ TEST_F(Mixed, BadOptionsAreRefusedInOneLine) {
   expect_error(base + " --bits-avg 3 --candidates 4g128,", "is not BITSgGROUP");
   expect_error(base + " --bits-avg 3 --candidates 4g0", "group size must be positive or -1");
   expect_error(base + " --bits-avg 3 --candidates 4g64,4g64", "listed twice");
-  expect_error(base + " --bits-avg 3 --device cuda", "runs on the CPU only so far");
+  expect_error(base + " --bits-avg 3 --loss kl --device cuda", "--loss kl runs on the CPU only");
+  {  // the library refuses it too, before it looks for a GPU
+    QuantizeOptions o = dry(3.5);
+    o.loss = "kl";
+    o.device = "cuda";
+    EXPECT_THROW(quantize_model(o), Error);
+  }
   expect_error(base + " --bits-avg 3 --loss logits", "--loss must be kl, output, relative or residual");
   expect_error(base + " --bits-avg 3 --kl-windows 0", "--kl-windows must be positive");
   // Budgets no plan fits, after measuring: in bits per weight and in GB.

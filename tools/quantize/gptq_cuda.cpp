@@ -113,12 +113,15 @@ QuantizedLinear finish(GpuContext& ctx, const float* W, int64_t N, int64_t K, co
     kern::dequantize(codes, N, K, d_gidx.as<int32_t>(), scale, zero, W, Q.as<float>(),
                      D.as<float>(), out.dequant_f16, s);
 
-  r.codes.resize((size_t)N * K);
-  r.scales.resize((size_t)G * N);
-  std::vector<float> zf((size_t)G * N);
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.codes.data(), codes, r.codes.size(), cudaMemcpyDeviceToHost, s));
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.scales.data(), scale, r.scales.size() * 4, cudaMemcpyDeviceToHost, s));
-  KESTREL_CUDA_CHECK(cudaMemcpyAsync(zf.data(), zero, zf.size() * 4, cudaMemcpyDeviceToHost, s));
+  std::vector<float> zf;
+  if (out.codes_host) {
+    r.codes.resize((size_t)N * K);
+    r.scales.resize((size_t)G * N);
+    zf.resize((size_t)G * N);
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.codes.data(), codes, r.codes.size(), cudaMemcpyDeviceToHost, s));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.scales.data(), scale, r.scales.size() * 4, cudaMemcpyDeviceToHost, s));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(zf.data(), zero, zf.size() * 4, cudaMemcpyDeviceToHost, s));
+  }
   if (out.dequant_host) {
     r.dequant.resize((size_t)N * K);
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(r.dequant.data(), Q.get(), r.dequant.size() * 4,
@@ -130,6 +133,7 @@ QuantizedLinear finish(GpuContext& ctx, const float* W, int64_t N, int64_t K, co
     cuda::DeviceBuffer acc = gpu_alloc(sizeof(double), "the error trace sum");
     const double num = quadratic_trace(ctx, D.as<float>(), N, K, out.error_hessian, AH.as<float>(), acc.as<double>());
     const double den = quadratic_trace(ctx, W, N, K, out.error_hessian, AH.as<float>(), acc.as<double>());
+    out.output_error = num;
     out.rel_error = den > 0.0 ? num / den : 0.0;
   }
   KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
@@ -291,13 +295,15 @@ QuantizedLinear gptq_quantize_cuda(GpuContext& ctx, const GpuGptqFactor& f, cons
   int* bad = params.bad;
 
   // Per-row parameters are read from W as given, before dead inputs are zeroed.
-  if (gs == -1) kern::find_params(W, K, N, K, 0, K, 1, 0, o.bits, o.sym, scale, zero, bad, s);
+  if (gs == -1)
+    kern::find_params(W, K, N, K, 0, K, 1, 0, o.bits, o.sym, o.mse, scale, zero, bad, s);
   // The working copy: dead inputs zeroed (their weights cannot matter), in W's column order.
   cuda::DeviceBuffer Wd = gpu_alloc(nk * sizeof(float), fmt::format("the working copy of {}", what));
   kern::gather_columns(W, N, K, nullptr, f.dead_device(), Wd.as<float>(), s);
   // Static groups: fixed up front from W by original column.
   if (gs != -1 && o.static_groups)
-    kern::find_params(Wd.as<float>(), K, N, K, 0, gs, G, 0, o.bits, o.sym, scale, zero, bad, s);
+    kern::find_params(Wd.as<float>(), K, N, K, 0, gs, G, 0, o.bits, o.sym, o.mse, scale, zero,
+                      bad, s);
   // Act-order: the columns in processing order.
   float* Wp = Wd.as<float>();
   cuda::DeviceBuffer Wperm;
@@ -335,7 +341,7 @@ QuantizedLinear gptq_quantize_cuda(GpuContext& ctx, const GpuGptqFactor& f, cons
       const int64_t g_first = (i1 + gs - 1) / gs, g_last = (i2 - 1) / gs;
       if (g_first <= g_last)
         kern::find_params(Wp, K, N, K, g_first * gs, gs, g_last - g_first + 1, g_first, o.bits,
-                          o.sym, scale, zero, bad, s);
+                          o.sym, o.mse, scale, zero, bad, s);
     }
     kern::gptq_block(Wp, K, N, i1, (int)cnt, f.U(), K, d_gcol.as<int32_t>(), scale, zero, o.bits,
                      codes_p.as<uint8_t>(), E.as<float>(), s);
@@ -375,7 +381,7 @@ QuantizedLinear rtn_quantize_cuda(GpuContext& ctx, const float* W, int64_t N, in
   float* scale = params.scale;
   float* zero = params.zero;
   int* bad = params.bad;
-  kern::find_params(W, K, N, K, 0, width, G, 0, o.bits, o.sym, scale, zero, bad, s);
+  kern::find_params(W, K, N, K, 0, width, G, 0, o.bits, o.sym, o.mse, scale, zero, bad, s);
   params.check_bad(s, what);
   std::vector<int32_t> g_idx(K);
   for (int64_t k = 0; k < K; ++k) g_idx[k] = (int32_t)(k / width);
@@ -383,6 +389,12 @@ QuantizedLinear rtn_quantize_cuda(GpuContext& ctx, const float* W, int64_t N, in
   cuda::DeviceBuffer codes = gpu_alloc((size_t)N * K, fmt::format("the codes of {}", what));
   kern::rtn_codes(W, N, K, d_gidx.as<int32_t>(), scale, zero, o.bits, codes.as<uint8_t>(), s);
   return finish(ctx, W, N, K, codes.as<uint8_t>(), scale, zero, std::move(g_idx), o, what, out);
+}
+
+double output_energy_cuda(GpuContext& ctx, const float* W, int64_t N, int64_t K, const float* H) {
+  cuda::DeviceBuffer AH = gpu_alloc((size_t)N * K * sizeof(float), "the output energy scratch");
+  cuda::DeviceBuffer acc = gpu_alloc(sizeof(double), "the output energy sum");
+  return quadratic_trace(ctx, W, N, K, H, AH.as<float>(), acc.as<double>());
 }
 
 double relative_error_cuda(GpuContext& ctx, const float* W, const float* Q, int64_t N, int64_t K,

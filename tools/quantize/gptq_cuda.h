@@ -17,6 +17,9 @@
 // U (cuSOLVER's factorizations round differently from LAPACK's) and the lazy update's sum
 // order, so a weight lying within rounding distance of a quantization boundary may land on
 // the other side; GPTQ's rows are independent, so such a flip changes its own row only.
+// With --mse, the range search sums the CPU's terms in the CPU's order, but a term's float
+// power is the correctly rounded one where glibc's powf is at times one ulp off: a group whose
+// shrunk ranges' sums tie to that precision may get the neighbouring shrink (RTN included).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -97,8 +100,11 @@ struct GpuQuantOutputs {
   __half* dequant_f16 = nullptr;     // device [N, K]: the dequantized weight rounded to fp16
                                      // (may be the fp16 weight W was converted from)
   bool dequant_host = false;         // fill QuantizedLinear::dequant on the host
-  const float* error_hessian = nullptr;  // device [K, K]: compute the relative error on it
+  bool codes_host = true;            // fill codes, scales and zeros (false: g_idx alone, for a
+                                     // caller that keeps only the errors)
+  const float* error_hessian = nullptr;  // device [K, K]: compute the errors below on it
   double rel_error = 0;              // out: relative_error(W, Q, H) when error_hessian is set
+  double output_error = 0;           // out: output_error(W, Q, H) when error_hessian is set
 };
 
 // GPTQ of W (device, fp32 [N, K], left unchanged) with the factor of its group's Hessian.
@@ -115,5 +121,9 @@ QuantizedLinear rtn_quantize_cuda(GpuContext& ctx, const float* W, int64_t N, in
 // all fp32 on the device; the traces summed in double.
 double relative_error_cuda(GpuContext& ctx, const float* W, const float* Q, int64_t N,
                            int64_t K, const float* H);
+
+// tr(W H W^T) on the device (output_error of W against zero): the energy of the linear's
+// outputs on the inputs behind H. W [N, K], H [K, K] fp32 on the device.
+double output_energy_cuda(GpuContext& ctx, const float* W, int64_t N, int64_t K, const float* H);
 
 }  // namespace kestrel::quant

@@ -4,6 +4,8 @@
 // which rounds once instead of twice and so differs from the CPU's result in the last bit.
 #include "tools/quantize/gptq_kernels.h"
 
+#include <math_constants.h>
+
 #include "kernels/common/cuda_utils.h"
 #include "kernels/common/dynamic_smem.h"
 
@@ -20,6 +22,29 @@ int blocks_for(int64_t n, int per_block = kThreads) {
 }
 
 // --- find_params --------------------------------------------------------------------------
+// The scale and zero of the range [lo, hi], as find_params' fit: the fp16 scale (fp16's
+// smallest subnormal where it rounds to zero), the zero point 2^(bits-1) or rint(-lo / scale).
+__device__ __forceinline__ void fit_range(float lo, float hi, float maxq, bool sym, float& s,
+                                          float& z) {
+  s = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), maxq)));  // round_to_half
+  if (s == 0.0f) s = 5.9604644775390625e-8f;  // fp16's smallest subnormal, half_to_float(1)
+  z = (maxq + 1.0f) / 2.0f;
+  if (!sym) z = fminf(fmaxf(rintf(__fdiv_rn(-lo, s)), 0.0f), maxq);
+}
+
+// The full range [min(x, 0), max(x, 0)] of a row's columns from min and max: symmetric when
+// `sym`, (-1, 1) when empty.
+__device__ __forceinline__ void settle_range(bool sym, float& lo, float& hi) {
+  if (sym) {
+    hi = fmaxf(-lo, hi);
+    lo = -hi;
+  }
+  if (lo == 0.0f && hi == 0.0f) {
+    lo = -1.0f;
+    hi = 1.0f;
+  }
+}
+
 // One warp per (range, row): the lanes stride over the range's columns for min and max (exact
 // in any order), lane 0 turns them into the scale and zero exactly as find_params does.
 __global__ void find_params_kernel(const float* __restrict__ W, int64_t ld, int64_t N, int64_t K,
@@ -43,22 +68,93 @@ __global__ void find_params_kernel(const float* __restrict__ W, int64_t ld, int6
     hi = fmaxf(hi, __shfl_xor_sync(kFull, hi, o));
   }
   if (lane != 0) return;
-  if (sym) {
-    hi = fmaxf(-lo, hi);
-    lo = -hi;
-  }
-  if (lo == 0.0f && hi == 0.0f) {
-    lo = -1.0f;
-    hi = 1.0f;
-  }
-  // round_to_half: the scale the checkpoint stores.
-  float s = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), maxq)));
-  if (s == 0.0f) s = 5.9604644775390625e-8f;  // fp16's smallest subnormal, half_to_float(1)
+  settle_range(sym, lo, hi);
+  float s, z;
+  fit_range(lo, hi, maxq, sym, s, z);
   if (!isfinite(s)) atomicExch(bad, 1);
-  float z = (maxq + 1.0f) / 2.0f;
-  if (!sym) z = fminf(fmaxf(rintf(__fdiv_rn(-lo, s)), 0.0f), maxq);
   scale[(g0 + gi) * N + n] = s;
   zero[(g0 + gi) * N + n] = z;
+}
+
+// The range search (find_params with mse > 0): one CTA per (range, row), one thread per shrink
+// factor p = 1 - i/100, i < 80. Each thread sums its |w - q(w)|^norm over the range's columns
+// itself, in column order, into a double, as the CPU does: a tree reduction would round the
+// sum differently, and two shrinks whose sums lie that close would then be chosen apart. Each
+// term is the power taken in double and rounded to float once, the correctly rounded float
+// power, which glibc's powf (0.82 ulp at worst) returns for all but a few terms in ten
+// thousand. Thread 0 then scans the 80 sums in order, keeping the first least.
+constexpr int kShrinks = 80;  // grid 100, maxshrink 0.8
+constexpr int kMseThreads = 96;  // whole warps, one thread per shrink
+
+__global__ void __launch_bounds__(kMseThreads)
+find_params_mse_kernel(const float* __restrict__ W, int64_t ld, int64_t N, int64_t K, int64_t c0,
+                       int64_t width, int64_t groups, int64_t g0, float maxq, bool sym,
+                       float norm, float* __restrict__ scale, float* __restrict__ zero,
+                       int* __restrict__ bad) {
+  __shared__ float lo_w[kMseThreads / 32], hi_w[kMseThreads / 32];
+  __shared__ double err_s[kShrinks];
+  __shared__ float scale_s[kShrinks], zero_s[kShrinks];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // Every thread of the CTA runs every iteration: the barriers below see all of them.
+  for (int64_t pair = blockIdx.x; pair < groups * N; pair += gridDim.x) {
+    const int64_t gi = pair / N, n = pair % N;
+    const int64_t begin = c0 + gi * width;
+    const int64_t end = begin + width < K ? begin + width : K;
+    const float* row = W + n * ld;
+    float lo = 0.0f, hi = 0.0f;
+    for (int64_t c = begin + threadIdx.x; c < end; c += kMseThreads) {
+      lo = fminf(lo, row[c]);
+      hi = fmaxf(hi, row[c]);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(kFull, lo, o));
+      hi = fmaxf(hi, __shfl_xor_sync(kFull, hi, o));
+    }
+    if (lane == 0) {
+      lo_w[warp] = lo;
+      hi_w[warp] = hi;
+    }
+    __syncthreads();
+    lo = 0.0f;
+    hi = 0.0f;
+    for (int w = 0; w < kMseThreads / 32; ++w) {
+      lo = fminf(lo, lo_w[w]);
+      hi = fmaxf(hi, hi_w[w]);
+    }
+    settle_range(sym, lo, hi);
+    if (threadIdx.x < kShrinks) {
+      const float p = __fsub_rn(1.0f, __fdiv_rn((float)threadIdx.x, 100.0f));
+      float s, z;
+      fit_range(__fmul_rn(p, lo), __fmul_rn(p, hi), maxq, sym, s, z);
+      if (threadIdx.x == 0 && !isfinite(s)) atomicExch(bad, 1);  // p = 1: the full range
+      double err = 0.0;
+      for (int64_t c = begin; c < end; ++c) {  // every thread reads the same column: a broadcast
+        const float w = row[c];
+        float q = __fadd_rn(rintf(__fdiv_rn(w, s)), z);  // quantize_code
+        q = q < 0.0f ? 0.0f : (q > maxq ? maxq : q);
+        const float d = __fsub_rn(__fmul_rn(s, __fsub_rn(q, z)), w);
+        err += (double)__double2float_rn(pow((double)fabsf(d), (double)norm));
+      }
+      err_s[threadIdx.x] = err;
+      scale_s[threadIdx.x] = s;
+      zero_s[threadIdx.x] = z;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // p = 1 is the full range's fit: kept where no sum is below infinity (a NaN weight).
+      double best = CUDART_INF;
+      float bs = scale_s[0], bz = zero_s[0];
+      for (int i = 0; i < kShrinks; ++i)
+        if (err_s[i] < best) {
+          best = err_s[i];
+          bs = scale_s[i];
+          bz = zero_s[i];
+        }
+      scale[(g0 + gi) * N + n] = bs;
+      zero[(g0 + gi) * N + n] = bz;
+    }
+    __syncthreads();  // the shared sums are rewritten by the next pair
+  }
 }
 
 // --- permutations and the Hessian -----------------------------------------------------------
@@ -210,17 +306,44 @@ __global__ void dot_add_kernel(const float* __restrict__ a, const float* __restr
   }
 }
 
+__global__ void sum_squares_kernel(const __half* __restrict__ x, int64_t n,
+                                   double* __restrict__ out) {
+  __shared__ double partial[kThreads / 32];
+  double s = 0.0;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x) {
+    const double v = (double)__half2float(x[i]);
+    s += v * v;
+  }
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int w = 0; w < kThreads / 32; ++w) t += partial[w];
+    atomicAdd(out, t);
+  }
+}
+
 }  // namespace
 
 void find_params(const float* W, int64_t ld, int64_t N, int64_t K, int64_t c0, int64_t width,
-                 int64_t groups, int64_t g0, int bits, bool sym, float* scale, float* zero,
-                 int* bad, cudaStream_t s) {
+                 int64_t groups, int64_t g0, int bits, bool sym, float mse, float* scale,
+                 float* zero, int* bad, cudaStream_t s) {
   if (groups <= 0 || N <= 0) return;
+  const float maxq = (float)((1 << bits) - 1);
+  if (mse > 0.0f) {
+    const int64_t pairs = groups * N;
+    const unsigned blocks = (unsigned)(pairs < 65535 * 32 ? pairs : 65535 * 32);
+    find_params_mse_kernel<<<blocks, kMseThreads, 0, s>>>(W, ld, N, K, c0, width, groups, g0,
+                                                         maxq, sym, mse, scale, zero, bad);
+    KESTREL_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const int64_t warps = groups * N;
   const int64_t blocks = (warps * 32 + kThreads - 1) / kThreads;
   find_params_kernel<<<(unsigned)blocks, kThreads, 0, s>>>(W, ld, N, K, c0, width, groups, g0,
-                                                         (float)((1 << bits) - 1), sym, scale,
-                                                         zero, bad);
+                                                         maxq, sym, scale, zero, bad);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 
@@ -279,6 +402,12 @@ void dequantize(const uint8_t* codes, int64_t N, int64_t K, const int32_t* g_idx
 
 void half_to_float(const __half* in, int64_t n, float* out, cudaStream_t s) {
   half_to_float_kernel<<<blocks_for(n), kThreads, 0, s>>>(in, n, out);
+  KESTREL_CUDA_CHECK_LAUNCH();
+}
+
+void sum_squares(const __half* x, int64_t n, double* out, cudaStream_t s) {
+  const int blocks = blocks_for(n) < 1024 ? blocks_for(n) : 1024;
+  sum_squares_kernel<<<blocks, kThreads, 0, s>>>(x, n, out);
   KESTREL_CUDA_CHECK_LAUNCH();
 }
 

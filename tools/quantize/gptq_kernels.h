@@ -17,10 +17,14 @@ constexpr int kMaxBlock = 128;
 
 // find_params (gptq.h) for `groups` consecutive column ranges of every row of W [N, ld]:
 // range i is [c0 + i * width, min(c0 + (i + 1) * width, K)); its parameters go to
-// scale[(g0 + i) * N + n] and zero[(g0 + i) * N + n]. A scale that is not finite sets *bad.
+// scale[(g0 + i) * N + n] and zero[(g0 + i) * N + n]. A full range whose scale is not finite
+// sets *bad. With mse > 0, the range search: each range's 80 shrunk fits scored by
+// sum |w - q(w)|^mse in the CPU's order; the scores can differ from the CPU's only where a
+// term's float power does (glibc's powf is not correctly rounded), so a different shrink is
+// chosen only where two shrinks' sums tie to about 1e-7.
 void find_params(const float* W, int64_t ld, int64_t N, int64_t K, int64_t c0, int64_t width,
-                 int64_t groups, int64_t g0, int bits, bool sym, float* scale, float* zero,
-                 int* bad, cudaStream_t s);
+                 int64_t groups, int64_t g0, int bits, bool sym, float mse, float* scale,
+                 float* zero, int* bad, cudaStream_t s);
 
 // out [N, K]: out[n, j] = W[n, src[j]] (src nullptr: j), or 0 where dead[that column] is set
 // (dead nullptr: none).
@@ -64,5 +68,8 @@ void half_to_float(const __half* in, int64_t n, float* out, cudaStream_t s);
 
 // *out += sum a[i] b[i] over n elements, accumulated in double.
 void dot_add(const float* a, const float* b, int64_t n, double* out, cudaStream_t s);
+
+// *out += sum x[i]^2 over n fp16 elements, accumulated in double.
+void sum_squares(const __half* x, int64_t n, double* out, cudaStream_t s);
 
 }  // namespace kestrel::quant::kern

@@ -106,9 +106,8 @@ int main(int argc, char** argv) {
     if (target->count() > 0 && !(o.target_size_gb > 0))
       throw kestrel::Error(fmt::format("--target-size must be a positive number of GB, got {}",
                                        o.target_size_gb));
-    if (mixed && device == "cuda")
-      throw kestrel::Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so "
-                           "far: --device cpu");
+    if (mixed && o.loss == "kl" && device == "cuda")
+      throw kestrel::Error("--loss kl runs on the CPU only: --device cpu, or another --loss");
     if (cands->count() > 0) o.candidates = kestrel::quant::parse_candidates(candidates);
     if (o.model_dir.empty() || o.calib_file.empty() || (o.out_dir.empty() && !o.dry_run))
       throw kestrel::Error("-m MODEL_DIR, --calib FILE and --out DIR are required (--out not "

@@ -1,5 +1,6 @@
-// The model-level quantizer: calibration windows, the layer-by-layer GPTQ loop over the CPU
-// engine's layer forward (the GPU loop is quantize_cuda.cpp), and the checkpoint writer.
+// The model-level quantizer: calibration windows, the layer-by-layer GPTQ loop and mixed
+// precision's measuring pass over the CPU engine's layer forward (the GPU's are
+// quantize_cuda.cpp), the plan, and the checkpoint writer.
 #include "tools/quantize/quantize.h"
 
 #include <unistd.h>
@@ -229,11 +230,8 @@ void check_options(const QuantizeOptions& o) {
     throw Error(fmt::format("--loss must be kl, output, relative or residual, got {}", o.loss));
   if (o.kl_windows <= 0)
     throw Error(fmt::format("--kl-windows must be positive, got {}", o.kl_windows));
-  if (o.gptq.mse > 0 && o.device == "cuda")
-    throw Error("--mse runs on the CPU only so far: --device cpu");
-  if (o.mixed() && o.device == "cuda")
-    throw Error("mixed precision (--bits-avg, --target-size) runs on the CPU only so far: "
-                "--device cpu");
+  if (o.mixed() && o.loss == "kl" && o.device == "cuda")
+    throw Error("--loss kl runs on the CPU only: --device cpu, or another --loss");
   for (const QuantSetting& c : o.candidates) {
     GptqOptions g = o.gptq;
     g.bits = c.bits;
@@ -380,7 +378,7 @@ struct OneLayerEngine {
 // `gptq_for` gives each linear's options (o.gptq, or its planned format).
 void quantize_layers_cpu(const ModelSpec& spec, const QuantizeOptions& o,
                          const std::vector<std::vector<int>>& windows, PackedParts& parts,
-                         const std::function<GptqOptions(const LinearSpec&)>& gptq_for,
+                         const OptionsFor& gptq_for,
                          const LayerDone& done) {
   const ModelConfig& cfg = spec.config;
   OneLayerEngine one(spec, o, windows);
@@ -807,7 +805,7 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
   std::map<std::string, QuantSetting> planned;
   if (plan)
     for (const PlannedLinear& p : plan->linears) planned[p.name] = p.setting;
-  const std::function<GptqOptions(const LinearSpec&)> gptq_for = [&](const LinearSpec& s) {
+  const OptionsFor gptq_for = [&](const LinearSpec& s) {
     GptqOptions g = o.gptq;
     if (plan) {
       const QuantSetting& q = planned.at(s.name);
@@ -840,7 +838,7 @@ QuantizeReport quantize_into(const ModelSpec& spec, const QuantizeOptions& o,
       pending = std::async(std::launch::async,
                            [&parts, &s, q = std::move(q)] { parts.add(s, q); });
     };
-    quantize_layers_cuda(spec, o, windows, save, done);
+    quantize_layers_cuda(spec, o, windows, gptq_for, save, done);
     if (pending.valid()) pending.get();
   } else {
     quantize_layers_cpu(spec, o, windows, parts, gptq_for, done);
@@ -893,8 +891,8 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
   check_options(o);
   const ModelSpec spec = load_model_spec(o.model_dir);
   check_model(spec, o);
-  // The measuring pass and the mse search are CPU-only.
-  if (o.device == "auto" && (o.mixed() || o.gptq.mse > 0)) o.device = "cpu";
+  // --loss kl's measure runs the whole model on the CPU (KlProbe): auto keeps the run there.
+  if (o.device == "auto" && o.mixed() && o.loss == "kl") o.device = "cpu";
   if (o.device == "auto") {  // the GPU where it is usable and its loop runs the family
     const std::string why = cuda_status().usable ? cuda_quantize_unsupported(spec) : "no GPU";
     o.device = why.empty() ? "cuda" : "cpu";
@@ -911,7 +909,8 @@ QuantizeReport quantize_model(const QuantizeOptions& opts) {
         o.candidates.empty() ? default_candidates() : o.candidates;
     make_plan(spec, o, shape_candidates(spec, cands));  // the budget's refusals, at once
     const auto t_measure = Clock::now();
-    plan = make_plan(spec, o, measure_candidates_cpu(spec, o, cands, windows));
+    plan = make_plan(spec, o, o.device == "cuda" ? measure_candidates_cuda(spec, o, cands, windows)
+                                                 : measure_candidates_cpu(spec, o, cands, windows));
     plan->measure_seconds = seconds_since(t_measure);
     if (o.dry_run) {
       QuantizeReport r;

@@ -54,7 +54,8 @@ struct QuantizeOptions {
   uint64_t seed = 0;            // window draw
   bool progress = true;         // progress bar and per-layer lines on stderr
   // cpu | cuda | auto (where the forward, Hessians and GPTQ run; auto: the GPU where it is
-  // usable and runs the family's calibration forward)
+  // usable and runs the family's calibration forward, but the CPU for --loss kl's measure,
+  // which runs there only)
   std::string device = "cpu";
 
   // Mixed precision (issue #46): a budget turns it on, one of the two. Every linear is then
@@ -153,7 +154,8 @@ std::vector<std::vector<int>> calibration_windows(const std::vector<int>& ids, i
 // Throws kestrel::Error with one line on bad options, models or files; one raised once the
 // writing began ends "; nothing written to OUT".
 //
-// Mixed precision (o.mixed()), on the CPU, in two passes over the layers:
+// Mixed precision (o.mixed()), in two passes over the layers, both on o.device (--loss kl on
+// the CPU only):
 //  1. measure: each layer's FP16 forward gives one Hessian per true-sequential group; every
 //     linear is quantized at every candidate on it and its loss recorded (o.loss: the KL
 //     divergence at the logits with its group alone quantized, or GPTQ's own objective
