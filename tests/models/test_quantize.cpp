@@ -848,6 +848,17 @@ TEST_F(EndToEnd, CudaMseHasTheCpuQuality) {
   const QuantizeReport rg = quantize_model(og);
   const QuantizeReport rc = quantize_model(oc);
   const QuantizeReport rr = quantize_model(orr);
+  // The option reaches the GPU's layer loop: without it every linear's error is another.
+  const fs::path plain_dir = temp_dir("e2e_cuda_nomse");
+  QuantizeOptions o0 = og;
+  o0.out_dir = plain_dir.string();
+  o0.gptq.mse = 0.0f;
+  const QuantizeReport r0 = quantize_model(o0);
+  ASSERT_EQ(r0.linears.size(), rg.linears.size());
+  int same = 0;
+  for (size_t i = 0; i < rg.linears.size(); ++i) same += r0.linears[i].rel_error == rg.linears[i].rel_error;
+  EXPECT_EQ(same, 0) << "linears whose error --mse did not change";
+  fs::remove_all(plain_dir);
   EXPECT_EQ(rg.device, "cuda");
   ASSERT_EQ(rg.linears.size(), 14u);
   ASSERT_EQ(rc.linears.size(), 14u);

@@ -238,6 +238,9 @@ GpuCalibration::GpuCalibration(const ModelSpec& spec, const QuantizeOptions& o,
       KESTREL_CUDA_CHECK(cudaMemcpy(X_.as<__half>() + w * win, rows.data(), win * 2,
                                     cudaMemcpyHostToDevice));
     }
+    // The copies ran on the legacy stream, which the non-blocking s_ does not wait for, and a
+    // pageable copy may return before it lands: the first kernel on s_ reads every window.
+    KESTREL_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   // One layer's fp16 weights, reused layer after layer, with what the family adds: norm and
