@@ -15,8 +15,13 @@
 set -euo pipefail
 B=${1:?usage: scripts/bench-mixed.sh BUILD_DIR [SHAPE] [WORK_DIR]}
 SHAPE=${2:-7b}
-W=${3:-$(mktemp -d)}
-mkdir -p "$W"
+if [ -n "${3:-}" ]; then
+  W=$3
+  mkdir -p "$W"
+else  # four models of the shape (about 20 GB at 7b): gone when the script ends, however it ends
+  W=$(mktemp -d)
+  trap 'rm -rf "$W"' EXIT
+fi
 synth() { "$B/kestrel-synth" --shape "$SHAPE" --dtype gptq --group-size 128 --quiet --force "$@"; }
 synth --bits 3 --out "$W/u3"
 synth --bits 4 --out "$W/u4"

@@ -35,10 +35,8 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     seqs[i] = &session->q_;
     tokens[i] = rows[i].token;
     positions[i] = rows[i].pos;
-    // The decode graphs' ranges (graphs.cpp): 512 positions, doubling, up to the context.
-    int end = 512;
-    while (end <= rows[i].pos && end < session->q_.ctx) end *= 2;
-    bounds[i] = std::min(end, session->q_.ctx);
+    // The grid the session's own decode step would launch at this position (its graphs' range).
+    bounds[i] = session->graphs_.bound(rows[i].pos);
   }
   if (B == 1) {
     rows[0].session->forward(&rows[0].token, 1, rows[0].pos, logits);

@@ -662,9 +662,10 @@ struct BatchCase {
   KvCacheTypes kv = {};
   DecodeTuning tuning = {};
   int prefill_chunk = 0;  // tokens per prefill chunk, set before the first session; 0: the default
-  // Sequence 2 with a context of 1,100 and a prompt of 300 (else 200 and 40): a context above
-  // 1,024 positions gives its attention grid the long pass and twice the query heads per block
-  // (where the KV group has them), and 300 positions fill several of that grid's chunks.
+  // Sequence 2 with a context of 1,100 and a prompt of 1,030 (else 200 and 40): a batched row's
+  // grid covers its session's graph range of its position, here 1,024-1,100, past 1,024
+  // positions, which gives the grid the long pass and twice the query heads per block (where
+  // the KV group has them) over many of its chunks.
   bool long_context = false;
 };
 
@@ -678,7 +679,7 @@ TEST_P(GpuBatch, RowsMatchTheCpuBatchAtTheirOwnPositions) {
   const int vocab = spec.config.vocab, n = 6;
   int ctxs[n] = {64, 96, 200, 96, 64, 128};  // each session's own cache and workspace
   int lengths[n] = {5, 1, 40, 9, 2, 17};
-  if (p.long_context) ctxs[2] = 1100, lengths[2] = 300;
+  if (p.long_context) ctxs[2] = 1100, lengths[2] = 1030;
   const double tol = p.kv.quantized() ? 3e-2 : 2e-2;
   DecoderCpu cpu_model(spec, p.kv);
   DecoderCuda gpu_model(spec, /*quiet=*/true, p.tuning, p.kv);

@@ -40,7 +40,7 @@
 #include "models/cpu/decoder.h"
 #include "tests/support/compare.h"
 #include "tests/support/quant_inputs.h"
-#include "tests/support/shared_fixture.h"
+#include "tests/support/sampled_model.h"
 #include "tests/support/test_util.h"
 #include "tokenizer/tokenizer.h"
 #include "tools/quantize/gptq.h"
@@ -609,53 +609,17 @@ TEST(BatchedForward, TapsSeeEachGroupsInput) {
 // ---------------------------------------------------------------------------------------
 // End to end.
 
-// Text the FP16 model itself finds likely: windows of 128 tokens sampled from it at
-// temperature 1, each from BOS at position 0. On such text any damage to the model raises the
-// perplexity, so "GPTQ below RTN" means something even for random weights (on other text a
-// random model's perplexity moves either way under noise).
-std::vector<int> sample_windows(const fs::path& dir, int windows, uint32_t seed) {
-  const ModelSpec spec = load_model_spec(dir.string());
-  DecoderCpu m_model(spec);
-  auto m = m_model.new_cpu_session(128);
-  const int vocab = spec.config.vocab;
-  std::mt19937 rng(seed);
-  std::vector<int> ids;
-  std::vector<float> logits(vocab);
-  std::vector<double> p(vocab);
-  for (int w = 0; w < windows; ++w) {
-    int token = 1;  // synth models' BOS
-    for (int pos = 0; pos < 128; ++pos) {
-      ids.push_back(token);
-      m->forward_token(token, pos, logits.data());
-      const float mx = *std::max_element(logits.begin(), logits.end());
-      for (int v = 0; v < vocab; ++v) p[v] = std::exp((double)logits[v] - mx);
-      token = std::discrete_distribution<int>(p.begin(), p.end())(rng);
-    }
-  }
-  return ids;
-}
+using kestrel::test::sample_windows;
 
 class EndToEnd : public ::testing::Test {
  protected:
   // The FP16 model and its sampled calibration text, made once for all of this binary's
   // processes (tests/support/shared_fixture.h) and never written to by a test.
   static void SetUpTestSuite() {
-    const fs::path dir = kestrel::test::shared_fixture(KESTREL_TEST_FIXTURES, "e2e", [](const fs::path& d) {
-      synth::SynthOptions o;
-      o.shape = "tiny";
-      o.n_layers = 2;
-      o.dtype = "fp16";
-      o.seed = 5;
-      o.out = (d / "fp16").string();
-      o.quiet = true;
-      synth::write_model(o);
-      const std::vector<int> ids = sample_windows(d / "fp16", 24, 1);
-      kestrel::test::write_ids(d / "sampled.txt", ids);
-      std::ofstream(d / "calib.txt") << Tokenizer::load((d / "fp16").string())->decode(ids);
-    });
-    fp16_ = new fs::path(dir / "fp16");
-    calib_ = new fs::path(dir / "calib.txt");
-    sampled_ = new std::vector<int>(kestrel::test::read_ids(dir / "sampled.txt"));
+    const kestrel::test::SampledModel m = kestrel::test::sampled_model(KESTREL_TEST_FIXTURES, "e2e");
+    fp16_ = new fs::path(m.fp16);
+    calib_ = new fs::path(m.calib);
+    sampled_ = new std::vector<int>(m.sampled);
   }
   static void TearDownTestSuite() {
     delete fp16_;
@@ -678,9 +642,7 @@ class EndToEnd : public ::testing::Test {
   // (Public: CudaFamilies scores its own models with it.)
  public:
   static double ppl(const fs::path& dir, const std::vector<int>& ids) {
-    DecoderCpu m_model(load_model_spec(dir.string()));
-    auto m = m_model.new_cpu_session(128);
-    return kestrel::perplexity(*m, ids, 128, 0, false).ppl;
+    return kestrel::test::perplexity_of(dir, ids);
   }
 
  protected:

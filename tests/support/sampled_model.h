@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "engine/perplexity.h"
 #include "models/cpu/decoder.h"
 #include "models/io/model_spec.h"
@@ -75,7 +76,10 @@ inline SampledModel sampled_model(const std::filesystem::path& root, const std::
     synth::write_model(o);
     const std::vector<int> ids = sample_windows(d / "fp16", 24, 1);
     write_ids(d / "sampled.txt", ids);
-    std::ofstream(d / "calib.txt") << Tokenizer::load((d / "fp16").string())->decode(ids);
+    std::ofstream calib(d / "calib.txt");
+    calib << Tokenizer::load((d / "fp16").string())->decode(ids);
+    calib.close();
+    KESTREL_CHECK(calib.good(), "cannot write " + (d / "calib.txt").string());
   });
   return {dir / "fp16", dir / "calib.txt", read_ids(dir / "sampled.txt")};
 }

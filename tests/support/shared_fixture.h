@@ -52,8 +52,7 @@ inline std::filesystem::path shared_fixture(const std::filesystem::path& root,
   const fs::path dir = root / key;
   if (fs::exists(dir / ".complete")) return dir;
   for (const fs::directory_entry& e : fs::directory_iterator(root))
-    if (e.is_directory() && e.path().filename().string().rfind(prefix, 0) == 0)
-      fs::remove_all(e.path());
+    if (e.path().filename().string().rfind(prefix, 0) == 0) fs::remove_all(e.path());
   fs::create_directories(dir);
   try {
     build(dir);
@@ -62,7 +61,10 @@ inline std::filesystem::path shared_fixture(const std::filesystem::path& root,
     fs::remove_all(dir, ec);
     throw;
   }
-  std::ofstream(dir / ".complete") << "complete\n";
+  std::ofstream done(dir / ".complete");
+  done << "complete\n";
+  done.close();
+  KESTREL_CHECK(done.good(), "cannot write " + (dir / ".complete").string());
   return dir;
 }
 
@@ -70,6 +72,7 @@ inline std::filesystem::path shared_fixture(const std::filesystem::path& root,
 inline void write_ids(const std::filesystem::path& file, const std::vector<int>& ids) {
   std::ofstream out(file);
   for (int id : ids) out << id << "\n";
+  out.close();
   KESTREL_CHECK(out.good(), "cannot write " + file.string());
 }
 

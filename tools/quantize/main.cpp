@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   app.add_flag("--static-groups", o.gptq.static_groups, "Fix group scales before quantizing");
   app.add_option("--mse", o.gptq.mse,
                  "Shrink each group's range to the scale of least sum |w - q(w)|^NORM (GPTQ's "
-                 "mse search, grid 100, down to 0.2; 2.4 as the reference uses); 0 = the full "
+                 "mse search: grid 100, shrunk to 0.21 at most; 2.4 as the reference uses); 0 = the full "
                  "range")
       ->capture_default_str();
   app.add_option("--nsamples", o.nsamples, "Calibration windows")->capture_default_str();
