@@ -43,6 +43,7 @@
 #include "models/cpu/decoder.h"
 #include "models/gpu/layer.h"
 #include "tests/support/compare.h"
+#include "tests/support/plan_check.h"
 #include "tests/support/quant_inputs.h"
 #include "tests/support/sampled_model.h"
 #include "tests/support/synth_model.h"
@@ -576,28 +577,7 @@ QuantizeOptions mixed_options(const fs::path& out, const std::string& device) {
   return o;
 }
 
-constexpr LinearSpec LayerSpec::*kLinears[] = {&LayerSpec::q, &LayerSpec::k,    &LayerSpec::v,
-                                               &LayerSpec::o, &LayerSpec::gate, &LayerSpec::up,
-                                               &LayerSpec::down};
-
-// Every linear of the checkpoint at `dir` has, through Kestrel's loader, the format `plan`
-// gives it, and the plan's bytes are the bytes written.
-void expect_checkpoint_holds(const fs::path& dir, const MixedPlanReport& plan) {
-  const ModelSpec spec = load_model_spec(dir.string());
-  std::map<std::string, const LinearSpec*> loaded;
-  for (const LayerSpec& ls : spec.layers)
-    for (auto lin : kLinears) loaded[(ls.*lin).name] = &(ls.*lin);
-  uint64_t bytes = 0;
-  for (const PlannedLinear& l : plan.linears) {
-    ASSERT_TRUE(loaded.count(l.name)) << l.name;
-    const LinearSpec& s = *loaded[l.name];
-    EXPECT_TRUE(s.quantized) << l.name;
-    EXPECT_EQ(s.bits, l.setting.bits) << l.name;
-    EXPECT_EQ(s.group_size, l.setting.group_size) << l.name;
-    bytes += s.qweight->nbytes + s.qzeros->nbytes + s.scales->nbytes + s.g_idx->nbytes;
-  }
-  EXPECT_EQ(bytes, plan.bytes);
-}
+using kestrel::test::expect_checkpoint_holds;
 
 // A plan's summed loss on a measure: each linear's measured loss at the plan's setting for it.
 double plan_loss(const MixedPlanReport& plan, const std::vector<PlannedLinear>& measure) {

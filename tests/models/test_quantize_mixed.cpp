@@ -28,6 +28,7 @@
 #include "models/cpu/decoder.h"
 #include "models/io/dynamic.h"
 #include "models/io/model_spec.h"
+#include "tests/support/plan_check.h"
 #include "tests/support/sampled_model.h"
 #include "tests/support/test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -54,9 +55,7 @@ fs::path temp_dir(const std::string& name) {
   return d;
 }
 
-constexpr LinearSpec LayerSpec::*kLinears[] = {&LayerSpec::q,    &LayerSpec::k,  &LayerSpec::v,
-                                               &LayerSpec::o,    &LayerSpec::gate,
-                                               &LayerSpec::up,   &LayerSpec::down};
+constexpr auto& kLinears = kestrel::test::kPlanLinears;
 
 double ppl(const fs::path& dir, const std::vector<int>& ids) {
   return kestrel::test::perplexity_of(dir, ids);
@@ -308,22 +307,7 @@ TEST_F(Mixed, CheckpointHoldsThePlanAndRuns) {
   }
 
   // Kestrel's loader gives every linear its planned format.
-  const ModelSpec spec = load_model_spec(out.string());
-  std::map<std::string, const LinearSpec*> loaded;
-  for (const LayerSpec& ls : spec.layers)
-    for (auto lin : kLinears) loaded[(ls.*lin).name] = &(ls.*lin);
-  uint64_t bytes = 0;
-  for (const PlannedLinear& l : p.linears) {
-    ASSERT_TRUE(loaded.count(l.name)) << l.name;
-    const LinearSpec& s = *loaded[l.name];
-    EXPECT_TRUE(s.quantized) << l.name;
-    EXPECT_EQ(s.bits, l.setting.bits) << l.name;
-    EXPECT_EQ(s.group_size, l.setting.group_size) << l.name;
-    EXPECT_EQ(s.scales->shape[0], (l.K + l.setting.group_size - 1) / l.setting.group_size);
-    EXPECT_EQ(s.qweight->shape[0], l.K * l.setting.bits / 32);
-    bytes += s.qweight->nbytes + s.qzeros->nbytes + s.scales->nbytes + s.g_idx->nbytes;
-  }
-  EXPECT_EQ(bytes, p.bytes);  // the plan counted exactly what was written
+  kestrel::test::expect_checkpoint_holds(out, p);
 
   // The report records each linear's format and the plan.
   const nlohmann::json rep = nlohmann::json::parse(std::ifstream(out / "quantize_report.json"));
