@@ -348,14 +348,7 @@ TEST_F(Mixed, OneCandidatePlanIsTheUniformCheckpoint) {
   ou.gptq.bits = 3;
   ou.gptq.group_size = 64;
   quantize_model(ou);
-  const ModelSpec a = load_model_spec(mixed.string()), b = load_model_spec(uniform.string());
-  const std::vector<std::string> names = a.files.names();
-  ASSERT_EQ(names, b.files.names());
-  for (const std::string& n : names) {
-    const TensorInfo &ta = a.files.get(n), &tb = b.files.get(n);
-    EXPECT_EQ(std::vector<uint8_t>(ta.data, ta.data + ta.nbytes),
-              std::vector<uint8_t>(tb.data, tb.data + tb.nbytes)) << n;
-  }
+  kestrel::test::expect_same_tensors(mixed, uniform);
   const nlohmann::json qc = nlohmann::json::parse(std::ifstream(mixed / "quantize_config.json"));
   EXPECT_FALSE(qc.contains("dynamic"));
   EXPECT_EQ(qc["bits"], 3);

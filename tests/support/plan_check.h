@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "models/io/model_spec.h"
 #include "tools/quantize/quantize.h"
@@ -42,6 +43,19 @@ inline void expect_checkpoint_holds(const std::filesystem::path& dir,
     bytes += s.qweight->nbytes + s.qzeros->nbytes + s.scales->nbytes + s.g_idx->nbytes;
   }
   EXPECT_EQ(bytes, plan.bytes);  // the plan counted exactly what was written
+}
+
+// The checkpoints at a and b hold the same tensors, byte for byte (a one-candidate plan against
+// the uniform quantization of that candidate).
+inline void expect_same_tensors(const std::filesystem::path& a, const std::filesystem::path& b) {
+  const ModelSpec sa = load_model_spec(a.string()), sb = load_model_spec(b.string());
+  const std::vector<std::string> names = sa.files.names();
+  ASSERT_EQ(names, sb.files.names());
+  for (const std::string& n : names) {
+    const TensorInfo &ta = sa.files.get(n), &tb = sb.files.get(n);
+    EXPECT_EQ(std::vector<uint8_t>(ta.data, ta.data + ta.nbytes),
+              std::vector<uint8_t>(tb.data, tb.data + tb.nbytes)) << n;
+  }
 }
 
 }  // namespace kestrel::test

@@ -289,13 +289,10 @@ __global__ void half_to_float_kernel(const __half* __restrict__ in, int64_t n,
     out[i] = __half2float(in[i]);
 }
 
-__global__ void dot_add_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t n,
-                               double* __restrict__ out) {
+// *out += the sum of every thread's s over the block (kThreads threads): warp shuffles, then
+// the warps' partial sums in order, one atomic add per block.
+__device__ void block_add(double s, double* __restrict__ out) {
   __shared__ double partial[kThreads / 32];
-  double s = 0.0;
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += (int64_t)gridDim.x * blockDim.x)
-    s += (double)a[i] * (double)b[i];
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
   if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
   __syncthreads();
@@ -306,23 +303,24 @@ __global__ void dot_add_kernel(const float* __restrict__ a, const float* __restr
   }
 }
 
+__global__ void dot_add_kernel(const float* __restrict__ a, const float* __restrict__ b, int64_t n,
+                               double* __restrict__ out) {
+  double s = 0.0;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += (int64_t)gridDim.x * blockDim.x)
+    s += (double)a[i] * (double)b[i];
+  block_add(s, out);
+}
+
 __global__ void sum_squares_kernel(const __half* __restrict__ x, int64_t n,
                                    double* __restrict__ out) {
-  __shared__ double partial[kThreads / 32];
   double s = 0.0;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += (int64_t)gridDim.x * blockDim.x) {
     const double v = (double)__half2float(x[i]);
     s += v * v;
   }
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(kFull, s, o);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double t = 0.0;
-    for (int w = 0; w < kThreads / 32; ++w) t += partial[w];
-    atomicAdd(out, t);
-  }
+  block_add(s, out);
 }
 
 }  // namespace

@@ -96,8 +96,10 @@ std::string cuda_quantize_unsupported(const ModelSpec& spec) {
 
 namespace {
 
-// What the GPU forward cannot run, refused before any work starts.
+// No usable GPU, or a model the GPU forward cannot run: refused before any work starts.
 void check_gpu_model(const ModelSpec& spec) {
+  const CudaStatus st = cuda_status();
+  if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   if (const std::string why = cuda_quantize_unsupported(spec); !why.empty())
     throw Error(fmt::format("{}: {}", spec.dir, why));
 }
@@ -359,8 +361,6 @@ const LinearSpec& first_member(const LayerSpec& ls, const Group& g) {
 void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
                           const std::vector<std::vector<int>>& windows, const OptionsFor& gptq_for,
                           const SaveLinear& save, const LayerDone& done) {
-  const CudaStatus st = cuda_status();
-  if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   check_gpu_model(spec);
   const ModelConfig& c = spec.config;
   GpuCalibration cal(spec, o, windows);
@@ -443,8 +443,6 @@ void quantize_layers_cuda(const ModelSpec& spec, const QuantizeOptions& o,
 std::vector<PlannedLinear> measure_candidates_cuda(const ModelSpec& spec, const QuantizeOptions& o,
                                                    const std::vector<QuantSetting>& candidates,
                                                    const std::vector<std::vector<int>>& windows) {
-  const CudaStatus st = cuda_status();
-  if (!st.usable) throw DeviceError(st.problem + "; run with --device cpu");
   check_gpu_model(spec);
   if (o.loss != "output" && o.loss != "relative" && o.loss != "residual")
     throw Error(fmt::format("--loss {} runs on the CPU only: --device cpu, or another --loss",
