@@ -509,6 +509,7 @@ GenerateResult generate_cached(Session& session, const Tokenizer& tok,
                                const std::function<void(std::string_view)>& on_text) {
   KESTREL_CHECK(!prompt_ids.empty(), "the prompt is empty (no tokens to start from)");
   std::vector<int>& cache = session.cached;
+  session.adopt_prefix(prompt_ids);  // paged KV memory: any earlier sequence's blocks
   size_t keep = shared_prefix(cache, prompt_ids);
   // The last prompt id always runs: its logits start the generation.
   keep = std::min(keep, prompt_ids.size() - 1);

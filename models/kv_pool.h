@@ -23,11 +23,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kernels/attention/kv_quant.h"
+
 namespace kestrel {
 
 class KvBlockPool {
  public:
-  static constexpr int kBlock = 16;      // positions per block
+  static constexpr int kBlock = kKvBlock;  // positions per block
   static constexpr uint64_t kRoot = 0;   // the parent key of a sequence's first block
 
   explicit KvBlockPool(int n_blocks);

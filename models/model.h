@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "base/error.h"
 #include "models/io/config.h"
 #include "kernels/attention/kv_quant.h"
 #include "kernels/sampling/sample.h"
@@ -38,6 +39,21 @@ class DecodeRun {
 };
 
 class Session;
+
+// A write into paged KV memory found no block free: every block of the pool is held by a
+// sequence. (The server reserves blocks when it admits a request, so that its requests never
+// meet this.)
+class KvPoolFull : public Error {
+ public:
+  using Error::Error;
+};
+
+// How a model's paged KV memory is used (Model::kv_pool_use), in blocks of kKvBlock positions.
+struct KvPoolUse {
+  int64_t blocks = 0;  // 0: no pool (each session has a cache of its own)
+  int64_t held = 0;    // held by live sequences
+  int64_t cached = 0;  // kept for a later prompt with the same prefix, reusable at once
+};
 
 // One row of a batched decode step (Model::forward_batch): a session, the token it runs next
 // and the position that token takes in the session's cache.
@@ -81,6 +97,15 @@ class Model {
   // B rows, attention per row over its own cache), and must give each row exactly what a
   // one-token forward gives it (on the CPU engine, bit for bit).
   virtual void forward_batch(std::span<const BatchRow> rows, float* logits);
+
+  // Paged KV memory with shared prefixes (docs/server.md): every session made after this call
+  // keeps its K/V in one pool of `positions` positions (rounded up to whole blocks of kKvBlock),
+  // taking blocks as its positions are written, and a new prompt reuses the blocks of any
+  // earlier sequence that began the same way (Session::adopt_prefix). A session's
+  // context_length() is then the most one sequence may hold. false where the engine keeps a
+  // cache per session only.
+  virtual bool use_kv_pool(int64_t /*positions*/) { return false; }
+  virtual KvPoolUse kv_pool_use() const { return {}; }
 
   // Bytes of the weights on the model's device.
   virtual size_t weight_bytes() const { return 0; }
@@ -153,6 +178,12 @@ class Session {
   // Runs one decode step op by op with a timer around each, at `pos`. Empty where the
   // model cannot (the CPU reference).
   virtual std::vector<OpTime> profile_step(int /*token*/, int /*pos*/) { return {}; }
+
+  // Paged KV memory (Model::use_kv_pool): lets go of what this session's cache held and maps
+  // in the longest run of whole cached blocks that `prompt` begins with (short of its last id,
+  // which always runs), from whichever sequence wrote them, setting `cached` to their ids. A
+  // session with a cache of its own does nothing: `cached` already says what it can reuse.
+  virtual void adopt_prefix(std::span<const int> /*prompt*/) {}
 
   // The ids whose K/V the cache holds from position 0, as generate_cached leaves them: the
   // next prompt runs only past the longest prefix it shares with these.

@@ -84,16 +84,25 @@ void dequantize_fp8_ref(const uint8_t* q, float scale, int64_t n, float* y);
 
 // ---- One layer's K or V cache in the CPU reference's storage
 
-// A view of one layer's cache (it owns nothing). f16: `values` [ctx, kv_dim] fp32. Quantized:
-// `codes` [ctx, kv_dim] bytes and `scales` [ctx, kv_scales_per_row] (fp16 bits or fp32).
+// Positions per block of a paged cache (models/kv_pool.h): a sequence's position p lives in row
+// blocks[p / kKvBlock] * kKvBlock + p % kKvBlock of the pool's rows.
+constexpr int kKvBlock = 16;
+
+// A view of one layer's cache (it owns nothing). f16: `values` [rows, kv_dim] fp32. Quantized:
+// `codes` [rows, kv_dim] bytes and `scales` [rows, kv_scales_per_row] (fp16 bits or fp32).
+// Position p is row p, or with a block table (a paged cache) row(p).
 struct KvLayerRef {
   KvType type = KvType::F16;
   int n_kv_heads = 0, head_dim = 0;
   float* values = nullptr;
   uint8_t* codes = nullptr;
   void* scales = nullptr;
+  const int32_t* blocks = nullptr;  // paged: the block of each kKvBlock positions; else null
 
   int64_t kv_dim() const { return (int64_t)n_kv_heads * head_dim; }
+  int64_t row(int64_t pos) const {
+    return blocks ? (int64_t)blocks[pos / kKvBlock] * kKvBlock + pos % kKvBlock : pos;
+  }
   // Stores row [kv_dim] at position pos, rounded to the type.
   void write(int64_t pos, const float* row) const;
   // out [p1 - p0, head_dim] = the values of KV head `head` at positions p0 .. p1 - 1 as

@@ -125,8 +125,8 @@ void dequantize_fp8_ref(const uint8_t* q, float scale, int64_t n, float* y) {
 
 // ---- One layer's cache ----------------------------------------------------------------------
 
-void KvLayerRef::write(int64_t pos, const float* row) const {
-  const int64_t kvd = kv_dim();
+void KvLayerRef::write(int64_t p, const float* row) const {
+  const int64_t kvd = kv_dim(), pos = this->row(p);
   switch (type) {
     case KvType::F16:
       std::memcpy(values + pos * kvd, row, kvd * sizeof(float));
@@ -147,8 +147,9 @@ void KvLayerRef::write(int64_t pos, const float* row) const {
 
 void KvLayerRef::read(int64_t p0, int64_t p1, int head, float* out) const {
   const int64_t kvd = kv_dim(), off = (int64_t)head * head_dim;
-  for (int64_t p = p0; p < p1; ++p) {
-    float* o = out + (p - p0) * head_dim;
+  for (int64_t i = p0; i < p1; ++i) {
+    float* o = out + (i - p0) * head_dim;
+    const int64_t p = row(i);
     switch (type) {
       case KvType::F16:
         std::memcpy(o, values + p * kvd + off, head_dim * sizeof(float));
@@ -172,7 +173,9 @@ void attention_ref_kv(const float* q, const KvLayerRef& k, const KvLayerRef& v, 
                       int64_t first, int64_t last, float* out) {
   const int n_kv = k.n_kv_heads, hd = k.head_dim;
   const int64_t n = last - first + 1;
-  if (k.type == KvType::F16 && v.type == KvType::F16) {  // the fp32 cache as it always was
+  if (k.type == KvType::F16 && v.type == KvType::F16 && !k.blocks && !v.blocks) {
+    // The fp32 cache as it always was. (A paged one takes the path below: the same arithmetic,
+    // its rows gathered first.)
     attention_ref(q, k.values + first * k.kv_dim(), v.values + first * v.kv_dim(), n_heads, n_kv,
                   hd, n, out);
     return;

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,8 +40,9 @@ constexpr int kQueryChunk = 128;
 //   k, v    the layer's caches (positions 0 .. pos0+T-1 written)
 //   out     [T, n_heads*head_dim]
 // Each query's softmax runs over its visible keys only (softmax_ref), the rest get weight 0.
-// An fp32 (f16) cache is multiplied where it lies; a quantized one is dequantized a KV head
-// and a query chunk's keys at a time ([keys, head_dim]), never as a whole second cache.
+// An fp32 (f16) cache is multiplied where it lies; a quantized or paged one is dequantized
+// (gathered) a KV head and a query chunk's keys at a time ([keys, head_dim]), never as a whole
+// second cache.
 void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const KvLayerRef& k,
                     const KvLayerRef& v, int T, int pos0, float* out) {
   const int hd = c.head_dim, kv_dim = c.kv_dim(), q_dim = c.q_dim();
@@ -54,7 +56,7 @@ void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const KvL
   // The rows [k0, k1) of KV head g in fp32, and their stride.
   auto rows_of = [&](const KvLayerRef& cache, std::vector<float>& buf, int g, int k0, int k1,
                      int64_t& ld) -> const float* {
-    if (cache.type == KvType::F16) {
+    if (cache.type == KvType::F16 && !cache.blocks) {
       ld = kv_dim;
       return cache.values + (int64_t)k0 * kv_dim + (int64_t)g * hd;
     }
@@ -92,8 +94,8 @@ void attention_blas(const ModelConfig& c, const float* q, int64_t ldq, const KvL
   }
 }
 
-// Layer l's part of a K or V cache of ctx positions.
-KvLayerRef cache_layer(CpuKvCache& kc, const ModelConfig& c, int l, int ctx) {
+// Layer l's part of a K or V cache of `ctx` rows per layer.
+KvLayerRef cache_layer(CpuKvCache& kc, const ModelConfig& c, int l, int64_t ctx) {
   KvLayerRef r;
   r.type = kc.type;
   r.n_kv_heads = c.n_kv_heads;
@@ -169,23 +171,46 @@ const CpuLayer& DecoderCpu::layer(int l) const {
   return w_.layers[l];
 }
 
+CpuKvCache DecoderCpu::cache_storage(KvType t, int64_t rows_per_layer) const {
+  const ModelConfig& c = cfg_;
+  const size_t rows = (size_t)c.n_layers * rows_per_layer;  // positions of every layer
+  CpuKvCache kc;
+  kc.type = t;
+  const size_t scale_bytes = kv_scales_per_row(t, c.n_kv_heads, c.head_dim) * kv_scale_bytes(t);
+  kc.data = CacheBytes(rows * c.kv_dim() * (t == KvType::F16 ? sizeof(float) : 1));
+  kc.scales = CacheBytes(rows * scale_bytes);
+  return kc;
+}
+
 CpuRunState DecoderCpu::run_state(int context) const {
   CpuRunState s;
   s.ctx = context > 0 ? context : cfg_.max_pos;
   cfg_.check_context(s.ctx);
-  const ModelConfig& c = cfg_;
-  const size_t rows = (size_t)c.n_layers * s.ctx;  // positions of every layer
-  auto make = [&](KvType t) {
-    CpuKvCache kc;
-    kc.type = t;
-    const size_t scale_bytes = kv_scales_per_row(t, c.n_kv_heads, c.head_dim) * kv_scale_bytes(t);
-    kc.data = CacheBytes(rows * c.kv_dim() * (t == KvType::F16 ? sizeof(float) : 1));
-    kc.scales = CacheBytes(rows * scale_bytes);
-    return kc;
-  };
-  s.key_cache = make(kv_.k);
-  s.value_cache = make(kv_.v);
+  s.key_cache = cache_storage(kv_.k, s.ctx);
+  s.value_cache = cache_storage(kv_.v, s.ctx);
   return s;
+}
+
+bool DecoderCpu::use_kv_pool(int64_t positions) {
+  KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
+  const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
+  KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,
+                "a KV pool of " + std::to_string(positions) + " positions is past what one holds");
+  auto p = std::make_unique<CpuKvPool>((int)blocks);
+  p->key_cache = cache_storage(kv_.k, p->rows);  // calloc: pages only as rows are written
+  p->value_cache = cache_storage(kv_.v, p->rows);
+  pool_ = std::move(p);
+  return true;
+}
+
+KvPoolUse DecoderCpu::kv_pool_use() const {
+  KvPoolUse u;
+  if (!pool_) return u;
+  std::lock_guard<std::mutex> g(pool_->m);
+  u.blocks = pool_->blocks.n_blocks();
+  u.cached = pool_->blocks.cached_blocks();
+  u.held = u.blocks - pool_->blocks.available();
+  return u;
 }
 
 size_t DecoderCpu::cache_bytes_per_position() const {
@@ -195,7 +220,77 @@ size_t DecoderCpu::cache_bytes_per_position() const {
 }
 
 std::unique_ptr<DecoderCpuSession> DecoderCpu::new_cpu_session(int context) {
-  return std::make_unique<DecoderCpuSession>(*this, context);
+  if (!pool_) return std::make_unique<DecoderCpuSession>(*this, context);
+  const int ctx = context > 0 ? context : cfg_.max_pos;
+  cfg_.check_context(ctx);
+  CpuRunState st;
+  st.ctx = ctx;
+  st.pool = pool_.get();
+  st.table = std::make_unique<KvBlockTable>(pool_->blocks);
+  return std::make_unique<DecoderCpuSession>(*this, std::move(st));
+}
+
+// ---- Sessions -----------------------------------------------------------------------------
+
+DecoderCpuSession::~DecoderCpuSession() {
+  if (!s_.pool) return;
+  std::lock_guard<std::mutex> g(s_.pool->m);
+  s_.table.reset();  // its blocks go back to the pool (cached where published)
+}
+
+size_t DecoderCpuSession::cache_bytes() const {
+  if (!s_.pool) return s_.key_cache.bytes() + s_.value_cache.bytes();
+  // The blocks it holds (some perhaps shared with other sequences).
+  std::lock_guard<std::mutex> g(s_.pool->m);
+  return s_.table->blocks().size() * kKvBlock * m_.cache_bytes_per_position();
+}
+
+void DecoderCpuSession::forward(const int* tokens, int n, int pos, float* logits, float* all_logits) {
+  prepare_write(pos, n);
+  m_.forward(s_, tokens, n, pos, logits, all_logits);
+  commit_write(pos, tokens, n);
+}
+
+void DecoderCpuSession::adopt_prefix(std::span<const int> prompt) {
+  if (!s_.pool) return;
+  std::lock_guard<std::mutex> g(s_.pool->m);
+  const int n = s_.table->adopt_prefix(prompt, std::min((int)prompt.size() - 1, s_.ctx));
+  cached.assign(prompt.begin(), prompt.begin() + std::max(0, n));
+}
+
+void DecoderCpuSession::prepare_write(int pos, int n) {
+  if (!s_.pool) return;
+  KESTREL_CHECK(n > 0 && pos >= 0 && pos + n <= s_.ctx,
+                std::to_string(pos + n) + " tokens do not fit the context of " + std::to_string(s_.ctx));
+  CpuKvPool& p = *s_.pool;
+  std::vector<KvBlockTable::Copy> copies;
+  {
+    std::lock_guard<std::mutex> g(p.m);
+    if (!s_.table->prepare_write(pos, n, copies))
+      throw KvPoolFull("the KV cache pool is full: " + std::to_string(p.blocks.n_blocks()) +
+                       " blocks of " + std::to_string(kKvBlock) + " positions, all held");
+  }
+  // A block shared with another sequence is copied before this one writes its own: every
+  // layer's rows of it, codes and scales.
+  const ModelConfig& c = m_.config();
+  for (const KvBlockTable::Copy& cp : copies)
+    for (CpuKvCache* kc : {&p.key_cache, &p.value_cache}) {
+      const size_t row = kc->type == KvType::F16 ? c.kv_dim() * sizeof(float) : (size_t)c.kv_dim();
+      const size_t srow = kv_scales_per_row(kc->type, c.n_kv_heads, c.head_dim) * kv_scale_bytes(kc->type);
+      for (int l = 0; l < c.n_layers; ++l) {
+        const size_t from = (size_t)l * p.rows + (size_t)cp.from * kKvBlock;
+        const size_t to = (size_t)l * p.rows + (size_t)cp.to * kKvBlock;
+        std::memcpy(kc->data.data() + to * row, kc->data.data() + from * row, kKvBlock * row);
+        if (srow)
+          std::memcpy(kc->scales.data() + to * srow, kc->scales.data() + from * srow, kKvBlock * srow);
+      }
+    }
+}
+
+void DecoderCpuSession::commit_write(int pos, const int* tokens, int n) {
+  if (!s_.pool) return;
+  std::lock_guard<std::mutex> g(s_.pool->m);
+  s_.table->commit_write(pos, std::span<const int>(tokens, n));
 }
 
 std::unique_ptr<Session> DecoderCpu::new_session(int context, bool) { return new_cpu_session(context); }
@@ -235,15 +330,17 @@ bool DecoderCpu::attention_block(const CpuRows& rows, int l, float* x, int T,
   const CpuLayer& L = w_.layers[l];
   const int hidden = c.hidden, q_dim = c.q_dim(), kv_dim = c.kv_dim();
   const int qkv_dim = q_dim + 2 * kv_dim;
-  // Layer l's K and V caches [ctx, kv_dim] of the sequence row i belongs to.
-  auto k_cache = [&](int i) {
+  // Layer l's K and V caches of the sequence row i belongs to: its own [ctx, kv_dim], or the
+  // pool's rows through its block table.
+  auto layer_cache = [&](int i, CpuKvCache CpuRunState::*own, CpuKvCache CpuKvPool::*pooled) {
     CpuRunState& st = rows.state(i);
-    return cache_layer(st.key_cache, c, l, st.ctx);
+    if (!st.pool) return cache_layer(st.*own, c, l, st.ctx);
+    KvLayerRef r = cache_layer(st.pool->*pooled, c, l, st.pool->rows);
+    r.blocks = st.table->blocks().data();
+    return r;
   };
-  auto v_cache = [&](int i) {
-    CpuRunState& st = rows.state(i);
-    return cache_layer(st.value_cache, c, l, st.ctx);
-  };
+  auto k_cache = [&](int i) { return layer_cache(i, &CpuRunState::key_cache, &CpuKvPool::key_cache); };
+  auto v_cache = [&](int i) { return layer_cache(i, &CpuRunState::value_cache, &CpuKvPool::value_cache); };
   std::vector<float> xb((size_t)T * hidden);    // [T, hidden] normalised input
   std::vector<float> qkv((size_t)T * qkv_dim);  // [T, q_dim | kv_dim | kv_dim]
   std::vector<float> att((size_t)T * q_dim);    // [T, q_dim] attention output
@@ -366,6 +463,7 @@ void DecoderCpu::forward_batch(std::span<const BatchRow> rows, float* logits) {
     seqs[i] = &s->state();
     pos[i] = rows[i].pos;
     embed(&rows[i].token, 1, rows[i].pos, x.data() + i * hidden);  // its own learned position
+    s->prepare_write(rows[i].pos, 1);
   }
   CpuRows where;
   where.seqs = seqs.data();
@@ -375,6 +473,8 @@ void DecoderCpu::forward_batch(std::span<const BatchRow> rows, float* logits) {
   for (int l = 0; l < cfg_.n_layers; ++l)
     layer_rows(where, l, x.data(), B, nullptr, RowsMath::Exact);
   head_forward(x.data(), B, logits, RowsMath::Exact);
+  for (int i = 0; i < B; ++i)
+    static_cast<DecoderCpuSession*>(rows[i].session)->commit_write(rows[i].pos, &rows[i].token, 1);
 }
 
 void DecoderCpu::forward_token(CpuRunState& st, int token, int pos, float* logits) const {

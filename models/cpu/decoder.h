@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string>
@@ -16,6 +17,7 @@
 #include "models/model.h"
 #include "models/io/config.h"
 #include "models/io/model_spec.h"
+#include "models/kv_pool.h"
 #include "kernels/attention/kv_quant.h"
 #include "kernels/gptq/gptq_format.h"
 
@@ -117,11 +119,26 @@ struct CpuKvCache {
   size_t bytes() const { return data.size() + scales.size(); }
 };
 
-// Activations of one token, and the KV cache: one sequence's state (DecoderCpuSession).
+// Paged KV memory on the CPU engine (DecoderCpu::use_kv_pool): the K and V rows of every
+// layer for the pool's blocks ([n_layers, rows, ...] each), and the blocks' bookkeeping. Its
+// sessions take turns through the model, but adopt a prefix (Session::adopt_prefix) from their
+// requests' threads: the bookkeeping is behind `m`.
+struct CpuKvPool {
+  CpuKvPool(int n_blocks) : blocks(n_blocks), rows((int64_t)n_blocks * kKvBlock) {}
+  KvBlockPool blocks;
+  int64_t rows;
+  CpuKvCache key_cache, value_cache;
+  std::mutex m;
+};
+
+// One sequence's state (DecoderCpuSession): its KV cache, of its own (`key_cache`,
+// `value_cache`, [n_layers, ctx, ...]) or the rows of a pool through a block table.
 struct CpuRunState {
-  int ctx = 0;              // positions the cache holds
+  int ctx = 0;              // positions the sequence may use
   CpuKvCache key_cache;
   CpuKvCache value_cache;
+  CpuKvPool* pool = nullptr;                 // paged: the model's pool
+  std::unique_ptr<KvBlockTable> table;       // paged: this sequence's blocks
 };
 
 class DecoderCpuSession;
@@ -155,6 +172,10 @@ class DecoderCpu final : public Model {
   CpuRunState run_state(int context) const;
   // Bytes of one position's K and V over every layer, in the model's cache types.
   size_t cache_bytes_per_position() const;
+  // Paged KV memory (Model::use_kv_pool): sessions made from now on keep their K/V in one pool.
+  bool use_kv_pool(int64_t positions) override;
+  KvPoolUse kv_pool_use() const override;
+  CpuKvPool* kv_pool() { return pool_.get(); }
 
   // One token at one position (a decode step). Writes logits [vocab].
   void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
@@ -206,9 +227,13 @@ class DecoderCpu final : public Model {
                   RowsMath math) const;
   bool mlp_block(const CpuLayer& L, float* x, int T, const LayerTaps* taps, RowsMath math) const;
 
+  // K or V cache storage of `rows` positions per layer, zero, in type t.
+  CpuKvCache cache_storage(KvType t, int64_t rows) const;
+
   ModelConfig cfg_;
   KvCacheTypes kv_;
   CpuWeights w_;
+  std::unique_ptr<CpuKvPool> pool_;
   std::vector<float> inv_freq_;  // RoPE's frequencies [head_dim / 2] (rope_inv_freq)
 };
 
@@ -216,15 +241,19 @@ class DecoderCpu final : public Model {
 class DecoderCpuSession final : public Session {
  public:
   DecoderCpuSession(DecoderCpu& m, int context) : Session(m), m_(m), s_(m.run_state(context)) {}
+  DecoderCpuSession(DecoderCpu& m, CpuRunState s) : Session(m), m_(m), s_(std::move(s)) {}
+  ~DecoderCpuSession() override;
 
   int context_length() const override { return s_.ctx; }
-  size_t cache_bytes() const override {
-    return s_.key_cache.bytes() + s_.value_cache.bytes();
-  }
-  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
-    m_.forward(s_, tokens, n, pos, logits, all_logits);
-  }
-  void forward_token(int token, int pos, float* logits) { m_.forward_token(s_, token, pos, logits); }
+  size_t cache_bytes() const override;
+  void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
+  void adopt_prefix(std::span<const int> prompt) override;
+  void forward_token(int token, int pos, float* logits) { forward(&token, 1, pos, logits, nullptr); }
+  // Paged: makes positions pos .. pos + n - 1 writable by this session alone (copying shared
+  // blocks), or throws KvPoolFull; after the write, records the ids there (publishing the
+  // blocks they fill). No-ops with a cache of its own.
+  void prepare_write(int pos, int n);
+  void commit_write(int pos, const int* tokens, int n);
   CpuRunState& state() { return s_; }
   void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr) {
     m_.layer_forward(s_, layer, x, T, pos0, taps);

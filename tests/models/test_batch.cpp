@@ -194,3 +194,155 @@ TEST(BatchRows, BadRowsAreRefusedByName) {
 }
 
 }  // namespace
+
+// ---- Paged KV memory (Model::use_kv_pool) -------------------------------------------------
+
+// The logits of a prompt and greedy decode steps of one session, the prompt run at once.
+std::vector<std::vector<float>> greedy_logits(Session& s, const std::vector<int>& prompt, int steps,
+                                              int pos0 = 0) {
+  const int vocab = s.config().vocab;
+  std::vector<std::vector<float>> out;
+  std::vector<float> logits(vocab);
+  s.forward(prompt.data() + pos0, (int)prompt.size() - pos0, pos0, logits.data(), nullptr);
+  out.push_back(logits);
+  int pos = (int)prompt.size();
+  for (int k = 0; k < steps; ++k) {
+    const int next = argmax_of(logits.data(), vocab);
+    s.forward(&next, 1, pos++, logits.data(), nullptr);
+    out.push_back(logits);
+  }
+  return out;
+}
+
+std::vector<int> random_ids(int n, int vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<int> v(n);
+  for (int& id : v) id = (int)(rng() % vocab);
+  return v;
+}
+
+class PagedKv : public ::testing::TestWithParam<KvType> {};
+
+// A paged session computes what a session with a cache of its own computes, bit for bit: a
+// prompt across blocks (the BLAS rows, gathering the pool's rows) and decode steps past
+// several block boundaries (the decode step's arithmetic); and batched rows of paged sessions
+// equal the same sessions alone.
+TEST_P(PagedKv, SessionsEqualOwnCacheBitForBit) {
+  const Format f{"q4_paged", "gptq", 4, 64, true, false, "gptq"};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/21, /*n_layers=*/2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  KvCacheTypes kv;
+  kv.k = kv.v = GetParam();
+  DecoderCpu own(spec, kv), paged(spec, kv);
+  ASSERT_TRUE(paged.use_kv_pool(40 * kKvBlock));
+  const std::vector<int> prompt = random_ids(37, spec.config.vocab, 4);
+  auto a = own.new_session(128), b = paged.new_session(128);
+  const auto want = greedy_logits(*a, prompt, 30), got = greedy_logits(*b, prompt, 30);
+  for (size_t s = 0; s < want.size(); ++s)
+    ASSERT_EQ(0, std::memcmp(want[s].data(), got[s].data(), want[s].size() * sizeof(float)))
+        << "step " << s;
+  EXPECT_EQ(paged.kv_pool_use().held, (37 + 30 + kKvBlock - 1) / kKvBlock);
+  b.reset();
+  expect_batch_equals_alone(paged);
+  fs::remove_all(dir);
+}
+
+// A second sequence whose prompt begins as the first's maps the first's whole blocks instead of
+// running them, and then generates what it generates from the whole prompt run at once.
+TEST_P(PagedKv, APromptReusesAnotherSequencesBlocks) {
+  const Format f{"q4_shared", "gptq", 4, 128, false, false, "gptq"};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/22, /*n_layers=*/2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  KvCacheTypes kv;
+  kv.k = kv.v = GetParam();
+  DecoderCpu own(spec, kv), paged(spec, kv);
+  ASSERT_TRUE(paged.use_kv_pool(64 * kKvBlock));
+  const int vocab = spec.config.vocab;
+  const std::vector<int> header = random_ids(40, vocab, 5);  // a system prompt, say
+  std::vector<int> prompt = header;
+  for (int id : random_ids(9, vocab, 6)) prompt.push_back(id);
+
+  auto first = paged.new_session(128);
+  greedy_logits(*first, header, 3);
+  auto second = paged.new_session(128);
+  second->adopt_prefix(prompt);
+  ASSERT_EQ(second->cached.size(), 32u);  // the header's two whole blocks
+  EXPECT_TRUE(std::equal(second->cached.begin(), second->cached.end(), prompt.begin()));
+  EXPECT_EQ(paged.kv_pool_use().held, 3);  // first's 43 positions; second shares two blocks
+  const auto got = greedy_logits(*second, prompt, 12, 32);
+
+  auto alone = own.new_session(128);
+  const auto want = greedy_logits(*alone, prompt, 12);
+  // The prefix's K/V came from a pass over 40 rows, the lone session's from one over 49: the
+  // BLAS products may round differently, so the logits agree to fp32 rounding, the ids exactly.
+  for (size_t s = 0; s < want.size(); ++s) {
+    for (int i = 0; i < vocab; ++i) ASSERT_NEAR(got[s][i], want[s][i], 1e-4) << "step " << s;
+    EXPECT_EQ(argmax_of(got[s].data(), vocab), argmax_of(want[s].data(), vocab)) << "step " << s;
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, PagedKv, ::testing::Values(KvType::F16, KvType::Q8_0, KvType::Fp8),
+                         [](const auto& info) { return std::string(kv_type_name(info.param)); });
+
+// A sequence that writes into a block it shares (here: a rerun from inside the shared prefix)
+// writes into a copy of all of it: the other sequence's next step is what it was, and its own
+// reads the block's other positions.
+TEST(PagedKvCopy, WritingASharedBlockWritesIntoAFullCopy) {
+  const Format f{"fp16_cow", "fp16", 16, 0, false, false, "gptq"};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/23, /*n_layers=*/2);
+  const ModelSpec spec = load_model_spec(dir.string());
+  DecoderCpu paged(spec);
+  ASSERT_TRUE(paged.use_kv_pool(16 * kKvBlock));
+  const int vocab = spec.config.vocab;
+  std::vector<int> prompt = random_ids(48, vocab, 7);
+  auto a = paged.new_session(128);
+  std::vector<float> before(vocab), after(vocab), scratch(vocab);
+  a->forward(prompt.data(), 48, 0, scratch.data());
+  a->forward(&prompt[5], 1, 48, before.data());  // a's next step
+
+  auto b = paged.new_session(128);
+  prompt.push_back(3);
+  b->adopt_prefix(prompt);
+  ASSERT_EQ(b->cached.size(), 48u);
+  const int other = (prompt[20] + 1) % vocab;
+  b->forward(&other, 1, 20, scratch.data());  // position 20: inside a block shared with a
+  a->forward(&prompt[5], 1, 48, after.data());
+  EXPECT_EQ(0, std::memcmp(before.data(), after.data(), vocab * sizeof(float)));
+  // And b's copy holds the shared block's other positions (16 .. 19 before its write): its
+  // next step is a lone session's over the same ids (to fp32 rounding: a's prompt ran as one
+  // pass of 48 rows).
+  b->forward(&prompt[7], 1, 21, after.data());
+  DecoderCpu own(spec);
+  auto c = own.new_session(128);
+  c->forward(prompt.data(), 20, 0, scratch.data());
+  c->forward(&other, 1, 20, scratch.data());
+  c->forward(&prompt[7], 1, 21, before.data());
+  for (int i = 0; i < vocab; ++i) ASSERT_NEAR(after[i], before[i], 1e-4) << i;
+  fs::remove_all(dir);
+}
+
+// A pool with no block left refuses a write in one line, and a finished sequence's blocks are
+// taken back for the next.
+TEST(PagedKvFull, AFullPoolRefusesAWriteUntilASequenceEnds) {
+  const Format f{"fp16_full", "fp16", 16, 0, false, false, "gptq"};
+  const fs::path dir = kestrel::test::write_tiny_model(f, /*seed=*/24, /*n_layers=*/1);
+  const ModelSpec spec = load_model_spec(dir.string());
+  DecoderCpu paged(spec);
+  ASSERT_TRUE(paged.use_kv_pool(4 * kKvBlock));
+  const int vocab = spec.config.vocab;
+  std::vector<float> logits(vocab);
+  auto a = paged.new_session(128);
+  const std::vector<int> prompt = random_ids(60, vocab, 8);
+  a->forward(prompt.data(), 60, 0, logits.data());
+  auto b = paged.new_session(128);
+  const std::string why = error_of([&] { b->forward(prompt.data(), 1, 0, logits.data()); });
+  EXPECT_NE(why.find("the KV cache pool is full: 4 blocks of 16 positions, all held"),
+            std::string::npos)
+      << why;
+  a.reset();
+  EXPECT_EQ(paged.kv_pool_use().cached, 3);  // a's three whole blocks stay for a later prompt
+  b->forward(&prompt[59], 1, 0, logits.data());
+  EXPECT_EQ(paged.kv_pool_use().held, 1);
+  fs::remove_all(dir);
+}
