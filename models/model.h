@@ -182,8 +182,13 @@ class Session {
   // Paged KV memory (Model::use_kv_pool): lets go of what this session's cache held and maps
   // in the longest run of whole cached blocks that `prompt` begins with (short of its last id,
   // which always runs), from whichever sequence wrote them, setting `cached` to their ids. A
-  // session with a cache of its own does nothing: `cached` already says what it can reuse.
-  virtual void adopt_prefix(std::span<const int> /*prompt*/) {}
+  // session with a cache of its own does nothing and returns false: `cached` already says what
+  // it can reuse.
+  virtual bool adopt_prefix(std::span<const int> /*prompt*/) { return false; }
+  // Paged KV memory: gives back the blocks this session holds (the whole ones stay cached for a
+  // later prompt that begins alike, in any session) and empties `cached`; a sequence that
+  // follows starts from adopt_prefix or position 0. Nothing with a cache of its own.
+  virtual void release_kv() {}
 
   // The ids whose K/V the cache holds from position 0, as generate_cached leaves them: the
   // next prompt runs only past the longest prefix it shares with these.

@@ -19,6 +19,15 @@ class StepBatcher::BatchedSession final : public Session {
       : Session(inner->model()), inner_(std::move(inner)), b_(b) {}
   int context_length() const override { return inner_->context_length(); }
   size_t cache_bytes() const override { return inner_->cache_bytes(); }
+  bool adopt_prefix(std::span<const int> prompt) override {
+    if (!inner_->adopt_prefix(prompt)) return false;
+    cached = inner_->cached;
+    return true;
+  }
+  void release_kv() override {
+    inner_->release_kv();
+    cached.clear();
+  }
 
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
     KESTREL_CHECK(n > 0, "forward: no tokens");

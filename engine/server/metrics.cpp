@@ -127,9 +127,10 @@ void Metrics::add_tokens(int64_t prompt, int64_t completion) {
   completion_tokens_ += (uint64_t)std::max<int64_t>(completion, 0);
 }
 
-std::string Metrics::render(const Slots& slots) const {
+std::string Metrics::render(const Slots& slots, const KvPoolUse& kv) const {
   const Slots::Status s = slots.status();
-  return render(MetricsGauges{s.busy, s.queued, s.idle + s.busy});
+  return render(MetricsGauges{s.busy, s.queued, s.idle + s.busy, kv.blocks, kv.held, kv.cached,
+                              s.kv_reserved});
 }
 
 std::string Metrics::render(const MetricsGauges& gauges) const {
@@ -151,6 +152,21 @@ std::string Metrics::render(const MetricsGauges& gauges) const {
   out += fmt::format("kestrel:num_requests_waiting {}\n", gauges.waiting);
   family(out, "kestrel:num_slots", "gauge", "Slots (--parallel): requests that may generate at once.");
   out += fmt::format("kestrel:num_slots {}\n", gauges.slots);
+  family(out, "kestrel:kv_cache_usage_perc", "gauge",
+         "Fraction of the paged KV pool's blocks held by running requests (0 without a pool).");
+  out += fmt::format("kestrel:kv_cache_usage_perc {}\n",
+                     gauges.kv_blocks ? (double)gauges.kv_held / gauges.kv_blocks : 0.0);
+  family(out, "kestrel:kv_cache_blocks", "gauge",
+         "The paged KV pool's blocks: held by running requests, cached (kept for a later prompt "
+         "with the same prefix) and free.");
+  for (auto [state, n] : {std::pair<const char*, int64_t>{"held", gauges.kv_held},
+                          {"cached", gauges.kv_cached},
+                          {"free", gauges.kv_blocks - gauges.kv_held - gauges.kv_cached}})
+    out += fmt::format("kestrel:kv_cache_blocks{{state=\"{}\"}} {}\n", state, n);
+  family(out, "kestrel:kv_cache_reserved_blocks", "gauge",
+         "Blocks of the paged KV pool reserved by the requests admitted (their prompt and most "
+         "new tokens).");
+  out += fmt::format("kestrel:kv_cache_reserved_blocks {}\n", gauges.kv_reserved);
 
   family(out, "kestrel:time_to_first_token_seconds", "histogram",
          "Seconds from a generation request's arrival to its first token.");

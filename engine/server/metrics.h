@@ -50,6 +50,8 @@ struct MetricsGauges {
   int running = 0;  // requests holding a slot (generating)
   int waiting = 0;  // requests in the queue for one
   int slots = 0;    // --parallel
+  // Paged KV memory (Model::kv_pool_use, Slots::Status), in blocks; all 0 without a pool.
+  int64_t kv_blocks = 0, kv_held = 0, kv_cached = 0, kv_reserved = 0;
 };
 
 // The registry. Every member may be called from any thread at once; counts are exact.
@@ -80,8 +82,8 @@ class Metrics {
 
   // The exposition text, the gauges as given.
   std::string render(const MetricsGauges& g) const;
-  // The same with the gauges read from the server's slots.
-  std::string render(const Slots& slots) const;
+  // The same with the gauges read from the server's slots and its model's KV pool.
+  std::string render(const Slots& slots, const KvPoolUse& kv = {}) const;
 
  private:
   mutable std::mutex m_;

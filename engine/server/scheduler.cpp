@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
+
+#include "base/error.h"
 
 namespace kestrel::server {
 
@@ -37,10 +40,13 @@ void TurnTakingSession::forward_argmax_rows(const int* tokens, int n, int pos, i
   inner_->forward_argmax_rows(tokens, n, pos, out);
 }
 
-Slots::Slots(int n_slots, int max_queue, std::function<const std::vector<int>&(int)> cached)
-    : busy_(n_slots, false), released_at_(n_slots, 0), max_queue_(max_queue), cached_(std::move(cached)) {}
+Slots::Slots(int n_slots, int max_queue, std::function<const std::vector<int>&(int)> cached,
+             int64_t kv_blocks)
+    : busy_(n_slots, false), released_at_(n_slots, 0), max_queue_(max_queue), cached_(std::move(cached)),
+      kv_blocks_(kv_blocks) {}
 
-int Slots::best_free_slot(const std::vector<int>& ids) const {
+int Slots::best_free_slot(const std::vector<int>& ids, int64_t kv_blocks) const {
+  if (kv_blocks_ > 0 && kv_reserved_ + kv_blocks > kv_blocks_) return -1;
   int best = -1;
   size_t best_shared = 0;
   for (int s = 0; s < (int)busy_.size(); ++s) {
@@ -59,7 +65,10 @@ int Slots::best_free_slot(const std::vector<int>& ids) const {
 
 std::unique_ptr<Slots::Lease> Slots::acquire(const std::vector<int>& ids,
                                              const std::function<bool()>& cancelled,
-                                             Outcome& outcome) {
+                                             Outcome& outcome, int64_t kv_blocks) {
+  KESTREL_CHECK(kv_blocks_ == 0 || kv_blocks <= kv_blocks_,
+                "a request needs " + std::to_string(kv_blocks) + " KV blocks of a pool of " +
+                    std::to_string(kv_blocks_));
   std::unique_lock<std::mutex> lk(m_);
   if (shutting_down_) {
     outcome = Outcome::ShuttingDown;
@@ -67,11 +76,12 @@ std::unique_ptr<Slots::Lease> Slots::acquire(const std::vector<int>& ids,
   }
   auto take = [&](int s) {
     busy_[s] = true;
+    kv_reserved_ += kv_blocks;
     outcome = Outcome::Granted;
-    return std::make_unique<Lease>(*this, s);
+    return std::make_unique<Lease>(*this, s, kv_blocks);
   };
   if (line_.empty()) {
-    const int s = best_free_slot(ids);
+    const int s = best_free_slot(ids, kv_blocks);
     if (s >= 0) return take(s);
   }
   if ((int)line_.size() >= max_queue_) {
@@ -91,7 +101,7 @@ std::unique_ptr<Slots::Lease> Slots::acquire(const std::vector<int>& ids,
     cv_.wait_for(lk, std::chrono::milliseconds(50));
     if (shutting_down_) return leave(Outcome::ShuttingDown);
     if (line_.front() == ticket) {
-      const int s = best_free_slot(ids);
+      const int s = best_free_slot(ids, kv_blocks);
       if (s >= 0) {
         line_.pop_front();
         cv_.notify_all();
@@ -102,10 +112,11 @@ std::unique_ptr<Slots::Lease> Slots::acquire(const std::vector<int>& ids,
   }
 }
 
-void Slots::release(int slot) {
+void Slots::release(int slot, int64_t kv_blocks) {
   {
     std::lock_guard<std::mutex> lk(m_);
     busy_[slot] = false;
+    kv_reserved_ -= kv_blocks;
     released_at_[slot] = ++releases_;
   }
   cv_.notify_all();
@@ -129,6 +140,8 @@ Slots::Status Slots::status() const {
   Status s;
   for (bool b : busy_) (b ? s.busy : s.idle)++;
   s.queued = (int)line_.size();
+  s.kv_blocks = kv_blocks_;
+  s.kv_reserved = kv_reserved_;
   return s;
 }
 

@@ -48,6 +48,15 @@ class TurnTakingSession final : public Session {
   TurnTakingSession(std::unique_ptr<Session> inner, TurnLock& turn);
   int context_length() const override { return inner_->context_length(); }
   size_t cache_bytes() const override { return inner_->cache_bytes(); }
+  bool adopt_prefix(std::span<const int> prompt) override {
+    if (!inner_->adopt_prefix(prompt)) return false;
+    cached = inner_->cached;
+    return true;
+  }
+  void release_kv() override {
+    inner_->release_kv();
+    cached.clear();
+  }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
   // A speculative verify pass is one turn: it leaves nothing in the model's state.
@@ -60,33 +69,45 @@ class TurnTakingSession final : public Session {
 
 // The slots and the queue in front of them. acquire() gives a free slot at once, or waits in
 // line (first come, first served) while fewer than max_queue others wait, or refuses.
+//
+// With paged KV memory (Model::use_kv_pool) a request is also given its KV blocks' worth of
+// the pool: the blocks its prompt and the most tokens it may generate can take. A request waits
+// in line until the requests running leave it that many, so that a running request never finds
+// the pool full (as TGI admits by --max-batch-total-tokens; vLLM instead admits on the prompt and
+// preempts a request when the pool runs out). Blocks shared with other sequences are counted
+// in full, so the reservation is an upper bound of what the pool gives.
 class Slots {
  public:
   // `cached(i)` is what slot i's KV cache holds (Session::cached), read to pick the slot that
-  // shares the longest prefix with a request's prompt.
-  Slots(int n_slots, int max_queue, std::function<const std::vector<int>&(int)> cached);
+  // shares the longest prefix with a request's prompt. `kv_blocks`: the pool's blocks, 0
+  // where each slot has a cache of its own.
+  Slots(int n_slots, int max_queue, std::function<const std::vector<int>&(int)> cached,
+        int64_t kv_blocks = 0);
 
   enum class Outcome { Granted, QueueFull, Cancelled, ShuttingDown };
 
-  // A slot held; released when destroyed.
+  // A slot held, and the KV blocks reserved with it; both released when destroyed.
   class Lease {
    public:
-    Lease(Slots& s, int slot) : s_(s), slot_(slot) {}
-    ~Lease() { s_.release(slot_); }
+    Lease(Slots& s, int slot, int64_t blocks) : s_(s), slot_(slot), blocks_(blocks) {}
+    ~Lease() { s_.release(slot_, blocks_); }
     Lease(const Lease&) = delete;
     Lease& operator=(const Lease&) = delete;
     int slot() const { return slot_; }
+    int64_t kv_blocks() const { return blocks_; }
 
    private:
     Slots& s_;
     int slot_;
+    int64_t blocks_;
   };
 
-  // Waits for a slot for a request whose prompt is `ids`; `cancelled` is polled while waiting
-  // (the client went away). Among free slots, the one whose cache shares the longest prefix
-  // with `ids`, then the one idle longest.
+  // Waits for a slot (and `kv_blocks` of the pool) for a request whose prompt is `ids`;
+  // `cancelled` is polled while waiting (the client went away). Among free slots, the one whose
+  // cache shares the longest prefix with `ids`, then the one idle longest. kv_blocks must be
+  // at most the pool's (a request that needs more would wait for ever).
   std::unique_ptr<Lease> acquire(const std::vector<int>& ids, const std::function<bool()>& cancelled,
-                                 Outcome& outcome);
+                                 Outcome& outcome, int64_t kv_blocks = 0);
 
   // Refuses every waiting and later request (ShuttingDown).
   void shut_down();
@@ -94,12 +115,14 @@ class Slots {
 
   struct Status {
     int idle = 0, busy = 0, queued = 0;
+    int64_t kv_blocks = 0, kv_reserved = 0;  // the pool's blocks and those reserved (0 0: none)
   };
   Status status() const;
 
  private:
-  void release(int slot);
-  int best_free_slot(const std::vector<int>& ids) const;  // -1 when none is free
+  void release(int slot, int64_t kv_blocks);
+  // -1 when none is free, or the pool cannot reserve kv_blocks more.
+  int best_free_slot(const std::vector<int>& ids, int64_t kv_blocks) const;
 
   mutable std::mutex m_;
   std::condition_variable cv_;
@@ -111,6 +134,7 @@ class Slots {
   int max_queue_;
   bool shutting_down_ = false;
   std::function<const std::vector<int>&(int)> cached_;
+  int64_t kv_blocks_ = 0, kv_reserved_ = 0;
 };
 
 }  // namespace kestrel::server

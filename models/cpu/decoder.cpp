@@ -196,7 +196,7 @@ bool DecoderCpu::use_kv_pool(int64_t positions) {
   const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
   KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,
                 "a KV pool of " + std::to_string(positions) + " positions is past what one holds");
-  auto p = std::make_unique<CpuKvPool>((int)blocks);
+  auto p = std::make_shared<CpuKvPool>((int)blocks);
   p->key_cache = cache_storage(kv_.k, p->rows);  // calloc: pages only as rows are written
   p->value_cache = cache_storage(kv_.v, p->rows);
   pool_ = std::move(p);
@@ -225,7 +225,7 @@ std::unique_ptr<DecoderCpuSession> DecoderCpu::new_cpu_session(int context) {
   cfg_.check_context(ctx);
   CpuRunState st;
   st.ctx = ctx;
-  st.pool = pool_.get();
+  st.pool = pool_;
   st.table = std::make_unique<KvBlockTable>(pool_->blocks);
   return std::make_unique<DecoderCpuSession>(*this, std::move(st));
 }
@@ -251,11 +251,19 @@ void DecoderCpuSession::forward(const int* tokens, int n, int pos, float* logits
   commit_write(pos, tokens, n);
 }
 
-void DecoderCpuSession::adopt_prefix(std::span<const int> prompt) {
-  if (!s_.pool) return;
+bool DecoderCpuSession::adopt_prefix(std::span<const int> prompt) {
+  if (!s_.pool) return false;
   std::lock_guard<std::mutex> g(s_.pool->m);
   const int n = s_.table->adopt_prefix(prompt, std::min((int)prompt.size() - 1, s_.ctx));
   cached.assign(prompt.begin(), prompt.begin() + std::max(0, n));
+  return true;
+}
+
+void DecoderCpuSession::release_kv() {
+  if (!s_.pool) return;
+  std::lock_guard<std::mutex> g(s_.pool->m);
+  s_.table->clear();
+  cached.clear();
 }
 
 void DecoderCpuSession::prepare_write(int pos, int n) {
@@ -335,7 +343,7 @@ bool DecoderCpu::attention_block(const CpuRows& rows, int l, float* x, int T,
   auto layer_cache = [&](int i, CpuKvCache CpuRunState::*own, CpuKvCache CpuKvPool::*pooled) {
     CpuRunState& st = rows.state(i);
     if (!st.pool) return cache_layer(st.*own, c, l, st.ctx);
-    KvLayerRef r = cache_layer(st.pool->*pooled, c, l, st.pool->rows);
+    KvLayerRef r = cache_layer((*st.pool).*pooled, c, l, st.pool->rows);
     r.blocks = st.table->blocks().data();
     return r;
   };

@@ -137,7 +137,7 @@ struct CpuRunState {
   int ctx = 0;              // positions the sequence may use
   CpuKvCache key_cache;
   CpuKvCache value_cache;
-  CpuKvPool* pool = nullptr;                 // paged: the model's pool
+  std::shared_ptr<CpuKvPool> pool;           // paged: the model's pool (kept while used)
   std::unique_ptr<KvBlockTable> table;       // paged: this sequence's blocks
 };
 
@@ -175,7 +175,6 @@ class DecoderCpu final : public Model {
   // Paged KV memory (Model::use_kv_pool): sessions made from now on keep their K/V in one pool.
   bool use_kv_pool(int64_t positions) override;
   KvPoolUse kv_pool_use() const override;
-  CpuKvPool* kv_pool() { return pool_.get(); }
 
   // One token at one position (a decode step). Writes logits [vocab].
   void forward_token(CpuRunState& s, int token, int pos, float* logits) const;
@@ -233,7 +232,7 @@ class DecoderCpu final : public Model {
   ModelConfig cfg_;
   KvCacheTypes kv_;
   CpuWeights w_;
-  std::unique_ptr<CpuKvPool> pool_;
+  std::shared_ptr<CpuKvPool> pool_;  // sessions made before another use_kv_pool keep theirs
   std::vector<float> inv_freq_;  // RoPE's frequencies [head_dim / 2] (rope_inv_freq)
 };
 
@@ -247,7 +246,8 @@ class DecoderCpuSession final : public Session {
   int context_length() const override { return s_.ctx; }
   size_t cache_bytes() const override;
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
-  void adopt_prefix(std::span<const int> prompt) override;
+  bool adopt_prefix(std::span<const int> prompt) override;
+  void release_kv() override;
   void forward_token(int token, int pos, float* logits) { forward(&token, 1, pos, logits, nullptr); }
   // Paged: makes positions pos .. pos + n - 1 writable by this session alone (copying shared
   // blocks), or throws KvPoolFull; after the write, records the ids there (publishing the

@@ -160,6 +160,85 @@ TEST_F(BatchCli, DisconnectedStreamLeavesTheBatch) {
   EXPECT_TRUE(idle);
 }
 
+json usage_of(const std::string& response) { return json::parse(body_of(response)).at("usage"); }
+
+// Paged KV memory (--kv-pool, on by default at --parallel > 1): a prompt that begins as another
+// request's maps that request's whole blocks, whichever slot ran it, and answers what it
+// answers with a cache of its own per slot (--kv-pool 0); /metrics shows the pool.
+TEST_F(BatchCli, APromptReusesAnotherRequestsBlocks) {
+  json header = json::array();
+  for (int k = 0; k < 40; ++k) header.push_back(20 + 3 * k);  // a system prompt, say
+  auto prompt = [&](std::vector<int> tail) {
+    json p = header;
+    for (int id : tail) p.push_back(id);
+    return p;
+  };
+  const json b_body = {{"prompt", prompt({7, 8, 9})}, {"max_tokens", 6}, {"temperature", 0},
+                       {"ignore_eos", true}};
+  std::string own_text;
+  {
+    Server s(args({"--parallel", "2", "--batch-tokens", "4", "--kv-pool", "0"}), "serve_kv_own");
+    const int port = s.wait_listening();
+    ASSERT_GT(port, 0) << s.log();
+    EXPECT_EQ(s.log().find("KV pool"), std::string::npos) << s.log();
+    const std::string r = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json"},
+                               b_body.dump());
+    ASSERT_EQ(status_of(r), 200) << r;
+    own_text = json::parse(body_of(r)).at("choices").at(0).at("text").get<std::string>();
+    EXPECT_EQ(usage_of(r).at("prompt_tokens_details").at("cached_tokens"), 0);
+  }
+  Server s(args({"--parallel", "2", "--batch-tokens", "4"}), "serve_kv_pool");
+  const int port = s.wait_listening();
+  ASSERT_GT(port, 0) << s.log();
+  EXPECT_NE(s.log().find("2 slots of 256 tokens in a KV pool of 512 positions"), std::string::npos)
+      << s.log();
+  // A long request with the header holds one slot while the other request arrives.
+  std::thread a([&] {
+    complete(port, {{"prompt", prompt({4, 5})}, {"max_tokens", 200}, {"temperature", 0}, {"ignore_eos", true}});
+  });
+  bool running = false;
+  for (int i = 0; i < 400 && !running; ++i) {
+    running = body_of(http(port, "GET /metrics HTTP/1.1")).find("kestrel:num_requests_running 1") !=
+              std::string::npos;
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(running);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // its prompt has run
+  const std::string r = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json"},
+                             b_body.dump());
+  a.join();
+  ASSERT_EQ(status_of(r), 200) << r;
+  EXPECT_EQ(usage_of(r).at("prompt_tokens_details").at("cached_tokens"), 32);  // two whole blocks
+  EXPECT_EQ(json::parse(body_of(r)).at("choices").at(0).at("text").get<std::string>(), own_text);
+  const std::string m = body_of(http(port, "GET /metrics HTTP/1.1"));
+  EXPECT_NE(m.find("kestrel:kv_cache_blocks{state=\"held\"} 0"), std::string::npos) << m;
+  EXPECT_EQ(m.find("kestrel:kv_cache_blocks{state=\"cached\"} 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("kestrel:kv_cache_reserved_blocks 0"), std::string::npos) << m;
+}
+
+// Requests that together need more than the pool wait for each other, and all are answered.
+TEST_F(BatchCli, RequestsBeyondThePoolWaitTheirTurn) {
+  Server s(args({"--parallel", "3", "--batch-tokens", "8", "--kv-pool", "256"}), "serve_kv_small");
+  const int port = s.wait_listening();
+  ASSERT_GT(port, 0) << s.log();
+  std::vector<std::string> texts(3);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 3; ++i)  // no max_tokens: each reserves a whole context, the whole pool
+    clients.emplace_back([&, i] {
+      texts[i] = complete(port, {{"prompt", json::array({30 + i, 40 + i})}, {"temperature", 0},
+                                 {"max_tokens", nullptr}, {"stop", json::array({"zz"})}});
+    });
+  for (std::thread& t : clients) t.join();
+  for (const std::string& t : texts) EXPECT_EQ(t.rfind("HTTP ", 0), std::string::npos) << t;
+  auto r = kestrel::test::run_command(kKestrel + " serve -m " + model_->string() +
+                                      " --device cpu -c 256 --parallel 2 --kv-pool 100 < /dev/null");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--kv-pool 100: fewer positions than one request may hold (-c 256)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(kestrel::test::lines(r.err), 1) << r.err;
+}
+
 TEST_F(BatchCli, BadBatchOptionsAreOneLine) {
   auto r = kestrel::test::run_command(kKestrel + " serve -m " + model_->string() +
                                       " --device cpu --parallel 2 --batch-tokens 0 < /dev/null");

@@ -751,6 +751,40 @@ TEST(ServerSlots, QueueWaitsInOrderAndIsBounded) {
   EXPECT_EQ(slots.status().idle, 1);
 }
 
+// With paged KV memory a request waits, with a slot free, until the requests running leave its
+// blocks in the pool, first come first served: a small request behind a large one waits too.
+TEST(ServerSlots, RequestsWaitForTheirKvBlocksInOrder) {
+  std::vector<int> none;
+  Slots slots(3, 4, [&](int) -> const std::vector<int>& { return none; }, /*kv_blocks=*/10);
+  Slots::Outcome why;
+  auto held = slots.acquire({1}, {}, why, 6);
+  ASSERT_TRUE(held);
+  EXPECT_EQ(slots.status().kv_reserved, 6);
+  std::vector<int> order;
+  std::mutex m;
+  std::vector<std::unique_ptr<Slots::Lease>> leases(3);
+  auto waiter = [&](int who, int64_t blocks) {
+    Slots::Outcome w;
+    leases[who] = slots.acquire({1}, {}, w, blocks);
+    std::lock_guard<std::mutex> lk(m);
+    order.push_back(leases[who] ? who : -who);
+  };
+  std::thread large(waiter, 1, 6);
+  while (slots.status().queued < 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread small(waiter, 2, 2);
+  while (slots.status().queued < 2) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(120));  // a few of the waiters' wake-ups
+  EXPECT_TRUE(order.empty());  // two slots free, but 6 + 6 > 10, and the small one is behind
+  held.reset();
+  large.join();
+  small.join();
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_EQ(slots.status().kv_reserved, 8);
+  leases.clear();
+  EXPECT_EQ(slots.status().kv_reserved, 0);
+  EXPECT_THROW(slots.acquire({1}, {}, why, 11), Error);  // more than the pool: a bug of the caller
+}
+
 TEST(ServerSlots, CancelledAndShutDownWaitersLeaveTheLine) {
   std::vector<int> none;
   Slots slots(1, 4, [&](int) -> const std::vector<int>& { return none; });

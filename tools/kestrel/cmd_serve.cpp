@@ -51,6 +51,7 @@ struct ServeArgs {
   server::ApiKeySources key_sources;  // --api-key, --api-key-file (KESTREL_API_KEY is read at start)
   std::string api_key;               // the key required, resolved from them; "" = none
   int parallel = 1;
+  int64_t kv_pool = -1;  // --kv-pool positions; -1: --parallel x -c at --parallel > 1; 0: none
   int batch_tokens = 512;
   int queue = 16;
   int n_predict = -1;
@@ -120,6 +121,12 @@ constexpr int kKeepAliveHintSeconds = 2;
 // scheduler at once, and /tokenize and /detokenize run beside the generations.
 constexpr int kSpareWorkers = 8;
 
+std::string kv_pool_too_small(int64_t positions, int ctx) {
+  return fmt::format("--kv-pool {}: fewer positions than one request may hold (-c {}): raise "
+                     "--kv-pool or lower -c",
+                     positions, ctx);
+}
+
 std::string model_id(const ServeArgs& a) {
   if (!a.alias.empty()) return a.alias;
   std::filesystem::path p = std::filesystem::path(a.model.dir).lexically_normal();
@@ -142,6 +149,20 @@ class Server {
     // lone one runs unwrapped, device-chained runs included.
     const int ctx = m_.session->context_length();
     std::vector<std::unique_ptr<Session>> raw;
+    // --kv-pool: paged KV memory (docs/server.md). The command's session had a cache of its own;
+    // it goes first, so that its memory is free for the pool, and every slot's comes from the
+    // pool.
+    if (a.parallel > 1 && a.kv_pool != 0) {
+      kv_positions_ = a.kv_pool > 0 ? a.kv_pool : (int64_t)a.parallel * ctx;
+      if (kv_positions_ < ctx) throw Error(kv_pool_too_small(kv_positions_, ctx));
+      m_.session.reset();
+      if (!m_.model->use_kv_pool(kv_positions_)) {
+        note(a.quiet, fmt::format("note: paged KV memory (--kv-pool) is not run by {} yet: each "
+                                  "slot has a cache of {} positions", m_.model->device_name(), ctx));
+        kv_positions_ = 0;
+      }
+      m_.session = m_.model->new_session(ctx, a.quiet);
+    }
     raw.push_back(std::move(m_.session));
     for (int i = 1; i < a.parallel; ++i) {
       raw.push_back(m_.model->new_session(ctx, a.quiet));
@@ -179,9 +200,9 @@ class Server {
                              ? (size_t)a.max_json_values
                              : std::max(server::kDefaultMaxJsonValues, 2 * (size_t)ctx);
     limits_.max_depth = a.max_json_depth;
-    slots_ = std::make_unique<server::Slots>(a.parallel, a.queue, [this](int i) -> const std::vector<int>& {
-      return sessions_[i]->cached;
-    });
+    slots_ = std::make_unique<server::Slots>(
+        a.parallel, a.queue, [this](int i) -> const std::vector<int>& { return sessions_[i]->cached; },
+        m_.model->kv_pool_use().blocks);
     seed_base_ = rng_();
   }
 
@@ -219,7 +240,7 @@ class Server {
     svr.route("GET", "/metrics", RunOn::IoThread, [this](server::HttpRequest&, server::Exchange& ex) {
       server::HttpResponse r;
       r.content_type = server::kMetricsContentType;
-      r.body = metrics_.render(*slots_);
+      r.body = metrics_.render(*slots_, m_.model->kv_pool_use());
       ex.respond(std::move(r));
     });
     svr.route("GET", "/health", RunOn::IoThread, [this](server::HttpRequest&, server::Exchange& ex) {
@@ -314,9 +335,20 @@ class Server {
                                          cr.tools ? cr.tools->tools : jinja::Json())
                          : m_.tok->decode(p->prompt_ids);
 
+      // Paged KV memory: the blocks the prompt and the most new tokens (and a verify pass's
+      // drafts past them) can take, reserved before the request runs. Never more than one
+      // context's, which the pool holds (checked at start): a request waits for them, it is
+      // never refused for them.
+      int64_t kv_blocks = 0;
+      if (kv_positions_ > 0) {
+        const int64_t ctx = sessions_[0]->context_length(), n = (int64_t)p->prompt_ids.size();
+        const int64_t most = p->options.max_new_tokens < 0 ? ctx : n + p->options.max_new_tokens;
+        const int64_t positions = std::min(ctx, most + (a_.spec.kind.empty() ? 0 : a_.spec.draft_max));
+        kv_blocks = (positions + kKvBlock - 1) / kKvBlock;
+      }
       auto gone = [&ex] { return ex.client_gone(); };
       server::Slots::Outcome why;
-      std::shared_ptr<server::Slots::Lease> lease = slots_->acquire(p->prompt_ids, gone, why);
+      std::shared_ptr<server::Slots::Lease> lease = slots_->acquire(p->prompt_ids, gone, why, kv_blocks);
       if (!lease) {
         if (why == server::Slots::Outcome::QueueFull)
           throw ApiError(429, fmt::format("the server is busy ({} requests running, {} waiting); retry later",
@@ -329,6 +361,13 @@ class Server {
         throw ApiError(503, "the server is shutting down", "", "shutting_down");
       }
       Session& session = *sessions_[lease->slot()];
+      // Paged KV memory: the request's blocks go back to the pool when it ends, before its
+      // reservation does (its whole blocks stay cached for a prompt that begins alike, on any
+      // slot).
+      struct GiveBackKv {
+        Session& s;
+        ~GiveBackKv() { s.release_kv(); }
+      } give_back{session};
       const server::ResponseMeta rm = meta(endpoint);
       // response_format's grammar: the token masker of this endpoint's end ids, built once.
       // Drafts are not checked against a grammar, so such a request decodes without them.
@@ -499,6 +538,7 @@ class Server {
   server::TurnLock draft_turn_;
   std::vector<std::unique_ptr<Session>> draft_sessions_;
   std::unique_ptr<server::Slots> slots_;
+  int64_t kv_positions_ = 0;  // the paged KV pool's positions; 0: a cache per slot
   server::Metrics metrics_;
   std::mutex masker_mutex_;
   std::shared_ptr<const grammar::TokenMasker> maskers_[2];  // completions, chat
@@ -514,6 +554,10 @@ int run_serve(ServeArgs& a) {
   server::ApiKeySources keys = a.key_sources;
   if (const char* env = std::getenv("KESTREL_API_KEY")) keys.env = env;
   a.api_key = server::resolve_api_key(keys);
+  // A pool that cannot hold one request's context (-c as given; a context the GPU shortens or
+  // the model's own is checked once loaded).
+  if (a.parallel > 1 && a.kv_pool > 0 && a.model.context > 0 && a.kv_pool < a.model.context)
+    throw Error(kv_pool_too_small(a.kv_pool, a.model.context));
   server::HttpLimits limits;
   limits.max_body = (size_t)a.max_body;
   limits.timeout = std::chrono::seconds(a.timeout);
@@ -553,9 +597,12 @@ int run_serve(ServeArgs& a) {
   signal(SIGPIPE, SIG_IGN);
 
   Server s(a, m, std::move(tmpl), std::move(draft));
-  note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens, queue {}{}", model_id(a),
+  const int64_t kv_blocks = m.model->kv_pool_use().blocks;
+  note(a.quiet, fmt::format("serving {} on {}: {} slot{} of {} tokens{}, queue {}{}", model_id(a),
                             m.device, a.parallel, a.parallel == 1 ? "" : "s",
-                            context_length(m, lo), a.queue,
+                            context_length(m, lo),
+                            kv_blocks ? fmt::format(" in a KV pool of {} positions", kv_blocks * kKvBlock) : "",
+                            a.queue,
                             a.spec.kind.empty()
                                 ? ""
                                 : fmt::format(", speculative {} (draft-max {})", a.spec.kind,
@@ -589,6 +636,13 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
   cmd->add_option("--parallel", a->parallel,
                   "requests generating at once, each in its own session (KV cache of -c tokens)")
       ->check(whole(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--kv-pool", a->kv_pool,
+                  "with --parallel > 1, every request's KV cache in one pool of this many positions, "
+                  "in blocks of 16 taken as tokens are written, shared by prompts that begin alike "
+                  "and kept for the next one (-1 = --parallel x -c; 0 = a cache of -c per slot)")
+      ->type_name("POSITIONS")
+      ->check(CLI::Range((int64_t)-1, (int64_t)1 << 40))
       ->capture_default_str();
   cmd->add_option("--batch-tokens", a->batch_tokens,
                   "with --parallel > 1, most prompt tokens run in one step: longer prompts run in "
