@@ -16,6 +16,7 @@
 #include "kernels/gemv/gemv_format.h"
 #include "kernels/sampling/sample_cuda.h"
 #include "models/gpu/act_order.h"
+#include "models/registry.h"
 
 namespace kestrel {
 
@@ -43,17 +44,12 @@ std::string cuda_unsupported_formats(const ModelSpec& spec) {
   return "";
 }
 
-size_t GpuKvStorage::bytes_per_row(const ModelConfig& c, KvCacheTypes t) {
-  return (size_t)c.n_layers * (kv_row_bytes(t.k, c.n_kv_heads, c.head_dim, sizeof(__half)) +
-                               kv_row_bytes(t.v, c.n_kv_heads, c.head_dim, sizeof(__half)));
-}
-
 void GpuKvStorage::allocate(DeviceMemory& mem, const ModelConfig& c, KvCacheTypes t,
                             int64_t n_rows, const std::string& for_what,
                             const std::string& hint) {
   types = t;
   rows = n_rows;
-  bytes = bytes_per_row(c, t) * n_rows;
+  bytes = cache_bytes_per_position(Device::Cuda, c, t) * n_rows;
   const size_t layers = c.n_layers;
   auto alloc = [&](size_t b) { return mem.alloc(b, for_what, hint); };
   key_cache = alloc(layers * cuda::kv_data_bytes(t.k, rows, c.n_kv_heads, c.head_dim));

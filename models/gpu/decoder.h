@@ -69,8 +69,6 @@ struct GpuKvStorage {
   // Allocates the arrays in `mem` (a DeviceError naming `for_what` where they do not fit).
   void allocate(DeviceMemory& mem, const ModelConfig& c, KvCacheTypes t, int64_t rows,
                 const std::string& for_what, const std::string& hint);
-  // Bytes of one row of every layer's K and V.
-  static size_t bytes_per_row(const ModelConfig& c, KvCacheTypes t);
   // Layer l's K (or V) rows as the kernels take them, read through `blocks` where paged.
   cuda::KvCacheDev k_layer(int l, const ModelConfig& c, const int32_t* blocks) const {
     return layer(types.k, key_cache, key_scales, l, c, blocks);

@@ -14,6 +14,7 @@
 #include "base/error.h"
 #include "kernels/attention/attention_cuda.h"
 #include "kernels/common/cuda_utils.h"
+#include "models/registry.h"
 
 namespace kestrel {
 
@@ -37,7 +38,7 @@ DecoderCudaSession::DecoderCudaSession(DecoderCuda& m, int context, bool quiet) 
     } else {
       // KV cache: as long as asked (or the model's maximum), shortened to what fits, in the
       // model's cache types (an 8-bit position takes about half an f16 one: twice the context).
-      const size_t per_pos = GpuKvStorage::bytes_per_row(c, m.cache_);
+      const size_t per_pos = cache_bytes_per_position(Device::Cuda, c, m.cache_);
       size_t free_b = 0, total_b = 0;
       KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
       const size_t reserve = (size_t)256 << 20;  // scratch, graphs, the CUDA context's growth
@@ -86,7 +87,8 @@ void DecoderCudaSession::release() {
 size_t DecoderCudaSession::cache_bytes() const {
   if (!pool_) return q_.kv.bytes;
   std::lock_guard<std::mutex> g(pool_->m);
-  return table_->blocks().size() * kKvBlock * GpuKvStorage::bytes_per_row(m_.cfg_, q_.kv.types);
+  return table_->blocks().size() * kKvBlock *
+         cache_bytes_per_position(Device::Cuda, m_.cfg_, q_.kv.types);
 }
 
 void DecoderCudaSession::adopt_prefix(std::span<const int> prompt) {
