@@ -695,8 +695,7 @@ void launch_split(const __half* q, const KvCacheDev& k, const KvCacheDev& v, con
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
   launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT>, grid, dim3(kThreads), 0,
              stream, q, k.data, v.data, (const void*)k.scales, (const void*)v.scales, k.blocks,
-             d_pos,
-             sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o, ws_ml,
+             d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o, ws_ml,
              counters, out, out_index);
 }
 

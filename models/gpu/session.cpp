@@ -33,6 +33,9 @@ DecoderCudaSession::DecoderCudaSession(DecoderCuda& m, int context, bool quiet) 
       q_.kv = pool_->kv;  // a view: the pool owns the arrays
       const int n_blocks = (ctx + kKvBlock - 1) / kKvBlock;
       q_.blocks = static_cast<int32_t*>(alloc(n_blocks * sizeof(int32_t)));
+      // Block 0 until uploaded: an entry a kernel reads is always uploaded first, and any
+      // other stays inside the pool.
+      KESTREL_CUDA_CHECK(cudaMemsetAsync(q_.blocks, 0, n_blocks * sizeof(int32_t), m.stream_));
       KESTREL_CUDA_CHECK(cudaMallocHost(&host_blocks_, n_blocks * sizeof(int32_t)));
       table_ = std::make_unique<KvBlockTable>(pool_->blocks);
     } else {
@@ -114,11 +117,13 @@ bool DecoderCudaSession::try_prepare_write(int pos, int n) {
   {
     std::lock_guard<std::mutex> g(pool_->m);
     if (!table_->prepare_write(pos, n, copies)) return false;
-    // Entries before the write's first block are as the last upload left them, unless
-    // adopt_prefix replaced the table since.
+    // What prepare_write may have changed: the write's blocks, and the blocks it appended
+    // (from the table's old end, which is past what the device holds: the table only grows
+    // between adopt_prefix calls). Anything, where adopt_prefix replaced the table since.
     const std::vector<int32_t>& b = table_->blocks();
     j0 = (int)b.size();
-    for (int j = std::min(dirty_from_, pos / kKvBlock); j < (int)b.size(); ++j) {
+    const int from = std::min({dirty_from_, pos / kKvBlock, host_synced_});
+    for (int j = from; j < (int)b.size(); ++j) {
       if (j < host_synced_ && host_blocks_[j] == b[j]) continue;
       host_blocks_[j] = b[j];
       j0 = std::min(j0, j);
