@@ -308,7 +308,7 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // `g < nh` test so that the accumulators stay in registers.
 // ROPE: q points at the un-rotated [q | k | v] row of the new token; the block rotates its query
 // heads, and the block whose chunk holds *d_pos rotates the new k, writes k and v into the
-// caches' row *d_pos and uses them from registers (rope_kv_write_f16 + this kernel, in one).
+// caches' row of *d_pos and uses them from registers (rope_kv_write_f16 + this kernel, in one).
 // KT, VT: the K and V caches' types (kv_cache_cuda.h). An 8-bit row of one head is D bytes, so a
 // thread's 8 dims are one 8-byte load instead of 16 (half the bytes a step reads), plus its
 // scale: q8_0's fp16 scale of the block of 32 its 8 dims lie in, fp8's fp32 scale of the head.
@@ -325,6 +325,11 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // weights are: a step reads each once (blocks of one KV group in z re-read them within
 // microseconds), and kept in L2 they would evict what the next kernels read again (measured:
 // docs/performance.md).
+// Paged caches (blocks non-null): each row is the one its position's block maps it to
+// (kv_detail::kv_row), K, V and their scales alike. The engine writes the table before the
+// step's first kernel, as it does the position, so it too may be read before the wait. A chunk
+// (32 to 128 positions, aligned to them) covers whole blocks, so its rows lie in 2 to 8 runs of
+// 16 contiguous rows.
 // Registers: 56 per thread, 7,168 per block. The qkv GEMV's two 8-warp blocks per SM (84
 // registers; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
 // each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
@@ -333,7 +338,8 @@ template <int D, int GMAX, bool ROPE, int PASSES, KvType KT, KvType VT>
 __global__ void __launch_bounds__(kThreads)
     attention_split_kernel(const __half* __restrict__ q, void* __restrict__ k_data,
                            void* __restrict__ v_data, const void* __restrict__ k_scales,
-                           const void* __restrict__ v_scales, const int* __restrict__ d_pos,
+                           const void* __restrict__ v_scales,
+                           const int32_t* __restrict__ blocks, const int* __restrict__ d_pos,
                            int sliding_window, int n_heads, int n_kv_heads, int group,
                            float q_scale, const rope_detail::InvFreq inv_freq,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml,
@@ -387,7 +393,7 @@ __global__ void __launch_bounds__(kThreads)
   const int seg = threadIdx.x % kLanes;  // which 8 dims
   const int r0 = threadIdx.x / kLanes;   // which row of a pass
   const size_t row_stride = (size_t)n_kv_heads * D;
-  const size_t first_elem = (size_t)lo * row_stride + (size_t)kvh * D + seg * 8;
+  const size_t head_elem = (size_t)kvh * D + seg * 8;  // this thread's dims inside a row
 
   KRaw kraw[kPasses];
   float ksc[kPasses], vsc[kPasses];  // 8-bit K, V: the scales of this thread's dims per row
@@ -402,17 +408,18 @@ __global__ void __launch_bounds__(kThreads)
     kraw[u] = KRaw{};
     ksc[u] = vsc[u] = 0.0f;
     if (r < n_rows && r != new_row) {
-      const size_t e = first_elem + (size_t)r * row_stride;
+      const int64_t row = kv_detail::kv_row(blocks, lo + r);
+      const size_t e = (size_t)row * row_stride + head_elem;
       if constexpr (KQ) {
         kraw[u] = ldg8(k_codes + e, kv_pol);
-        ksc[u] = kv_detail::load_scale(k_scales, KT, lo + r, n_kv_heads, D, kvh, seg * 8);
+        ksc[u] = kv_detail::load_scale(k_scales, KT, row, n_kv_heads, D, kvh, seg * 8);
       } else {
         kraw[u] = ldg16(k_cache + e, kv_pol);
       }
       if constexpr (VQ) {
         cp_async8(smem_u32(&v_s[r * kLanes + seg]), v_codes + e, kv_pol);
         if (stores_vscale)
-          vsc[u] = kv_detail::load_scale(v_scales, VT, lo + r, n_kv_heads, D, kvh, seg * 8);
+          vsc[u] = kv_detail::load_scale(v_scales, VT, row, n_kv_heads, D, kvh, seg * 8);
       } else {
         cp_async16(smem_u32(&v_s[r * kLanes + seg]), v_cache + e, kv_pol);
       }
@@ -430,8 +437,8 @@ __global__ void __launch_bounds__(kThreads)
   float knew_sc = 0.0f;
   if constexpr (!ROPE) {
     if (has_new) {  // written to the caches by the kernel before: read through L2, not L1
-      const size_t e = first_elem + (size_t)new_row * row_stride;
-      const int64_t p = pos;
+      const int64_t p = kv_detail::kv_row(blocks, pos);  // the new token's cache row
+      const size_t e = (size_t)p * row_stride + head_elem;
       if constexpr (KQ) {
         knew = __ldcg(reinterpret_cast<const uint2*>(k_codes + e));
         knew_sc = KT == KvType::Q8_0
@@ -475,7 +482,7 @@ __global__ void __launch_bounds__(kThreads)
       knew_s[seg] = kr;
       v_s[new_row * kLanes + seg] = vr;
       if (blockIdx.z == 0) {
-        const size_t e = first_elem + (size_t)new_row * row_stride;
+        const size_t e = (size_t)kv_detail::kv_row(blocks, pos) * row_stride + head_elem;
         *reinterpret_cast<uint4*>(k_cache + e) = kr;
         *reinterpret_cast<uint4*>(v_cache + e) = vr;
       }
@@ -687,8 +694,8 @@ void launch_split(const __half* q, const KvCacheDev& k, const KvCacheDev& v, con
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
   launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT>, grid, dim3(kThreads), 0,
-             stream, q, k.data, v.data, (const void*)k.scales, (const void*)v.scales, d_pos,
-             sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o, ws_ml,
+             stream, q, k.data, v.data, (const void*)k.scales, (const void*)v.scales, k.blocks,
+             d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o, ws_ml,
              counters, out, out_index);
 }
 
@@ -763,6 +770,8 @@ void attention_decode(const __half* q, const KvCacheDev& k, const KvCacheDev& v,
   for (const KvCacheDev* c : {&k, &v})
     KESTREL_CHECK(c->type == KvType::F16 || c->scales,
                   std::string(who) + ": a " + kv_type_name(c->type) + " cache without its scales");
+  KESTREL_CHECK(k.blocks == v.blocks,
+                std::string(who) + ": K and V of a paged cache must share one block table");
   KESTREL_CHECK(!ROPE || (k.type == KvType::F16 && v.type == KvType::F16),
                 std::string(who) + ": the fused RoPE writes an f16 cache only");
   KESTREL_CHECK(!ROPE || reinterpret_cast<uintptr_t>(q) % 16 == 0,
@@ -835,7 +844,7 @@ void attention_decode_kv(const __half* q, const KvCacheDev& k, const KvCacheDev&
                           ctx_bound, heads_per_block, "attention_decode_kv");
 }
 
-void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
+void attention_decode_rope_f16(const __half* qkv, const KvCacheDev& k, const KvCacheDev& v,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, const RopeScaling& rope,
                                float* workspace, __half* out, cudaStream_t stream,
@@ -843,7 +852,6 @@ void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cac
                                int heads_per_block) {
   const rope_detail::InvFreq inv_freq =
       rope_detail::make_inv_freq("attention_decode_rope_f16", head_dim, rope);
-  const KvCacheDev k{KvType::F16, k_cache, nullptr}, v{KvType::F16, v_cache, nullptr};
   attention_decode<true>(qkv, k, v, d_pos, max_ctx, sliding_window, n_heads,
                          n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
                          ctx_bound, heads_per_block, "attention_decode_rope_f16");

@@ -52,22 +52,25 @@ void attention_decode_f16(const __half* q, const __half* k_cache, const __half* 
 // into a second copy. The query is already rotated and its K/V row written
 // (rope_kv_write_rows_kv at *d_pos). out_index as attention_decode_rope_f16's. The same grid,
 // chunks and checks as attention_decode_f16; an 8-bit row of a head is head_dim bytes (plus
-// its scales), half the bytes an f16 step reads. A type without its scales is a kestrel::Error.
+// its scales), half the bytes an f16 step reads. A paged cache (KvCacheDev::blocks) reads each
+// position's row through its block table; max_ctx is then the sequence's context (the table's
+// positions), not the pool's rows. A type without its scales, or K and V under different
+// tables, is a kestrel::Error.
 void attention_decode_kv(const __half* q, const KvCacheDev& k, const KvCacheDev& v,
                          const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                          int n_kv_heads, int head_dim, float* workspace, __half* out,
                          cudaStream_t stream, const int32_t* out_index = nullptr,
                          int ctx_bound = 0, int heads_per_block = 0);
 
-// The decode step's RoPE, KV-cache write and attention in one: qkv is the new token's
-// un-rotated [q | k | v] row (n_heads + 2 n_kv_heads heads, 16-byte aligned); q and k are
-// rotated for position *d_pos (frequencies, arithmetic and fp16 rounding as
-// rope_kv_write_f16), k and v are written to row *d_pos of the caches, and q attends as in
-// attention_decode_f16. The same values as rope_kv_write_f16 followed by attention_decode_f16,
+// The decode step's RoPE, KV-cache write and attention in one, over f16 caches (contiguous or
+// paged, as attention_decode_kv): qkv is the new token's un-rotated [q | k | v] row (n_heads +
+// 2 n_kv_heads heads, 16-byte aligned); q and k are rotated for position *d_pos (frequencies,
+// arithmetic and fp16 rounding as rope_kv_write_f16), k and v are written to the caches' row
+// of position *d_pos, and q attends as in attention_decode_f16. The same values as rope_kv_write_f16 followed by attention_decode_f16,
 // one launch fewer; qkv itself is not modified. out_index [n_heads * head_dim] (device), when
 // given: output e is stored at out[out_index[e]] (the o GEMV's act-order permutation, so that
 // it stages its x without a gather).
-void attention_decode_rope_f16(const __half* qkv, __half* k_cache, __half* v_cache,
+void attention_decode_rope_f16(const __half* qkv, const KvCacheDev& k, const KvCacheDev& v,
                                const int* d_pos, int max_ctx, int sliding_window, int n_heads,
                                int n_kv_heads, int head_dim, const RopeScaling& rope,
                                float* workspace, __half* out, cudaStream_t stream,

@@ -33,6 +33,10 @@
 // rounding of K and V; the rest of the arithmetic is unchanged. Loads are plain (not
 // cp.async), all of a thread's rows issued before the first conversion.
 //
+// Paged caches (attention_prefill_kv with a block table): a tile's 64 positions are four
+// blocks' worth, each key's row mapped as it is staged (kv_detail::kv_row; a tile starting
+// inside a sliding window straddles five). The tile in shared memory is the same.
+//
 // Scores are scaled by log2(e) / sqrt(head_dim) so that exp2 replaces exp. Flops: 4 * head_dim
 // per (query, key) pair; a causal 2048-token chunk of Llama-2-7B is ~34 GFLOP per layer. Blocks
 // are issued heaviest first (the last query tiles see the most keys).
@@ -84,6 +88,7 @@ struct Params {
   const __half* v;
   const void* k_scales;  // 8-bit caches (attention_prefill_kv): k and v hold codes
   const void* v_scales;
+  const int32_t* blocks;  // paged caches (attention_prefill_kv): K's and V's block table
   int pos0, T, window, group, kv_dim, n_kv_heads, out_stride;
   const int* d_pos0;  // where set, the first position is read from it (pos0 unused)
   __half* out;
@@ -145,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_kernel(const Param
       const int kp = kv0 + r;
       uint4 kv = zero, vv = zero;
       if (kp <= hi) {
-        const int64_t off = (int64_t)kp * p.kv_dim + (int64_t)g * D + c;
+        const int64_t off = kv_detail::kv_row(p.blocks, kp) * p.kv_dim + (int64_t)g * D + c;
         kv = *reinterpret_cast<const uint4*>(p.k + off);
         vv = *reinterpret_cast<const uint4*>(p.v + off);
       }
@@ -280,17 +285,20 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return u;
 }
 
-// Copies rows [kv0, kv0 + 64) of a cache (this block's KV head) into a shared tile; rows past
-// `hi` are zero-filled (never visible, and never uninitialised).
+// Copies positions [kv0, kv0 + 64) of a cache (this block's KV head; each at its row, kv_row)
+// into a shared tile; positions past `hi` are zero-filled (never visible, and never
+// uninitialised).
 template <int D>
-__device__ __forceinline__ void load_tile(__half* tile, const __half* cache, int kv0, int hi,
+__device__ __forceinline__ void load_tile(__half* tile, const __half* cache,
+                                          const int32_t* blocks, int kv0, int hi,
                                           int64_t kv_dim, int g, int tid) {
   constexpr int V8 = D / 8, LD = MmaLayout<D>::LD;
   for (int i = tid; i < kBK * V8; i += kThreads) {
     const int r = i / V8, c = (i % V8) * 8;
     const int kp = kv0 + r;
     if (kp <= hi)
-      cp_async16(smem_u32(tile + r * LD + c), cache + (int64_t)kp * kv_dim + (int64_t)g * D + c);
+      cp_async16(smem_u32(tile + r * LD + c),
+                 cache + kv_detail::kv_row(blocks, kp) * kv_dim + (int64_t)g * D + c);
     else
       *reinterpret_cast<uint4*>(tile + r * LD + c) = make_uint4(0, 0, 0, 0);
   }
@@ -300,10 +308,10 @@ __device__ __forceinline__ void load_tile(__half* tile, const __half* cache, int
 // into the fp16 tile (plain loads, every row of the thread's before the first conversion).
 template <int D, KvType T>
 __device__ __forceinline__ void load_tile_kv(__half* tile, const void* cache, const void* scales,
-                                             int kv0, int hi, int64_t kv_dim, int n_kv_heads,
-                                             int g, int tid) {
+                                             const int32_t* blocks, int kv0, int hi,
+                                             int64_t kv_dim, int n_kv_heads, int g, int tid) {
   if constexpr (T == KvType::F16) {
-    load_tile<D>(tile, static_cast<const __half*>(cache), kv0, hi, kv_dim, g, tid);
+    load_tile<D>(tile, static_cast<const __half*>(cache), blocks, kv0, hi, kv_dim, g, tid);
   } else {
     constexpr int V8 = D / 8, LD = MmaLayout<D>::LD, kPer = kBK * V8 / kThreads;
     static_assert(kBK * V8 % kThreads == 0, "whole pieces per thread");
@@ -316,8 +324,9 @@ __device__ __forceinline__ void load_tile_kv(__half* tile, const void* cache, co
       raw[j] = make_uint2(0, 0);
       sc[j] = 0.0f;
       if (kp <= hi) {
-        raw[j] = __ldg(reinterpret_cast<const uint2*>(codes + (int64_t)kp * kv_dim + (int64_t)g * D + c));
-        sc[j] = kv_detail::load_scale(scales, T, kp, n_kv_heads, D, g, c);
+        const int64_t row = kv_detail::kv_row(blocks, kp);
+        raw[j] = __ldg(reinterpret_cast<const uint2*>(codes + row * kv_dim + (int64_t)g * D + c));
+        sc[j] = kv_detail::load_scale(scales, T, row, n_kv_heads, D, g, c);
       }
     }
 #pragma unroll
@@ -378,8 +387,8 @@ __global__ void __launch_bounds__(kThreads) attention_prefill_mma_kernel(const P
   const int lo = p.window > 0 ? max(0, pos0 + t0 + 1 - p.window) : 0;
   for (int kv0 = lo; kv0 <= hi; kv0 += kBK) {
     __syncthreads();  // every warp is done with the previous K, V tile
-    load_tile_kv<D, KT>(Ks, p.k, p.k_scales, kv0, hi, p.kv_dim, p.n_kv_heads, g, tid);
-    load_tile_kv<D, VT>(Vs, p.v, p.v_scales, kv0, hi, p.kv_dim, p.n_kv_heads, g, tid);
+    load_tile_kv<D, KT>(Ks, p.k, p.k_scales, p.blocks, kv0, hi, p.kv_dim, p.n_kv_heads, g, tid);
+    load_tile_kv<D, VT>(Vs, p.v, p.v_scales, p.blocks, kv0, hi, p.kv_dim, p.n_kv_heads, g, tid);
     cp_async_wait_all();
     __syncthreads();
 
@@ -577,10 +586,13 @@ void attention_prefill_kv(const __half* q, int64_t q_stride, const KvCacheDev& k
     KESTREL_CHECK(c->type == KvType::F16 || c->scales,
                   std::string("attention_prefill_kv: a ") + kv_type_name(c->type) +
                       " cache without its scales");
+  KESTREL_CHECK(k.blocks == v.blocks,
+                "attention_prefill_kv: K and V of a paged cache must share one block table");
   Params p = make_params("attention_prefill_kv", q, q_stride, k.data, v.data, pos0, T,
                          sliding_window, n_heads, n_kv_heads, head_dim, out, d_pos0);
   p.k_scales = k.scales;
   p.v_scales = v.scales;
+  p.blocks = k.blocks;
   if (head_dim == 64)
     dispatch_kv<64>(p, k.type, v.type, n_heads, stream);
   else

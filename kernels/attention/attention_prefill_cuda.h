@@ -37,8 +37,9 @@ void attention_prefill_f16(const __half* q, int64_t q_stride, const __half* k_ca
 // attention_prefill_f16's Mma kernel over caches of any type (kv_cache_cuda.h, K and V each
 // its own): each K/V tile dequantized (code * scale in fp32, rounded to fp16) as it is staged
 // in shared memory, never into a second copy of the cache. The same contract otherwise (the
-// chunk's own K/V written first, by rope_kv_write_rows_kv). A type without its scales is a
-// kestrel::Error.
+// chunk's own K/V written first, by rope_kv_write_rows_kv). A paged cache
+// (KvCacheDev::blocks) reads each position's row through its block table, f16 included. A type
+// without its scales, or K and V under different tables, is a kestrel::Error.
 void attention_prefill_kv(const __half* q, int64_t q_stride, const KvCacheDev& k,
                           const KvCacheDev& v, int pos0, int T, int sliding_window, int n_heads,
                           int n_kv_heads, int head_dim, __half* out, cudaStream_t stream,

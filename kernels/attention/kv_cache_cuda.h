@@ -16,6 +16,19 @@
 //
 // A value reads as code * scale in fp32; the codes and scales are those KvLayerRef::write
 // makes of the same (fp16) input, byte for byte.
+//
+// Paged caches (models/kv_pool.h): the same arrays over a pool's rows (n_blocks * 16 of them,
+// where ctx stands above), and a block table that maps a sequence's position p to
+//
+//   row(p) = blocks[p / 16] * 16 + p % 16       (kKvBlock = 16; KvLayerRef::row)
+//
+//   positions  0 .. 15 | 16 .. 31 | 32 .. 47 | ...        blocks = {5, 0, 2, ...}
+//   rows      80 .. 95 |  0 .. 15 | 32 .. 47 | ...
+//
+// so that p * kv_dim above becomes row(p) * kv_dim (and likewise for the scales). Every kernel
+// that takes a KvCacheDev reads and writes through it (kv_detail::kv_row); the entry points that
+// take bare __half pointers (attention_decode_f16, attention_prefill_f16,
+// rope_kv_write_rows_f16) address a contiguous cache only.
 #pragma once
 
 #include <cstddef>
@@ -30,11 +43,14 @@
 namespace kestrel::cuda {
 
 // One layer's K or V cache on the device (it owns nothing). `data` is 16-byte aligned; `scales`
-// is null for f16.
+// is null for f16. `blocks` (device memory, one int32 per 16 positions up to the context) is
+// null for a contiguous cache; the attention kernels take K and V of one sequence and want
+// them under the same table.
 struct KvCacheDev {
   KvType type = KvType::F16;
   void* data = nullptr;
   void* scales = nullptr;
+  const int32_t* blocks = nullptr;
 
   const __half* f16() const { return static_cast<const __half*>(data); }
 };
@@ -51,7 +67,7 @@ inline size_t kv_scales_bytes(KvType t, int64_t ctx, int n_kv_heads, int head_di
 // qkv [T, row_stride], row t = q [n_heads, head_dim] | k [n_kv_heads, head_dim] | v (likewise),
 // the token at position pos0 + t (pos0 = *d_pos0 where d_pos0 is set, so that a captured graph
 // replays at any position). Rotates q and k of every row in place, bitwise as
-// rope_kv_write_rows_f16 does, and writes the rotated k and v at rows pos0 + t of k and v,
+// rope_kv_write_rows_f16 does, and writes the rotated k and v at positions pos0 + t of k and v,
 // each rounded to its cache's type from its fp16 value as KvLayerRef::write rounds it (f16:
 // copied). Launched with programmatic dependent launch (it waits for the kernel before).
 // head_dim 64 or 128; q8_0 needs head_dim a multiple of 32 (both are); anything else, a

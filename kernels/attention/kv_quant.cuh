@@ -1,5 +1,5 @@
-// Device code of the 8-bit KV cache (kv_cache_cuda.h): the rounding of a value when it is
-// written and its reading back, the arithmetic of the reference (kv_quant_ref.cpp) operation
+// Device code of the KV cache (kv_cache_cuda.h): where a position's row lies (kv_row), and for
+// the 8-bit types the rounding of a value when it is written and its reading back, the arithmetic of the reference (kv_quant_ref.cpp) operation
 // for operation. Include from .cu files only.
 //
 // Writing (one warp per head, every lane holding one value of each block of 32 dims):
@@ -24,6 +24,18 @@
 #include "kernels/attention/kv_quant.h"
 
 namespace kestrel::cuda::kv_detail {
+
+// The cache row that holds position p (KvCacheDev::blocks, KvLayerRef::row): p itself in a
+// contiguous cache; in a paged one row blocks[p / 16] * 16 + p % 16 of the pool's rows, whose
+// layout per row is a contiguous cache's. Every kernel that reads or writes K/V maps a
+// position through here and nowhere else. A contiguous cache pays a select on a kernel
+// argument that is the same over the whole grid; a paged row, one 4-byte load of the table,
+// which the rows of its block share.
+__device__ __forceinline__ int64_t kv_row(const int32_t* __restrict__ blocks, int pos) {
+  static_assert(kKvBlock == 16, "the shifts below assume blocks of 16 positions");
+  return blocks ? (int64_t)__ldg(blocks + (pos >> 4)) * kKvBlock + (pos & (kKvBlock - 1))
+                : (int64_t)pos;
+}
 
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -89,15 +101,15 @@ __device__ __forceinline__ float code_to_float(uint8_t c, KvType t) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, __NV_E4M3)));
 }
 
-// The scale of dims d .. of head `head` at position `pos` (d inside one block of 32).
-__device__ __forceinline__ float load_scale(const void* scales, KvType t, int64_t pos,
+// The scale of dims d .. of head `head` in cache row `row` (kv_row; d inside one block of 32).
+__device__ __forceinline__ float load_scale(const void* scales, KvType t, int64_t row,
                                             int n_kv_heads, int head_dim, int head, int d) {
   if (t == KvType::Q8_0) {
     const int64_t per_row = (int64_t)n_kv_heads * head_dim / kQ8Block;
     return __half2float(
-        __ldg(static_cast<const __half*>(scales) + pos * per_row + (head * head_dim + d) / kQ8Block));
+        __ldg(static_cast<const __half*>(scales) + row * per_row + (head * head_dim + d) / kQ8Block));
   }
-  return __ldg(static_cast<const float*>(scales) + pos * n_kv_heads + head);
+  return __ldg(static_cast<const float*>(scales) + row * n_kv_heads + head);
 }
 
 }  // namespace kestrel::cuda::kv_detail

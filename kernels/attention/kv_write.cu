@@ -16,7 +16,8 @@
 //
 // Bytes: a token's q|k|v read and q|k written back (fp16), its K and V rows written in their
 // types; a decode step's few KB, a prefill chunk's activations once more. The kernel exists to
-// round the cache where it is written, not to stream.
+// round the cache where it is written, not to stream. A paged cache's row is its block's
+// (kv_detail::kv_row): a 4-byte read of the table per head written.
 #include "kernels/attention/kv_cache_cuda.h"
 
 #include <string>
@@ -33,14 +34,15 @@ namespace {
 constexpr int kWarps = 8;  // heads per block
 
 // Stores one head's values x[b] = dim lane + 32 b of position pos, KV head `head`, in the
-// cache's type.
+// cache's type, at the position's row (kv_row: its block's, in a paged cache).
 template <int D>
 __device__ __forceinline__ void store_head(const KvCacheDev& c, const float (&x)[D / 32],
-                                           const __half (&xh)[D / 32], int64_t pos, int head,
+                                           const __half (&xh)[D / 32], int pos, int head,
                                            int n_kv_heads, int lane) {
   constexpr int NB = D / 32;
   const int64_t kv_dim = (int64_t)n_kv_heads * D;
-  const int64_t e0 = pos * kv_dim + (int64_t)head * D;
+  const int64_t row = kv_detail::kv_row(c.blocks, pos);
+  const int64_t e0 = row * kv_dim + (int64_t)head * D;
   switch (c.type) {
     case KvType::F16: {
       __half* dst = static_cast<__half*>(c.data) + e0;
@@ -51,11 +53,11 @@ __device__ __forceinline__ void store_head(const KvCacheDev& c, const float (&x)
     case KvType::Q8_0:
       kv_detail::quantize_head_q8_0<NB>(
           x, static_cast<int8_t*>(c.data) + e0,
-          static_cast<__half*>(c.scales) + (pos * kv_dim + (int64_t)head * D) / kQ8Block, lane);
+          static_cast<__half*>(c.scales) + (row * kv_dim + (int64_t)head * D) / kQ8Block, lane);
       break;
     case KvType::Fp8:
       kv_detail::quantize_head_fp8<NB>(x, static_cast<uint8_t*>(c.data) + e0,
-                                       static_cast<float*>(c.scales) + pos * n_kv_heads + head,
+                                       static_cast<float*>(c.scales) + row * n_kv_heads + head,
                                        lane);
       break;
   }

@@ -26,12 +26,14 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
   check_batch_rows(*this, rows);
   const int B = static_cast<int>(rows.size());
   if (B == 0) return;
+  std::vector<DecoderCudaSession*> sessions(B);
   std::vector<const GpuSequence*> seqs(B);
   std::vector<int> tokens(B), positions(B), bounds(B);
   for (int i = 0; i < B; ++i) {
     auto* session = dynamic_cast<DecoderCudaSession*>(rows[i].session);
     KESTREL_CHECK(session != nullptr,
                   fmt::format("forward_batch: row {}'s session is not a CUDA engine session", i));
+    sessions[i] = session;
     seqs[i] = &session->q_;
     tokens[i] = rows[i].token;
     positions[i] = rows[i].pos;
@@ -42,6 +44,9 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     rows[0].session->forward(&rows[0].token, 1, rows[0].pos, logits);
     return;
   }
+  // Paged sessions: each row's position made its session's own, the tables uploaded, before
+  // the first kernel.
+  for (int i = 0; i < B; ++i) sessions[i]->prepare_write(rows[i].pos, 1);
 
   const ModelConfig& c = cfg_;
   const size_t vocab = c.vocab;
@@ -75,6 +80,7 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     // The next chunk overwrites the tokens, positions and logits: wait for the copies.
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(s));
   }
+  for (int i = 0; i < B; ++i) sessions[i]->commit_write(rows[i].pos, &rows[i].token, 1);
 }
 
 }  // namespace kestrel

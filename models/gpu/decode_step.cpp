@@ -35,7 +35,8 @@ struct DecodeOps {
   const ModelConfig& c;
   const GpuRunState& r;       // the model's scratch
   const GpuSequence& q;       // the sequence's cache and attention workspace
-  cuda::KvCacheDev k_cache;   // [ctx, kv_dim] this layer's, in the sequence's types
+  cuda::KvCacheDev k_cache;   // [ctx, kv_dim] this layer's, in the sequence's types (paged:
+                              // the pool's rows, through the sequence's block table)
   cuda::KvCacheDev v_cache;
   int ctx_bound;              // the graph's range of positions ends here
   const DecodeTuning& tuning;
@@ -68,12 +69,11 @@ struct DecodeOps {
   // L.order, storing its output in o's act-order permutation). An 8-bit cache takes two: RoPE
   // with the write rounded to the cache's types, then the split kernel reading codes.
   void attention(const GpuLayer& L) {
-    if (!q.types.quantized()) {
-      cuda::attention_decode_rope_f16(
-          r.qkv, static_cast<__half*>(k_cache.data), static_cast<__half*>(v_cache.data), r.pos,
-          q.ctx, c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(),
-          q.att_workspace, r.att, s, L.order.att_out, ctx_bound,
-          tuning.attention_heads_per_block);
+    if (!q.kv.types.quantized()) {
+      cuda::attention_decode_rope_f16(r.qkv, k_cache, v_cache, r.pos, q.ctx, c.sliding_window,
+                                      c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(),
+                                      q.att_workspace, r.att, s, L.order.att_out, ctx_bound,
+                                      tuning.attention_heads_per_block);
       profiler.mark("rope + kv write + attention",
                     profiler.on() ? 2.0 * (profiler.pos() + 1) * c.kv_dim() * kHalf : 0, s);
       return;
@@ -84,8 +84,8 @@ struct DecodeOps {
     cuda::attention_decode_kv(r.qkv, k_cache, v_cache, r.pos, q.ctx, c.sliding_window, c.n_heads,
                               c.n_kv_heads, c.head_dim, q.att_workspace, r.att, s,
                               L.order.att_out, ctx_bound, tuning.attention_heads_per_block);
-    const double row = (double)kv_row_bytes(q.types.k, c.n_kv_heads, c.head_dim, 2) +
-                       (double)kv_row_bytes(q.types.v, c.n_kv_heads, c.head_dim, 2);
+    const double row = (double)kv_row_bytes(q.kv.types.k, c.n_kv_heads, c.head_dim, 2) +
+                       (double)kv_row_bytes(q.kv.types.v, c.n_kv_heads, c.head_dim, 2);
     profiler.mark("attention (8-bit cache)", profiler.on() ? (profiler.pos() + 1) * row : 0, s);
   }
 

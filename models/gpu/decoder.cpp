@@ -4,7 +4,9 @@
 #include "models/gpu/decoder.h"
 
 #include <algorithm>
+#include <climits>
 #include <fmt/format.h>
+#include <tuple>
 
 #include "base/device.h"
 #include "base/error.h"
@@ -14,6 +16,7 @@
 #include "kernels/gemv/gemv_format.h"
 #include "kernels/sampling/sample_cuda.h"
 #include "models/gpu/act_order.h"
+#include "models/registry.h"
 
 namespace kestrel {
 
@@ -39,6 +42,49 @@ std::string cuda_unsupported_formats(const ModelSpec& spec) {
         return fmt::format("the CUDA engine does not run {}'s {}; use --device cpu", l->name, why);
     }
   return "";
+}
+
+void GpuKvStorage::allocate(DeviceMemory& mem, const ModelConfig& c, KvCacheTypes t,
+                            int64_t n_rows, const std::string& for_what,
+                            const std::string& hint) {
+  types = t;
+  rows = n_rows;
+  bytes = cache_bytes_per_position(Device::Cuda, c, t) * n_rows;
+  const size_t layers = c.n_layers;
+  auto alloc = [&](size_t b) { return mem.alloc(b, for_what, hint); };
+  key_cache = alloc(layers * cuda::kv_data_bytes(t.k, rows, c.n_kv_heads, c.head_dim));
+  value_cache = alloc(layers * cuda::kv_data_bytes(t.v, rows, c.n_kv_heads, c.head_dim));
+  if (t.k != KvType::F16)
+    key_scales = alloc(layers * cuda::kv_scales_bytes(t.k, rows, c.n_kv_heads, c.head_dim));
+  if (t.v != KvType::F16)
+    value_scales = alloc(layers * cuda::kv_scales_bytes(t.v, rows, c.n_kv_heads, c.head_dim));
+}
+
+void GpuKvStorage::copy_blocks(std::span<const KvBlockTable::Copy> copies, const ModelConfig& c,
+                               cudaStream_t s) const {
+  // Per array, layer l's rows start at l * (its bytes for `rows` rows); a block's rows are
+  // contiguous within a layer, so each (copy, array, layer) is one copy of 16 rows.
+  struct Array {
+    void* base;
+    size_t layer_bytes, block_bytes;
+  };
+  std::vector<Array> arrays;
+  for (const auto& [t, data, scales] : {std::tuple{types.k, key_cache, key_scales},
+                                        std::tuple{types.v, value_cache, value_scales}}) {
+    arrays.push_back({data, cuda::kv_data_bytes(t, rows, c.n_kv_heads, c.head_dim),
+                      cuda::kv_data_bytes(t, kKvBlock, c.n_kv_heads, c.head_dim)});
+    if (scales)
+      arrays.push_back({scales, cuda::kv_scales_bytes(t, rows, c.n_kv_heads, c.head_dim),
+                        cuda::kv_scales_bytes(t, kKvBlock, c.n_kv_heads, c.head_dim)});
+  }
+  for (const KvBlockTable::Copy& cp : copies)
+    for (const Array& a : arrays)
+      for (int l = 0; l < c.n_layers; ++l) {
+        char* layer = static_cast<char*>(a.base) + (size_t)l * a.layer_bytes;
+        KESTREL_CUDA_CHECK(cudaMemcpyAsync(layer + (size_t)cp.to * a.block_bytes,
+                                           layer + (size_t)cp.from * a.block_bytes, a.block_bytes,
+                                           cudaMemcpyDeviceToDevice, s));
+      }
 }
 
 DecoderCuda::DecoderCuda(const ModelSpec& spec, bool quiet, const DecodeTuning& tuning,
@@ -129,10 +175,10 @@ std::unique_ptr<Session> DecoderCuda::new_session(int context, bool quiet) {
 // A short prompt through the prefill at load, as llama.cpp warms up: the first use of cuBLASLt
 // (its handle, the modules of its kernels) otherwise lands on the first prompt, where it costs
 // more than the prompt itself (docs/performance.md). It runs in the model's first session: its
-// K/V at positions 0.. is written again by the first real prompt; its memory is the prefill's
-// scratch, which that prompt takes anyway (after_load_bytes_, the decode path's share, is
-// measured before). Where the scratch does not fit, opening the session still succeeds: the
-// first prompt reports it.
+// K/V at positions 0.. is written again by the first real prompt (paged, its blocks are given
+// back); its memory is the prefill's scratch, which that prompt takes anyway
+// (after_load_bytes_, the decode path's share, is measured before). Where the scratch does not
+// fit, opening the session still succeeds: the first prompt reports it.
 void DecoderCuda::warm_up(DecoderCudaSession& q) {
   const int n = std::min(cuda::kGemmMinRows, q.q_.ctx);
   if (n < 2) return;
@@ -145,6 +191,31 @@ void DecoderCuda::warm_up(DecoderCudaSession& q) {
     // Out of memory leaves the device usable; anything sticky fails here and is reported.
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
+  q.adopt_prefix({});  // paged: the blocks it wrote go back to the pool, never published
+}
+
+bool DecoderCuda::use_kv_pool(int64_t positions) {
+  KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
+  const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
+  KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,
+                "a KV pool of " + std::to_string(positions) + " positions is past what one holds");
+  // Sessions made before keep the pool they were made with (they share its ownership).
+  auto p = std::make_shared<GpuKvPool>((int)blocks);
+  p->kv.allocate(p->mem, cfg_, cache_, blocks * kKvBlock,
+                 fmt::format(" for a KV pool of {} positions", blocks * kKvBlock),
+                 "; use a smaller pool");
+  pool_ = std::move(p);
+  return true;
+}
+
+KvPoolUse DecoderCuda::kv_pool_use() const {
+  KvPoolUse u;
+  if (!pool_) return u;
+  std::lock_guard<std::mutex> g(pool_->m);
+  u.blocks = pool_->blocks.n_blocks();
+  u.cached = pool_->blocks.cached_blocks();
+  u.held = u.blocks - pool_->blocks.available();
+  return u;
 }
 
 size_t DecoderCuda::device_bytes_in_use() const {

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
@@ -29,6 +30,7 @@
 #include "models/gpu/profiler.h"
 #include "models/gpu/weights.h"
 #include "models/io/model_spec.h"
+#include "models/kv_pool.h"
 #include "models/model.h"
 #include "models/tuning.h"
 
@@ -52,35 +54,69 @@ struct GpuRunState {
   void* sample_workspace = nullptr;  // the sampler's candidates, per block
 };
 
+// The K and V rows of every layer, each in its type (--cache-type-k/-v; the layout of
+// kernels/attention/kv_cache_cuda.h, layer after layer): a session's own cache (rows = its
+// context) or the model's paged pool (rows = its blocks * kKvBlock).
+struct GpuKvStorage {
+  KvCacheTypes types;            // of the K and V caches
+  int64_t rows = 0;              // per layer
+  size_t bytes = 0;              // of K and V together, scales included
+  void* key_cache = nullptr;     // [n_layers, rows, kv_dim]: fp16 values (f16) or 8-bit codes
+  void* value_cache = nullptr;   // [n_layers, rows, kv_dim]
+  void* key_scales = nullptr;    // [n_layers, rows, scales per row] (8-bit types; else null)
+  void* value_scales = nullptr;
+
+  // Allocates the arrays in `mem` (a DeviceError naming `for_what` where they do not fit).
+  void allocate(DeviceMemory& mem, const ModelConfig& c, KvCacheTypes t, int64_t rows,
+                const std::string& for_what, const std::string& hint);
+  // Layer l's K (or V) rows as the kernels take them, read through `blocks` where paged.
+  cuda::KvCacheDev k_layer(int l, const ModelConfig& c, const int32_t* blocks) const {
+    return layer(types.k, key_cache, key_scales, l, c, blocks);
+  }
+  cuda::KvCacheDev v_layer(int l, const ModelConfig& c, const int32_t* blocks) const {
+    return layer(types.v, value_cache, value_scales, l, c, blocks);
+  }
+  // Stream-ordered copies of whole blocks (KvBlockTable::Copy: rows from * kKvBlock .. onto
+  // to * kKvBlock ..) of every layer's K and V, codes and scales.
+  void copy_blocks(std::span<const KvBlockTable::Copy> copies, const ModelConfig& c,
+                   cudaStream_t s) const;
+
+ private:
+  cuda::KvCacheDev layer(KvType t, void* data, void* scales, int l, const ModelConfig& c,
+                         const int32_t* blocks) const {
+    const size_t d = cuda::kv_data_bytes(t, rows, c.n_kv_heads, c.head_dim);
+    const size_t sc = cuda::kv_scales_bytes(t, rows, c.n_kv_heads, c.head_dim);
+    return {t, static_cast<char*>(data) + (size_t)l * d,
+            scales ? static_cast<char*>(scales) + (size_t)l * sc : nullptr, blocks};
+  }
+};
+
+// Paged KV memory on the GPU (DecoderCuda::use_kv_pool): the K and V rows of every layer for
+// the pool's blocks, and the blocks' bookkeeping. Sessions made after it share it (and keep it
+// alive while they last); they take turns through the model, but adopt a prefix
+// (Session::adopt_prefix) from their requests' threads: the bookkeeping is behind `m`.
+struct GpuKvPool {
+  explicit GpuKvPool(int n_blocks) : blocks(n_blocks) {}
+  KvBlockPool blocks;
+  GpuKvStorage kv;  // rows = blocks * kKvBlock
+  DeviceMemory mem;
+  std::mutex m;
+};
+
 // One sequence's memory on the device (DecoderCudaSession): its KV cache and attention's
 // workspace, which is sized by the context. What the model's recorded forward reads and writes
-// of a sequence. K and V each in its type (--cache-type-k/-v; the layout of
-// kernels/attention/kv_cache_cuda.h, layer after layer).
+// of a sequence: its own cache, or the pool's rows through its block table (`blocks`, device
+// memory of ceil(ctx / kKvBlock) entries that stays at one address for the session's life, so
+// that its captured graphs read whatever the host last uploaded there).
 struct GpuSequence {
-  int ctx = 0;                   // positions the cache holds
-  size_t cache_bytes = 0;        // of the K and V caches together, scales included
-  KvCacheTypes types;            // of the K and V caches
-  void* key_cache = nullptr;     // [n_layers, ctx, kv_dim]: fp16 values (f16) or 8-bit codes
-  void* value_cache = nullptr;   // [n_layers, ctx, kv_dim]
-  void* key_scales = nullptr;    // [n_layers, ctx, scales per row] (8-bit types; else null)
-  void* value_scales = nullptr;
+  int ctx = 0;                   // positions the sequence may hold
+  GpuKvStorage kv;               // its own cache, or a view of the pool's
+  int32_t* blocks = nullptr;     // paged: the block of each kKvBlock positions; else null
   float* att_workspace = nullptr;
 
   // Layer l's K and V caches as the kernels take them.
-  cuda::KvCacheDev k_layer(int l, const ModelConfig& c) const {
-    return layer(types.k, key_cache, key_scales, l, c);
-  }
-  cuda::KvCacheDev v_layer(int l, const ModelConfig& c) const {
-    return layer(types.v, value_cache, value_scales, l, c);
-  }
-
- private:
-  cuda::KvCacheDev layer(KvType t, void* data, void* scales, int l, const ModelConfig& c) const {
-    const size_t d = cuda::kv_data_bytes(t, ctx, c.n_kv_heads, c.head_dim);
-    const size_t sc = cuda::kv_scales_bytes(t, ctx, c.n_kv_heads, c.head_dim);
-    return {t, static_cast<char*>(data) + (size_t)l * d,
-            scales ? static_cast<char*>(scales) + (size_t)l * sc : nullptr};
-  }
+  cuda::KvCacheDev k_layer(int l, const ModelConfig& c) const { return kv.k_layer(l, c, blocks); }
+  cuda::KvCacheDev v_layer(int l, const ModelConfig& c) const { return kv.v_layer(l, c, blocks); }
 };
 
 // Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)
@@ -120,6 +156,10 @@ class DecoderCuda final : public Model {
   // One token of each row's session in one pass (models/gpu/batch.cpp): the linears over all
   // rows, each weight read once; RoPE, the K/V write and attention per row over its own cache.
   void forward_batch(std::span<const BatchRow> rows, float* logits) override;
+  // Paged KV memory (Model::use_kv_pool): one device allocation per K and V array of the pool's
+  // rows, in the model's cache types; sessions made from now on keep their K/V there.
+  bool use_kv_pool(int64_t positions) override;
+  KvPoolUse kv_pool_use() const override;
   size_t weight_bytes() const override { return weight_bytes_; }
   // After loading and opening the first session (its KV cache and graphs), before any prompt.
   size_t device_bytes_after_load() const override { return after_load_bytes_; }
@@ -206,6 +246,7 @@ class DecoderCuda final : public Model {
   // pinned: [0] pos, [1 .. 1 + kVerifyMaxRows) tokens, [1 + kVerifyMaxRows ..) the ids
   int* host_rows_ = nullptr;
   std::unique_ptr<PrefillState, PrefillDeleter> prefill_;
+  std::shared_ptr<GpuKvPool> pool_;  // paged KV memory, where use_kv_pool made one
   int prefill_chunk_ = 2048;
   uint64_t prefill_generations_ = 0;  // PrefillStates made so far (each one's generation)
 };

@@ -87,9 +87,11 @@ struct RowsOps {
 
   // RoPE + the KV write, then causal attention over the cache. 8-bit caches: the write rounds
   // to their types and the attention dequantizes its tiles (kernels/attention/kv_cache_cuda.h).
+  // A paged cache takes the same two kernels, which read and write through its block table (in
+  // f16 too: their f16 path is the f16 kernels' arithmetic).
   void attention(const GpuLayer& L) {
     if (batch) return batch_attention(L);
-    if (k_cache.type == KvType::F16 && v_cache.type == KvType::F16) {
+    if (k_cache.type == KvType::F16 && v_cache.type == KvType::F16 && !k_cache.blocks) {
       __half* kc = static_cast<__half*>(k_cache.data);
       __half* vc = static_cast<__half*>(v_cache.data);
       cuda::rope_kv_write_rows_f16(b.qkv, qkv_n(), T, pos0, kc, vc, c.n_heads, c.n_kv_heads,
@@ -118,12 +120,10 @@ struct RowsOps {
       __half* out = b.att + (size_t)i * qd;
       const int* pos = batch->d_pos + i;
       const int bound = batch->bounds ? batch->bounds[i] : 0;
-      if (!q.types.quantized()) {
-        cuda::attention_decode_rope_f16(row, static_cast<__half*>(kc.data),
-                                        static_cast<__half*>(vc.data), pos, q.ctx,
-                                        c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim,
-                                        c.rope_scaling(), q.att_workspace, out, s,
-                                        /*out_index=*/nullptr, bound);
+      if (!q.kv.types.quantized()) {
+        cuda::attention_decode_rope_f16(row, kc, vc, pos, q.ctx, c.sliding_window, c.n_heads,
+                                        c.n_kv_heads, c.head_dim, c.rope_scaling(),
+                                        q.att_workspace, out, s, /*out_index=*/nullptr, bound);
       } else {
         cuda::rope_kv_write_rows_kv(row, qkv_n(), 1, 0, kc, vc, c.n_heads, c.n_kv_heads,
                                     c.head_dim, c.rope_scaling(), s, pos);

@@ -76,7 +76,7 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
 // slices leave SMs idle in their GEMMs. A model too small for that to fit in 5% goes over it
 // rather than lose most of its prompt speed (the figures: docs/performance.md).
 DecoderCuda::PrefillPlan DecoderCuda::prefill_plan(const GpuSequence& q, int max_rows) const {
-  const size_t base = weight_bytes_ + q.cache_bytes;
+  const size_t base = weight_bytes_ + q.kv.bytes;
   const size_t decode = scratch_bytes_;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
   // modules of its kernels and of the prefill's), which would otherwise push a long prompt's

@@ -48,15 +48,19 @@ void DecoderCudaSession::forward_argmax_rows(const int* tokens, int n, int pos, 
     if (cudaGraphExec_t g = verify_graphs_.get(n, m.prefill_->generation)) {
       KESTREL_CHECK(pos >= 0, fmt::format("position {} is negative", pos));
       m.check_tokens(tokens, n);
+      prepare_write(pos, n);
       m.host_rows_[0] = pos;
       std::memcpy(m.host_rows_ + 1, tokens, n * sizeof(int));
       KESTREL_CUDA_CHECK(cudaGraphLaunch(g, m.stream_));
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(m.stream_));
       std::memcpy(out, m.host_rows_ + 1 + kMaxRows, n * sizeof(int));
+      commit_write(pos, tokens, n);
       return;
     }
   }
+  prepare_write(pos, n);
   m.prefill(q_, tokens, n, pos, nullptr, nullptr, nullptr, nullptr, out);
+  commit_write(pos, tokens, n);
   // The pass just run made what the graph binds (the scratch, the logits of every row) and
   // chose cuBLASLt's algorithms and the fused GEMM's plans for these shapes, so that the
   // capture only records launches. It is replayed from the next pass of n rows on.

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -38,6 +39,7 @@
 #include "kernels/common/cuda_utils.h"
 #include "kernels/rope/rope_rows_cuda.h"
 #include "tests/support/gpu.h"
+#include "tests/support/kv_table.h"
 
 namespace kestrel {
 namespace {
@@ -109,22 +111,27 @@ std::vector<float> widen(const uint16_t* h, size_t n) {
 }
 
 // One layer's cache of ctx positions in type t, on the host in the reference's storage and on
-// the device in the CUDA layout (kv_cache_cuda.h). f16: fp32 values on the host, fp16 on the
-// device (the values written are fp16-representable, so both hold the same numbers).
+// the device in the CUDA layout (kv_cache_cuda.h), contiguous or (with a block table,
+// tests/support/kv_table.h) paged over a pool of rows. f16: fp32 values on the host, fp16 on the device (the values written are
+// fp16-representable, so both hold the same numbers).
 struct TestCache {
   KvType type;
   int ctx, n_kv_heads, head_dim;
+  std::vector<int32_t> blocks;    // paged: the table (scrambled_table); contiguous: empty
+  int64_t rows;                   // storage rows: ctx, or the pool's
   std::vector<float> values;      // f16
   std::vector<uint8_t> codes;     // q8_0, fp8
   std::vector<uint8_t> scales;    // their bytes: fp16 (q8_0) or fp32 (fp8)
 
-  TestCache(KvType t, int ctx_, int n_kv, int hd) : type(t), ctx(ctx_), n_kv_heads(n_kv), head_dim(hd) {
+  TestCache(KvType t, int ctx_, int n_kv, int hd, std::vector<int32_t> table = {})
+      : type(t), ctx(ctx_), n_kv_heads(n_kv), head_dim(hd), blocks(std::move(table)) {
+    rows = blocks.empty() ? ctx : test::pool_rows(blocks);
     const size_t kvd = (size_t)n_kv * hd;
     if (t == KvType::F16) {
-      values.assign(ctx * kvd, 0.0f);
+      values.assign(rows * kvd, 0.0f);
     } else {
-      codes.assign(ctx * kvd, 0);
-      scales.assign(cuda::kv_scales_bytes(t, ctx, n_kv, hd), 0);
+      codes.assign(rows * kvd, 0);
+      scales.assign(cuda::kv_scales_bytes(t, rows, n_kv, hd), 0);
     }
   }
   KvLayerRef ref() {
@@ -135,15 +142,29 @@ struct TestCache {
     r.values = values.data();
     r.codes = codes.data();
     r.scales = scales.data();
+    r.blocks = blocks.empty() ? nullptr : blocks.data();
     return r;
   }
-  // Makes every row outside [first, end) unreadable: NaN values (f16), NaN scales (8-bit; fp8
-  // codes NaN too), so a kernel that reads one puts NaN in its output.
+  // The storage as the device holds it: f16 values as fp16 bits, else the codes.
+  std::vector<uint8_t> device_data() const {
+    if (type != KvType::F16) return codes;
+    std::vector<uint8_t> b(values.size() * 2);
+    for (size_t i = 0; i < values.size(); ++i) {
+      const uint16_t h = float_to_half(values[i]);
+      std::memcpy(&b[2 * i], &h, 2);
+    }
+    return b;
+  }
+  // Makes every row but those of positions [first, end) unreadable (a paged cache's other
+  // blocks and spare rows included): NaN values (f16), NaN scales (8-bit; fp8 codes NaN too),
+  // so a kernel that reads one puts NaN in its output.
   void poison_outside(int first, int end) {
     const size_t kvd = (size_t)n_kv_heads * head_dim;
     const int64_t spr = kv_scales_per_row(type, n_kv_heads, head_dim);
-    for (int p = 0; p < ctx; ++p) {
-      if (p >= first && p < end) continue;
+    std::vector<bool> live(rows, false);
+    for (int p = first; p < end; ++p) live[ref().row(p)] = true;
+    for (int64_t p = 0; p < rows; ++p) {  // p: a storage row
+      if (live[p]) continue;
       if (type == KvType::F16) {
         std::fill_n(values.begin() + p * kvd, kvd, std::nanf(""));
       } else if (type == KvType::Q8_0) {
@@ -158,25 +179,26 @@ struct TestCache {
   }
 };
 
-// The device copy of a TestCache.
+// The device copy of a TestCache. A paged one's K and V share one device table (`blocks`,
+// which the kernels require of them): the caller's.
 struct DevCache {
   DevBytes data, scales;
   explicit DevCache(const TestCache& c)
-      : data(cuda::kv_data_bytes(c.type, c.ctx, c.n_kv_heads, c.head_dim)),
-        scales(cuda::kv_scales_bytes(c.type, c.ctx, c.n_kv_heads, c.head_dim)) {
-    if (c.type == KvType::F16) {
-      std::vector<uint16_t> h(c.values.size());
-      for (size_t i = 0; i < h.size(); ++i) h[i] = float_to_half(c.values[i]);
-      data.upload(h);
-    } else {
-      data.upload(c.codes);
-      scales.upload(c.scales);
-    }
+      : data(cuda::kv_data_bytes(c.type, c.rows, c.n_kv_heads, c.head_dim)),
+        scales(cuda::kv_scales_bytes(c.type, c.rows, c.n_kv_heads, c.head_dim)) {
+    data.upload(c.device_data());
+    if (c.type != KvType::F16) scales.upload(c.scales);
   }
-  cuda::KvCacheDev view(KvType t) const {
-    return {t, data.get(), t == KvType::F16 ? nullptr : scales.get()};
+  cuda::KvCacheDev view(KvType t, const DevBytes* blocks = nullptr) const {
+    return {t, data.get(), t == KvType::F16 ? nullptr : scales.get(),
+            blocks ? blocks->as<int32_t>() : nullptr};
   }
 };
+
+// A table on the device, or none for a contiguous cache.
+std::unique_ptr<DevBytes> device_table(const std::vector<int32_t>& table) {
+  return table.empty() ? nullptr : std::make_unique<DevBytes>(table);
+}
 
 // Rows of random fp16-representable values, each head with its own magnitude (scales from
 // 1e-3 to 4), and head 0 of position 3 all zeros (the zero scale).
@@ -207,6 +229,7 @@ struct WriteCase {
   int head_dim, n_heads, n_kv_heads, T, pos0;
   bool device_pos;
   RopeKind rope = RopeKind::Default;
+  bool paged = false;  // through a scrambled block table (scrambled_table)
 };
 
 class KvWriteCuda : public ::testing::TestWithParam<WriteCase> {};
@@ -261,34 +284,39 @@ TEST_P(KvWriteCuda, RotatesAsTheF16KernelAndRoundsAsTheReference) {
     EXPECT_NE(u.download<uint16_t>(qkv.size()), rotated) << "Llama 3's scaling changes nothing";
   }
 
+  // Paged: K and V rows at their blocks' rows of a pool, through a table of their own each (the
+  // write takes K and V as two caches), every row elsewhere left zero.
+  const std::vector<int32_t> none;
+  const std::vector<int32_t> k_table = c.paged ? test::scrambled_table(ctx, 11) : none;
+  const std::vector<int32_t> v_table = c.paged ? test::scrambled_table(ctx, 12) : none;
+  const auto dk_table = device_table(k_table), dv_table = device_table(v_table);
   for (const KvType kt : kTypes)
     for (const KvType vt : kTypes) {
       const std::string what = types_name(kt, vt);
-      TestCache kref(kt, ctx, c.n_kv_heads, hd), vref(vt, ctx, c.n_kv_heads, hd);
+      TestCache kref(kt, ctx, c.n_kv_heads, hd, k_table), vref(vt, ctx, c.n_kv_heads, hd, v_table);
       for (int t = 0; t < c.T; ++t) {
         const size_t row = (size_t)(c.pos0 + t) * kvd;
         kref.ref().write(c.pos0 + t, widen(k16.data() + row, kvd).data());
         vref.ref().write(c.pos0 + t, widen(v16.data() + row, kvd).data());
       }
       DevBytes b(qkv);
-      DevCache kd(TestCache(kt, ctx, c.n_kv_heads, hd)), vd(TestCache(vt, ctx, c.n_kv_heads, hd));
-      cuda::rope_kv_write_rows_kv(b.as<__half>(), stride, c.T, host_pos0, kd.view(kt),
-                                  vd.view(vt), c.n_heads, c.n_kv_heads, hd, rope, nullptr,
-                                  d_pos0);
+      DevCache kd(TestCache(kt, ctx, c.n_kv_heads, hd, k_table)),
+          vd(TestCache(vt, ctx, c.n_kv_heads, hd, v_table));
+      cuda::rope_kv_write_rows_kv(b.as<__half>(), stride, c.T, host_pos0,
+                                  kd.view(kt, dk_table.get()), vd.view(vt, dv_table.get()),
+                                  c.n_heads, c.n_kv_heads, hd, rope, nullptr, d_pos0);
       EXPECT_EQ(b.download<uint16_t>(qkv.size()), rotated) << what << ": q|k rotation";
       const std::pair<const TestCache*, const DevCache*> sides[] = {{&kref, &kd}, {&vref, &vd}};
-      const std::vector<uint16_t>* f16s[] = {&k16, &v16};
       for (int s = 0; s < 2; ++s) {
         const TestCache& r = *sides[s].first;
         const DevCache& d = *sides[s].second;
         const char* side = s == 0 ? "K" : "V";
-        if (r.type == KvType::F16) {
-          EXPECT_EQ(d.data.download<uint16_t>((size_t)ctx * kvd), *f16s[s]) << what << " " << side;
-        } else {
-          EXPECT_EQ(d.data.download<uint8_t>(r.codes.size()), r.codes) << what << " " << side << " codes";
+        // f16: the bits of the f16 kernel's rows (the reference holds them), each at its row.
+        const std::vector<uint8_t> want = r.device_data();
+        EXPECT_EQ(d.data.download<uint8_t>(want.size()), want) << what << " " << side << " data";
+        if (r.type != KvType::F16)
           EXPECT_EQ(d.scales.download<uint8_t>(r.scales.size()), r.scales)
               << what << " " << side << " scales";
-        }
       }
     }
 }
@@ -308,6 +336,13 @@ std::vector<WriteCase> write_cases() {
       v.push_back({hd, 8, 2, 13, 300, true, r});
       v.push_back({hd, 4, 1, 67, 0, false, r});
     }
+  // Paged: a block's last position; rows across one block boundary, and across four.
+  for (const int hd : {64, 128})
+    for (const auto& [h, kv] : {std::pair{8, 8}, {8, 2}, {4, 1}}) {
+      v.push_back({hd, h, kv, 1, 1007, true, RopeKind::Default, true});
+      v.push_back({hd, h, kv, 13, 300, true, RopeKind::Default, true});
+      v.push_back({hd, h, kv, 67, 5, false, RopeKind::Default, true});
+    }
   return v;
 }
 
@@ -321,7 +356,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, KvWriteCuda, ::testing::ValuesIn(write_cases())
                                   (p.device_pos ? "_dev" : "_host") +
                                   (p.rope == RopeKind::Llama3 ? "_llama3"
                                    : p.rope == RopeKind::None ? "_norot"
-                                                              : "");
+                                                              : "") +
+                                  (p.paged ? "_paged" : "");
                          });
 
 TEST(KvWriteCuda, RefusesAMissingScaleBufferAndAnUncompiledHeadDim) {
@@ -344,6 +380,7 @@ struct AttnKvCase {
   // Output e stored at out[out_index[e]], a shuffle of [0, n_heads * head_dim) (the decode
   // step passes an act-order o's input order), read back through it.
   bool out_index = false;
+  bool paged = false;  // K and V through one scrambled block table over max_ctx positions
 };
 
 // q [n_heads, head_dim] at position n_ctx - 1 (or a chunk's rows) in [-3, 3]: scores of
@@ -375,10 +412,13 @@ TEST_P(AttentionDecodeKvCuda, MatchesTheReferenceOnTheSameCodes) {
   if (c.out_index) std::shuffle(perm.begin(), perm.end(), std::mt19937(61));
   DevBytes dperm(perm);
   const int32_t* out_index = c.out_index ? dperm.as<int32_t>() : nullptr;
+  const std::vector<int32_t> table =
+      c.paged ? test::scrambled_table(max_ctx, 21) : std::vector<int32_t>();
+  const auto dtable = device_table(table);
 
   for (const KvType kt : kTypes)
     for (const KvType vt : kTypes) {
-      TestCache k(kt, max_ctx, c.n_kv_heads, hd), v(vt, max_ctx, c.n_kv_heads, hd);
+      TestCache k(kt, max_ctx, c.n_kv_heads, hd, table), v(vt, max_ctx, c.n_kv_heads, hd, table);
       fill_rows(k, max_ctx, 42);
       fill_rows(v, max_ctx, 43);
       std::vector<float> ref((size_t)c.n_heads * hd);
@@ -394,7 +434,8 @@ TEST_P(AttentionDecodeKvCuda, MatchesTheReferenceOnTheSameCodes) {
                                    std::to_string(heads) + ", bound " + std::to_string(bound);
           // NaN (0xFFFF) in every output first: one the kernel leaves unwritten fails.
           KESTREL_CUDA_CHECK(cudaMemset(dout.get(), 0xFF, n_out * 2));
-          cuda::attention_decode_kv(dq.as<__half>(), dk.view(kt), dv.view(vt), dpos.as<int>(),
+          cuda::attention_decode_kv(dq.as<__half>(), dk.view(kt, dtable.get()),
+                                    dv.view(vt, dtable.get()), dpos.as<int>(),
                                     max_ctx, c.window, c.n_heads, c.n_kv_heads, hd,
                                     ws.as<float>(), dout.as<__half>(), nullptr, out_index, bound,
                                     heads);
@@ -422,6 +463,16 @@ std::vector<AttnKvCase> decode_cases() {
     v.push_back({hd, 8, 2, 1500, 0, true});
     v.push_back({hd, 4, 1, 1000, 100, true});
   }
+  // Paged: contexts inside one block, across blocks at short and long chunks, windows starting
+  // inside a block.
+  for (const int hd : {64, 128})
+    for (const auto& [h, kv] : {std::pair{8, 8}, {8, 2}, {6, 2}, {4, 1}})
+      for (const int n : {1, 17, 257, 1500}) v.push_back({hd, h, kv, n, 0, false, true});
+  for (const int hd : {64, 128}) {
+    v.push_back({hd, 8, 2, 1000, 100, false, true});
+    v.push_back({hd, 8, 2, 1500, 300, true, true});
+    v.push_back({hd, 6, 2, 257, 251, false, true});
+  }
   return v;
 }
 
@@ -432,7 +483,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionDecodeKvCuda, ::testing::ValuesIn(deco
                                   std::to_string(p.n_heads) + "_kv" +
                                   std::to_string(p.n_kv_heads) + "_ctx" +
                                   std::to_string(p.n_ctx) + "_win" + std::to_string(p.window) +
-                                  (p.out_index ? "_outidx" : "");
+                                  (p.out_index ? "_outidx" : "") + (p.paged ? "_paged" : "");
                          });
 
 TEST(AttentionDecodeKvCuda, RefusesAnEightBitCacheWithoutScales) {
@@ -446,9 +497,28 @@ TEST(AttentionDecodeKvCuda, RefusesAnEightBitCacheWithoutScales) {
                Error);
 }
 
+TEST(AttentionKvCuda, RefusesKAndVUnderDifferentBlockTables) {
+  KESTREL_REQUIRE_GPU();
+  DevBytes buf(1 << 16), dpos(std::vector<int>{0}), table(std::vector<int32_t>{0});
+  DevBytes ws(cuda::attention_workspace_bytes(8, 2, 64));
+  const cuda::KvCacheDev paged{KvType::F16, buf.get(), nullptr, table.as<int32_t>()};
+  const cuda::KvCacheDev contiguous{KvType::F16, buf.get(), nullptr};
+  EXPECT_THROW(cuda::attention_decode_kv(buf.as<__half>(), paged, contiguous, dpos.as<int>(), 8,
+                                         0, 2, 1, 64, ws.as<float>(), buf.as<__half>(), nullptr),
+               Error);
+  EXPECT_THROW(cuda::attention_decode_rope_f16(buf.as<__half>(), contiguous, paged,
+                                               dpos.as<int>(), 8, 0, 2, 1, 64, RopeScaling{},
+                                               ws.as<float>(), buf.as<__half>(), nullptr),
+               Error);
+  EXPECT_THROW(cuda::attention_prefill_kv(buf.as<__half>(), 4 * 64, paged, contiguous, 0, 1, 0,
+                                          2, 1, 64, buf.as<__half>(), nullptr),
+               Error);
+}
+
 struct PrefillKvCase {
   int head_dim, n_heads, n_kv_heads, pos0, T, window;
   bool device_pos;
+  bool paged = false;  // K and V through one scrambled block table (f16 with f16 too)
 };
 
 class AttentionPrefillKvCuda : public ::testing::TestWithParam<PrefillKvCase> {};
@@ -463,11 +533,16 @@ TEST_P(AttentionPrefillKvCuda, EveryQueryMatchesTheReferenceOnTheSameCodes) {
   DevBytes dq(qrows), dout((size_t)c.T * q_dim * 2), dpos(std::vector<int>{c.pos0});
   // Rows before every query's window and past the chunk are unreadable.
   const int first_any = c.window > 0 ? std::max(0, c.pos0 + 1 - c.window) : 0;
+  const std::vector<int32_t> table =
+      c.paged ? test::scrambled_table(ctx, 31) : std::vector<int32_t>();
+  const auto dtable = device_table(table);
 
   for (const KvType kt : kTypes)
     for (const KvType vt : kTypes) {
-      if (kt == KvType::F16 && vt == KvType::F16) continue;  // attention_prefill_f16's tests
-      TestCache k(kt, ctx, c.n_kv_heads, hd), v(vt, ctx, c.n_kv_heads, hd);
+      // Contiguous f16 with f16: attention_prefill_f16's tests (the same kernel). A paged f16
+      // cache runs through here only.
+      if (kt == KvType::F16 && vt == KvType::F16 && !c.paged) continue;
+      TestCache k(kt, ctx, c.n_kv_heads, hd, table), v(vt, ctx, c.n_kv_heads, hd, table);
       fill_rows(k, ctx, 52);
       fill_rows(v, ctx, 53);
       std::vector<float> ref((size_t)c.T * q_dim);
@@ -481,7 +556,8 @@ TEST_P(AttentionPrefillKvCuda, EveryQueryMatchesTheReferenceOnTheSameCodes) {
       k.poison_outside(first_any, c.pos0 + c.T);
       v.poison_outside(first_any, c.pos0 + c.T);
       DevCache dk(k), dv(v);
-      cuda::attention_prefill_kv(dq.as<__half>(), q_stride, dk.view(kt), dv.view(vt),
+      cuda::attention_prefill_kv(dq.as<__half>(), q_stride, dk.view(kt, dtable.get()),
+                                 dv.view(vt, dtable.get()),
                                  c.device_pos ? 0 : c.pos0, c.T, c.window, c.n_heads,
                                  c.n_kv_heads, hd, dout.as<__half>(), nullptr,
                                  c.device_pos ? dpos.as<int>() : nullptr);
@@ -503,6 +579,18 @@ std::vector<PrefillKvCase> prefill_cases() {
     v.push_back({hd, 8, 2, 0, 130, 32, false});
     v.push_back({hd, 8, 2, 100, 70, 50, true});
   }
+  // Paged: a prompt from 0, a chunk over a cache already written, a verify pass at a device
+  // position, windows starting inside a block.
+  for (const int hd : {64, 128})
+    for (const auto& [h, kv] : {std::pair{4, 4}, {8, 2}, {4, 1}}) {
+      v.push_back({hd, h, kv, 0, 65, 0, false, true});
+      v.push_back({hd, h, kv, 37, 130, 0, false, true});
+      v.push_back({hd, h, kv, 200, 9, 0, true, true});
+    }
+  for (const int hd : {64, 128}) {
+    v.push_back({hd, 8, 2, 0, 130, 35, false, true});
+    v.push_back({hd, 8, 2, 100, 70, 50, true, true});
+  }
   return v;
 }
 
@@ -513,7 +601,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionPrefillKvCuda, ::testing::ValuesIn(pre
                                   std::to_string(p.n_heads) + "_kv" +
                                   std::to_string(p.n_kv_heads) + "_pos" +
                                   std::to_string(p.pos0) + "_T" + std::to_string(p.T) + "_win" +
-                                  std::to_string(p.window) + (p.device_pos ? "_dev" : "");
+                                  std::to_string(p.window) + (p.device_pos ? "_dev" : "") +
+                                  (p.paged ? "_paged" : "");
                          });
 
 }  // namespace

@@ -39,6 +39,7 @@
 #include "kernels/norm/norm_cuda.h"
 #include "kernels/sampling/sample.h"
 #include "kernels/sampling/sample_cuda.h"
+#include "tests/support/kv_table.h"
 #include "tests/support/sample_check.h"
 #include "kernels/rope/rope.h"
 #include "kernels/rope/rope_cuda.h"
@@ -545,7 +546,9 @@ TEST(DecodeGraphCuda, RopeAndAttentionReplayOverPositions) {
 // kernel) and both caches, replayed in a graph over positions that cross chunk boundaries, with
 // and without a sliding window, MHA and GQA, both head dims, and grids of short chunks (300
 // positions) and of long ones (1,300). A third run stores its output through an index (the o
-// GEMV's act-order permutation): the same values, moved.
+// GEMV's act-order permutation): the same values, moved. A fourth runs over a paged cache (a
+// scrambled block table over a larger pool, tests/support/kv_table.h): the same output bit for
+// bit, and each position's row at its block's row of the pool.
 TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
   KESTREL_REQUIRE_GPU();
   struct Case {
@@ -561,14 +564,21 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
     const int q_dim = c.n_heads * c.hd, kv_dim = c.n_kv * c.hd, qkv_dim = q_dim + 2 * kv_dim;
     // Llama 3's scaling, its medium band inside head_dim's frequencies.
     const RopeScaling rope{500000.0f, 1.0f, 8.0f, 1.0f, 4.0f, 256};
+    const std::vector<int32_t> table = test::scrambled_table(max_ctx, 3 + c.max_ctx);
+    const int64_t pool = test::pool_rows(table);
     Dev<uint16_t> dqkv(qkv_dim), dqkv2(qkv_dim), dk((size_t)max_ctx * kv_dim),
         dv((size_t)max_ctx * kv_dim), dk2((size_t)max_ctx * kv_dim),
-        dv2((size_t)max_ctx * kv_dim), dout(q_dim), dout2(q_dim), dout3(q_dim);
+        dv2((size_t)max_ctx * kv_dim), dk4((size_t)pool * kv_dim), dv4((size_t)pool * kv_dim),
+        dout(q_dim), dout2(q_dim), dout3(q_dim), dout4(q_dim);
     Dev<int> dpos(1);
+    Dev<int32_t> dtable(table);
+    auto f16 = [](const Dev<uint16_t>& d, const int32_t* blocks = nullptr) {
+      return cuda::KvCacheDev{KvType::F16, d.half(), nullptr, blocks};
+    };
     const size_t ws_n = cuda::attention_workspace_bytes(max_ctx, c.n_heads, c.hd) / sizeof(float);
-    Dev<float> ws(ws_n), ws2(ws_n), ws3(ws_n);
-    for (auto* d : {&dk, &dv, &dk2, &dv2}) d->poison();
-    for (auto* w : {&ws, &ws2, &ws3}) {
+    Dev<float> ws(ws_n), ws2(ws_n), ws3(ws_n), ws4(ws_n);
+    for (auto* d : {&dk, &dv, &dk2, &dv2, &dk4, &dv4}) d->poison();
+    for (auto* w : {&ws, &ws2, &ws3, &ws4}) {
       w->poison();
       cuda::attention_workspace_reset(w->get(), max_ctx, c.n_heads, c.hd, nullptr);
     }
@@ -586,13 +596,17 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
                             rope, stream);
     cuda::attention_decode_f16(dqkv.half(), dk.half(), dv.half(), dpos.get(), max_ctx, c.window,
                                c.n_heads, c.n_kv, c.hd, ws.get(), dout.half(), stream);
-    cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
+    cuda::attention_decode_rope_f16(dqkv2.half(), f16(dk2), f16(dv2), dpos.get(), max_ctx,
                                     c.window, c.n_heads, c.n_kv, c.hd, rope, ws2.get(),
                                     dout2.half(), stream);
     // The same again (it rewrites the same cache row): its output through the index.
-    cuda::attention_decode_rope_f16(dqkv2.half(), dk2.half(), dv2.half(), dpos.get(), max_ctx,
+    cuda::attention_decode_rope_f16(dqkv2.half(), f16(dk2), f16(dv2), dpos.get(), max_ctx,
                                     c.window, c.n_heads, c.n_kv, c.hd, rope, ws3.get(),
                                     dout3.half(), stream, didx.get());
+    // Paged: the sequence's max_ctx positions through the table.
+    cuda::attention_decode_rope_f16(dqkv2.half(), f16(dk4, dtable.get()), f16(dv4, dtable.get()),
+                                    dpos.get(), max_ctx, c.window, c.n_heads, c.n_kv, c.hd, rope,
+                                    ws4.get(), dout4.half(), stream);
     KESTREL_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
     KESTREL_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     for (int pos = 0; pos < steps; ++pos) {
@@ -603,17 +617,31 @@ TEST(DecodeGraphCuda, FusedRopeAttentionEqualsRopeThenAttention) {
       dout.poison();
       dout2.poison();
       dout3.poison();
+      dout4.poison();
       KESTREL_CUDA_CHECK(cudaGraphLaunch(exec, stream));
       KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream));
       const std::string at = " at pos " + std::to_string(pos);
       const std::vector<uint16_t> out = dout.download(), out3 = dout3.download();
       ASSERT_EQ(dout2.download(), out) << "attention output" << at;
+      ASSERT_EQ(dout4.download(), out) << "paged attention output" << at;
       for (int e = 0; e < q_dim; ++e)
         ASSERT_EQ(out3[idx[e]], out[e]) << "indexed output " << e << at;
       ASSERT_EQ(dqkv2.download(), qkv) << "the fused kernel must not modify qkv" << at;
       if (pos % 50 == 49 || pos == steps - 1) {
-        ASSERT_EQ(dk2.download(), dk.download()) << "k cache" << at;
-        ASSERT_EQ(dv2.download(), dv.download()) << "v cache" << at;
+        const std::vector<uint16_t> k = dk.download(), v = dv.download();
+        ASSERT_EQ(dk2.download(), k) << "k cache" << at;
+        ASSERT_EQ(dv2.download(), v) << "v cache" << at;
+        // The paged cache's rows gathered by position: the contiguous cache, every row (those
+        // not yet written poisoned in both).
+        const std::vector<uint16_t> k4 = dk4.download(), v4 = dv4.download();
+        std::vector<uint16_t> kg(k.size()), vg(v.size());
+        for (int p = 0; p < max_ctx; ++p) {
+          const size_t row = (size_t)table[p / kKvBlock] * kKvBlock + p % kKvBlock;
+          std::copy_n(k4.begin() + row * kv_dim, kv_dim, kg.begin() + (size_t)p * kv_dim);
+          std::copy_n(v4.begin() + row * kv_dim, kv_dim, vg.begin() + (size_t)p * kv_dim);
+        }
+        ASSERT_EQ(kg, k) << "paged k cache" << at;
+        ASSERT_EQ(vg, v) << "paged v cache" << at;
       }
     }
     KESTREL_CUDA_CHECK(cudaGraphExecDestroy(exec));
