@@ -191,7 +191,7 @@ void DecoderCuda::warm_up(DecoderCudaSession& q) {
     // Out of memory leaves the device usable; anything sticky fails here and is reported.
     KESTREL_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
-  q.adopt_prefix({});  // paged: the blocks it wrote go back to the pool, never published
+  q.release_kv();  // paged: the blocks it wrote go back to the pool
 }
 
 bool DecoderCuda::use_kv_pool(int64_t positions) {

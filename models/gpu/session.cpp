@@ -94,12 +94,21 @@ size_t DecoderCudaSession::cache_bytes() const {
          cache_bytes_per_position(Device::Cuda, m_.cfg_, q_.kv.types);
 }
 
-void DecoderCudaSession::adopt_prefix(std::span<const int> prompt) {
-  if (!pool_) return;
+bool DecoderCudaSession::adopt_prefix(std::span<const int> prompt) {
+  if (!pool_) return false;
   std::lock_guard<std::mutex> g(pool_->m);
   const int n = table_->adopt_prefix(prompt, std::min((int)prompt.size() - 1, q_.ctx));
   dirty_from_ = 0;
   cached.assign(prompt.begin(), prompt.begin() + std::max(0, n));
+  return true;
+}
+
+void DecoderCudaSession::release_kv() {
+  if (!pool_) return;
+  std::lock_guard<std::mutex> g(pool_->m);
+  table_->clear();
+  dirty_from_ = 0;
+  cached.clear();
 }
 
 void DecoderCudaSession::prepare_write(int pos, int n) {
