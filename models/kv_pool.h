@@ -13,8 +13,10 @@
 //   cached     published, refs == 0: its K/V are kept for a later sequence with the same
 //              prefix, and it is taken back (least recently used first) when no block is free.
 // A published block's key hashes its parent's key and its kBlock ids, so that one key names
-// the whole prefix from position 0; lookups also compare the stored ids and parent key, so a
-// hash collision reads as a miss, never as someone else's cache.
+// the whole prefix from position 0. A lookup also compares the block's stored ids and its
+// parent's key, so two blocks whose keys collide read as a miss; what is not checked is a
+// collision of two whole prefixes' 64-bit parent keys (odds about n^2 / 2^65 over n cached
+// blocks).
 #pragma once
 
 #include <cstdint>

@@ -186,9 +186,11 @@ class Session {
   // it can reuse.
   virtual bool adopt_prefix(std::span<const int> /*prompt*/) { return false; }
   // Paged KV memory: gives back the blocks this session holds (the whole ones stay cached for a
-  // later prompt that begins alike, in any session) and empties `cached`; a sequence that
-  // follows starts from adopt_prefix or position 0. Nothing with a cache of its own.
-  virtual void release_kv() {}
+  // later prompt that begins alike, in any session; a GPU session first waits for what it has
+  // queued, since another sequence may take them at once) and empties `cached`; a sequence that
+  // follows starts from adopt_prefix or position 0. A session with a cache of its own keeps it
+  // (and `cached`) and returns false.
+  virtual bool release_kv() { return false; }
 
   // The ids whose K/V the cache holds from position 0, as generate_cached leaves them: the
   // next prompt runs only past the longest prefix it shares with these.

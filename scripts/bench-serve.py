@@ -8,7 +8,9 @@ aggregate tokens/s.
 
 Every request is `POST /v1/completions` with a prompt of random token ids (a different one per
 request, so that no session's cache holds it), greedy, `ignore_eos`, streamed with
-`include_usage`. Python's standard library only, so that it runs wherever the server does.
+`include_usage`. With `--shared-prefix N` every prompt begins with the same N ids (a system
+prompt, a few-shot header) before its own: what a server that reuses cached prefixes saves
+shows in the time to first token and in the cached prompt tokens reported. Python's standard library only, so that it runs wherever the server does.
 Time to first token (TTFT) is from sending a request to its first text; inter-token latency (ITL)
 is every gap between two consecutive text events of a stream, pooled over all streams; both as
 p50 and p99 (nearest rank). Per-stream rates are medians with the spread as min..max; the
@@ -60,6 +62,7 @@ def one_request(url, ids, max_tokens):
     n = usage["completion_tokens"]
     return {"ttft": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 else 0.0,
             "tokens": n, "prompt": usage["prompt_tokens"], "t0": t0, "end": end,
+            "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
             "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
 
 
@@ -77,13 +80,17 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--vocab", type=int, required=True, help="prompt ids are drawn below this")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="ids every prompt begins with (counted in --prompt-tokens)")
     ap.add_argument("--warmup", type=int, default=1, help="requests before timing")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rng = random.Random(1)
 
+    shared = [rng.randrange(3, a.vocab) for _ in range(min(a.shared_prefix, a.prompt_tokens))]
+
     def prompt():
-        return [rng.randrange(3, a.vocab) for _ in range(a.prompt_tokens)]
+        return shared + [rng.randrange(3, a.vocab) for _ in range(a.prompt_tokens - len(shared))]
 
     for _ in range(a.warmup):
         one_request(a.url, prompt(), a.max_tokens)
@@ -120,6 +127,7 @@ def main():
     out = {
         "clients": a.clients, "requests": len(results), "errors": len(errors),
         "prompt_tokens": results[0]["prompt"], "completion_tokens": sum(r["tokens"] for r in results),
+        "cached_prompt_tokens": sum(r["cached"] for r in results),
         "ttft_ms": spread("ttft", 1000.0), "stream_decode_tps": spread("decode_tps"),
         "ttft_ms_p50": percentile(ttfts, 50), "ttft_ms_p99": percentile(ttfts, 99),
         "itl_ms_p50": percentile(gaps, 50), "itl_ms_p99": percentile(gaps, 99),
@@ -131,7 +139,7 @@ def main():
     m, lo, hi = out["ttft_ms"]
     dm, dlo, dhi = out["stream_decode_tps"]
     print(f"clients {a.clients}: {len(results)} requests ({len(errors)} failed), prompt "
-          f"{out['prompt_tokens']} tokens; time to first token p50 {out['ttft_ms_p50']:.1f} ms, "
+          f"{out['prompt_tokens']} tokens ({out['cached_prompt_tokens']} cached in all); time to first token p50 {out['ttft_ms_p50']:.1f} ms, "
           f"p99 {out['ttft_ms_p99']:.1f} ms ({lo:.1f}..{hi:.1f}); inter-token p50 "
           f"{out['itl_ms_p50']:.2f} ms, p99 {out['itl_ms_p99']:.2f} ms; "
           f"per stream {dm:.1f} tok/s ({dlo:.1f}..{dhi:.1f}); aggregate {out['aggregate_tps']:.1f} "

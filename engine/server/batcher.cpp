@@ -24,9 +24,10 @@ class StepBatcher::BatchedSession final : public Session {
     cached = inner_->cached;
     return true;
   }
-  void release_kv() override {
-    inner_->release_kv();
+  bool release_kv() override {
+    if (!inner_->release_kv()) return false;
     cached.clear();
+    return true;
   }
 
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {

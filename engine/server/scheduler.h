@@ -1,5 +1,6 @@
 // How `kestrel serve` shares one loaded model among many clients: --parallel slots (one Session
-// each, with its own KV cache), a bounded queue of requests waiting for a slot, and a turn lock.
+// each; their KV caches in the model's paged pool, or each its own), a bounded queue of requests
+// waiting for a slot (and for KV blocks), and a turn lock.
 //
 // The sessions of one model must never run at once (models/model.h). The slots of the served
 // model run their passes on the step batcher's one thread (engine/server/batcher.h: continuous
@@ -53,9 +54,10 @@ class TurnTakingSession final : public Session {
     cached = inner_->cached;
     return true;
   }
-  void release_kv() override {
-    inner_->release_kv();
+  bool release_kv() override {
+    if (!inner_->release_kv()) return false;
     cached.clear();
+    return true;
   }
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
@@ -104,7 +106,8 @@ class Slots {
 
   // Waits for a slot (and `kv_blocks` of the pool) for a request whose prompt is `ids`;
   // `cancelled` is polled while waiting (the client went away). Among free slots, the one whose
-  // cache shares the longest prefix with `ids`, then the one idle longest. kv_blocks must be
+  // cache shares the longest prefix with `ids`, then the one idle longest. (With paged memory an
+  // idle slot holds nothing, and any slot maps any cached prefix: the one idle longest.) kv_blocks must be
   // at most the pool's (a request that needs more would wait for ever).
   std::unique_ptr<Lease> acquire(const std::vector<int>& ids, const std::function<bool()>& cancelled,
                                  Outcome& outcome, int64_t kv_blocks = 0);

@@ -259,11 +259,12 @@ bool DecoderCpuSession::adopt_prefix(std::span<const int> prompt) {
   return true;
 }
 
-void DecoderCpuSession::release_kv() {
-  if (!s_.pool) return;
+bool DecoderCpuSession::release_kv() {
+  if (!s_.pool) return false;
   std::lock_guard<std::mutex> g(s_.pool->m);
   s_.table->clear();
   cached.clear();
+  return true;
 }
 
 void DecoderCpuSession::prepare_write(int pos, int n) {

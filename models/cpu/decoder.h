@@ -247,7 +247,7 @@ class DecoderCpuSession final : public Session {
   size_t cache_bytes() const override;
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   bool adopt_prefix(std::span<const int> prompt) override;
-  void release_kv() override;
+  bool release_kv() override;
   void forward_token(int token, int pos, float* logits) { forward(&token, 1, pos, logits, nullptr); }
   // Paged: makes positions pos .. pos + n - 1 writable by this session alone (copying shared
   // blocks), or throws KvPoolFull; after the write, records the ids there (publishing the
@@ -255,7 +255,10 @@ class DecoderCpuSession final : public Session {
   void prepare_write(int pos, int n);
   void commit_write(int pos, const int* tokens, int n);
   CpuRunState& state() { return s_; }
+  // One layer over a cache of its own (the quantizer's calibration): a paged session's table
+  // is prepared by forward() only.
   void layer_forward(int layer, float* x, int T, int pos0, const LayerTaps* taps = nullptr) {
+    KESTREL_CHECK(!s_.pool, "layer_forward runs on a session with a KV cache of its own");
     m_.layer_forward(s_, layer, x, T, pos0, taps);
   }
 

@@ -103,12 +103,17 @@ bool DecoderCudaSession::adopt_prefix(std::span<const int> prompt) {
   return true;
 }
 
-void DecoderCudaSession::release_kv() {
-  if (!pool_) return;
+bool DecoderCudaSession::release_kv() {
+  if (!pool_) return false;
+  // The blocks may go to another sequence at once: nothing of this one's may still be queued
+  // to read or write them. (Every pass returns with its work done, and a chained run waits for
+  // its queued step when it ends; this makes it so whatever a caller did before.)
+  KESTREL_CUDA_CHECK(cudaStreamSynchronize(m_.stream_));
   std::lock_guard<std::mutex> g(pool_->m);
   table_->clear();
   dirty_from_ = 0;
   cached.clear();
+  return true;
 }
 
 void DecoderCudaSession::prepare_write(int pos, int n) {

@@ -43,7 +43,7 @@ class DecoderCudaSession final : public Session {
   void forward_nll(const int* tokens, int n, int pos, const int* targets, double* nll) override;
   std::vector<OpTime> profile_step(int token, int pos) override;
   bool adopt_prefix(std::span<const int> prompt) override;
-  void release_kv() override;
+  bool release_kv() override;
 
   // Paged: makes positions pos .. pos + n - 1 writable by this session alone (KvBlockTable::
   // prepare_write), queues the copies of shared blocks and the upload of the table's changed

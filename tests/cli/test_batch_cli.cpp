@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -162,6 +163,12 @@ TEST_F(BatchCli, DisconnectedStreamLeavesTheBatch) {
 
 json usage_of(const std::string& response) { return json::parse(body_of(response)).at("usage"); }
 
+// The value of a sample line `name value` of /metrics' text, -1 where there is none.
+double metric(const std::string& text, const std::string& name) {
+  const size_t at = text.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::stod(text.substr(at + name.size() + 2));
+}
+
 // Paged KV memory (--kv-pool, on by default at --parallel > 1): a prompt that begins as another
 // request's maps that request's whole blocks, whichever slot ran it, and answers what it
 // answers with a cache of its own per slot (--kv-pool 0); /metrics shows the pool.
@@ -196,14 +203,15 @@ TEST_F(BatchCli, APromptReusesAnotherRequestsBlocks) {
   std::thread a([&] {
     complete(port, {{"prompt", prompt({4, 5})}, {"max_tokens", 200}, {"temperature", 0}, {"ignore_eos", true}});
   });
+  // It runs, its prompt written: its 42 positions hold three blocks (more as it decodes).
   bool running = false;
-  for (int i = 0; i < 400 && !running; ++i) {
-    running = body_of(http(port, "GET /metrics HTTP/1.1")).find("kestrel:num_requests_running 1") !=
-              std::string::npos;
-    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  for (int i = 0; i < 2000 && !running; ++i) {
+    const std::string m = body_of(http(port, "GET /metrics HTTP/1.1"));
+    running = metric(m, "kestrel:num_requests_running") == 1 &&
+              metric(m, "kestrel:kv_cache_blocks{state=\"held\"}") >= 3;
+    if (!running) std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   ASSERT_TRUE(running);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // its prompt has run
   const std::string r = http(port, "POST /v1/completions HTTP/1.1", {"Content-Type: application/json"},
                              b_body.dump());
   a.join();
@@ -223,13 +231,25 @@ TEST_F(BatchCli, RequestsBeyondThePoolWaitTheirTurn) {
   ASSERT_GT(port, 0) << s.log();
   std::vector<std::string> texts(3);
   std::vector<std::thread> clients;
+  std::atomic<int> done{0};
   for (int i = 0; i < 3; ++i)  // no max_tokens: each reserves a whole context, the whole pool
     clients.emplace_back([&, i] {
       texts[i] = complete(port, {{"prompt", json::array({30 + i, 40 + i})}, {"temperature", 0},
-                                 {"max_tokens", nullptr}, {"stop", json::array({"zz"})}});
+                                 {"max_tokens", nullptr}, {"ignore_eos", true}});
+      ++done;
     });
+  // While they run, one at a time: never two running, and the others waiting in line.
+  int most_running = 0, most_waiting = 0;
+  while (done < 3) {
+    const std::string m = body_of(http(port, "GET /metrics HTTP/1.1"));
+    most_running = std::max(most_running, (int)metric(m, "kestrel:num_requests_running"));
+    most_waiting = std::max(most_waiting, (int)metric(m, "kestrel:num_requests_waiting"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   for (std::thread& t : clients) t.join();
   for (const std::string& t : texts) EXPECT_EQ(t.rfind("HTTP ", 0), std::string::npos) << t;
+  EXPECT_EQ(most_running, 1);
+  EXPECT_GE(most_waiting, 1);
   auto r = kestrel::test::run_command(kKestrel + " serve -m " + model_->string() +
                                       " --device cpu -c 256 --parallel 2 --kv-pool 100 < /dev/null");
   EXPECT_NE(r.code, 0);
@@ -244,6 +264,11 @@ TEST_F(BatchCli, BadBatchOptionsAreOneLine) {
                                       " --device cpu --parallel 2 --batch-tokens 0 < /dev/null");
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("--batch-tokens"), std::string::npos) << r.err;
+  EXPECT_EQ(kestrel::test::lines(r.err), 1) << r.err;
+  r = kestrel::test::run_command(kKestrel + " serve -m " + model_->string() +
+                                 " --device cpu --kv-pool 4096 < /dev/null");
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--kv-pool goes with --parallel > 1"), std::string::npos) << r.err;
   EXPECT_EQ(kestrel::test::lines(r.err), 1) << r.err;
   r = kestrel::test::run_command(kKestrel + " bench -m " + model_->string() +
                                  " --device cpu --batch 0,4 < /dev/null");

@@ -236,8 +236,30 @@ TEST_P(PagedKv, SessionsEqualOwnCacheBitForBit) {
   DecoderCpu own(spec, kv), paged(spec, kv);
   ASSERT_TRUE(paged.use_kv_pool(40 * kKvBlock));
   const std::vector<int> prompt = random_ids(37, spec.config.vocab, 4);
-  auto a = own.new_session(128), b = paged.new_session(128);
-  const auto want = greedy_logits(*a, prompt, 30), got = greedy_logits(*b, prompt, 30);
+  auto a = own.new_session(128);
+  auto b = paged.new_cpu_session(128);
+  // Another sequence holds the pool's first three blocks while b runs its prompt and gives
+  // them back after, so that b's table is no identity: an engine that ignored it would read
+  // other rows.
+  auto filler = paged.new_cpu_session(128);
+  {
+    const std::vector<int> other = random_ids(40, spec.config.vocab, 9);
+    std::vector<float> scratch(spec.config.vocab);
+    filler->forward(other.data(), 40, 0, scratch.data(), nullptr);
+  }
+  const auto want = greedy_logits(*a, prompt, 30);
+  std::vector<std::vector<float>> got = greedy_logits(*b, prompt, 0);
+  filler.reset();
+  for (int pos = (int)prompt.size(); pos < (int)prompt.size() + 30; ++pos) {  // greedy steps
+    const int next = argmax_of(got.back().data(), (int)got.back().size());
+    std::vector<float> logits(got.back().size());
+    b->forward(&next, 1, pos, logits.data(), nullptr);
+    got.push_back(std::move(logits));
+  }
+  const std::vector<int32_t>& table = b->state().table->blocks();
+  ASSERT_EQ(table.size(), (37u + 30 + kKvBlock - 1) / kKvBlock);
+  EXPECT_EQ(table[0], 3);  // after the three the other sequence held
+  EXPECT_EQ(table[3], 2);  // the block it freed (its partial one)
   for (size_t s = 0; s < want.size(); ++s)
     ASSERT_EQ(0, std::memcmp(want[s].data(), got[s].data(), want[s].size() * sizeof(float)))
         << "step " << s;

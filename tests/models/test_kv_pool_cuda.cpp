@@ -114,6 +114,17 @@ TEST_P(GpuKvPool, APagedSessionMatchesOneWithItsOwnCache) {
   ASSERT_TRUE(model.use_kv_pool(40 * kKvBlock));
   auto paged = model.new_cuda_session(ctx);
   EXPECT_EQ(model.kv_pool_use().held, 0);
+  // Another sequence holds the pool's first three blocks while the paged one writes its
+  // prompt, and gives them back after: the paged session's table is no identity (its block 0 is
+  // pool block 3 or later, and its later blocks reuse the freed ones), so a kernel that
+  // ignored the table would read another row.
+  auto filler = model.new_cuda_session(ctx);
+  {
+    const std::vector<int> other = ids(40, vocab, 9);
+    std::vector<float> scratch(vocab);
+    filler->forward(other.data(), 40, 0, scratch.data(), nullptr);
+    ASSERT_EQ(model.kv_pool_use().held, 3);
+  }
 
   // The prompt, every row's logits.
   const std::vector<int> prompt = ids(n_prompt, vocab, 1);
@@ -121,6 +132,7 @@ TEST_P(GpuKvPool, APagedSessionMatchesOneWithItsOwnCache) {
       all_p((size_t)n_prompt * vocab);
   own->forward(prompt.data(), n_prompt, 0, lo.data(), all_o.data());
   paged->forward(prompt.data(), n_prompt, 0, lp.data(), all_p.data());
+  filler.reset();  // blocks 0 and 1 cached, block 2 free: the next block the paged one takes
   for (int t = 0; t < n_prompt; ++t)
     ASSERT_LT(rel_err(row_of(all_p, t, vocab), row_of(all_o, t, vocab)), kSameKernels)
         << "prompt row " << t;
@@ -153,10 +165,11 @@ TEST_P(GpuKvPool, APagedSessionMatchesOneWithItsOwnCache) {
     EXPECT_LT(rel_err(lp, lo), kSameKernels) << "decode step after the replayed verify pass";
   }
 
-  // Chained greedy runs from position 140 over 40 steps (blocks 8 to 11), `ahead` off every
-  // fifth token: each step's block taken before the step is queued, the one ahead included.
+  // Chained greedy runs from position 131 (right after the last written) over 40 steps
+  // (blocks 8 to 10), `ahead` off every fifth token: each step's block taken before the step is
+  // queued, the one ahead included.
   {
-    const int pos0 = 140, first = tokens[10];
+    const int pos0 = 131, first = tokens[10];
     std::vector<int> got_o, got_p;
     for (auto* s : {own.get(), paged.get()}) {
       std::vector<int>& got = s == own.get() ? got_o : got_p;
@@ -183,9 +196,9 @@ TEST_P(GpuKvPool, APagedSessionMatchesOneWithItsOwnCache) {
     for (int i = 0; i < 33; ++i) EXPECT_NEAR(np[i], no[i], 1e-3 * (1 + no[i])) << "row " << i;
   }
 
-  // The paged session holds the blocks up to the furthest position it wrote (181), and its
+  // The paged session holds the blocks up to the furthest position it wrote (172), and its
   // cache's bytes are theirs.
-  const int held = (140 + steps + 1 + kKvBlock - 1) / kKvBlock;
+  const int held = (131 + steps + 1 + kKvBlock - 1) / kKvBlock;
   EXPECT_EQ(model.kv_pool_use().held, held);
   EXPECT_EQ(paged->cache_bytes(),
             (size_t)held * kKvBlock * cache_bytes_per_position(Device::Cuda, c, p.kv));

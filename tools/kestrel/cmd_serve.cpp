@@ -554,6 +554,8 @@ int run_serve(ServeArgs& a) {
   server::ApiKeySources keys = a.key_sources;
   if (const char* env = std::getenv("KESTREL_API_KEY")) keys.env = env;
   a.api_key = server::resolve_api_key(keys);
+  if (a.kv_pool >= 0 && a.parallel == 1)
+    throw Error("--kv-pool goes with --parallel > 1 (one slot keeps a cache of its own)");
   // A pool that cannot hold one request's context (-c as given; a context the GPU shortens or
   // the model's own is checked once loaded).
   if (a.parallel > 1 && a.kv_pool > 0 && a.model.context > 0 && a.kv_pool < a.model.context)
@@ -634,7 +636,7 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
                       "the API key is the first line of FILE (after --api-key; before KESTREL_API_KEY)")
           ->type_name("FILE");
   cmd->add_option("--parallel", a->parallel,
-                  "requests generating at once, each in its own session (KV cache of -c tokens)")
+                  "requests generating at once, each in its own session of up to -c tokens")
       ->check(whole(1, 256))
       ->capture_default_str();
   cmd->add_option("--kv-pool", a->kv_pool,
