@@ -102,9 +102,14 @@ class Model {
   // keeps its K/V in one pool of `positions` positions (rounded up to whole blocks of kKvBlock),
   // taking blocks as its positions are written, and a new prompt reuses the blocks of any
   // earlier sequence that began the same way (Session::adopt_prefix). A session's
-  // context_length() is then the most one sequence may hold. false where the engine keeps a
-  // cache per session only.
-  virtual bool use_kv_pool(int64_t /*positions*/) { return false; }
+  // context_length() is then the most one sequence may hold. A GPU takes fewer positions where
+  // fewer fit beside the scratch of `sessions` sessions of `context` positions each (with a note
+  // on stderr unless `quiet`), and throws DeviceError where not even `context` do. false where
+  // the engine keeps a cache per session only.
+  virtual bool use_kv_pool(int64_t /*positions*/, int /*sessions*/ = 1, int /*context*/ = 0,
+                           bool /*quiet*/ = true) {
+    return false;
+  }
   virtual KvPoolUse kv_pool_use() const { return {}; }
 
   // Bytes of the weights on the model's device.

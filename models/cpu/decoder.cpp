@@ -191,7 +191,7 @@ CpuRunState DecoderCpu::run_state(int context) const {
   return s;
 }
 
-bool DecoderCpu::use_kv_pool(int64_t positions) {
+bool DecoderCpu::use_kv_pool(int64_t positions, int, int, bool) {
   KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
   const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
   KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,

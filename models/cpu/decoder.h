@@ -173,7 +173,7 @@ class DecoderCpu final : public Model {
   // Bytes of one position's K and V over every layer, in the model's cache types.
   size_t cache_bytes_per_position() const;
   // Paged KV memory (Model::use_kv_pool): sessions made from now on keep their K/V in one pool.
-  bool use_kv_pool(int64_t positions) override;
+  bool use_kv_pool(int64_t positions, int sessions = 1, int context = 0, bool quiet = true) override;
   KvPoolUse kv_pool_use() const override;
 
   // One token at one position (a decode step). Writes logits [vocab].

@@ -194,8 +194,34 @@ void DecoderCuda::warm_up(DecoderCudaSession& q) {
   q.release_kv();  // paged: the blocks it wrote go back to the pool
 }
 
-bool DecoderCuda::use_kv_pool(int64_t positions) {
+bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool quiet) {
   KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
+  // As many positions as asked, or as fit beside what the sessions will take of their own
+  // (the attention workspace, the block table, the decode graphs) and the scratch every
+  // session's constructor keeps free: the pool is what serving many requests is made of, so a
+  // GPU short of memory gets a smaller one rather than none, as a session's context is
+  // shortened to what fits.
+  {
+    const ModelConfig& c = cfg_;
+    const size_t per_pos = cache_bytes_per_position(Device::Cuda, c, cache_);
+    const size_t per_session = cuda::attention_workspace_bytes(std::max(context, 1), c.n_heads, c.head_dim) +
+                               ((size_t)64 << 20);  // its graphs and table, generously
+    size_t free_b = 0, total_b = 0;
+    KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const size_t reserve = ((size_t)256 << 20) + (size_t)std::max(sessions, 1) * per_session;
+    const int64_t fits = free_b > reserve ? (int64_t)((free_b - reserve) / per_pos) / kKvBlock * kKvBlock : 0;
+    if (positions > fits) {
+      if (fits < std::max(context, kKvBlock))
+        throw DeviceError(fmt::format("out of GPU memory: {} is free, too little for a KV pool of {} "
+                                      "positions beside {} for {} session{}: lower --parallel or -c",
+                                      mib(free_b), std::max(context, kKvBlock), mib(reserve),
+                                      sessions, sessions == 1 ? "" : "s"));
+      if (!quiet)
+        fmt::print(stderr, "note: GPU memory is short: KV pool reduced from {} to {} positions\n",
+                   positions, fits);
+      positions = fits;
+    }
+  }
   const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
   KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,
                 "a KV pool of " + std::to_string(positions) + " positions is past what one holds");

@@ -158,7 +158,7 @@ class DecoderCuda final : public Model {
   void forward_batch(std::span<const BatchRow> rows, float* logits) override;
   // Paged KV memory (Model::use_kv_pool): one device allocation per K and V array of the pool's
   // rows, in the model's cache types; sessions made from now on keep their K/V there.
-  bool use_kv_pool(int64_t positions) override;
+  bool use_kv_pool(int64_t positions, int sessions = 1, int context = 0, bool quiet = true) override;
   KvPoolUse kv_pool_use() const override;
   size_t weight_bytes() const override { return weight_bytes_; }
   // After loading and opening the first session (its KV cache and graphs), before any prompt.

@@ -156,10 +156,12 @@ class Server {
       kv_positions_ = a.kv_pool > 0 ? a.kv_pool : (int64_t)a.parallel * ctx;
       if (kv_positions_ < ctx) throw Error(kv_pool_too_small(kv_positions_, ctx));
       m_.session.reset();
-      if (!m_.model->use_kv_pool(kv_positions_)) {
+      if (!m_.model->use_kv_pool(kv_positions_, a.parallel, ctx, a.quiet)) {
         note(a.quiet, fmt::format("note: paged KV memory (--kv-pool) is not run by {} yet: each "
                                   "slot has a cache of {} positions", m_.model->device_name(), ctx));
         kv_positions_ = 0;
+      } else {
+        kv_positions_ = m_.model->kv_pool_use().blocks * kKvBlock;  // a GPU may take fewer
       }
       m_.session = m_.model->new_session(ctx, a.quiet);
     }
