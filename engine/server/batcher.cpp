@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "base/error.h"
+#include "engine/server/scheduler.h"
 
 namespace kestrel::server {
 
@@ -13,22 +14,10 @@ namespace kestrel::server {
 // through forward() step by step: the defaults of forward_argmax and greedy_run call it, and no
 // device-chained run is offered, since a chained run keeps its next token in the model's shared
 // state between steps, where another row's step would overwrite it.
-class StepBatcher::BatchedSession final : public Session {
+class StepBatcher::BatchedSession final : public SessionWrapper {
  public:
   BatchedSession(std::unique_ptr<Session> inner, StepBatcher& b)
-      : Session(inner->model()), inner_(std::move(inner)), b_(b) {}
-  int context_length() const override { return inner_->context_length(); }
-  size_t cache_bytes() const override { return inner_->cache_bytes(); }
-  bool adopt_prefix(std::span<const int> prompt) override {
-    if (!inner_->adopt_prefix(prompt)) return false;
-    cached = inner_->cached;
-    return true;
-  }
-  bool release_kv() override {
-    if (!inner_->release_kv()) return false;
-    cached.clear();
-    return true;
-  }
+      : SessionWrapper(std::move(inner)), b_(b) {}
 
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override {
     KESTREL_CHECK(n > 0, "forward: no tokens");
@@ -49,7 +38,6 @@ class StepBatcher::BatchedSession final : public Session {
   }
 
  private:
-  std::unique_ptr<Session> inner_;
   StepBatcher& b_;
 };
 

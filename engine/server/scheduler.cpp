@@ -23,7 +23,7 @@ void TurnLock::unlock() {
 }
 
 TurnTakingSession::TurnTakingSession(std::unique_ptr<Session> inner, TurnLock& turn)
-    : Session(inner->model()), inner_(std::move(inner)), turn_(turn) {}
+    : SessionWrapper(std::move(inner)), turn_(turn) {}
 
 void TurnTakingSession::forward(const int* tokens, int n, int pos, float* logits, float* all_logits) {
   std::lock_guard<TurnLock> turn(turn_);

@@ -40,13 +40,14 @@ class TurnLock {
   uint64_t next_ = 0, serving_ = 0;
 };
 
-// A session whose every run through the model takes the model's turn. Greedy decoding runs
-// step by step (each step one turn); device-chained runs are not offered, because a chained
-// run keeps its next token in the model's shared state between steps, where another
-// session's step would overwrite it (the host then samples, as on the CPU engine).
-class TurnTakingSession final : public Session {
+// A session that runs through a session of the model (the server's wrappers, which order the
+// passes): its cache is the inner one's, and so is what a paged cache adopts and gives back.
+// `cached` is the wrapper's own (generate_cached keeps it), set from the inner session's where
+// that one says what its cache holds.
+class SessionWrapper : public Session {
  public:
-  TurnTakingSession(std::unique_ptr<Session> inner, TurnLock& turn);
+  explicit SessionWrapper(std::unique_ptr<Session> inner)
+      : Session(inner->model()), inner_(std::move(inner)) {}
   int context_length() const override { return inner_->context_length(); }
   size_t cache_bytes() const override { return inner_->cache_bytes(); }
   bool adopt_prefix(std::span<const int> prompt) override {
@@ -59,13 +60,24 @@ class TurnTakingSession final : public Session {
     cached.clear();
     return true;
   }
+
+ protected:
+  std::unique_ptr<Session> inner_;
+};
+
+// A session whose every run through the model takes the model's turn. Greedy decoding runs
+// step by step (each step one turn); device-chained runs are not offered, because a chained
+// run keeps its next token in the model's shared state between steps, where another
+// session's step would overwrite it (the host then samples, as on the CPU engine).
+class TurnTakingSession final : public SessionWrapper {
+ public:
+  TurnTakingSession(std::unique_ptr<Session> inner, TurnLock& turn);
   void forward(const int* tokens, int n, int pos, float* logits, float* all_logits) override;
   int forward_argmax(int token, int pos) override;
   // A speculative verify pass is one turn: it leaves nothing in the model's state.
   void forward_argmax_rows(const int* tokens, int n, int pos, int* out) override;
 
  private:
-  std::unique_ptr<Session> inner_;
   TurnLock& turn_;
 };
 
