@@ -334,7 +334,19 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // registers; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
 // each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
 // past 80 registers only one would fit there.
-template <int D, int GMAX, bool ROPE, int PASSES, KvType KT, KvType VT>
+// BATCH (attention_decode_batch): blockIdx.z = row * batch.zblocks + the block's z within the
+// row; row i's query (or q|k|v) row is q + i * batch.q_stride, its output out + i *
+// batch.out_stride, its position batch.d_pos[i], and its caches, block table and workspace
+// those of batch.seqs[i] at layer batch.layer (the arguments they replace are unused). Its
+// workspace's chunk stride is its own context's (the grid covers the longest row's).
+struct BatchArgs {
+  const KvBatchSeq* seqs = nullptr;
+  const int* d_pos = nullptr;
+  int layer = 0, zblocks = 1;
+  int64_t q_stride = 0, out_stride = 0;
+};
+
+template <int D, int GMAX, bool ROPE, int PASSES, KvType KT, KvType VT, bool BATCH>
 __global__ void __launch_bounds__(kThreads)
     attention_split_kernel(const __half* __restrict__ q, void* __restrict__ k_data,
                            void* __restrict__ v_data, const void* __restrict__ k_scales,
@@ -344,7 +356,7 @@ __global__ void __launch_bounds__(kThreads)
                            float q_scale, const rope_detail::InvFreq inv_freq,
                            float* __restrict__ ws_o, float* __restrict__ ws_ml,
                            int* __restrict__ counters, __half* __restrict__ out,
-                           const int32_t* __restrict__ out_index) {
+                           const int32_t* __restrict__ out_index, const BatchArgs batch) {
   constexpr int kChunk = chunk_for(D, PASSES);
   constexpr int kLanes = D / 8;             // threads per K/V row
   constexpr int kRows = kThreads / kLanes;  // rows covered by one pass of the block
@@ -377,6 +389,32 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float2 cs[ROPE ? D / 2 : 1];                 // RoPE (cos, sin) per pair index
   __shared__ __align__(16) uint4 knew_s[kLanes];          // K of the new token's row
 
+  int zb = blockIdx.z;               // this block's query heads: the zb-th GMAX of the group
+  int n_chunks_all = gridDim.y;      // the workspace's chunks per head
+  if constexpr (BATCH) {
+    const int row = blockIdx.z / batch.zblocks;
+    zb = blockIdx.z % batch.zblocks;
+    d_pos = batch.d_pos + row;
+    const int pos = __ldg(d_pos);
+    const int lo = max((int)blockIdx.y * kChunk, window_start(pos + 1, sliding_window));
+    if (lo >= min((int)blockIdx.y * kChunk + kChunk, pos + 1)) return;  // no live position
+    const KvBatchSeq& sq = batch.seqs[row];
+    const KvCacheDev kc = sq.k_layer(KT, batch.layer), vc = sq.v_layer(VT, batch.layer);
+    k_data = kc.data;
+    v_data = vc.data;
+    if constexpr (KT != KvType::F16) k_scales = kc.scales;  // f16: none to read
+    if constexpr (VT != KvType::F16) v_scales = vc.scales;
+    blocks = sq.blocks;
+    q += row * batch.q_stride;
+    out += row * batch.out_stride;
+    // The workspace of the row's context, laid out as attention_decode lays it (ws_ml after
+    // n_chunks(ctx) chunks at 4 passes, then the counters), with this grid's chunks per head.
+    const int chunks4 = (sq.ctx + chunk_for(D) - 1) / chunk_for(D);
+    n_chunks_all = (sq.ctx + kChunk - 1) / kChunk;
+    ws_o = sq.workspace;
+    ws_ml = ws_o + (size_t)n_heads * chunks4 * D;
+    counters = reinterpret_cast<int*>(ws_ml + (size_t)n_heads * chunks4 * 2);
+  }
   const int pos = *d_pos, n_ctx = pos + 1;
   const int chunk = blockIdx.y;
   const int lo = max(chunk * kChunk, window_start(n_ctx, sliding_window));
@@ -384,11 +422,10 @@ __global__ void __launch_bounds__(kThreads)
   if (lo >= hi) return;  // the whole block: no position of this chunk is live
   const int n_rows = hi - lo;
   const int new_row = pos - lo;  // the new token's row, when it is in this chunk (< n_rows)
-  const int n_chunks_all = gridDim.y;
 
   const int kvh = blockIdx.x;
-  const int h0 = kvh * group + blockIdx.z * GMAX;  // first query head of this block
-  const int nh = min(GMAX, group - (int)blockIdx.z * GMAX);
+  const int h0 = kvh * group + zb * GMAX;  // first query head of this block
+  const int nh = min(GMAX, group - zb * GMAX);
 
   const int seg = threadIdx.x % kLanes;  // which 8 dims
   const int r0 = threadIdx.x / kLanes;   // which row of a pass
@@ -481,7 +518,7 @@ __global__ void __launch_bounds__(kThreads)
       const uint4 vr = __ldcg(reinterpret_cast<const uint4*>(vx + seg * 8));
       knew_s[seg] = kr;
       v_s[new_row * kLanes + seg] = vr;
-      if (blockIdx.z == 0) {
+      if (zb == 0) {
         const size_t e = (size_t)kv_detail::kv_row(blocks, pos) * row_stride + head_elem;
         *reinterpret_cast<uint4*>(k_cache + e) = kr;
         *reinterpret_cast<uint4*>(v_cache + e) = vr;
@@ -684,19 +721,38 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
   merge_heads<D, GMAX>(ws_o, ws_ml, h0, nh, c0, c1, n_chunks_all, out, out_index, buf);
 }
 
+// rows > 0: a batched step of that many rows (batch), each its own z range of the grid.
 template <int D, int GMAX, bool ROPE, int PASSES, KvType KT, KvType VT>
 void launch_split(const __half* q, const KvCacheDev& k, const KvCacheDev& v, const int* d_pos,
                   int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                   const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
-                  int* counters, __half* out, const int32_t* out_index, cudaStream_t stream) {
+                  int* counters, __half* out, const int32_t* out_index, cudaStream_t stream,
+                  BatchArgs batch, int rows) {
   const int group = n_heads / n_kv_heads;
-  const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), (group + GMAX - 1) / GMAX);
+  const int zblocks = (group + GMAX - 1) / GMAX;
   // log2(e) folded into the scale: the softmax then uses exp2f, one instruction.
   const float q_scale = 1.4426950408889634f / std::sqrt((float)D);
-  launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT>, grid, dim3(kThreads), 0,
-             stream, q, k.data, v.data, (const void*)k.scales, (const void*)v.scales, k.blocks,
-             d_pos, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, ws_o, ws_ml,
-             counters, out, out_index);
+  if (rows == 0) {
+    const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), zblocks);
+    launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT, false>, grid,
+               dim3(kThreads), 0, stream, q, k.data, v.data, (const void*)k.scales,
+               (const void*)v.scales, k.blocks, d_pos, sliding_window, n_heads, n_kv_heads,
+               group, q_scale, inv_freq, ws_o, ws_ml, counters, out, out_index, BatchArgs{});
+    return;
+  }
+  // A batch of f16 caches runs the fused RoPE; the unfused f16 pair is not compiled batched.
+  if constexpr (ROPE || KT != KvType::F16 || VT != KvType::F16) {
+    batch.zblocks = zblocks;
+    KESTREL_CHECK((int64_t)rows * zblocks <= 65535,
+                  "attention_decode_batch: " + std::to_string(rows) + " rows are too many");
+    const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), rows * zblocks);
+    launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT, true>, grid,
+               dim3(kThreads), 0, stream, q, nullptr, nullptr, nullptr, nullptr, nullptr,
+               nullptr, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, nullptr,
+               nullptr, nullptr, out, nullptr, batch);
+  } else {
+    throw Error("attention_decode_batch: f16 caches run with the fused RoPE");
+  }
 }
 
 // The chunk length of a grid (passes_for): the short or the long kernel of one configuration.
@@ -717,12 +773,12 @@ void dispatch_group(const __half* q, const KvCacheDev& k, const KvCacheDev& v, c
                     int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
                     const rope_detail::InvFreq& inv_freq, float* ws_o, float* ws_ml,
                     int* counters, __half* out, const int32_t* out_index, cudaStream_t stream,
-                    int forced_heads) {
+                    int forced_heads, BatchArgs batch, int rows) {
   const int passes = passes_for(ctx_bound);
 #define KESTREL_ATTN_CALL(G)                                                                   \
   launch_chunked<D, G, ROPE, KT, VT>(passes, q, k, v, d_pos, ctx_bound, sliding_window,        \
                              n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,       \
-                             out_index, stream)
+                             out_index, stream, batch, rows)
   switch (heads_per_block(n_heads / n_kv_heads, D, ctx_bound, forced_heads)) {
     case 1: KESTREL_ATTN_CALL(1); break;
     case 2: KESTREL_ATTN_CALL(2); break;
@@ -788,12 +844,12 @@ void attention_decode(const __half* q, const KvCacheDev& k, const KvCacheDev& v,
     case 64:
       dispatch_types<64, ROPE>(k.type, v.type, q, k, v, d_pos, ctx_bound, sliding_window,
                                n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,
-                               out_index, stream, heads_per_block);
+                               out_index, stream, heads_per_block, BatchArgs{}, 0);
       break;
     case 128:
       dispatch_types<128, ROPE>(k.type, v.type, q, k, v, d_pos, ctx_bound, sliding_window,
                                 n_heads, n_kv_heads, inv_freq, ws_o, ws_ml, counters, out,
-                                out_index, stream, heads_per_block);
+                                out_index, stream, heads_per_block, BatchArgs{}, 0);
       break;
     default:
       throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
@@ -855,6 +911,54 @@ void attention_decode_rope_f16(const __half* qkv, const KvCacheDev& k, const KvC
   attention_decode<true>(qkv, k, v, d_pos, max_ctx, sliding_window, n_heads,
                          n_kv_heads, head_dim, inv_freq, workspace, out, out_index, stream,
                          ctx_bound, heads_per_block, "attention_decode_rope_f16");
+}
+
+void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const int* d_pos,
+                            const KvBatchSeq* seqs, int layer, KvCacheTypes types, bool rope_fused,
+                            int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
+                            int head_dim, const RopeScaling& rope, __half* out,
+                            int64_t out_stride, cudaStream_t stream) {
+  const char* who = "attention_decode_batch";
+  KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
+                std::string(who) + ": n_heads " + std::to_string(n_heads) +
+                    " is not a positive multiple of n_kv_heads " + std::to_string(n_kv_heads));
+  KESTREL_CHECK(B >= 1 && ctx_bound > 0 && sliding_window >= 0 && layer >= 0 && seqs && d_pos,
+                std::string(who) + ": bad rows " + std::to_string(B) + ", ctx_bound " +
+                    std::to_string(ctx_bound) + " or sliding_window " +
+                    std::to_string(sliding_window));
+  KESTREL_CHECK(rope_fused == (types.k == KvType::F16 && types.v == KvType::F16),
+                std::string(who) + ": f16 caches run with the fused RoPE, 8-bit ones without");
+  KESTREL_CHECK(reinterpret_cast<uintptr_t>(qkv) % 16 == 0 && q_stride % 8 == 0,
+                std::string(who) + ": the rows must be 16-byte aligned");
+  BatchArgs batch;
+  batch.seqs = seqs;
+  batch.d_pos = d_pos;
+  batch.layer = layer;
+  batch.q_stride = q_stride;
+  batch.out_stride = out_stride;
+  const KvCacheDev k{types.k, nullptr, nullptr, nullptr}, v{types.v, nullptr, nullptr, nullptr};
+  const rope_detail::InvFreq inv_freq =
+      rope_fused ? rope_detail::make_inv_freq(who, head_dim, rope) : rope_detail::InvFreq{};
+  const auto run = [&](auto d, auto fused) {
+    constexpr int D = decltype(d)::value;
+    dispatch_types<D, decltype(fused)::value>(
+        types.k, types.v, qkv, k, v, d_pos, ctx_bound, sliding_window, n_heads, n_kv_heads,
+        inv_freq, (float*)nullptr, (float*)nullptr, (int*)nullptr, out, (const int32_t*)nullptr,
+        stream, 0, batch, B);
+  };
+  switch (head_dim) {
+    case 64:
+      rope_fused ? run(std::integral_constant<int, 64>{}, std::true_type{})
+                 : run(std::integral_constant<int, 64>{}, std::false_type{});
+      break;
+    case 128:
+      rope_fused ? run(std::integral_constant<int, 128>{}, std::true_type{})
+                 : run(std::integral_constant<int, 128>{}, std::false_type{});
+      break;
+    default:
+      throw Error(std::string(who) + ": head_dim " + std::to_string(head_dim) +
+                  " is not compiled (supported: 64, 128)");
+  }
 }
 
 }  // namespace kestrel::cuda

@@ -55,6 +55,32 @@ struct KvCacheDev {
   const __half* f16() const { return static_cast<const __half*>(data); }
 };
 
+// One sequence of a batched decode step (rope_kv_write_batch, attention_decode_batch): its K
+// and V caches of every layer, laid layer after layer (models/gpu/decoder.h GpuKvStorage), and
+// the attention workspace of its context. Layer l's K data is at k_data + l * k_stride bytes
+// (likewise the scales and V), read through `blocks` where the sequence is paged (null: a
+// contiguous cache). The kernels take an array of them in device memory, one per row.
+struct KvBatchSeq {
+  char* k_data = nullptr;
+  char* v_data = nullptr;
+  char* k_scales = nullptr;  // 8-bit types; else null
+  char* v_scales = nullptr;
+  size_t k_stride = 0, v_stride = 0;                // bytes of one layer's data
+  size_t k_scales_stride = 0, v_scales_stride = 0;  // bytes of one layer's scales
+  const int32_t* blocks = nullptr;
+  float* workspace = nullptr;  // attention_workspace_bytes(ctx, n_heads, head_dim), counters zero
+  int ctx = 0;                 // positions the sequence may hold (its workspace's layout)
+
+  __host__ __device__ KvCacheDev k_layer(KvType t, int l) const {
+    return {t, k_data + (size_t)l * k_stride, k_scales ? k_scales + (size_t)l * k_scales_stride : nullptr,
+            blocks};
+  }
+  __host__ __device__ KvCacheDev v_layer(KvType t, int l) const {
+    return {t, v_data + (size_t)l * v_stride, v_scales ? v_scales + (size_t)l * v_scales_stride : nullptr,
+            blocks};
+  }
+};
+
 // Bytes of data and of scales of one layer's cache of ctx positions.
 inline size_t kv_data_bytes(KvType t, int64_t ctx, int n_kv_heads, int head_dim) {
   return (size_t)ctx * n_kv_heads * head_dim * (t == KvType::F16 ? 2 : 1);
@@ -76,5 +102,15 @@ void rope_kv_write_rows_kv(__half* qkv, int64_t row_stride, int T, int pos0, con
                            const KvCacheDev& v, int n_heads, int n_kv_heads, int head_dim,
                            const RopeScaling& rope, cudaStream_t stream,
                            const int* d_pos0 = nullptr);
+
+// rope_kv_write_rows_kv for the B rows of a batched decode step, in one launch: row i of qkv
+// is the new token of sequence seqs[i] (device array) at position d_pos[i] (device); its q and k
+// are rotated in place and its k and v written into that sequence's layer-`layer` caches, of the
+// types `types`, through its block table where it has one. The same values, row for row, as
+// rope_kv_write_rows_kv with T = 1 on each sequence's caches. B in [1, 65535].
+void rope_kv_write_batch(__half* qkv, int64_t row_stride, int B, const int* d_pos,
+                         const KvBatchSeq* seqs, int layer, KvCacheTypes types, int n_heads,
+                         int n_kv_heads, int head_dim, const RopeScaling& rope,
+                         cudaStream_t stream);
 
 }  // namespace kestrel::cuda

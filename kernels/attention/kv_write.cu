@@ -63,18 +63,29 @@ __device__ __forceinline__ void store_head(const KvCacheDev& c, const float (&x)
   }
 }
 
+// seqs (a batched decode step, rope_kv_write_batch): token t is the new row of sequence
+// seqs[t], at position d_pos0[t], into that sequence's caches of layer `layer` (k and v give
+// only the types); else every token writes into k and v at position *d_pos0 (or pos0) + t.
 template <int D>
 __global__ void __launch_bounds__(kWarps * 32)
     rope_kv_write_kv_kernel(__half* qkv, int64_t row_stride, int pos0,
-                            const int* __restrict__ d_pos0, const KvCacheDev k,
-                            const KvCacheDev v, int n_heads, int n_kv_heads,
-                            const rope_detail::InvFreq inv_freq) {
+                            const int* __restrict__ d_pos0, KvCacheDev k, KvCacheDev v,
+                            int n_heads, int n_kv_heads, const rope_detail::InvFreq inv_freq,
+                            const KvBatchSeq* __restrict__ seqs, int layer) {
   constexpr int H = D / 2, NB = D / 32, NP = D / 64;  // pairs per lane: NP
   pdl_wait_then_release();  // qkv comes from the GEMM or GEMV before
   const int head = blockIdx.x * kWarps + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (head >= n_heads + 2 * n_kv_heads) return;  // the whole warp
   const int token = blockIdx.y;
-  const int pos = (d_pos0 ? __ldg(d_pos0) : pos0) + token;
+  int pos;
+  if (seqs) {
+    const KvBatchSeq& sq = seqs[token];
+    k = sq.k_layer(k.type, layer);
+    v = sq.v_layer(v.type, layer);
+    pos = __ldg(d_pos0 + token);
+  } else {
+    pos = (d_pos0 ? __ldg(d_pos0) : pos0) + token;
+  }
   __half* xh = qkv + (int64_t)token * row_stride + (int64_t)head * D;
   float x[NB];
   __half h[NB];
@@ -125,12 +136,40 @@ void rope_kv_write_rows_kv(__half* qkv, int64_t row_stride, int T, int pos0, con
                   std::string("rope_kv_write_rows_kv: a ") + kv_type_name(c->type) +
                       " cache without its " + (c->data ? "scales" : "data"));
   const dim3 grid((n_heads + 2 * n_kv_heads + kWarps - 1) / kWarps, T);
+  const KvBatchSeq* none = nullptr;
   if (head_dim == 64)
     launch_pdl(rope_kv_write_kv_kernel<64>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
-               pos0, d_pos0, k, v, n_heads, n_kv_heads, inv_freq);
+               pos0, d_pos0, k, v, n_heads, n_kv_heads, inv_freq, none, 0);
   else
     launch_pdl(rope_kv_write_kv_kernel<128>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
-               pos0, d_pos0, k, v, n_heads, n_kv_heads, inv_freq);
+               pos0, d_pos0, k, v, n_heads, n_kv_heads, inv_freq, none, 0);
+}
+
+void rope_kv_write_batch(__half* qkv, int64_t row_stride, int B, const int* d_pos,
+                         const KvBatchSeq* seqs, int layer, KvCacheTypes types, int n_heads,
+                         int n_kv_heads, int head_dim, const RopeScaling& rope,
+                         cudaStream_t stream) {
+  const rope_detail::InvFreq inv_freq =
+      rope_detail::make_inv_freq("rope_kv_write_batch", head_dim, rope);
+  KESTREL_CHECK(head_dim == 64 || head_dim == 128,
+                "rope_kv_write_batch: head_dim " + std::to_string(head_dim) +
+                    " is not compiled (supported: 64, 128)");
+  KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && B >= 1 && B <= 65535 && layer >= 0,
+                "rope_kv_write_batch: bad sizes n_heads " + std::to_string(n_heads) +
+                    ", n_kv_heads " + std::to_string(n_kv_heads) + ", B " + std::to_string(B) +
+                    ", layer " + std::to_string(layer));
+  KESTREL_CHECK(row_stride >= (int64_t)(n_heads + 2 * n_kv_heads) * head_dim,
+                "rope_kv_write_batch: row stride " + std::to_string(row_stride) +
+                    " is shorter than q|k|v");
+  KESTREL_CHECK(seqs && d_pos, "rope_kv_write_batch: no sequences or positions");
+  const dim3 grid((n_heads + 2 * n_kv_heads + kWarps - 1) / kWarps, B);
+  const KvCacheDev k{types.k, nullptr, nullptr, nullptr}, v{types.v, nullptr, nullptr, nullptr};
+  if (head_dim == 64)
+    launch_pdl(rope_kv_write_kv_kernel<64>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
+               0, d_pos, k, v, n_heads, n_kv_heads, inv_freq, seqs, layer);
+  else
+    launch_pdl(rope_kv_write_kv_kernel<128>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
+               0, d_pos, k, v, n_heads, n_kv_heads, inv_freq, seqs, layer);
 }
 
 }  // namespace kestrel::cuda

@@ -3,10 +3,13 @@
 // the prefill scratch's rows:
 //   embedding [B, hidden] -> per layer (layer_forward_batch, models/gpu/layer_rows.cpp): the
 //   norms and linears over the B rows as a prompt chunk runs them (the fused small-M GEMM from
-//   3 rows, each weight read once for all of them), and per row RoPE + K/V write + attention
-//   over its own cache (the decode step's flash-decoding kernels) -> the output head over the
-//   B rows -> fp32 logits [B, vocab] to the host.
-// It runs on the prefill's scratch, launched from the host (B + a dozen launches per layer).
+//   3 rows, each weight read once for all of them), and RoPE + K/V write + attention of every
+//   row over its own cache in one launch (the decode step's flash-decoding kernel with the rows
+//   in its grid: attention_decode_batch) -> the output head over the B rows -> fp32 logits
+//   [B, vocab] to the host.
+// It runs on the prefill's scratch, launched from the host (about a dozen launches per layer,
+// whatever B). The rows' sequences (caches, tables, workspaces: cuda::KvBatchSeq) go to the
+// device with their tokens and positions.
 // One row runs the session's own decode step (its CUDA graphs) instead.
 #include <algorithm>
 #include <fmt/format.h>
@@ -27,18 +30,20 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
   const int B = static_cast<int>(rows.size());
   if (B == 0) return;
   std::vector<DecoderCudaSession*> sessions(B);
-  std::vector<const GpuSequence*> seqs(B);
+  std::vector<cuda::KvBatchSeq> seqs(B);
   std::vector<int> tokens(B), positions(B), bounds(B);
   for (int i = 0; i < B; ++i) {
     auto* session = dynamic_cast<DecoderCudaSession*>(rows[i].session);
     KESTREL_CHECK(session != nullptr,
                   fmt::format("forward_batch: row {}'s session is not a CUDA engine session", i));
     sessions[i] = session;
-    seqs[i] = &session->q_;
+    KESTREL_CHECK(session->q_.kv.types == cache_,
+                  fmt::format("forward_batch: row {}'s session has other cache types", i));
     tokens[i] = rows[i].token;
     positions[i] = rows[i].pos;
     // The grid the session's own decode step would launch at this position (its graphs' range).
-    bounds[i] = session->graphs_.bound(rows[i].pos);
+    const int bound = session->graphs_.bound(rows[i].pos);
+    bounds[i] = bound > 0 ? bound : session->q_.ctx;
   }
   if (B == 1) {
     rows[0].session->forward(&rows[0].token, 1, rows[0].pos, logits);
@@ -47,10 +52,11 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
   // Paged sessions: each row's position made its session's own, the tables uploaded, before
   // the first kernel.
   for (int i = 0; i < B; ++i) sessions[i]->prepare_write(rows[i].pos, 1);
+  for (int i = 0; i < B; ++i) seqs[i] = sessions[i]->q_.batch_seq(cfg_);
 
   const ModelConfig& c = cfg_;
   const size_t vocab = c.vocab;
-  PrefillState& S = prefill_state(*seqs[0], /*want_rows=*/true);
+  PrefillState& S = prefill_state(sessions[0]->q_, /*want_rows=*/true);
   cudaStream_t s = stream_;
   LayerRowsScratch scratch{S.xb, S.qkv, S.att, S.gate_up, S.act, S.scratch};
   scratch.small_max_rows = S.small_max_rows;
@@ -63,6 +69,8 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
                                        cudaMemcpyHostToDevice, s));
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.targets, positions.data() + r0, T * sizeof(int),
                                        cudaMemcpyHostToDevice, s));
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.batch_seqs, seqs.data() + r0,
+                                       T * sizeof(cuda::KvBatchSeq), cudaMemcpyHostToDevice, s));
     if (w_.positions) {  // x_i = embed[token_i] + positions[pos_i + offset] (OPT), row by row
       const __half* table = w_.positions + (size_t)c.position_offset * c.hidden;
       for (int i = 0; i < T; ++i)
@@ -71,7 +79,9 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     } else {
       cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
     }
-    const GpuBatchRows where{seqs.data() + r0, S.targets, bounds.data() + r0};
+    const GpuBatchRows where{S.batch_seqs, S.targets,
+                             *std::max_element(bounds.begin() + r0, bounds.begin() + r0 + T),
+                             cache_};
     for (int l = 0; l < c.n_layers; ++l)
       layer_forward_batch(c, w_.layers[l], l, S.gemm, S.x, T, where, scratch, s);
     record_rows_logits(S, T, s);  // [T, vocab] fp32

@@ -117,6 +117,23 @@ struct GpuSequence {
   // Layer l's K and V caches as the kernels take them.
   cuda::KvCacheDev k_layer(int l, const ModelConfig& c) const { return kv.k_layer(l, c, blocks); }
   cuda::KvCacheDev v_layer(int l, const ModelConfig& c) const { return kv.v_layer(l, c, blocks); }
+  // Every layer's, with the workspace, as a batched step's kernels take a row's sequence (layer
+  // l at l times one layer's bytes, as GpuKvStorage::k_layer steps them).
+  cuda::KvBatchSeq batch_seq(const ModelConfig& c) const {
+    cuda::KvBatchSeq s;
+    s.k_data = static_cast<char*>(kv.key_cache);
+    s.v_data = static_cast<char*>(kv.value_cache);
+    s.k_scales = static_cast<char*>(kv.key_scales);
+    s.v_scales = static_cast<char*>(kv.value_scales);
+    s.k_stride = cuda::kv_data_bytes(kv.types.k, kv.rows, c.n_kv_heads, c.head_dim);
+    s.v_stride = cuda::kv_data_bytes(kv.types.v, kv.rows, c.n_kv_heads, c.head_dim);
+    s.k_scales_stride = cuda::kv_scales_bytes(kv.types.k, kv.rows, c.n_kv_heads, c.head_dim);
+    s.v_scales_stride = cuda::kv_scales_bytes(kv.types.v, kv.rows, c.n_kv_heads, c.head_dim);
+    s.blocks = blocks;
+    s.workspace = att_workspace;
+    s.ctx = ctx;
+    return s;
+  }
 };
 
 // Tokens per prefill chunk: the longest multiple of 64 whose activations (row_bytes per token)

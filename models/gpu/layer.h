@@ -75,14 +75,16 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
                         cudaStream_t s, const GpuLayerTaps* taps = nullptr);
 
 // The rows of a batched decode step (DecoderCuda::forward_batch): row i is one token of the
-// sequence seqs[i], at the position d_pos[i] (device). bounds[i] (host): the positions row i's
-// attention grid covers, above its position (0 = the sequence's whole context): a session
-// opened for a long context but early in it would otherwise launch a block for every chunk
-// of that context, nearly all of them exiting at once, in every layer.
+// sequence seqs[i] (device: its caches, table and workspace), at the position d_pos[i]
+// (device). ctx_bound: the positions the attention grid covers, the largest of the rows' decode
+// graph ranges (models/gpu/graphs.h) of their positions, so that a session opened for a long
+// context but early in it does not launch a block for every chunk of that context in every
+// layer. types: the rows' caches' (the model's).
 struct GpuBatchRows {
-  const GpuSequence* const* seqs = nullptr;
+  const cuda::KvBatchSeq* seqs = nullptr;
   const int* d_pos = nullptr;
-  const int* bounds = nullptr;
+  int ctx_bound = 0;
+  KvCacheTypes types;
 };
 // One decoder layer (index `layer`) over T rows of T different sequences: the linears over all
 // rows at once, as layer_forward_rows runs them (each weight read once for the T rows), and per

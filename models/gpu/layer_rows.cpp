@@ -110,28 +110,18 @@ struct RowsOps {
 
   // Row i: RoPE at its sequence's position, the K/V write into that sequence's cache and its
   // attention there, as the decode step runs them (the split flash-decoding kernel: one row
-  // over a long cache wants its parallelism over the cache, not over query tiles).
+  // over a long cache wants its parallelism over the cache, not over query tiles), all rows in
+  // one launch (two with an 8-bit cache, whose write runs first).
   void batch_attention(const GpuLayer&) {
-    const int qd = c.q_dim();
-    for (int i = 0; i < T; ++i) {
-      const GpuSequence& q = *batch->seqs[i];
-      const cuda::KvCacheDev kc = q.k_layer(layer, c), vc = q.v_layer(layer, c);
-      __half* row = b.qkv + (size_t)i * qkv_n();
-      __half* out = b.att + (size_t)i * qd;
-      const int* pos = batch->d_pos + i;
-      const int bound = batch->bounds ? batch->bounds[i] : 0;
-      if (!q.kv.types.quantized()) {
-        cuda::attention_decode_rope_f16(row, kc, vc, pos, q.ctx, c.sliding_window, c.n_heads,
-                                        c.n_kv_heads, c.head_dim, c.rope_scaling(),
-                                        q.att_workspace, out, s, /*out_index=*/nullptr, bound);
-      } else {
-        cuda::rope_kv_write_rows_kv(row, qkv_n(), 1, 0, kc, vc, c.n_heads, c.n_kv_heads,
-                                    c.head_dim, c.rope_scaling(), s, pos);
-        cuda::attention_decode_kv(row, kc, vc, pos, q.ctx, c.sliding_window, c.n_heads,
-                                  c.n_kv_heads, c.head_dim, q.att_workspace, out, s,
-                                  /*out_index=*/nullptr, bound);
-      }
-    }
+    const bool fused = !batch->types.quantized();
+    if (!fused)
+      cuda::rope_kv_write_batch(b.qkv, qkv_n(), T, batch->d_pos, batch->seqs, layer,
+                                batch->types, c.n_heads, c.n_kv_heads, c.head_dim,
+                                c.rope_scaling(), s);
+    cuda::attention_decode_batch(b.qkv, qkv_n(), T, batch->d_pos, batch->seqs, layer,
+                                 batch->types, fused, batch->ctx_bound, c.sliding_window,
+                                 c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(), b.att,
+                                 c.q_dim(), s);
   }
 
   // x += Wo att (bo: in the next norm)

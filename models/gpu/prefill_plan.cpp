@@ -119,6 +119,8 @@ DecoderCuda::PrefillState& DecoderCuda::prefill_state(const GpuSequence& q, bool
         st->logits = static_cast<float*>(st->take(vocab * sizeof(float)));
         st->logits_rows = 1;
         st->rows_in = static_cast<int*>(st->take((1 + kVerifyMaxRows) * sizeof(int)));
+        st->batch_seqs =
+            static_cast<cuda::KvBatchSeq*>(st->take((size_t)rows * sizeof(cuda::KvBatchSeq)));
         if (tuning_.small_gemm_max_rows >= kSmallGemmMinRows) {
           // Outside the memory plan: the split-K partials and gathered x of the largest call
           // (gemm_small_workspace_bytes; under 20 MiB on a 7B), which the halving of the rows

@@ -10,6 +10,9 @@
 //     head dims 64 and 128, GQA, sliding windows, contexts and chunks that break the tiles;
 //     the decode kernel also storing through an out_index (an act-order o's input order).
 //     Rows the query must not see hold NaN scales (and fp8 NaN codes), so reading one fails.
+//   - rope_kv_write_batch and attention_decode_batch (a batched decode step's rows over their
+//     own sequences' caches, f16 and 8-bit): each row bitwise as the one-row kernels above on a
+//     copy of its caches, and the 8-bit pairs' attention against attention_ref_kv too.
 //
 // Tolerances. The dequantized values are the reference's exactly (code * scale in fp32); the
 // decode kernel differs from the reference only by its summation order and its fp16 output
@@ -60,6 +63,7 @@ class DevBytes {
   DevBytes& operator=(const DevBytes&) = delete;
 
   void* get() const { return p_; }
+  size_t size() const { return n_; }
   template <class T>
   T* as() const { return static_cast<T*>(p_); }
   template <class T>
@@ -604,6 +608,252 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionPrefillKvCuda, ::testing::ValuesIn(pre
                                   std::to_string(p.window) + (p.device_pos ? "_dev" : "") +
                                   (p.paged ? "_paged" : "");
                          });
+
+// ---- the batched decode step: rope_kv_write_batch and attention_decode_batch -------------------
+//
+// B sequences of their own contexts (some paged through scrambled tables, some contiguous),
+// each cache two layers deep with layer 0 all NaN and the step run at layer 1, so that a row
+// read at the wrong layer, sequence, block or position shows. Each row against the one-row
+// kernels on a copy of the same caches with the same grid (bitwise: the batch changes which
+// block computes what, never the arithmetic), and the attention of the 8-bit pairs also against
+// the reference on the same codes.
+
+struct BatchKvCase {
+  int head_dim, n_heads, n_kv_heads, window;
+  std::vector<int> pos;  // each row's position
+  int bound;             // the grid's positions (every row's context is at least this)
+};
+
+// One sequence's caches on the device, two layers of `c`'s layout: layer 0 all 0xFF bytes (NaN
+// in every type), layer 1 c's data; its workspace for c.ctx positions.
+struct BatchSeqDev {
+  DevBytes k_data, v_data, k_scales, v_scales, ws;
+  std::unique_ptr<DevBytes> table;
+  int ctx;
+  BatchSeqDev(const TestCache& k, const TestCache& v, int n_heads)
+      : k_data(2 * cuda::kv_data_bytes(k.type, k.rows, k.n_kv_heads, k.head_dim)),
+        v_data(2 * cuda::kv_data_bytes(v.type, v.rows, v.n_kv_heads, v.head_dim)),
+        k_scales(2 * cuda::kv_scales_bytes(k.type, k.rows, k.n_kv_heads, k.head_dim)),
+        v_scales(2 * cuda::kv_scales_bytes(v.type, v.rows, v.n_kv_heads, v.head_dim)),
+        ws(cuda::attention_workspace_bytes(k.ctx, n_heads, k.head_dim)),
+        table(device_table(k.blocks)),
+        ctx(k.ctx) {
+    put(k_data, k.device_data());
+    put(v_data, v.device_data());
+    if (k.type != KvType::F16) put(k_scales, k.scales);
+    if (v.type != KvType::F16) put(v_scales, v.scales);
+    cuda::attention_workspace_reset(ws.as<float>(), ctx, n_heads, k.head_dim, nullptr);
+  }
+  static void put(DevBytes& d, const std::vector<uint8_t>& layer1) {
+    KESTREL_CUDA_CHECK(cudaMemset(d.get(), 0xFF, layer1.size()));
+    KESTREL_CUDA_CHECK(cudaMemcpy(d.as<uint8_t>() + layer1.size(), layer1.data(), layer1.size(),
+                                  cudaMemcpyHostToDevice));
+  }
+  cuda::KvBatchSeq seq(KvType kt, KvType vt, const TestCache& k, const TestCache& v) const {
+    cuda::KvBatchSeq s;
+    s.k_data = k_data.as<char>();
+    s.v_data = v_data.as<char>();
+    s.k_stride = cuda::kv_data_bytes(kt, k.rows, k.n_kv_heads, k.head_dim);
+    s.v_stride = cuda::kv_data_bytes(vt, v.rows, v.n_kv_heads, v.head_dim);
+    if (kt != KvType::F16) {
+      s.k_scales = k_scales.as<char>();
+      s.k_scales_stride = cuda::kv_scales_bytes(kt, k.rows, k.n_kv_heads, k.head_dim);
+    }
+    if (vt != KvType::F16) {
+      s.v_scales = v_scales.as<char>();
+      s.v_scales_stride = cuda::kv_scales_bytes(vt, v.rows, v.n_kv_heads, v.head_dim);
+    }
+    s.blocks = table ? table->as<int32_t>() : nullptr;
+    s.workspace = ws.as<float>();
+    s.ctx = ctx;
+    return s;
+  }
+  // Layer 1 as the one-row kernels take it.
+  cuda::KvCacheDev layer1(const DevBytes& data, const DevBytes& scales, KvType t,
+                          const TestCache& c) const {
+    return {t, data.as<char>() + cuda::kv_data_bytes(t, c.rows, c.n_kv_heads, c.head_dim),
+            t == KvType::F16
+                ? nullptr
+                : scales.as<char>() + cuda::kv_scales_bytes(t, c.rows, c.n_kv_heads, c.head_dim),
+            table ? table->as<int32_t>() : nullptr};
+  }
+};
+
+// c's storage from layer 1 of a BatchSeqDev's arrays of layer_bytes each (its scales, of the
+// same rows, after them in theirs).
+void load_layer1(TestCache& c, const DevBytes& data, const DevBytes& scales, size_t layer_bytes) {
+  const auto all = data.download<uint8_t>(2 * layer_bytes);
+  if (c.type == KvType::F16) {
+    for (size_t i = 0; i < c.values.size(); ++i) {
+      uint16_t h;
+      std::memcpy(&h, &all[layer_bytes + 2 * i], 2);
+      c.values[i] = half_to_float(h);
+    }
+    return;
+  }
+  c.codes.assign(all.begin() + layer_bytes, all.end());
+  const size_t sb = c.scales.size();
+  const auto sc = scales.download<uint8_t>(2 * sb);
+  c.scales.assign(sc.begin() + sb, sc.end());
+}
+
+class BatchDecodeKvCuda : public ::testing::TestWithParam<BatchKvCase> {};
+
+TEST_P(BatchDecodeKvCuda, EachRowAsTheOneRowKernelsAndTheReference) {
+  KESTREL_REQUIRE_GPU();
+  const BatchKvCase c = GetParam();
+  const int hd = c.head_dim, B = (int)c.pos.size();
+  const int64_t stride = (int64_t)(c.n_heads + 2 * c.n_kv_heads) * hd + 8;  // a padded row
+  const size_t q_dim = (size_t)c.n_heads * hd;
+  const int64_t out_stride = (int64_t)q_dim + 8;
+  RopeScaling rope;
+  rope.theta = 10000.0f;
+  std::vector<int> ctxs(B);
+  std::vector<std::vector<int32_t>> tables(B);
+  for (int i = 0; i < B; ++i) {
+    ctxs[i] = c.bound + 37 * i;  // each its own, all at least the grid's
+    if (i % 2 == 1) tables[i] = test::scrambled_table(ctxs[i], 70 + i);
+  }
+  const auto qkv = random_q((size_t)B * stride, 51);
+  DevBytes dpos(c.pos);
+
+  for (const KvType kt : kTypes)
+    for (const KvType vt : kTypes) {
+      const std::string what = types_name(kt, vt);
+      const bool fused = kt == KvType::F16 && vt == KvType::F16;
+      std::vector<TestCache> ks, vs;
+      for (int i = 0; i < B; ++i) {
+        ks.emplace_back(kt, ctxs[i], c.n_kv_heads, hd, tables[i]);
+        vs.emplace_back(vt, ctxs[i], c.n_kv_heads, hd, tables[i]);
+        fill_rows(ks[i], c.pos[i] + 1, 80 + i);
+        fill_rows(vs[i], c.pos[i] + 1, 90 + i);
+        const int first = c.window > 0 ? std::max(0, c.pos[i] + 1 - c.window) : 0;
+        ks[i].poison_outside(first, c.pos[i] + 1);
+        vs[i].poison_outside(first, c.pos[i] + 1);
+      }
+      // The batch's caches and, for the one-row kernels, a copy of each.
+      std::vector<std::unique_ptr<BatchSeqDev>> batch, solo;
+      std::vector<cuda::KvBatchSeq> seqs;
+      for (int i = 0; i < B; ++i) {
+        batch.push_back(std::make_unique<BatchSeqDev>(ks[i], vs[i], c.n_heads));
+        solo.push_back(std::make_unique<BatchSeqDev>(ks[i], vs[i], c.n_heads));
+        seqs.push_back(batch[i]->seq(kt, vt, ks[i], vs[i]));
+      }
+      DevBytes dseqs(B * sizeof(cuda::KvBatchSeq));
+      KESTREL_CUDA_CHECK(cudaMemcpy(dseqs.get(), seqs.data(), B * sizeof(cuda::KvBatchSeq),
+                                    cudaMemcpyHostToDevice));
+
+      // The write (8-bit pairs: the step's kernel before the attention; f16: fused in it).
+      DevBytes bq(qkv), sq(qkv);
+      if (!fused) {
+        cuda::rope_kv_write_batch(bq.as<__half>(), stride, B, dpos.as<int>(),
+                                  dseqs.as<cuda::KvBatchSeq>(), 1, {kt, vt}, c.n_heads,
+                                  c.n_kv_heads, hd, rope, nullptr);
+        for (int i = 0; i < B; ++i)
+          cuda::rope_kv_write_rows_kv(sq.as<__half>() + i * stride, stride, 1, 0,
+                                      solo[i]->layer1(solo[i]->k_data, solo[i]->k_scales, kt, ks[i]),
+                                      solo[i]->layer1(solo[i]->v_data, solo[i]->v_scales, vt, vs[i]),
+                                      c.n_heads, c.n_kv_heads, hd, rope, nullptr,
+                                      dpos.as<int>() + i);
+        EXPECT_EQ(bq.download<uint16_t>(qkv.size()), sq.download<uint16_t>(qkv.size()))
+            << what << ": q|k rotation";
+      }
+      // The attention.
+      DevBytes bout((size_t)B * out_stride * 2), sout((size_t)B * out_stride * 2);
+      KESTREL_CUDA_CHECK(cudaMemset(bout.get(), 0xFF, (size_t)B * out_stride * 2));
+      KESTREL_CUDA_CHECK(cudaMemset(sout.get(), 0xFF, (size_t)B * out_stride * 2));
+      cuda::attention_decode_batch(bq.as<__half>(), stride, B, dpos.as<int>(),
+                                   dseqs.as<cuda::KvBatchSeq>(), 1, {kt, vt}, fused, c.bound,
+                                   c.window, c.n_heads, c.n_kv_heads, hd, rope, bout.as<__half>(),
+                                   out_stride, nullptr);
+      for (int i = 0; i < B; ++i) {
+        const cuda::KvCacheDev k1 = solo[i]->layer1(solo[i]->k_data, solo[i]->k_scales, kt, ks[i]);
+        const cuda::KvCacheDev v1 = solo[i]->layer1(solo[i]->v_data, solo[i]->v_scales, vt, vs[i]);
+        __half* out = sout.as<__half>() + i * out_stride;
+        if (fused)
+          cuda::attention_decode_rope_f16(sq.as<__half>() + i * stride, k1, v1, dpos.as<int>() + i,
+                                          ctxs[i], c.window, c.n_heads, c.n_kv_heads, hd, rope,
+                                          solo[i]->ws.as<float>(), out, nullptr, nullptr, c.bound);
+        else
+          cuda::attention_decode_kv(sq.as<__half>() + i * stride, k1, v1, dpos.as<int>() + i,
+                                    ctxs[i], c.window, c.n_heads, c.n_kv_heads, hd,
+                                    solo[i]->ws.as<float>(), out, nullptr, nullptr, c.bound);
+      }
+      const auto got = bout.download<uint16_t>((size_t)B * out_stride);
+      const auto want = sout.download<uint16_t>((size_t)B * out_stride);
+      const auto rotated = bq.download<uint16_t>(qkv.size());
+      for (int i = 0; i < B; ++i) {
+        const std::string row = what + ", row " + std::to_string(i) + " at " +
+                                std::to_string(c.pos[i]);
+        const std::vector<uint16_t> g(got.begin() + i * out_stride,
+                                      got.begin() + i * out_stride + q_dim);
+        const std::vector<uint16_t> w(want.begin() + i * out_stride,
+                                      want.begin() + i * out_stride + q_dim);
+        EXPECT_EQ(g, w) << row << ": the one-row kernel's output";
+        // Both layers of both caches as the one-row kernels left them: the new row written at
+        // its block's row of layer 1, nothing else touched.
+        for (const auto& [bd, sd] : {std::pair{&batch[i]->k_data, &solo[i]->k_data},
+                                     {&batch[i]->v_data, &solo[i]->v_data},
+                                     {&batch[i]->k_scales, &solo[i]->k_scales},
+                                     {&batch[i]->v_scales, &solo[i]->v_scales}}) {
+          EXPECT_EQ(bd->download<uint8_t>(bd->size()), sd->download<uint8_t>(sd->size()))
+              << row << ": the caches";
+        }
+        if (!fused) {  // the reference over the written codes, from the rotated q
+          TestCache k = ks[i], v = vs[i];
+          const size_t kb = cuda::kv_data_bytes(kt, k.rows, c.n_kv_heads, hd);
+          const size_t vb = cuda::kv_data_bytes(vt, v.rows, c.n_kv_heads, hd);
+          load_layer1(k, batch[i]->k_data, batch[i]->k_scales, kb);
+          load_layer1(v, batch[i]->v_data, batch[i]->v_scales, vb);
+          const std::vector<float> qf = widen(rotated.data() + i * stride, q_dim);
+          std::vector<float> ref(q_dim);
+          const int first = c.window > 0 ? std::max(0, c.pos[i] + 1 - c.window) : 0;
+          attention_ref_kv(qf.data(), k.ref(), v.ref(), c.n_heads, first, c.pos[i], ref.data());
+          expect_close(widen(g.data(), q_dim), ref, 1e-3, row + ": the reference");
+        }
+      }
+    }
+}
+
+std::vector<BatchKvCase> batch_cases() {
+  std::vector<BatchKvCase> v;
+  for (const int hd : {64, 128})
+    for (const auto& [h, kv] : {std::pair{8, 8}, {8, 2}, {6, 2}, {4, 1}}) {
+      // short chunks (a grid of up to 1,024 positions): a first token, a block's last position,
+      // across chunks; long chunks past 1,024
+      v.push_back({hd, h, kv, 0, {0, 15, 257, 33, 700}, 1024});
+      v.push_back({hd, h, kv, 0, {1500, 2, 1024, 16}, 1600});
+    }
+  for (const int hd : {64, 128}) {  // Mistral's window
+    v.push_back({hd, 8, 2, 100, {0, 150, 257, 99}, 300});
+    v.push_back({hd, 8, 2, 300, {1500, 1, 400}, 1536});
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BatchDecodeKvCuda, ::testing::ValuesIn(batch_cases()),
+                         [](const auto& info) {
+                           const auto& p = info.param;
+                           return "hd" + std::to_string(p.head_dim) + "_h" +
+                                  std::to_string(p.n_heads) + "_kv" +
+                                  std::to_string(p.n_kv_heads) + "_win" +
+                                  std::to_string(p.window) + "_bound" + std::to_string(p.bound) +
+                                  "_rows" + std::to_string(p.pos.size());
+                         });
+
+TEST(BatchDecodeKvCuda, RefusesTheUnfusedF16PairAndTheFusedEightBitOnes) {
+  KESTREL_REQUIRE_GPU();
+  DevBytes buf(1 << 16), dpos(std::vector<int>{0});
+  const auto* seqs = static_cast<const cuda::KvBatchSeq*>(buf.get());
+  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, dpos.as<int>(), seqs, 0,
+                                            {KvType::F16, KvType::F16}, false, 16, 0, 2, 1, 64,
+                                            RopeScaling{}, buf.as<__half>(), 128, nullptr),
+               Error);
+  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, dpos.as<int>(), seqs, 0,
+                                            {KvType::Q8_0, KvType::F16}, true, 16, 0, 2, 1, 64,
+                                            RopeScaling{}, buf.as<__half>(), 128, nullptr),
+               Error);
+}
 
 }  // namespace
 }  // namespace kestrel
