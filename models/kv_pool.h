@@ -29,10 +29,22 @@
 
 namespace kestrel {
 
+// How a model's paged KV memory is used (Model::kv_pool_use, KvBlockPool::use), in blocks of
+// kKvBlock positions.
+struct KvPoolUse {
+  int64_t blocks = 0;  // 0: no pool (each session has a cache of its own)
+  int64_t held = 0;    // held by live sequences
+  int64_t cached = 0;  // kept for a later prompt with the same prefix, reusable at once
+};
+
 class KvBlockPool {
  public:
   static constexpr int kBlock = kKvBlock;  // positions per block
   static constexpr uint64_t kRoot = 0;   // the parent key of a sequence's first block
+
+  // The blocks of a pool of `positions` positions, rounded up; a kestrel::Error for none, or for
+  // more rows than an int32 row index reaches.
+  static int blocks_for(int64_t positions);
 
   explicit KvBlockPool(int n_blocks);
   KvBlockPool(const KvBlockPool&) = delete;
@@ -43,6 +55,9 @@ class KvBlockPool {
   int available() const { return (int)free_.size() + (int)lru_.size(); }
   int free_blocks() const { return (int)free_.size(); }
   int cached_blocks() const { return (int)lru_.size(); }
+  KvPoolUse use() const {
+    return {n_blocks(), n_blocks() - available(), cached_blocks()};
+  }
   int refs(int b) const { return blocks_[b].refs; }
   bool published(int b) const { return blocks_[b].published; }
 

@@ -13,6 +13,7 @@
 #include "models/io/config.h"
 #include "kernels/attention/kv_quant.h"
 #include "kernels/sampling/sample.h"
+#include "models/kv_pool.h"
 
 namespace kestrel {
 
@@ -46,13 +47,6 @@ class Session;
 class KvPoolFull : public Error {
  public:
   using Error::Error;
-};
-
-// How a model's paged KV memory is used (Model::kv_pool_use), in blocks of kKvBlock positions.
-struct KvPoolUse {
-  int64_t blocks = 0;  // 0: no pool (each session has a cache of its own)
-  int64_t held = 0;    // held by live sequences
-  int64_t cached = 0;  // kept for a later prompt with the same prefix, reusable at once
 };
 
 // One row of a batched decode step (Model::forward_batch): a session, the token it runs next

@@ -192,11 +192,7 @@ CpuRunState DecoderCpu::run_state(int context) const {
 }
 
 bool DecoderCpu::use_kv_pool(int64_t positions, int, int, bool) {
-  KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
-  const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
-  KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,
-                "a KV pool of " + std::to_string(positions) + " positions is past what one holds");
-  auto p = std::make_shared<CpuKvPool>((int)blocks);
+  auto p = std::make_shared<CpuKvPool>(KvBlockPool::blocks_for(positions));
   p->key_cache = cache_storage(kv_.k, p->rows);  // calloc: pages only as rows are written
   p->value_cache = cache_storage(kv_.v, p->rows);
   pool_ = std::move(p);
@@ -204,13 +200,9 @@ bool DecoderCpu::use_kv_pool(int64_t positions, int, int, bool) {
 }
 
 KvPoolUse DecoderCpu::kv_pool_use() const {
-  KvPoolUse u;
-  if (!pool_) return u;
+  if (!pool_) return {};
   std::lock_guard<std::mutex> g(pool_->m);
-  u.blocks = pool_->blocks.n_blocks();
-  u.cached = pool_->blocks.cached_blocks();
-  u.held = u.blocks - pool_->blocks.available();
-  return u;
+  return pool_->blocks.use();
 }
 
 size_t DecoderCpu::cache_bytes_per_position() const {

@@ -195,7 +195,7 @@ void DecoderCuda::warm_up(DecoderCudaSession& q) {
 }
 
 bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool quiet) {
-  KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
+  KvBlockPool::blocks_for(positions);  // refused before any memory is looked at
   // As many positions as asked, or as fit beside what the sessions will take of their own
   // (the attention workspace, the block table, the decode graphs) and the scratch every
   // session's constructor keeps free: the pool is what serving many requests is made of, so a
@@ -222,11 +222,9 @@ bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool
       positions = fits;
     }
   }
-  const int64_t blocks = (positions + kKvBlock - 1) / kKvBlock;
-  KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kKvBlock,
-                "a KV pool of " + std::to_string(positions) + " positions is past what one holds");
+  const int blocks = KvBlockPool::blocks_for(positions);
   // Sessions made before keep the pool they were made with (they share its ownership).
-  auto p = std::make_shared<GpuKvPool>((int)blocks);
+  auto p = std::make_shared<GpuKvPool>(blocks);
   p->kv.allocate(p->mem, cfg_, cache_, blocks * kKvBlock,
                  fmt::format(" for a KV pool of {} positions", blocks * kKvBlock),
                  "; use a smaller pool");
@@ -235,13 +233,9 @@ bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool
 }
 
 KvPoolUse DecoderCuda::kv_pool_use() const {
-  KvPoolUse u;
-  if (!pool_) return u;
+  if (!pool_) return {};
   std::lock_guard<std::mutex> g(pool_->m);
-  u.blocks = pool_->blocks.n_blocks();
-  u.cached = pool_->blocks.cached_blocks();
-  u.held = u.blocks - pool_->blocks.available();
-  return u;
+  return pool_->blocks.use();
 }
 
 size_t DecoderCuda::device_bytes_in_use() const {

@@ -9,6 +9,8 @@
 #include <random>
 #include <vector>
 
+#include "base/error.h"
+
 namespace kestrel {
 namespace {
 
@@ -158,6 +160,30 @@ TEST(KvPool, FinishedSequencesStayCachedUntilTheMemoryIsNeeded) {
   EXPECT_EQ(e.pool.available(), 0);
   KvBlockTable d(e.pool);
   EXPECT_EQ(d.adopt_prefix(iota_ids(32, 0), 1000), 0);
+}
+
+TEST(KvPool, UseCountsHeldAndCachedBlocks) {
+  Engine e(4);
+  EXPECT_EQ(e.pool.use().blocks, 4);
+  EXPECT_EQ(e.pool.use().held, 0);
+  {
+    KvBlockTable a(e.pool);
+    ASSERT_TRUE(e.write(a, 0, iota_ids(40, 0)));  // two full blocks and a partial one
+    EXPECT_EQ(e.pool.use().held, 3);
+    EXPECT_EQ(e.pool.use().cached, 0);
+  }
+  EXPECT_EQ(e.pool.use().held, 0);
+  EXPECT_EQ(e.pool.use().cached, 2);  // the full ones stay for their prefix
+}
+
+TEST(KvPool, PoolSizesRoundUpToBlocksAndRefuseNoneOrTooMany) {
+  EXPECT_EQ(KvBlockPool::blocks_for(1), 1);
+  EXPECT_EQ(KvBlockPool::blocks_for(kKvBlock), 1);
+  EXPECT_EQ(KvBlockPool::blocks_for(kKvBlock + 1), 2);
+  EXPECT_THROW(KvBlockPool::blocks_for(0), Error);
+  EXPECT_THROW(KvBlockPool::blocks_for(-5), Error);
+  EXPECT_NO_THROW(KvBlockPool::blocks_for((int64_t)INT32_MAX / kKvBlock * kKvBlock));
+  EXPECT_THROW(KvBlockPool::blocks_for((int64_t)INT32_MAX), Error);
 }
 
 TEST(KvPool, ARefusedWriteChangesNothing) {
