@@ -334,14 +334,17 @@ __device__ __forceinline__ void merge_if_last(const float* ws_o, const float* ws
 // registers; quant_reg_cap in kernels/gemv/gemv_kernel.cuh) leave 20,480 free on
 // each SM, room for two such blocks, which start and load their K and V while the GEMV runs;
 // past 80 registers only one would fit there.
-// BATCH (attention_decode_batch): blockIdx.z = row * batch.zblocks + the block's z within the
-// row; row i's query (or q|k|v) row is q + i * batch.q_stride, its output out + i *
-// batch.out_stride, its position batch.d_pos[i], and its caches, block table and workspace
-// those of batch.seqs[i] at layer batch.layer (the arguments they replace are unused). Its
-// workspace's chunk stride is its own context's (the grid covers the longest row's).
+// BATCH (attention_decode_batch): blockIdx.z = j * batch.zblocks + the block's z within the
+// row, where launch row j runs row i = batch.rows[row0 + j] (i = row0 + j without rows); row
+// i's query (or q|k|v) row is q + i * batch.q_stride, its output out + i * batch.out_stride,
+// its position batch.d_pos[i], and its caches, block table and workspace those of
+// batch.seqs[i] at layer batch.layer (the arguments they replace are unused). Its workspace's
+// chunk stride is its own context's (the grid may cover more positions than it holds).
 struct BatchArgs {
   const KvBatchSeq* seqs = nullptr;
   const int* d_pos = nullptr;
+  const int* rows = nullptr;
+  int row0 = 0;
   int layer = 0, zblocks = 1;
   int64_t q_stride = 0, out_stride = 0;
 };
@@ -377,10 +380,6 @@ __global__ void __launch_bounds__(kThreads)
   using KRaw = std::conditional_t<KQ, uint2, uint4>;  // a thread's 8 dims of one K row
   using VRaw = std::conditional_t<VQ, uint2, uint4>;
   constexpr int kVScales = VT == KvType::Q8_0 ? D / kQ8Block : 1;  // V scales per row (VQ)
-  __half* const k_cache = static_cast<__half*>(k_data);  // f16 views (KT, VT f16 only)
-  __half* const v_cache = static_cast<__half*>(v_data);
-  const uint8_t* const k_codes = static_cast<const uint8_t*>(k_data);
-  const uint8_t* const v_codes = static_cast<const uint8_t*>(v_data);
 
   __shared__ __align__(16) float q_s[GMAX * D];
   __shared__ __align__(16) float buf[kBufFloats];  // scores [GMAX][kChunk], then the merge's
@@ -392,7 +391,8 @@ __global__ void __launch_bounds__(kThreads)
   int zb = blockIdx.z;               // this block's query heads: the zb-th GMAX of the group
   int n_chunks_all = gridDim.y;      // the workspace's chunks per head
   if constexpr (BATCH) {
-    const int row = blockIdx.z / batch.zblocks;
+    const int j = batch.row0 + (int)blockIdx.z / batch.zblocks;
+    const int row = batch.rows ? __ldg(batch.rows + j) : j;
     zb = blockIdx.z % batch.zblocks;
     d_pos = batch.d_pos + row;
     const int pos = __ldg(d_pos);
@@ -415,6 +415,10 @@ __global__ void __launch_bounds__(kThreads)
     ws_ml = ws_o + (size_t)n_heads * chunks4 * D;
     counters = reinterpret_cast<int*>(ws_ml + (size_t)n_heads * chunks4 * 2);
   }
+  __half* const k_cache = static_cast<__half*>(k_data);  // f16 views (KT, VT f16 only)
+  __half* const v_cache = static_cast<__half*>(v_data);
+  const uint8_t* const k_codes = static_cast<const uint8_t*>(k_data);
+  const uint8_t* const v_codes = static_cast<const uint8_t*>(v_data);
   const int pos = *d_pos, n_ctx = pos + 1;
   const int chunk = blockIdx.y;
   const int lo = max(chunk * kChunk, window_start(n_ctx, sliding_window));
@@ -743,13 +747,19 @@ void launch_split(const __half* q, const KvCacheDev& k, const KvCacheDev& v, con
   // A batch of f16 caches runs the fused RoPE; the unfused f16 pair is not compiled batched.
   if constexpr (ROPE || KT != KvType::F16 || VT != KvType::F16) {
     batch.zblocks = zblocks;
-    KESTREL_CHECK((int64_t)rows * zblocks <= 65535,
-                  "attention_decode_batch: " + std::to_string(rows) + " rows are too many");
-    const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), rows * zblocks);
-    launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT, true>, grid,
-               dim3(kThreads), 0, stream, q, nullptr, nullptr, nullptr, nullptr, nullptr,
-               nullptr, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq, nullptr,
-               nullptr, nullptr, out, nullptr, batch);
+    // grid.z holds at most 65,535: more rows (a large MQA group at one head per block) take
+    // several launches.
+    const int per_launch = 65535 / zblocks;
+    for (int r0 = 0; r0 < rows; r0 += per_launch) {
+      const int n = std::min(per_launch, rows - r0);
+      BatchArgs part = batch;
+      part.row0 = batch.row0 + r0;
+      const dim3 grid(n_kv_heads, n_chunks(ctx_bound, D, PASSES), n * zblocks);
+      launch_pdl(attention_split_kernel<D, GMAX, ROPE, PASSES, KT, VT, true>, grid,
+                 dim3(kThreads), 0, stream, q, nullptr, nullptr, nullptr, nullptr, nullptr,
+                 nullptr, sliding_window, n_heads, n_kv_heads, group, q_scale, inv_freq,
+                 nullptr, nullptr, nullptr, out, nullptr, part);
+    }
   } else {
     throw Error("attention_decode_batch: f16 caches run with the fused RoPE");
   }
@@ -913,11 +923,12 @@ void attention_decode_rope_f16(const __half* qkv, const KvCacheDev& k, const KvC
                          ctx_bound, heads_per_block, "attention_decode_rope_f16");
 }
 
-void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const int* d_pos,
-                            const KvBatchSeq* seqs, int layer, KvCacheTypes types, bool rope_fused,
-                            int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
-                            int head_dim, const RopeScaling& rope, __half* out,
-                            int64_t out_stride, cudaStream_t stream) {
+void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const int* d_rows,
+                            const int* d_pos, const KvBatchSeq* seqs, int layer,
+                            KvCacheTypes types, bool rope_fused, int ctx_bound,
+                            int sliding_window, int n_heads, int n_kv_heads, int head_dim,
+                            const RopeScaling& rope, __half* out, int64_t out_stride,
+                            cudaStream_t stream) {
   const char* who = "attention_decode_batch";
   KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
                 std::string(who) + ": n_heads " + std::to_string(n_heads) +
@@ -930,9 +941,12 @@ void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const in
                 std::string(who) + ": f16 caches run with the fused RoPE, 8-bit ones without");
   KESTREL_CHECK(reinterpret_cast<uintptr_t>(qkv) % 16 == 0 && q_stride % 8 == 0,
                 std::string(who) + ": the rows must be 16-byte aligned");
+  KESTREL_CHECK(reinterpret_cast<uintptr_t>(out) % 4 == 0 && out_stride % 2 == 0,
+                std::string(who) + ": the output rows must be 4-byte aligned");
   BatchArgs batch;
   batch.seqs = seqs;
   batch.d_pos = d_pos;
+  batch.rows = d_rows;
   batch.layer = layer;
   batch.q_stride = q_stride;
   batch.out_stride = out_stride;

@@ -77,20 +77,23 @@ void attention_decode_rope_f16(const __half* qkv, const KvCacheDev& k, const KvC
                                const int32_t* out_index = nullptr, int ctx_bound = 0,
                                int heads_per_block = 0);
 
-// The decode attention of a batched step, B rows in one launch: row i (qkv + i * q_stride) is
-// the new token of sequence seqs[i] (device array, kv_cache_cuda.h) at position d_pos[i]
-// (device), attending over that sequence's layer-`layer` caches of the types `types` through
-// its block table where it has one, and using its own workspace; its output goes to out + i *
-// out_stride. rope_fused (f16 caches, and only they): the row is the un-rotated q|k|v, rotated
-// and written here as attention_decode_rope_f16 does; else (8-bit caches) q is already rotated
-// and the row written (rope_kv_write_batch). The grid covers ctx_bound positions, at least
-// every row's position + 1 and at most each row's context; a row's chunks past its position
-// exit at once. Row for row the values of attention_decode_rope_f16 / attention_decode_kv over
-// the same sequence with the same ctx_bound.
-void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const int* d_pos,
-                            const KvBatchSeq* seqs, int layer, KvCacheTypes types, bool rope_fused,
-                            int ctx_bound, int sliding_window, int n_heads, int n_kv_heads,
-                            int head_dim, const RopeScaling& rope, __half* out,
-                            int64_t out_stride, cudaStream_t stream);
+// The decode attention of a batched step, B rows in one launch: launch row j runs row i =
+// d_rows[j] (device; null: i = j) of qkv (qkv + i * q_stride), the new token of sequence
+// seqs[i] (device array, kv_cache_cuda.h) at position d_pos[i] (device), attending over that
+// sequence's layer-`layer` caches of the types `types` through its block table where it has
+// one, and using its own workspace; its output goes to out + i * out_stride. rope_fused (f16
+// caches, and only they): the row is the un-rotated q|k|v, rotated and written here as
+// attention_decode_rope_f16 does; else (8-bit caches) q is already rotated and the row written
+// (rope_kv_write_batch). The grid covers ctx_bound positions, at least every row's position + 1
+// (a row whose context is shorter has more blocks that exit at once). Row for row the values of
+// attention_decode_rope_f16 / attention_decode_kv over the same sequence with the same
+// ctx_bound: rows grouped by their decode graphs' bounds (models/gpu/batch.cpp) compute what
+// their sessions' own decode steps compute.
+void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const int* d_rows,
+                            const int* d_pos, const KvBatchSeq* seqs, int layer,
+                            KvCacheTypes types, bool rope_fused, int ctx_bound,
+                            int sliding_window, int n_heads, int n_kv_heads, int head_dim,
+                            const RopeScaling& rope, __half* out, int64_t out_stride,
+                            cudaStream_t stream);
 
 }  // namespace kestrel::cuda

@@ -42,8 +42,7 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     tokens[i] = rows[i].token;
     positions[i] = rows[i].pos;
     // The grid the session's own decode step would launch at this position (its graphs' range).
-    const int bound = session->graphs_.bound(rows[i].pos);
-    bounds[i] = bound > 0 ? bound : session->q_.ctx;
+    bounds[i] = session->graphs_.bound(rows[i].pos);
   }
   if (B == 1) {
     rows[0].session->forward(&rows[0].token, 1, rows[0].pos, logits);
@@ -71,6 +70,19 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
                                        cudaMemcpyHostToDevice, s));
     KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.batch_seqs, seqs.data() + r0,
                                        T * sizeof(cuda::KvBatchSeq), cudaMemcpyHostToDevice, s));
+    // The chunk's rows by grid bound, and the groups of one bound each.
+    std::vector<int> order(T);
+    for (int i = 0; i < T; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return bounds[r0 + a] < bounds[r0 + b]; });
+    std::vector<GpuBatchGroup> groups;
+    for (int k = 0; k < T; ++k) {
+      const int bound = bounds[r0 + order[k]];
+      if (groups.empty() || groups.back().bound != bound) groups.push_back({k, 0, bound});
+      ++groups.back().count;
+    }
+    KESTREL_CUDA_CHECK(cudaMemcpyAsync(S.batch_order, order.data(), T * sizeof(int),
+                                       cudaMemcpyHostToDevice, s));
     if (w_.positions) {  // x_i = embed[token_i] + positions[pos_i + offset] (OPT), row by row
       const __half* table = w_.positions + (size_t)c.position_offset * c.hidden;
       for (int i = 0; i < T; ++i)
@@ -79,9 +91,7 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     } else {
       cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
     }
-    const GpuBatchRows where{S.batch_seqs, S.targets,
-                             *std::max_element(bounds.begin() + r0, bounds.begin() + r0 + T),
-                             cache_};
+    const GpuBatchRows where{S.batch_seqs, S.targets, S.batch_order, groups, cache_};
     for (int l = 0; l < c.n_layers; ++l)
       layer_forward_batch(c, w_.layers[l], l, S.gemm, S.x, T, where, scratch, s);
     record_rows_logits(S, T, s);  // [T, vocab] fp32

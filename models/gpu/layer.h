@@ -13,6 +13,7 @@
 
 #include <functional>
 #include <optional>
+#include <span>
 
 #include "models/io/config.h"
 #include "kernels/attention/kv_cache_cuda.h"
@@ -76,14 +77,20 @@ void layer_forward_rows(const ModelConfig& c, const GpuLayer& L, cuda::GemmRunne
 
 // The rows of a batched decode step (DecoderCuda::forward_batch): row i is one token of the
 // sequence seqs[i] (device: its caches, table and workspace), at the position d_pos[i]
-// (device). ctx_bound: the positions the attention grid covers, the largest of the rows' decode
-// graph ranges (models/gpu/graphs.h) of their positions, so that a session opened for a long
-// context but early in it does not launch a block for every chunk of that context in every
-// layer. types: the rows' caches' (the model's).
+// (device). The attention runs the rows in groups of one grid bound each: the bound of the
+// decode graph range (models/gpu/graphs.h) of the row's position, which its session's own decode
+// step would launch, so that a row's arithmetic does not depend on the other rows and a session
+// opened for a long context but early in it does not launch a block for every chunk of that
+// context. d_order (device) lists the rows group after group; group g is d_order[begin, begin +
+// count). types: the rows' caches' (the model's).
+struct GpuBatchGroup {
+  int begin = 0, count = 0, bound = 0;
+};
 struct GpuBatchRows {
   const cuda::KvBatchSeq* seqs = nullptr;
   const int* d_pos = nullptr;
-  int ctx_bound = 0;
+  const int* d_order = nullptr;
+  std::span<const GpuBatchGroup> groups;
   KvCacheTypes types;
 };
 // One decoder layer (index `layer`) over T rows of T different sequences: the linears over all

@@ -111,17 +111,19 @@ struct RowsOps {
   // Row i: RoPE at its sequence's position, the K/V write into that sequence's cache and its
   // attention there, as the decode step runs them (the split flash-decoding kernel: one row
   // over a long cache wants its parallelism over the cache, not over query tiles), all rows in
-  // one launch (two with an 8-bit cache, whose write runs first).
+  // one launch per group of rows of one grid bound (and one write before them all with an
+  // 8-bit cache).
   void batch_attention(const GpuLayer&) {
     const bool fused = !batch->types.quantized();
     if (!fused)
       cuda::rope_kv_write_batch(b.qkv, qkv_n(), T, batch->d_pos, batch->seqs, layer,
                                 batch->types, c.n_heads, c.n_kv_heads, c.head_dim,
                                 c.rope_scaling(), s);
-    cuda::attention_decode_batch(b.qkv, qkv_n(), T, batch->d_pos, batch->seqs, layer,
-                                 batch->types, fused, batch->ctx_bound, c.sliding_window,
-                                 c.n_heads, c.n_kv_heads, c.head_dim, c.rope_scaling(), b.att,
-                                 c.q_dim(), s);
+    for (const GpuBatchGroup& g : batch->groups)
+      cuda::attention_decode_batch(b.qkv, qkv_n(), g.count, batch->d_order + g.begin,
+                                   batch->d_pos, batch->seqs, layer, batch->types, fused, g.bound,
+                                   c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim,
+                                   c.rope_scaling(), b.att, c.q_dim(), s);
   }
 
   // x += Wo att (bo: in the next norm)

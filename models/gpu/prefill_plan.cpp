@@ -121,6 +121,7 @@ DecoderCuda::PrefillState& DecoderCuda::prefill_state(const GpuSequence& q, bool
         st->rows_in = static_cast<int*>(st->take((1 + kVerifyMaxRows) * sizeof(int)));
         st->batch_seqs =
             static_cast<cuda::KvBatchSeq*>(st->take((size_t)rows * sizeof(cuda::KvBatchSeq)));
+        st->batch_order = static_cast<int*>(st->take((size_t)rows * sizeof(int)));
         if (tuning_.small_gemm_max_rows >= kSmallGemmMinRows) {
           // Outside the memory plan: the split-K partials and gathered x of the largest call
           // (gemm_small_workspace_bytes; under 20 MiB on a 7B), which the halving of the rows

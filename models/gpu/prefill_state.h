@@ -39,6 +39,7 @@ struct DecoderCuda::PrefillState {
   size_t small_ws_bytes = 0;
   int* rows_in = nullptr;          // [1 + kVerifyMaxRows] a verify graph's position, tokens
   cuda::KvBatchSeq* batch_seqs = nullptr;  // [rows] a batched step's sequences (GpuBatchRows)
+  int* batch_order = nullptr;              // [rows] its rows by grid bound (GpuBatchRows)
   uint64_t generation = 0;         // which of the model's PrefillStates (VerifyGraphs)
 
   // Allocates or throws DeviceError (the caller retries with fewer rows).

@@ -613,10 +613,14 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionPrefillKvCuda, ::testing::ValuesIn(pre
 //
 // B sequences of their own contexts (some paged through scrambled tables, some contiguous),
 // each cache two layers deep with layer 0 all NaN and the step run at layer 1, so that a row
-// read at the wrong layer, sequence, block or position shows. Each row against the one-row
-// kernels on a copy of the same caches with the same grid (bitwise: the batch changes which
-// block computes what, never the arithmetic), and the attention of the 8-bit pairs also against
-// the reference on the same codes.
+// read at the wrong layer, sequence, block or position shows. The rows run in a shuffled order
+// (d_rows) over two launches. Each row against the one-row kernels on a copy of the same caches
+// with the same grid (bitwise: the batch changes which block computes what, never the
+// arithmetic), and the attention of the 8-bit pairs also against the reference on the same
+// codes. Row 0's context is shorter than the grid (as a short session's beside a long one):
+// against the one-row kernel over its own context, within the decode test's tolerance. Every
+// workspace's counters are back at zero after the step, as the sessions' own decode steps,
+// which use the same workspaces, need them.
 
 struct BatchKvCase {
   int head_dim, n_heads, n_kv_heads, window;
@@ -711,9 +715,13 @@ TEST_P(BatchDecodeKvCuda, EachRowAsTheOneRowKernelsAndTheReference) {
   std::vector<int> ctxs(B);
   std::vector<std::vector<int32_t>> tables(B);
   for (int i = 0; i < B; ++i) {
-    ctxs[i] = c.bound + 37 * i;  // each its own, all at least the grid's
+    ctxs[i] = i == 0 ? c.pos[0] + 20 : c.bound + 37 * i;  // each its own; row 0's below the grid
     if (i % 2 == 1) tables[i] = test::scrambled_table(ctxs[i], 70 + i);
   }
+  std::vector<int> order(B);  // the launch order: 1, 3, ..., then 0, 2, ...
+  for (int j = 0, i = 1; i < B; i += 2) order[j++] = i;
+  for (int j = B / 2, i = 0; i < B; i += 2) order[j++] = i;
+  DevBytes dorder(order);
   const auto qkv = random_q((size_t)B * stride, 51);
   DevBytes dpos(c.pos);
 
@@ -762,22 +770,24 @@ TEST_P(BatchDecodeKvCuda, EachRowAsTheOneRowKernelsAndTheReference) {
       DevBytes bout((size_t)B * out_stride * 2), sout((size_t)B * out_stride * 2);
       KESTREL_CUDA_CHECK(cudaMemset(bout.get(), 0xFF, (size_t)B * out_stride * 2));
       KESTREL_CUDA_CHECK(cudaMemset(sout.get(), 0xFF, (size_t)B * out_stride * 2));
-      cuda::attention_decode_batch(bq.as<__half>(), stride, B, dpos.as<int>(),
-                                   dseqs.as<cuda::KvBatchSeq>(), 1, {kt, vt}, fused, c.bound,
-                                   c.window, c.n_heads, c.n_kv_heads, hd, rope, bout.as<__half>(),
-                                   out_stride, nullptr);
+      for (const auto& [j0, n] : {std::pair{0, B / 2}, {B / 2, B - B / 2}})
+        cuda::attention_decode_batch(bq.as<__half>(), stride, n, dorder.as<int>() + j0,
+                                     dpos.as<int>(), dseqs.as<cuda::KvBatchSeq>(), 1, {kt, vt},
+                                     fused, c.bound, c.window, c.n_heads, c.n_kv_heads, hd, rope,
+                                     bout.as<__half>(), out_stride, nullptr);
       for (int i = 0; i < B; ++i) {
+        const int bound = std::min(c.bound, ctxs[i]);
         const cuda::KvCacheDev k1 = solo[i]->layer1(solo[i]->k_data, solo[i]->k_scales, kt, ks[i]);
         const cuda::KvCacheDev v1 = solo[i]->layer1(solo[i]->v_data, solo[i]->v_scales, vt, vs[i]);
         __half* out = sout.as<__half>() + i * out_stride;
         if (fused)
           cuda::attention_decode_rope_f16(sq.as<__half>() + i * stride, k1, v1, dpos.as<int>() + i,
                                           ctxs[i], c.window, c.n_heads, c.n_kv_heads, hd, rope,
-                                          solo[i]->ws.as<float>(), out, nullptr, nullptr, c.bound);
+                                          solo[i]->ws.as<float>(), out, nullptr, nullptr, bound);
         else
           cuda::attention_decode_kv(sq.as<__half>() + i * stride, k1, v1, dpos.as<int>() + i,
                                     ctxs[i], c.window, c.n_heads, c.n_kv_heads, hd,
-                                    solo[i]->ws.as<float>(), out, nullptr, nullptr, c.bound);
+                                    solo[i]->ws.as<float>(), out, nullptr, nullptr, bound);
       }
       const auto got = bout.download<uint16_t>((size_t)B * out_stride);
       const auto want = sout.download<uint16_t>((size_t)B * out_stride);
@@ -789,7 +799,17 @@ TEST_P(BatchDecodeKvCuda, EachRowAsTheOneRowKernelsAndTheReference) {
                                       got.begin() + i * out_stride + q_dim);
         const std::vector<uint16_t> w(want.begin() + i * out_stride,
                                       want.begin() + i * out_stride + q_dim);
-        EXPECT_EQ(g, w) << row << ": the one-row kernel's output";
+        if (ctxs[i] >= c.bound)
+          EXPECT_EQ(g, w) << row << ": the one-row kernel's output";
+        else  // another grid: the same values in another summation order
+          expect_close(widen(g.data(), q_dim), widen(w.data(), q_dim), 1e-3,
+                       row + ": the one-row kernel's output over its own context");
+        // The merge's counters, after the other partials in the workspace: all zero again.
+        const size_t ws_bytes = cuda::attention_workspace_bytes(ctxs[i], c.n_heads, hd);
+        const auto ws = batch[i]->ws.download<uint8_t>(ws_bytes);
+        EXPECT_EQ(std::vector<uint8_t>(ws.end() - c.n_heads * sizeof(int), ws.end()),
+                  std::vector<uint8_t>(c.n_heads * sizeof(int), 0))
+            << row << ": the workspace's counters";
         // Both layers of both caches as the one-row kernels left them: the new row written at
         // its block's row of layer 1, nothing else touched.
         for (const auto& [bd, sd] : {std::pair{&batch[i]->k_data, &solo[i]->k_data},
@@ -845,13 +865,13 @@ TEST(BatchDecodeKvCuda, RefusesTheUnfusedF16PairAndTheFusedEightBitOnes) {
   KESTREL_REQUIRE_GPU();
   DevBytes buf(1 << 16), dpos(std::vector<int>{0});
   const auto* seqs = static_cast<const cuda::KvBatchSeq*>(buf.get());
-  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, dpos.as<int>(), seqs, 0,
-                                            {KvType::F16, KvType::F16}, false, 16, 0, 2, 1, 64,
-                                            RopeScaling{}, buf.as<__half>(), 128, nullptr),
+  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, nullptr, dpos.as<int>(),
+                                            seqs, 0, {KvType::F16, KvType::F16}, false, 16, 0, 2,
+                                            1, 64, RopeScaling{}, buf.as<__half>(), 128, nullptr),
                Error);
-  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, dpos.as<int>(), seqs, 0,
-                                            {KvType::Q8_0, KvType::F16}, true, 16, 0, 2, 1, 64,
-                                            RopeScaling{}, buf.as<__half>(), 128, nullptr),
+  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, nullptr, dpos.as<int>(),
+                                            seqs, 0, {KvType::Q8_0, KvType::F16}, true, 16, 0, 2,
+                                            1, 64, RopeScaling{}, buf.as<__half>(), 128, nullptr),
                Error);
 }
 
