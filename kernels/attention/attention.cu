@@ -36,6 +36,13 @@
 // itself (docs/performance.md). A last block that merged its heads one after the other was
 // slower still for a group of 8.)
 //
+// A batched decode step (attention_decode_batch) runs B rows of B sequences in one grid:
+//   grid = (n_kv_heads, ceil(ctx_bound / kChunk), B * ceil(group / GMAX))
+// Block z serves launch row z / ceil(group / GMAX), which reads its row's sequence (caches of
+// every layer, block table, workspace: KvBatchSeq) and position from device memory; from there
+// it is the one-row kernel, block for block. The engine groups rows by their sessions' graph
+// bounds, one launch per group, so that each row's chunking is its own decode step's.
+//
 // Only positions inside [first, n_ctx) are ever loaded: rows beyond the live context may hold
 // anything (a NaN there would otherwise survive a multiplication by p = 0).
 //

@@ -116,60 +116,52 @@ __global__ void __launch_bounds__(kWarps * 32)
 
 }  // namespace
 
+namespace {
+
+// Both entry points: the checks of their shapes, then the launch over `rows` rows (grid.y).
+void launch_write(const char* who, __half* qkv, int64_t row_stride, int rows, int pos0,
+                  const int* d_pos, const KvCacheDev& k, const KvCacheDev& v, int n_heads,
+                  int n_kv_heads, int head_dim, const RopeScaling& rope, const KvBatchSeq* seqs,
+                  int layer, cudaStream_t stream) {
+  const std::string w(who);
+  const rope_detail::InvFreq inv_freq = rope_detail::make_inv_freq(who, head_dim, rope);
+  KESTREL_CHECK(head_dim == 64 || head_dim == 128,
+                w + ": head_dim " + std::to_string(head_dim) +
+                    " is not compiled (supported: 64, 128)");
+  KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && rows >= 1 && rows <= 65535 && pos0 >= 0 &&
+                    layer >= 0,
+                w + ": bad sizes n_heads " + std::to_string(n_heads) + ", n_kv_heads " +
+                    std::to_string(n_kv_heads) + ", rows " + std::to_string(rows) + ", pos0 " +
+                    std::to_string(pos0) + ", layer " + std::to_string(layer));
+  KESTREL_CHECK(row_stride >= (int64_t)(n_heads + 2 * n_kv_heads) * head_dim,
+                w + ": row stride " + std::to_string(row_stride) + " is shorter than q|k|v");
+  const dim3 grid((n_heads + 2 * n_kv_heads + kWarps - 1) / kWarps, rows);
+  const auto kernel = head_dim == 64 ? rope_kv_write_kv_kernel<64> : rope_kv_write_kv_kernel<128>;
+  launch_pdl(kernel, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride, pos0, d_pos, k, v,
+             n_heads, n_kv_heads, inv_freq, seqs, layer);
+}
+
+}  // namespace
+
 void rope_kv_write_rows_kv(__half* qkv, int64_t row_stride, int T, int pos0, const KvCacheDev& k,
                            const KvCacheDev& v, int n_heads, int n_kv_heads, int head_dim,
                            const RopeScaling& rope, cudaStream_t stream, const int* d_pos0) {
-  const rope_detail::InvFreq inv_freq =
-      rope_detail::make_inv_freq("rope_kv_write_rows_kv", head_dim, rope);
-  KESTREL_CHECK(head_dim == 64 || head_dim == 128,
-                "rope_kv_write_rows_kv: head_dim " + std::to_string(head_dim) +
-                    " is not compiled (supported: 64, 128)");
-  KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && T >= 1 && pos0 >= 0 && T <= 65535,
-                "rope_kv_write_rows_kv: bad sizes n_heads " + std::to_string(n_heads) +
-                    ", n_kv_heads " + std::to_string(n_kv_heads) + ", T " + std::to_string(T) +
-                    ", pos0 " + std::to_string(pos0));
-  KESTREL_CHECK(row_stride >= (int64_t)(n_heads + 2 * n_kv_heads) * head_dim,
-                "rope_kv_write_rows_kv: row stride " + std::to_string(row_stride) +
-                    " is shorter than q|k|v");
   for (const KvCacheDev* c : {&k, &v})
     KESTREL_CHECK(c->data && (c->type == KvType::F16 || c->scales),
                   std::string("rope_kv_write_rows_kv: a ") + kv_type_name(c->type) +
                       " cache without its " + (c->data ? "scales" : "data"));
-  const dim3 grid((n_heads + 2 * n_kv_heads + kWarps - 1) / kWarps, T);
-  const KvBatchSeq* none = nullptr;
-  if (head_dim == 64)
-    launch_pdl(rope_kv_write_kv_kernel<64>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
-               pos0, d_pos0, k, v, n_heads, n_kv_heads, inv_freq, none, 0);
-  else
-    launch_pdl(rope_kv_write_kv_kernel<128>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
-               pos0, d_pos0, k, v, n_heads, n_kv_heads, inv_freq, none, 0);
+  launch_write("rope_kv_write_rows_kv", qkv, row_stride, T, pos0, d_pos0, k, v, n_heads,
+               n_kv_heads, head_dim, rope, nullptr, 0, stream);
 }
 
 void rope_kv_write_batch(__half* qkv, int64_t row_stride, int B, const int* d_pos,
                          const KvBatchSeq* seqs, int layer, KvCacheTypes types, int n_heads,
                          int n_kv_heads, int head_dim, const RopeScaling& rope,
                          cudaStream_t stream) {
-  const rope_detail::InvFreq inv_freq =
-      rope_detail::make_inv_freq("rope_kv_write_batch", head_dim, rope);
-  KESTREL_CHECK(head_dim == 64 || head_dim == 128,
-                "rope_kv_write_batch: head_dim " + std::to_string(head_dim) +
-                    " is not compiled (supported: 64, 128)");
-  KESTREL_CHECK(n_heads > 0 && n_kv_heads > 0 && B >= 1 && B <= 65535 && layer >= 0,
-                "rope_kv_write_batch: bad sizes n_heads " + std::to_string(n_heads) +
-                    ", n_kv_heads " + std::to_string(n_kv_heads) + ", B " + std::to_string(B) +
-                    ", layer " + std::to_string(layer));
-  KESTREL_CHECK(row_stride >= (int64_t)(n_heads + 2 * n_kv_heads) * head_dim,
-                "rope_kv_write_batch: row stride " + std::to_string(row_stride) +
-                    " is shorter than q|k|v");
   KESTREL_CHECK(seqs && d_pos, "rope_kv_write_batch: no sequences or positions");
-  const dim3 grid((n_heads + 2 * n_kv_heads + kWarps - 1) / kWarps, B);
   const KvCacheDev k{types.k, nullptr, nullptr, nullptr}, v{types.v, nullptr, nullptr, nullptr};
-  if (head_dim == 64)
-    launch_pdl(rope_kv_write_kv_kernel<64>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
-               0, d_pos, k, v, n_heads, n_kv_heads, inv_freq, seqs, layer);
-  else
-    launch_pdl(rope_kv_write_kv_kernel<128>, grid, dim3(kWarps * 32), 0, stream, qkv, row_stride,
-               0, d_pos, k, v, n_heads, n_kv_heads, inv_freq, seqs, layer);
+  launch_write("rope_kv_write_batch", qkv, row_stride, B, 0, d_pos, k, v, n_heads, n_kv_heads,
+               head_dim, rope, seqs, layer, stream);
 }
 
 }  // namespace kestrel::cuda
