@@ -935,7 +935,7 @@ void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const in
                             KvCacheTypes types, bool rope_fused, int ctx_bound,
                             int sliding_window, int n_heads, int n_kv_heads, int head_dim,
                             const RopeScaling& rope, __half* out, int64_t out_stride,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, int heads_per_block) {
   const char* who = "attention_decode_batch";
   KESTREL_CHECK(n_kv_heads > 0 && n_heads > 0 && n_heads % n_kv_heads == 0,
                 std::string(who) + ": n_heads " + std::to_string(n_heads) +
@@ -950,6 +950,10 @@ void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const in
                 std::string(who) + ": the rows must be 16-byte aligned");
   KESTREL_CHECK(reinterpret_cast<uintptr_t>(out) % 4 == 0 && out_stride % 2 == 0,
                 std::string(who) + ": the output rows must be 4-byte aligned");
+  KESTREL_CHECK(heads_per_block == 0 || heads_per_block == 1 || heads_per_block == 2 ||
+                    heads_per_block == kMaxGroup,
+                std::string(who) + ": heads_per_block must be 0, 1, 2 or 4, got " +
+                    std::to_string(heads_per_block));
   BatchArgs batch;
   batch.seqs = seqs;
   batch.d_pos = d_pos;
@@ -965,7 +969,7 @@ void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const in
     dispatch_types<D, decltype(fused)::value>(
         types.k, types.v, qkv, k, v, d_pos, ctx_bound, sliding_window, n_heads, n_kv_heads,
         inv_freq, (float*)nullptr, (float*)nullptr, (int*)nullptr, out, (const int32_t*)nullptr,
-        stream, 0, batch, B);
+        stream, heads_per_block, batch, B);
   };
   switch (head_dim) {
     case 64:

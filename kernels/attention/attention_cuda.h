@@ -88,12 +88,12 @@ void attention_decode_rope_f16(const __half* qkv, const KvCacheDev& k, const KvC
 // (a row whose context is shorter has more blocks that exit at once). Row for row the values of
 // attention_decode_rope_f16 / attention_decode_kv over the same sequence with the same
 // ctx_bound: rows grouped by their decode graphs' bounds (models/gpu/batch.cpp) compute what
-// their sessions' own decode steps compute.
+// their sessions' own decode steps compute (heads_per_block as the decode step's).
 void attention_decode_batch(const __half* qkv, int64_t q_stride, int B, const int* d_rows,
                             const int* d_pos, const KvBatchSeq* seqs, int layer,
                             KvCacheTypes types, bool rope_fused, int ctx_bound,
                             int sliding_window, int n_heads, int n_kv_heads, int head_dim,
                             const RopeScaling& rope, __half* out, int64_t out_stride,
-                            cudaStream_t stream);
+                            cudaStream_t stream, int heads_per_block = 0);
 
 }  // namespace kestrel::cuda

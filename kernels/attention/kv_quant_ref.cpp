@@ -64,8 +64,10 @@ size_t kv_row_bytes(KvType t, int n_kv_heads, int head_dim, size_t f16_value_byt
 // exponent by itself, and subnormals (step 2^-9) continue into the normals at 0x08 = 2^-6.
 
 uint8_t fp8_e4m3_from_float(float x) {
+  // Every NaN is the positive one, 0x7F, as the device's conversion (cvt.rn.satfinite.e4m3x2)
+  // writes it: a K or V value of inf makes inf / inf, a NaN whose sign the host sets.
+  if (std::isnan(x)) return 0x7F;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
-  if (std::isnan(x)) return sign | 0x7F;
   const float a = std::fabs(x);
   if (a >= kFp8Max) return sign | 0x7E;  // saturate (SATFINITE): 448 = 0.1111.110
   if (a == 0.0f) return sign;             // frexp's exponent of 0 names no binade
@@ -101,7 +103,12 @@ void quantize_q8_0_ref(const float* x, int64_t n, int8_t* q, uint16_t* d) {
     const float scale = amax / 127.0f;
     const float inv = scale != 0.0f ? 1.0f / scale : 0.0f;
     d[b] = float_to_half(scale);
-    for (int j = 0; j < kQ8Block; ++j) q[b * kQ8Block + j] = (int8_t)std::roundf(xb[j] * inv);
+    // A NaN value's code is 0, as the device's conversion to int makes it (a cast of NaN is
+    // undefined in C++).
+    for (int j = 0; j < kQ8Block; ++j) {
+      const float v = xb[j] * inv;
+      q[b * kQ8Block + j] = std::isnan(v) ? 0 : (int8_t)std::roundf(v);
+    }
   }
 }
 

@@ -91,7 +91,8 @@ void DecoderCuda::forward_batch(std::span<const BatchRow> rows, float* logits) {
     } else {
       cuda::embedding_tokens_f16(w_.embed, S.tokens, T, c.hidden, S.x, s);  // x [T, hidden]
     }
-    const GpuBatchRows where{S.batch_seqs, S.targets, S.batch_order, groups, cache_};
+    const GpuBatchRows where{S.batch_seqs, S.targets, S.batch_order, groups, cache_,
+                             tuning_.attention_heads_per_block};
     for (int l = 0; l < c.n_layers; ++l)
       layer_forward_batch(c, w_.layers[l], l, S.gemm, S.x, T, where, scratch, s);
     record_rows_logits(S, T, s);  // [T, vocab] fp32

@@ -208,7 +208,8 @@ bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool
                                ((size_t)64 << 20);  // its graphs and table, generously
     size_t free_b = 0, total_b = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const size_t reserve = ((size_t)256 << 20) + (size_t)std::max(sessions, 1) * per_session;
+    const size_t reserve = ((size_t)256 << 20) + (size_t)std::max(sessions, 1) * per_session +
+                           prefill_bytes_to_come(context);
     const int64_t fits = free_b > reserve ? (int64_t)((free_b - reserve) / per_pos) / kKvBlock * kKvBlock : 0;
     if (positions > fits) {
       if (fits < std::max(context, kKvBlock))

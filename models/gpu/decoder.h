@@ -213,6 +213,10 @@ class DecoderCuda final : public Model {
     size_t workspace_bytes = 0;  // cuBLASLt's workspace
   };
   PrefillPlan prefill_plan(const GpuSequence& q, int max_rows) const;
+  // Device bytes the prefill scratch will still take for sessions of `context` positions: its
+  // logits of every row (batched steps and verify passes grow them on first use; a warm-up
+  // leaves one row's), or the whole scratch where none is made yet. use_kv_pool leaves them free.
+  size_t prefill_bytes_to_come(int context) const;
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;
   };

@@ -92,6 +92,7 @@ struct GpuBatchRows {
   const int* d_order = nullptr;
   std::span<const GpuBatchGroup> groups;
   KvCacheTypes types;
+  int heads_per_block = 0;  // DecodeTuning::attention_heads_per_block, as the decode step's
 };
 // One decoder layer (index `layer`) over T rows of T different sequences: the linears over all
 // rows at once, as layer_forward_rows runs them (each weight read once for the T rows), and per

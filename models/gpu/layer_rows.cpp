@@ -123,7 +123,7 @@ struct RowsOps {
       cuda::attention_decode_batch(b.qkv, qkv_n(), g.count, batch->d_order + g.begin,
                                    batch->d_pos, batch->seqs, layer, batch->types, fused, g.bound,
                                    c.sliding_window, c.n_heads, c.n_kv_heads, c.head_dim,
-                                   c.rope_scaling(), b.att, c.q_dim(), s);
+                                   c.rope_scaling(), b.att, c.q_dim(), s, batch->heads_per_block);
   }
 
   // x += Wo att (bo: in the next norm)

@@ -10,6 +10,7 @@
 #include "models/gpu/decoder.h"
 #include "models/gpu/layer.h"
 #include "models/gpu/prefill_state.h"
+#include "models/registry.h"
 
 namespace kestrel {
 
@@ -76,7 +77,11 @@ size_t prefill_workspace_bytes(size_t base, size_t taken, size_t most) {
 // slices leave SMs idle in their GEMMs. A model too small for that to fit in 5% goes over it
 // rather than lose most of its prompt speed (the figures: docs/performance.md).
 DecoderCuda::PrefillPlan DecoderCuda::prefill_plan(const GpuSequence& q, int max_rows) const {
-  const size_t base = weight_bytes_ + q.kv.bytes;
+  // A paged session's storage is the whole pool: the target follows its own context's cache.
+  const size_t kv =
+      q.blocks ? (size_t)q.ctx * cache_bytes_per_position(Device::Cuda, cfg_, q.kv.types)
+               : q.kv.bytes;
+  const size_t base = weight_bytes_ + kv;
   const size_t decode = scratch_bytes_;
   // 16 MiB for what the runtime takes as the prefill first runs (cuBLASLt's handle, the
   // modules of its kernels and of the prefill's), which would otherwise push a long prompt's
@@ -90,6 +95,16 @@ DecoderCuda::PrefillPlan DecoderCuda::prefill_plan(const GpuSequence& q, int max
   plan.workspace_bytes = prefill_workspace_bytes(
       base, taken + (size_t)plan.rows * prefill_row_bytes(cfg_), cuda::kGemmWorkspaceBytes);
   return plan;
+}
+
+size_t DecoderCuda::prefill_bytes_to_come(int context) const {
+  const size_t vocab = cfg_.vocab;
+  if (prefill_)
+    return prefill_->logits_rows < prefill_->rows ? (size_t)prefill_->rows * vocab * sizeof(float)
+                                                  : 0;
+  const int rows = std::min(prefill_chunk_, std::max(context, 1));
+  return (size_t)rows * (prefill_row_bytes(cfg_) + vocab * sizeof(float)) +
+         dequant_scratch_elems(w_.layers, rows) * sizeof(__half) + cuda::kGemmWorkspaceBytes;
 }
 
 DecoderCuda::PrefillState& DecoderCuda::prefill_state(const GpuSequence& q, bool want_rows) {

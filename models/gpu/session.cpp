@@ -99,6 +99,9 @@ bool DecoderCudaSession::adopt_prefix(std::span<const int> prompt) {
   std::lock_guard<std::mutex> g(pool_->m);
   const int n = table_->adopt_prefix(prompt, std::min((int)prompt.size() - 1, q_.ctx));
   dirty_from_ = 0;
+  // Entries past the new table's end are no longer the table's, whatever the device holds
+  // there: a later write past a gap compares and uploads them again.
+  host_synced_ = std::min(host_synced_, (int)table_->blocks().size());
   cached.assign(prompt.begin(), prompt.begin() + std::max(0, n));
   return true;
 }
@@ -108,10 +111,13 @@ bool DecoderCudaSession::release_kv() {
   // The blocks may go to another sequence at once: nothing of this one's may still be queued
   // to read or write them. (Every pass returns with its work done, and a chained run waits for
   // its queued step when it ends; this makes it so whatever a caller did before.)
-  KESTREL_CUDA_CHECK(cudaStreamSynchronize(m_.stream_));
+  // Called from destructors (the server's request guard): a device error (sticky: nothing
+  // runs on the device any more) keeps the blocks and says so, never throws.
+  if (cudaStreamSynchronize(m_.stream_) != cudaSuccess) return false;
   std::lock_guard<std::mutex> g(pool_->m);
   table_->clear();
   dirty_from_ = 0;
+  host_synced_ = 0;
   cached.clear();
   return true;
 }
