@@ -188,8 +188,8 @@ class Session {
   // later prompt that begins alike, in any session; a GPU session first waits for what it has
   // queued, since another sequence may take them at once) and empties `cached`; a sequence that
   // follows starts from adopt_prefix or position 0. A session with a cache of its own keeps it
-  // (and `cached`) and returns false, as does a GPU session whose device has failed (its blocks
-  // then stay held). Never throws: a request's guard calls it from a destructor.
+  // (and `cached`) and returns false. Never throws: a request's guard calls it from a
+  // destructor.
   virtual bool release_kv() { return false; }
 
   // The ids whose K/V the cache holds from position 0, as generate_cached leaves them: the

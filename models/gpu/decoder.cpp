@@ -203,20 +203,33 @@ bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool
   // shortened to what fits.
   {
     const ModelConfig& c = cfg_;
+    const int ctx = context > 0 ? context : c.max_pos;  // a session's, as new_session resolves it
     const size_t per_pos = cache_bytes_per_position(Device::Cuda, c, cache_);
-    const size_t per_session = cuda::attention_workspace_bytes(std::max(context, 1), c.n_heads, c.head_dim) +
+    const size_t per_session = cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim) +
                                ((size_t)64 << 20);  // its graphs and table, generously
+    // The prefill scratch's logits of every row are made now where the scratch exists; else
+    // its bytes to come stay free too, unless that alone leaves less than one context.
+    const size_t prefill = prefill_bytes_to_come(ctx);
     size_t free_b = 0, total_b = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
-    const size_t reserve = ((size_t)256 << 20) + (size_t)std::max(sessions, 1) * per_session +
-                           prefill_bytes_to_come(context);
-    const int64_t fits = free_b > reserve ? (int64_t)((free_b - reserve) / per_pos) / kKvBlock * kKvBlock : 0;
+    const size_t fixed = ((size_t)256 << 20) + (size_t)std::max(sessions, 1) * per_session;
+    const auto fitting = [&](size_t reserve) -> int64_t {
+      return free_b > reserve ? (int64_t)((free_b - reserve) / per_pos) / kKvBlock * kKvBlock : 0;
+    };
+    const int64_t need = std::max(ctx, kKvBlock);
+    int64_t fits = fitting(fixed + prefill);
+    if (fits < need && fitting(fixed) >= need) {
+      fits = need;
+      if (!quiet)
+        fmt::print(stderr, "note: GPU memory is short: the prefill scratch may not find room "
+                           "beside the KV pool (batched steps then run row by row)\n");
+    }
     if (positions > fits) {
-      if (fits < std::max(context, kKvBlock))
+      if (fits < need)
         throw DeviceError(fmt::format("out of GPU memory: {} is free, too little for a KV pool of {} "
                                       "positions beside {} for {} session{}: lower --parallel or -c",
-                                      mib(free_b), std::max(context, kKvBlock), mib(reserve),
-                                      sessions, sessions == 1 ? "" : "s"));
+                                      mib(free_b), need, mib(fixed + prefill), sessions,
+                                      sessions == 1 ? "" : "s"));
       if (!quiet)
         fmt::print(stderr, "note: GPU memory is short: KV pool reduced from {} to {} positions\n",
                    positions, fits);

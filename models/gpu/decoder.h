@@ -213,10 +213,13 @@ class DecoderCuda final : public Model {
     size_t workspace_bytes = 0;  // cuBLASLt's workspace
   };
   PrefillPlan prefill_plan(const GpuSequence& q, int max_rows) const;
-  // Device bytes the prefill scratch will still take for sessions of `context` positions: its
-  // logits of every row (batched steps and verify passes grow them on first use; a warm-up
-  // leaves one row's), or the whole scratch where none is made yet. use_kv_pool leaves them free.
-  size_t prefill_bytes_to_come(int context) const;
+  // Makes the prefill scratch's logits of every row now where the scratch exists (batched steps
+  // and verify passes grow them on first use; a warm-up leaves one row's), so that what
+  // use_kv_pool allocates after cannot take their room; else returns the bytes the whole
+  // scratch will take for sessions of `context` positions (0: the model's), for use_kv_pool to
+  // leave free.
+  size_t prefill_bytes_to_come(int context);
+  void grow_row_logits(PrefillState& S);
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;
   };

@@ -97,12 +97,13 @@ DecoderCuda::PrefillPlan DecoderCuda::prefill_plan(const GpuSequence& q, int max
   return plan;
 }
 
-size_t DecoderCuda::prefill_bytes_to_come(int context) const {
+size_t DecoderCuda::prefill_bytes_to_come(int context) {
   const size_t vocab = cfg_.vocab;
-  if (prefill_)
-    return prefill_->logits_rows < prefill_->rows ? (size_t)prefill_->rows * vocab * sizeof(float)
-                                                  : 0;
-  const int rows = std::min(prefill_chunk_, std::max(context, 1));
+  if (prefill_) {
+    grow_row_logits(*prefill_);
+    return 0;
+  }
+  const int rows = std::min(prefill_chunk_, context > 0 ? context : cfg_.max_pos);
   return (size_t)rows * (prefill_row_bytes(cfg_) + vocab * sizeof(float)) +
          dequant_scratch_elems(w_.layers, rows) * sizeof(__half) + cuda::kGemmWorkspaceBytes;
 }
@@ -167,11 +168,14 @@ DecoderCuda::PrefillState& DecoderCuda::prefill_state(const GpuSequence& q, bool
   PrefillState& S = *prefill_;
   // The head's logits grow once, to every row of a chunk: the buffer a verify graph binds is
   // never replaced after that (the one-row buffer before it stays allocated with the state).
-  if (want_rows && S.logits_rows < S.rows) {
-    S.logits = static_cast<float*>(S.take((size_t)S.rows * vocab * sizeof(float)));
-    S.logits_rows = S.rows;
-  }
+  if (want_rows) grow_row_logits(S);
   return S;
+}
+
+void DecoderCuda::grow_row_logits(PrefillState& S) {
+  if (S.logits_rows >= S.rows) return;
+  S.logits = static_cast<float*>(S.take((size_t)S.rows * cfg_.vocab * sizeof(float)));
+  S.logits_rows = S.rows;
 }
 
 }  // namespace kestrel

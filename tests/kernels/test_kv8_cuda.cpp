@@ -861,7 +861,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, BatchDecodeKvCuda, ::testing::ValuesIn(batch_ca
                                   "_rows" + std::to_string(p.pos.size());
                          });
 
-TEST(BatchDecodeKvCuda, RefusesTheUnfusedF16PairAndTheFusedEightBitOnes) {
+TEST(BatchDecodeKvCuda, RefusesTheUnfusedF16PairTheFusedEightBitOnesAndBadHeadsPerBlock) {
   KESTREL_REQUIRE_GPU();
   DevBytes buf(1 << 16), dpos(std::vector<int>{0});
   const auto* seqs = static_cast<const cuda::KvBatchSeq*>(buf.get());
@@ -872,6 +872,11 @@ TEST(BatchDecodeKvCuda, RefusesTheUnfusedF16PairAndTheFusedEightBitOnes) {
   EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, nullptr, dpos.as<int>(),
                                             seqs, 0, {KvType::Q8_0, KvType::F16}, true, 16, 0, 2,
                                             1, 64, RopeScaling{}, buf.as<__half>(), 128, nullptr),
+               Error);
+  EXPECT_THROW(cuda::attention_decode_batch(buf.as<__half>(), 4 * 64, 1, nullptr, dpos.as<int>(),
+                                            seqs, 0, {KvType::Q8_0, KvType::Q8_0}, false, 16, 0, 2,
+                                            1, 64, RopeScaling{}, buf.as<__half>(), 128, nullptr,
+                                            /*heads_per_block=*/3),
                Error);
 }
 

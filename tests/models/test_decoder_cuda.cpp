@@ -763,6 +763,10 @@ INSTANTIATE_TEST_SUITE_P(
                                 .prefill_chunk = 4},
                       BatchCase{.format = Case{"q4_g128_no_small_gemm", "gptq", 4, 128, false, false, "gptq"},
                                 .tuning = tuned([](DecodeTuning& t) { t.small_gemm_max_rows = 0; })},
+                      // --att-heads: the batched attention takes the decode step's heads per block
+                      BatchCase{.format = Case{"q4_g128_kv1_att_heads_1", "gptq", 4, 128, false, false, "gptq", 4, 1},
+                                .tuning = tuned([](DecodeTuning& t) { t.attention_heads_per_block = 1; }),
+                                .long_context = true},
                       BatchCase{Case{"q4_g128_qwen3", "gptq", 4, 128, false, false, "gptq"}, "qwen3", {}},
                       BatchCase{Case{"q4_g128_qwen2", "gptq", 4, 128, false, false, "gptq"}, "qwen2", {}},
                       BatchCase{Case{"q4_g128_hd128_q8k_fp8v", "gptq", 4, 128, false, false, "gptq", 2, 1},

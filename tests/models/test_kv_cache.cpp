@@ -198,6 +198,14 @@ TEST(KvQ8_0, BlocksAreLlamaCppsQ8_0) {
   EXPECT_EQ(d[1], 0);
   for (int i = 32; i < 64; ++i) EXPECT_EQ(q[i], 0);
 
+  // A NaN value is code 0 (the device's float-to-int conversion of NaN), the block's scale
+  // taken from the other values.
+  x[7] = std::nanf("");
+  quantize_q8_0_ref(x.data(), 64, q.data(), d.data());
+  EXPECT_EQ(q[7], 0);
+  EXPECT_EQ(plain_half(d[0]), 1.0f);
+  EXPECT_EQ(q[5], 127);
+
   // Random blocks: codes and fp16 scales byte for byte as the plain block, values within half
   // a step (and the fp16 rounding of the scale) of x.
   std::mt19937 rng(9);
