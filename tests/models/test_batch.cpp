@@ -16,6 +16,7 @@
 #include "base/error.h"
 #include "models/cpu/decoder.h"
 #include "models/io/model_spec.h"
+#include "tests/support/paged_scenarios.h"
 #include "tests/support/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -197,22 +198,7 @@ TEST(BatchRows, BadRowsAreRefusedByName) {
 
 // ---- Paged KV memory (Model::use_kv_pool) -------------------------------------------------
 
-// The logits of a prompt and greedy decode steps of one session, the prompt run at once.
-std::vector<std::vector<float>> greedy_logits(Session& s, const std::vector<int>& prompt, int steps,
-                                              int pos0 = 0) {
-  const int vocab = s.config().vocab;
-  std::vector<std::vector<float>> out;
-  std::vector<float> logits(vocab);
-  s.forward(prompt.data() + pos0, (int)prompt.size() - pos0, pos0, logits.data(), nullptr);
-  out.push_back(logits);
-  int pos = (int)prompt.size();
-  for (int k = 0; k < steps; ++k) {
-    const int next = argmax_of(logits.data(), vocab);
-    s.forward(&next, 1, pos++, logits.data(), nullptr);
-    out.push_back(logits);
-  }
-  return out;
-}
+using kestrel::test::greedy_logits;
 
 std::vector<int> random_ids(int n, int vocab, unsigned seed) {
   std::mt19937 rng(seed);
@@ -284,22 +270,16 @@ TEST_P(PagedKv, APromptReusesAnotherSequencesBlocks) {
   std::vector<int> prompt = header;
   for (int id : random_ids(9, vocab, 6)) prompt.push_back(id);
 
-  auto first = paged.new_session(128);
-  greedy_logits(*first, header, 3);
-  auto second = paged.new_session(128);
-  second->adopt_prefix(prompt);
-  ASSERT_EQ(second->cached.size(), 32u);  // the header's two whole blocks
-  EXPECT_TRUE(std::equal(second->cached.begin(), second->cached.end(), prompt.begin()));
-  EXPECT_EQ(paged.kv_pool_use().held, 3);  // first's 43 positions; second shares two blocks
-  const auto got = greedy_logits(*second, prompt, 12, 32);
-
   auto alone = own.new_session(128);
-  const auto want = greedy_logits(*alone, prompt, 12);
+  const auto r = kestrel::test::prefix_reuse(paged, *alone, header, prompt, 12);
+  EXPECT_EQ(r.cached, std::vector<int>(header.begin(), header.begin() + 32));  // 2 whole blocks
+  EXPECT_EQ(r.held, 3);  // first's 43 positions; second shares two blocks
   // The prefix's K/V came from a pass over 40 rows, the lone session's from one over 49: the
   // BLAS products may round differently, so the logits agree to fp32 rounding, the ids exactly.
-  for (size_t s = 0; s < want.size(); ++s) {
-    for (int i = 0; i < vocab; ++i) ASSERT_NEAR(got[s][i], want[s][i], 1e-4) << "step " << s;
-    EXPECT_EQ(argmax_of(got[s].data(), vocab), argmax_of(want[s].data(), vocab)) << "step " << s;
+  for (size_t s = 0; s < r.want.size(); ++s) {
+    for (int i = 0; i < vocab; ++i) ASSERT_NEAR(r.got[s][i], r.want[s][i], 1e-4) << "step " << s;
+    EXPECT_EQ(argmax_of(r.got[s].data(), vocab), argmax_of(r.want[s].data(), vocab))
+        << "step " << s;
   }
   fs::remove_all(dir);
 }
@@ -317,30 +297,17 @@ TEST(PagedKvCopy, WritingASharedBlockWritesIntoAFullCopy) {
   DecoderCpu paged(spec);
   ASSERT_TRUE(paged.use_kv_pool(16 * kKvBlock));
   const int vocab = spec.config.vocab;
-  std::vector<int> prompt = random_ids(48, vocab, 7);
-  auto a = paged.new_session(128);
-  std::vector<float> before(vocab), after(vocab), scratch(vocab);
-  a->forward(prompt.data(), 48, 0, scratch.data());
-  a->forward(&prompt[5], 1, 48, before.data());  // a's next step
-
-  auto b = paged.new_session(128);
-  prompt.push_back(3);
-  b->adopt_prefix(prompt);
-  ASSERT_EQ(b->cached.size(), 48u);
-  const int other = (prompt[20] + 1) % vocab;
-  b->forward(&other, 1, 20, scratch.data());  // position 20: inside a block shared with a
-  a->forward(&prompt[5], 1, 48, after.data());
-  EXPECT_EQ(0, std::memcmp(before.data(), after.data(), vocab * sizeof(float)));
+  DecoderCpu own(spec);
+  auto lone = own.new_session(128);
+  const auto r = kestrel::test::copy_on_write(paged, *lone, random_ids(48, vocab, 7));
+  EXPECT_EQ(r.cached, 48u);
+  EXPECT_EQ(r.held_shared, 4);   // a's 49 positions; b shares its first three blocks
+  EXPECT_EQ(r.held_written, 5);  // b's copy of block 1
+  EXPECT_TRUE(r.a_unchanged);
   // And b's copy holds the shared block's other positions (16 .. 19 before its write): its
   // next step is a lone session's over the same ids (to fp32 rounding: a's prompt ran as one
   // pass of 48 rows).
-  b->forward(&prompt[7], 1, 21, after.data());
-  DecoderCpu own(spec);
-  auto c = own.new_session(128);
-  c->forward(prompt.data(), 20, 0, scratch.data());
-  c->forward(&other, 1, 20, scratch.data());
-  c->forward(&prompt[7], 1, 21, before.data());
-  for (int i = 0; i < vocab; ++i) ASSERT_NEAR(after[i], before[i], 1e-4) << i;
+  for (int i = 0; i < vocab; ++i) ASSERT_NEAR(r.b_step[i], r.lone_step[i], 1e-4) << i;
   fs::remove_all(dir);
 }
 

@@ -34,6 +34,7 @@
 #include "models/registry.h"
 #include "tests/support/compare.h"
 #include "tests/support/gpu.h"
+#include "tests/support/paged_scenarios.h"
 #include "tests/support/synth_model.h"
 
 namespace fs = std::filesystem;
@@ -69,25 +70,6 @@ std::string error_of(const std::function<void()>& f) {
     return std::string("not KvPoolFull: ") + e.what();
   }
   return "no error";
-}
-
-// The logits of a prompt's last row and of `steps` greedy decode steps after it (one-token
-// forwards: the session's decode graphs), from position pos0 of the prompt (earlier positions
-// already in the cache).
-std::vector<std::vector<float>> greedy_logits(Session& s, const std::vector<int>& prompt,
-                                              int steps, int pos0 = 0) {
-  const int vocab = s.config().vocab;
-  std::vector<std::vector<float>> out;
-  std::vector<float> logits(vocab);
-  s.forward(prompt.data() + pos0, (int)prompt.size() - pos0, pos0, logits.data(), nullptr);
-  out.push_back(logits);
-  int pos = (int)prompt.size();
-  for (int k = 0; k < steps; ++k) {
-    const int next = argmax_of(logits);
-    s.forward(&next, 1, pos++, logits.data(), nullptr);
-    out.push_back(logits);
-  }
-  return out;
 }
 
 struct PagedCase {
@@ -236,19 +218,13 @@ TEST(GpuKvPoolPrefix, APromptReusesAnotherSequencesBlocks) {
     std::vector<int> prompt = header;
     for (int id : ids(9, vocab, 4)) prompt.push_back(id);
 
-    auto first = model.new_cuda_session(128);
-    greedy_logits(*first, header, 3);
-    auto second = model.new_cuda_session(128);
-    second->adopt_prefix(prompt);
-    ASSERT_EQ(second->cached.size(), 32u);  // the header's two whole blocks
-    EXPECT_TRUE(std::equal(second->cached.begin(), second->cached.end(), prompt.begin()));
-    EXPECT_EQ(model.kv_pool_use().held, 3);  // first's 43 positions; second shares two blocks
-    const auto got = greedy_logits(*second, prompt, 20, 32);
-    const auto want = greedy_logits(*alone, prompt, 20);
+    const auto r = kestrel::test::prefix_reuse(model, *alone, header, prompt, 20);
+    EXPECT_EQ(r.cached, std::vector<int>(header.begin(), header.begin() + 32));  // 2 whole blocks
+    EXPECT_EQ(r.held, 3);  // first's 43 positions; second shares two blocks
     const double tol = kv.quantized() ? 3e-2 : 2e-2;
-    for (size_t s = 0; s < want.size(); ++s) {
-      EXPECT_LT(rel_err(got[s], want[s]), tol) << "step " << s;
-      EXPECT_EQ(argmax_of(got[s]), argmax_of(want[s])) << "step " << s;
+    for (size_t s = 0; s < r.want.size(); ++s) {
+      EXPECT_LT(rel_err(r.got[s], r.want[s]), tol) << "step " << s;
+      EXPECT_EQ(argmax_of(r.got[s]), argmax_of(r.want[s])) << "step " << s;
     }
     fs::remove_all(dir);
   }
@@ -268,30 +244,15 @@ TEST(GpuKvPoolCopy, WritingASharedBlockWritesIntoAFullCopy) {
     DecoderCuda model(spec, /*quiet=*/true, {}, kv);
     auto lone = model.new_session(128);
     ASSERT_TRUE(model.use_kv_pool(16 * kKvBlock));
-    std::vector<int> prompt = ids(48, vocab, 5);
-    auto a = model.new_session(128);
-    std::vector<float> before(vocab), after(vocab), scratch(vocab);
-    a->forward(prompt.data(), 48, 0, scratch.data());
-    a->forward(&prompt[5], 1, 48, before.data());  // a's next step
-
-    auto b = model.new_session(128);
-    prompt.push_back(3);
-    b->adopt_prefix(prompt);
-    ASSERT_EQ(b->cached.size(), 48u);
-    EXPECT_EQ(model.kv_pool_use().held, 4);  // a's 49 positions; b shares its first three blocks
-    const int other = (prompt[20] + 1) % vocab;
-    b->forward(&other, 1, 20, scratch.data());  // position 20: inside a block shared with a
-    EXPECT_EQ(model.kv_pool_use().held, 5);     // b's copy of block 1
-    a->forward(&prompt[5], 1, 48, after.data());
-    EXPECT_EQ(0, std::memcmp(before.data(), after.data(), vocab * sizeof(float)));
+    const auto r = kestrel::test::copy_on_write(model, *lone, ids(48, vocab, 5));
+    EXPECT_EQ(r.cached, 48u);
+    EXPECT_EQ(r.held_shared, 4);   // a's 49 positions; b shares its first three blocks
+    EXPECT_EQ(r.held_written, 5);  // b's copy of block 1
+    EXPECT_TRUE(r.a_unchanged);
     // b's copy holds the shared block's other positions (16 .. 19 before its write, 21 .. 31
     // after): a step at 21 attends over 16 .. 20 of it, as a lone session's does.
-    b->forward(&prompt[7], 1, 21, after.data());
-    lone->forward(prompt.data(), 20, 0, scratch.data());
-    lone->forward(&other, 1, 20, scratch.data());
-    lone->forward(&prompt[7], 1, 21, before.data());
-    EXPECT_LT(rel_err(after, before), kv.quantized() ? 3e-2 : 2e-2);
-    EXPECT_EQ(argmax_of(after), argmax_of(before));
+    EXPECT_LT(rel_err(r.b_step, r.lone_step), kv.quantized() ? 3e-2 : 2e-2);
+    EXPECT_EQ(argmax_of(r.b_step), argmax_of(r.lone_step));
     fs::remove_all(dir);
   }
 }
