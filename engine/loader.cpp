@@ -22,9 +22,6 @@ namespace kestrel {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-// "28.6 TiB", "512.0 MiB", "640 B".
 std::string bytes_text(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int u = 0;
@@ -35,7 +32,6 @@ std::string bytes_text(double bytes) {
   return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
 }
 
-// Free host memory the kernel would give without swapping (MemAvailable), 0 when unknown.
 double host_available_bytes() {
   std::ifstream in("/proc/meminfo");
   std::string key;
@@ -45,6 +41,8 @@ double host_available_bytes() {
     if (key == "MemAvailable:") return kib * 1024;
   return 0;
 }
+
+namespace {
 
 // The context the session gets, checked against the memory of its device: an explicit -c
 // whose KV cache cannot fit is refused with the bytes it needs; the CPU engine's default (the

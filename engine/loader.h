@@ -89,6 +89,11 @@ ContextFit fit_context(int asked, int max_pos, double per_pos, double room, doub
 // threads > 0.
 void set_cpu_threads(int threads);
 int cpu_threads();  // the team set for the calling thread
+// "28.6 TiB", "512.0 MiB", "640 B".
+std::string bytes_text(double bytes);
+// Free host memory the kernel would give without swapping (MemAvailable), 0 when unknown.
+double host_available_bytes();
+
 // The threads without -t (engine/cpu_threads.h): 0 (OpenMP's) where OMP_NUM_THREADS is set,
 // else the cores other programs leave idle over a 100 ms sample. No note: it would come and go
 // with the machine's load (--verbose's device line shows the count).

@@ -259,6 +259,16 @@ TEST_F(BatchCli, RequestsBeyondThePoolWaitTheirTurn) {
   EXPECT_EQ(kestrel::test::lines(r.err), 1) << r.err;
 }
 
+// A launcher that always passes --kv-pool 0 (a cache per slot) or the default -1 works with one
+// slot too: only a positive pool asks for what one slot does not do.
+TEST_F(BatchCli, OneSlotTakesTheKvPoolsNoneAndDefault) {
+  for (const char* v : {"0", "-1"}) {
+    Server s(args({"--parallel", "1", "--kv-pool", v}), std::string("serve_one_slot_") + v);
+    const int port = s.wait_listening();
+    EXPECT_GT(port, 0) << v << ": " << s.log();
+  }
+}
+
 TEST_F(BatchCli, BadBatchOptionsAreOneLine) {
   auto r = kestrel::test::run_command(kKestrel + " serve -m " + model_->string() +
                                       " --device cpu --parallel 2 --batch-tokens 0 < /dev/null");
@@ -270,6 +280,19 @@ TEST_F(BatchCli, BadBatchOptionsAreOneLine) {
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("--kv-pool goes with --parallel > 1"), std::string::npos) << r.err;
   EXPECT_EQ(kestrel::test::lines(r.err), 1) << r.err;
+  // Not a number, past what a pool holds, more than the host's memory: one line each, before
+  // anything is allocated (a pool of 2e9 positions once took 30 s and 8 GB to fail).
+  for (const auto& [arg, says] :
+       {std::pair<std::string, std::string>{"abc", "not a number: 'abc'"},
+        {"3000000000", "must be between -1 and 2147483632"},
+        {"2147483632", "--kv-pool 2147483632: its KV cache would need"}}) {
+    r = kestrel::test::run_command(kKestrel + " serve -m " + model_->string() +
+                                   " --device cpu -q -t 1 --port 0 --parallel 2 --kv-pool " +
+                                   arg + " < /dev/null");
+    EXPECT_NE(r.code, 0) << arg;
+    EXPECT_NE(r.err.find(says), std::string::npos) << arg << ": " << r.err;
+    EXPECT_EQ(kestrel::test::lines(r.err), 1) << r.err;
+  }
   r = kestrel::test::run_command(kKestrel + " bench -m " + model_->string() +
                                  " --device cpu --batch 0,4 < /dev/null");
   EXPECT_NE(r.code, 0);

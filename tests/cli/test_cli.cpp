@@ -205,6 +205,8 @@ TEST_F(Cli, BadCommandLinesGetOneLine) {
       {" generate --device cpu" + m + " -p hi -n 0",
        "--n-predict: must be -1 (up to the context) or between 1 and 1073741824, got 0"},
       {" generate --device cpu" + m + " -p hi -n many", "--n-predict: not a number: 'many'"},
+      {" generate --device cpu" + m + " -p hi -n 0x10", "--n-predict: not a number: '0x10'"},
+      {" generate --device cpu" + m + " -p hi --temp 0x1p-1", "--temp: not a number: '0x1p-1'"},
       {" generate --device cpu" + m + " -p hi --temp -0.5", "--temp: must be at least 0, got -0.5"},
       {" generate --device cpu" + m + " -p hi --repeat-penalty 0", "--repeat-penalty: must be above 0"},
       {" generate --device cpu" + m + " -p hi --top-p 2", "--top-p: must be between 0 and 1, got 2"},

@@ -155,6 +155,18 @@ class Server {
     if (a.parallel > 1 && a.kv_pool != 0) {
       kv_positions_ = a.kv_pool > 0 ? a.kv_pool : (int64_t)a.parallel * ctx;
       if (kv_positions_ < ctx) throw Error(kv_pool_too_small(kv_positions_, ctx));
+      // The CPU engine's pool is host memory (paged in as it is written): one that could never
+      // be written whole is refused before its bookkeeping is made. (A GPU's takes what fits.)
+      if (m_.device == "cpu") {
+        const double need = (double)kv_positions_ *
+                            cache_bytes_per_position(Device::Cpu, m_.spec->config,
+                                                     m_.model->cache_types());
+        const double avail = host_available_bytes();
+        if (avail > 0 && need > avail)
+          throw Error(fmt::format("--kv-pool {}: its KV cache would need {} of host memory and "
+                                  "{} is available: lower --kv-pool (or --parallel x -c)",
+                                  kv_positions_, bytes_text(need), bytes_text(avail)));
+      }
       m_.session.reset();
       if (!m_.model->use_kv_pool(kv_positions_, a.parallel, ctx, a.quiet)) {
         note(a.quiet, fmt::format("note: paged KV memory (--kv-pool) is not run by {} yet: each "
@@ -556,7 +568,7 @@ int run_serve(ServeArgs& a) {
   server::ApiKeySources keys = a.key_sources;
   if (const char* env = std::getenv("KESTREL_API_KEY")) keys.env = env;
   a.api_key = server::resolve_api_key(keys);
-  if (a.kv_pool >= 0 && a.parallel == 1)
+  if (a.kv_pool > 0 && a.parallel == 1)
     throw Error("--kv-pool goes with --parallel > 1 (one slot keeps a cache of its own)");
   // A pool that cannot hold one request's context (-c as given; a context the GPU shortens or
   // the model's own is checked once loaded).
@@ -646,7 +658,7 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
                   "in blocks of 16 taken as tokens are written, shared by prompts that begin alike "
                   "and kept for the next one (-1 = --parallel x -c; 0 = a cache of -c per slot)")
       ->type_name("POSITIONS")
-      ->check(CLI::Range((int64_t)-1, (int64_t)1 << 40))
+      ->check(whole(-1, (int64_t)INT32_MAX / kKvBlock * kKvBlock))  // KvBlockPool::blocks_for
       ->capture_default_str();
   cmd->add_option("--batch-tokens", a->batch_tokens,
                   "with --parallel > 1, most prompt tokens run in one step: longer prompts run in "

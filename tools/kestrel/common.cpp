@@ -20,14 +20,22 @@ namespace kestrel::cli {
 
 namespace {
 
+// A decimal number as strtod reads one, whole: not empty, nothing after it, and not strtod's
+// hexadecimal form ("0x100" would read as 256).
+bool is_number(const std::string& in, double& v) {
+  char* end = nullptr;
+  v = std::strtod(in.c_str(), &end);
+  return !in.empty() && end == in.c_str() + in.size() &&
+         in.find_first_of("xX") == std::string::npos;
+}
+
 // A CLI11 check that the value is a number and ok(value); otherwise "<what>, got <value>".
 CLI::Validator number_check(std::function<bool(double)> ok, const std::string& what,
                             const std::string& desc, bool integer = false) {
   return CLI::Validator(
       [ok, what, integer](std::string& in) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(in.c_str(), &end);
-        if (in.empty() || end != in.c_str() + in.size()) return "not a number: '" + in + "'";
+        double v = 0;
+        if (!is_number(in, v)) return "not a number: '" + in + "'";
         if (integer && v != std::floor(v)) return "must be a whole number, got " + in;
         return ok(v) ? std::string() : fmt::format("{}, got {}", what, in);
       },
@@ -68,9 +76,8 @@ CLI::Validator whole(int64_t lo, int64_t hi) {
   const bool open = hi == INT32_MAX;
   return CLI::Validator(
       [lo, hi, open](std::string& in) -> std::string {
-        char* end = nullptr;
-        const double v = std::strtod(in.c_str(), &end);
-        if (in.empty() || end != in.c_str() + in.size()) return "not a number: '" + in + "'";
+        double v = 0;
+        if (!is_number(in, v)) return "not a number: '" + in + "'";
         if (v != std::floor(v)) return "must be a whole number, got " + in;
         if (open && v < (double)lo) return fmt::format("must be at least {}, got {}", lo, in);
         if (open && v > (double)hi) return fmt::format("must be at most {}, got {}", hi, in);
