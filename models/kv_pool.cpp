@@ -8,10 +8,10 @@ namespace kestrel {
 
 int KvBlockPool::blocks_for(int64_t positions) {
   KESTREL_CHECK(positions > 0, "a KV pool of " + std::to_string(positions) + " positions");
-  const int64_t blocks = (positions + kBlock - 1) / kBlock;
-  KESTREL_CHECK(blocks <= (int64_t)INT32_MAX / kBlock,
-                "a KV pool of " + std::to_string(positions) + " positions is past what one holds");
-  return (int)blocks;
+  KESTREL_CHECK(positions <= kMaxPositions,
+                "a KV pool of " + std::to_string(positions) + " positions is past what one holds (" +
+                    std::to_string(kMaxPositions) + ")");
+  return (int)((positions + kBlock - 1) / kBlock);
 }
 
 KvBlockPool::KvBlockPool(int n_blocks) : blocks_(std::max(0, n_blocks)) {

@@ -42,8 +42,10 @@ class KvBlockPool {
   static constexpr int kBlock = kKvBlock;  // positions per block
   static constexpr uint64_t kRoot = 0;   // the parent key of a sequence's first block
 
+  // The most positions a pool holds: whole blocks whose rows an int32 row index reaches.
+  static constexpr int64_t kMaxPositions = (int64_t)INT32_MAX / kBlock * kBlock;
   // The blocks of a pool of `positions` positions, rounded up; a kestrel::Error for none, or for
-  // more rows than an int32 row index reaches.
+  // more than kMaxPositions.
   static int blocks_for(int64_t positions);
 
   explicit KvBlockPool(int n_blocks);

@@ -207,9 +207,11 @@ bool DecoderCuda::use_kv_pool(int64_t positions, int sessions, int context, bool
     const size_t per_pos = cache_bytes_per_position(Device::Cuda, c, cache_);
     const size_t per_session = cuda::attention_workspace_bytes(ctx, c.n_heads, c.head_dim) +
                                ((size_t)64 << 20);  // its graphs and table, generously
-    // The prefill scratch's logits of every row are made now where the scratch exists; else
-    // its bytes to come stay free too, unless that alone leaves less than one context.
-    const size_t prefill = prefill_bytes_to_come(ctx);
+    // The prefill scratch's logits of every row are made now where the scratch exists (a
+    // warm-up made it), before the pool can take their room; else the scratch's bytes to come
+    // stay free too, unless that alone leaves less than one context.
+    if (prefill_) grow_row_logits(*prefill_);
+    const size_t prefill = prefill_ ? 0 : prefill_bytes_to_come(ctx);
     size_t free_b = 0, total_b = 0;
     KESTREL_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     const size_t fixed = ((size_t)256 << 20) + (size_t)std::max(sessions, 1) * per_session;

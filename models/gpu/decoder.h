@@ -69,26 +69,32 @@ struct GpuKvStorage {
   // Allocates the arrays in `mem` (a DeviceError naming `for_what` where they do not fit).
   void allocate(DeviceMemory& mem, const ModelConfig& c, KvCacheTypes t, int64_t rows,
                 const std::string& for_what, const std::string& hint);
+  // Every layer's K and V rows, read through `blocks` where paged, as the kernels step through
+  // them (KvBatchSeq: layer l at l times one layer's bytes of `rows` rows; no workspace).
+  cuda::KvBatchSeq layers(const ModelConfig& c, const int32_t* blocks) const {
+    cuda::KvBatchSeq s;
+    s.k_data = static_cast<char*>(key_cache);
+    s.v_data = static_cast<char*>(value_cache);
+    s.k_scales = static_cast<char*>(key_scales);
+    s.v_scales = static_cast<char*>(value_scales);
+    s.k_stride = cuda::kv_data_bytes(types.k, rows, c.n_kv_heads, c.head_dim);
+    s.v_stride = cuda::kv_data_bytes(types.v, rows, c.n_kv_heads, c.head_dim);
+    s.k_scales_stride = cuda::kv_scales_bytes(types.k, rows, c.n_kv_heads, c.head_dim);
+    s.v_scales_stride = cuda::kv_scales_bytes(types.v, rows, c.n_kv_heads, c.head_dim);
+    s.blocks = blocks;
+    return s;
+  }
   // Layer l's K (or V) rows as the kernels take them, read through `blocks` where paged.
   cuda::KvCacheDev k_layer(int l, const ModelConfig& c, const int32_t* blocks) const {
-    return layer(types.k, key_cache, key_scales, l, c, blocks);
+    return layers(c, blocks).k_layer(types.k, l);
   }
   cuda::KvCacheDev v_layer(int l, const ModelConfig& c, const int32_t* blocks) const {
-    return layer(types.v, value_cache, value_scales, l, c, blocks);
+    return layers(c, blocks).v_layer(types.v, l);
   }
   // Stream-ordered copies of whole blocks (KvBlockTable::Copy: rows from * kKvBlock .. onto
   // to * kKvBlock ..) of every layer's K and V, codes and scales.
   void copy_blocks(std::span<const KvBlockTable::Copy> copies, const ModelConfig& c,
                    cudaStream_t s) const;
-
- private:
-  cuda::KvCacheDev layer(KvType t, void* data, void* scales, int l, const ModelConfig& c,
-                         const int32_t* blocks) const {
-    const size_t d = cuda::kv_data_bytes(t, rows, c.n_kv_heads, c.head_dim);
-    const size_t sc = cuda::kv_scales_bytes(t, rows, c.n_kv_heads, c.head_dim);
-    return {t, static_cast<char*>(data) + (size_t)l * d,
-            scales ? static_cast<char*>(scales) + (size_t)l * sc : nullptr, blocks};
-  }
 };
 
 // Paged KV memory on the GPU (DecoderCuda::use_kv_pool): the K and V rows of every layer for
@@ -117,19 +123,9 @@ struct GpuSequence {
   // Layer l's K and V caches as the kernels take them.
   cuda::KvCacheDev k_layer(int l, const ModelConfig& c) const { return kv.k_layer(l, c, blocks); }
   cuda::KvCacheDev v_layer(int l, const ModelConfig& c) const { return kv.v_layer(l, c, blocks); }
-  // Every layer's, with the workspace, as a batched step's kernels take a row's sequence (layer
-  // l at l times one layer's bytes, as GpuKvStorage::k_layer steps them).
+  // Every layer's, with the workspace, as a batched step's kernels take a row's sequence.
   cuda::KvBatchSeq batch_seq(const ModelConfig& c) const {
-    cuda::KvBatchSeq s;
-    s.k_data = static_cast<char*>(kv.key_cache);
-    s.v_data = static_cast<char*>(kv.value_cache);
-    s.k_scales = static_cast<char*>(kv.key_scales);
-    s.v_scales = static_cast<char*>(kv.value_scales);
-    s.k_stride = cuda::kv_data_bytes(kv.types.k, kv.rows, c.n_kv_heads, c.head_dim);
-    s.v_stride = cuda::kv_data_bytes(kv.types.v, kv.rows, c.n_kv_heads, c.head_dim);
-    s.k_scales_stride = cuda::kv_scales_bytes(kv.types.k, kv.rows, c.n_kv_heads, c.head_dim);
-    s.v_scales_stride = cuda::kv_scales_bytes(kv.types.v, kv.rows, c.n_kv_heads, c.head_dim);
-    s.blocks = blocks;
+    cuda::KvBatchSeq s = kv.layers(c, blocks);
     s.workspace = att_workspace;
     s.ctx = ctx;
     return s;
@@ -213,12 +209,11 @@ class DecoderCuda final : public Model {
     size_t workspace_bytes = 0;  // cuBLASLt's workspace
   };
   PrefillPlan prefill_plan(const GpuSequence& q, int max_rows) const;
-  // Makes the prefill scratch's logits of every row now where the scratch exists (batched steps
-  // and verify passes grow them on first use; a warm-up leaves one row's), so that what
-  // use_kv_pool allocates after cannot take their room; else returns the bytes the whole
-  // scratch will take for sessions of `context` positions (0: the model's), for use_kv_pool to
-  // leave free.
-  size_t prefill_bytes_to_come(int context);
+  // Bytes the prefill scratch, not made yet, will take for sessions of `context` positions (0:
+  // the model's), logits of every row included: use_kv_pool leaves them free.
+  size_t prefill_bytes_to_come(int context) const;
+  // The scratch's logits of every row, which batched steps and verify passes need and a warm-up
+  // leaves at one row's: made once, never replaced (a verify graph binds the buffer).
   void grow_row_logits(PrefillState& S);
   struct PrefillDeleter {
     void operator()(PrefillState* p) const;

@@ -97,12 +97,8 @@ DecoderCuda::PrefillPlan DecoderCuda::prefill_plan(const GpuSequence& q, int max
   return plan;
 }
 
-size_t DecoderCuda::prefill_bytes_to_come(int context) {
+size_t DecoderCuda::prefill_bytes_to_come(int context) const {
   const size_t vocab = cfg_.vocab;
-  if (prefill_) {
-    grow_row_logits(*prefill_);
-    return 0;
-  }
   const int rows = std::min(prefill_chunk_, context > 0 ? context : cfg_.max_pos);
   return (size_t)rows * (prefill_row_bytes(cfg_) + vocab * sizeof(float)) +
          dequant_scratch_elems(w_.layers, rows) * sizeof(__half) + cuda::kGemmWorkspaceBytes;

@@ -183,6 +183,8 @@ TEST(KvPool, PoolSizesRoundUpToBlocksAndRefuseNoneOrTooMany) {
   EXPECT_THROW(KvBlockPool::blocks_for(0), Error);
   EXPECT_THROW(KvBlockPool::blocks_for(-5), Error);
   EXPECT_NO_THROW(KvBlockPool::blocks_for((int64_t)INT32_MAX / kKvBlock * kKvBlock));
+  EXPECT_EQ(KvBlockPool::kMaxPositions, (int64_t)INT32_MAX / kKvBlock * kKvBlock);
+  EXPECT_THROW(KvBlockPool::blocks_for(KvBlockPool::kMaxPositions + 1), Error);
   EXPECT_THROW(KvBlockPool::blocks_for((int64_t)INT32_MAX), Error);
 }
 

@@ -658,7 +658,7 @@ void register_serve(CLI::App& app, std::function<int()>& action) {
                   "in blocks of 16 taken as tokens are written, shared by prompts that begin alike "
                   "and kept for the next one (-1 = --parallel x -c; 0 = a cache of -c per slot)")
       ->type_name("POSITIONS")
-      ->check(whole(-1, (int64_t)INT32_MAX / kKvBlock * kKvBlock))  // KvBlockPool::blocks_for
+      ->check(whole(-1, KvBlockPool::kMaxPositions))
       ->capture_default_str();
   cmd->add_option("--batch-tokens", a->batch_tokens,
                   "with --parallel > 1, most prompt tokens run in one step: longer prompts run in "
